@@ -1,0 +1,47 @@
+"""Domain errors raised by the model core and the in-process executor.
+
+Each class names one failure a caller can act on. The gRPC edge maps them to status codes in a single
+table (executor_service); nothing here knows about gRPC.
+"""
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base class of every error a caller can provoke (bad input, wrong state, no capacity)."""
+
+
+class InvalidRequest(TandemError):
+    """The request is wrong whatever the server's state (bad token id, empty input, bad sampling value)."""
+
+
+class CacheNotFound(TandemError):
+    """A cache id that the executor does not hold (never created, or already released)."""
+
+    def __init__(self, cache_id: str) -> None:
+        super().__init__(f"unknown cache id {cache_id!r}: it was never created or has been released")
+        self.cache_id = cache_id
+
+
+class PositionMismatch(TandemError):
+    """A request addressed a cache at a position other than its current length."""
+
+
+class SequenceTooLong(TandemError):
+    """The sequence would grow past the model's maximum length (max_position_embeddings)."""
+
+
+class KvCapacityExceeded(TandemError):
+    """Not enough free KV blocks for the request; nothing was allocated."""
+
+    def __init__(self, needed_blocks: int, free_blocks: int, total_blocks: int) -> None:
+        super().__init__(
+            f"KV cache full: the request needs {needed_blocks} more blocks but only {free_blocks} of "
+            f"{total_blocks} are free; release finished caches or retry later"
+        )
+        self.needed_blocks = needed_blocks
+        self.free_blocks = free_blocks
+        self.total_blocks = total_blocks
+
+
+class CheckpointError(TandemError):
+    """A model directory that cannot be loaded (unknown architecture, missing file or tensor, bad shape)."""
