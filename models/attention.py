@@ -1,0 +1,127 @@
+"""Paged attention for a packed mixed batch.
+
+A batch is a list of items, each `n_new` tokens appended to a sequence that already holds `past` tokens
+in its block table. Their tokens are packed into one `[T, ...]` tensor for every linear layer. For
+attention the items are split into two buckets, each handled by a fixed number of tensor ops per layer:
+
+- decode bucket: items with one new token (query length 1);
+- prefill bucket: items with several new tokens (prefill or a prefill chunk), queries padded to the
+  longest chunk.
+
+Per bucket and layer: gather the K/V blocks of every item through its block table (one index op each),
+one `scaled_dot_product_attention` call with a boolean mask (causal within the chunk, and hiding padding
+and other sequences' garbage), and a scatter back to packed order. Grouped-query attention is handled by
+folding the query heads that share a KV head into the query-length axis, so K/V are never repeated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.kv_cache import PagedKvCache
+
+
+@dataclass(frozen=True)
+class ItemLayout:
+    """Where one item's new tokens go: its block ids, tokens already cached, tokens added now."""
+
+    blocks: Sequence[int]
+    past: int
+    n_new: int
+
+
+@dataclass
+class _Bucket:
+    token_index: torch.Tensor  # [n] positions of this bucket's tokens in the packed batch
+    batch_index: torch.Tensor  # [n] item row within the bucket
+    query_index: torch.Tensor  # [n] query slot within the item's padded chunk
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with block 0, masked out)
+    mask: torch.Tensor  # [B, 1, group * max_q, max_blocks * block_size] bool, True = may attend
+    max_q: int
+
+
+class AttentionMetadata:
+    """Everything attention needs for one packed batch, built once and shared by all layers."""
+
+    def __init__(self, items: Sequence[ItemLayout], block_size: int, group: int, device: torch.device) -> None:
+        positions, slots = [], []
+        for it in items:
+            pos = np.arange(it.past, it.past + it.n_new, dtype=np.int64)
+            blocks = np.asarray(it.blocks, dtype=np.int64)
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        self.num_tokens = int(sum(it.n_new for it in items))
+        self.positions = torch.from_numpy(np.concatenate(positions)).to(device)  # [T]
+        self.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)  # [T]
+        starts = np.cumsum([0] + [it.n_new for it in items])[:-1]
+        decode = [i for i, it in enumerate(items) if it.n_new == 1]
+        prefill = [i for i, it in enumerate(items) if it.n_new > 1]
+        self.buckets = [
+            self._bucket([items[i] for i in idx], starts[idx], block_size, group, device)
+            for idx in (decode, prefill) if idx
+        ]
+
+    @staticmethod
+    def _bucket(items: list[ItemLayout], starts: np.ndarray, block_size: int, group: int,
+                device: torch.device) -> _Bucket:
+        n_new = np.array([it.n_new for it in items], dtype=np.int64)
+        past = np.array([it.past for it in items], dtype=np.int64)
+        max_q = int(n_new.max())
+        ctx = past + n_new
+        max_blocks = int(-(-ctx.max() // block_size))
+        tables = np.zeros((len(items), max_blocks), dtype=np.int64)
+        for row, it in enumerate(items):
+            used = -(-(it.past + it.n_new) // block_size)
+            tables[row, :used] = it.blocks[:used]
+        batch_index = np.repeat(np.arange(len(items)), n_new)
+        query_index = np.arange(int(n_new.sum())) - np.repeat(np.cumsum(n_new) - n_new, n_new)
+        token_index = np.repeat(starts, n_new) + query_index
+        # Query i of an item sits at position past+i and sees keys 0..past+i. Padded query rows
+        # (i >= n_new) see the item's whole context: never an all-False row (which would give NaN),
+        # and their output is discarded.
+        t = torch.from_numpy
+        limit = torch.minimum(t(past)[:, None] + torch.arange(max_q)[None, :], t(ctx)[:, None] - 1)  # [B, max_q]
+        keys = torch.arange(max_blocks * block_size)
+        mask = keys[None, None, :] <= limit[:, :, None]  # [B, max_q, L]
+        # Rows are ordered (group, query) to match the folded GQA query layout.
+        mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(items), 1, group * max_q, -1)
+        return _Bucket(t(token_index).to(device), t(batch_index).to(device), t(query_index).to(device),
+                       t(tables).to(device), mask.to(device), max_q)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, d]; k, v: [T, kv_heads, d] for the packed batch. Writes k/v into the cache slots, then
+    attends every query to its own sequence's cached keys. Returns [T, heads * d]."""
+    total, heads, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    k_pool = cache.k[layer]  # [num_blocks, block_size, kv_heads, d]
+    v_pool = cache.v[layer]
+    k_pool.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
+    v_pool.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+    out = q.new_empty(total, heads, d)
+    for b in meta.buckets:  # at most two: decode, prefill
+        rows, max_q = b.block_tables.shape[0], b.max_q
+        # keys/values: [B, max_blocks, block_size, kv_heads, d] -> [B, kv_heads, L, d]
+        keys = k_pool[b.block_tables].flatten(1, 2).transpose(1, 2)
+        values = v_pool[b.block_tables].flatten(1, 2).transpose(1, 2)
+        if max_q == 1:
+            qb = q[b.token_index].view(rows, kv_heads, group, d)  # [B, kv_heads, group, d]
+        else:
+            padded = q.new_zeros(rows, max_q, heads, d)
+            padded[b.batch_index, b.query_index] = q[b.token_index]
+            # [B, max_q, kv_heads, group, d] -> [B, kv_heads, group * max_q, d]
+            qb = padded.view(rows, max_q, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
+                rows, kv_heads, group * max_q, d)
+        ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=b.mask, scale=scale)
+        if max_q == 1:
+            out[b.token_index] = ob.reshape(rows, heads, d)
+        else:
+            ob = ob.view(rows, kv_heads, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, heads, d)
+            out[b.token_index] = ob[b.batch_index, b.query_index]
+    return out.view(total, heads * d)

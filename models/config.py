@@ -1,0 +1,116 @@
+"""ModelConfig: the architecture facts Tandem needs, read from an HF `config.json`."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings. `kind` is transformers' rope_type: default, linear, dynamic, yarn, llama3."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    params: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, beta_fast, ...
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2, some Llamas)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    rope: RopeConfig
+    torch_dtype: str  # dtype the checkpoint was saved in ("float32", "bfloat16", ...)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found; a model directory needs an HF config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: cannot read it as JSON: {exc}") from exc
+        return cls.from_hf(raw, source=str(path))
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise CheckpointError(
+                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"Tandem serves {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if raw.get("use_sliding_window"):
+            raise CheckpointError(f"{source}: sliding-window attention (use_sliding_window) is not supported")
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise CheckpointError(f"{source}: missing required field {key!r}")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        head_dim = raw.get("head_dim") or hidden // heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        model_type = raw.get("model_type", "")
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias; Llama-family configs say so with attention_bias.
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope=_rope_from_hf(raw),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs write rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = raw.get(
+            "original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
+    return RopeConfig(theta=theta, kind=str(kind), params=params)

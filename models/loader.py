@@ -1,0 +1,112 @@
+"""Loads an HF model directory (config.json + safetensors, single or sharded) into a DecoderModel.
+
+The model is built on the meta device and each parameter is assigned straight from the file, so
+memory peaks at one copy of the weights (plus one layer's q/k/v while they are fused).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from models.config import ModelConfig
+from models.errors import CheckpointError
+from models.transformer import DecoderModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Our parameter name suffix -> the HF tensors concatenated (along dim 0) to make it.
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+# Tensors some checkpoints carry that carry no weights we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype on CUDA and uses float32 on CPU (where bf16/fp16 matmuls are slow)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(cfg.torch_dtype, torch.float32)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _tensor_files(model_dir: Path) -> tuple[dict[str, Path], Path]:
+    """Maps every tensor name to the file holding it; also returns the file to name in errors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return {name: model_dir / fname for name, fname in weight_map.items()}, index
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(
+            f"{model_dir}: no model.safetensors or model.safetensors.index.json (only safetensors are loaded)")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}, single
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",
+               progress: bool = True) -> DecoderModel:
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    cfg = ModelConfig.from_dir(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    files, source = _tensor_files(model_dir)
+    wanted = dict(model.state_dict())
+    tied = cfg.tie_word_embeddings
+    if tied:
+        wanted.pop("lm_head.weight")
+    handles: dict[Path, object] = {}
+
+    def read(name: str) -> torch.Tensor:
+        path = files.get(name)
+        if path is None:
+            raise CheckpointError(f"{source}: missing tensor {name!r} required by {cfg.architecture}")
+        if path not in handles:
+            if not path.is_file():
+                raise CheckpointError(f"{source}: names shard {path.name} for {name!r}, but it does not exist")
+            handles[path] = safe_open(str(path), framework="pt")
+        return handles[path].get_tensor(name)
+
+    state: dict[str, torch.Tensor] = {}
+    bar = tqdm(wanted.items(), desc=f"loading {model_dir.name}", unit="tensor", file=sys.stderr,
+               disable=not progress, leave=False)
+    for name, meta in bar:
+        prefix, _, suffix = name.partition("layers.")
+        layer_no, _, rest = suffix.partition(".")
+        fused = _FUSED.get(rest) if suffix else None
+        if fused:
+            base = f"{prefix}layers.{layer_no}."
+            tensor = torch.cat([read(base + part) for part in fused], dim=0)
+        else:
+            tensor = read(name)
+        if tuple(tensor.shape) != tuple(meta.shape):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(meta.shape)}")
+        state[name] = tensor.to(device=device, dtype=torch_dtype)
+    bar.close()
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _warn_unused(files, set(state), tied)
+    model.init_rotary(device)
+    return model.eval()
+
+
+def _warn_unused(files: dict[str, Path], used: set[str], tied: bool) -> None:
+    fused_parts = {part for parts in _FUSED.values() for part in parts}
+    unused = [n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES)
+              and not any(n.endswith(p) for p in fused_parts) and not (tied and n == "lm_head.weight")]
+    if unused:
+        print(f"[tandem] warning: {len(unused)} checkpoint tensors are not used, e.g. {unused[:3]}", file=sys.stderr)

@@ -1,0 +1,103 @@
+"""Rotary position embeddings: inverse frequencies for every rope_type we honour, and their application.
+
+Formulas follow transformers' `modeling_rope_utils` so logits match to float rounding.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models.config import RopeConfig
+from models.errors import CheckpointError
+
+
+def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos/sin)."""
+    dim = int(head_dim * float(rope.params.get("partial_rotary_factor", 1.0)))
+    if dim != head_dim:
+        raise CheckpointError("partial_rotary_factor < 1 is not supported")
+    base = rope.theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (base ** exponents)
+    p = rope.params
+    if rope.kind == "default":
+        return inv_freq, 1.0
+    if rope.kind == "linear":
+        return inv_freq / float(p["factor"]), 1.0
+    if rope.kind == "dynamic":
+        # Dynamic NTK only changes the frequencies for sequences longer than max_position_embeddings, and
+        # Tandem never runs past that limit (OUT_OF_RANGE), so inside it this equals the default rope.
+        return inv_freq, 1.0
+    if rope.kind == "llama3":
+        return _llama3(inv_freq, p), 1.0
+    if rope.kind == "yarn":
+        return _yarn(p, base, dim, max_position_embeddings)
+    raise CheckpointError(f"unsupported rope_type {rope.kind!r} (supported: default, linear, dynamic, llama3, yarn)")
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    factor = float(p["factor"])
+    low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_len = float(p["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(p: dict, base: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    orig = float(p["original_max_position_embeddings"])
+    factor = p.get("factor") or max_pos / orig
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoids a division by zero, as transformers does
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """Computes cos/sin for arbitrary positions (no table: positions may be anywhere up to the max length)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, device: torch.device) -> None:
+        inv_freq, self.scale = inv_freq_and_scale(rope, head_dim, max_position_embeddings)
+        self.inv_freq = inv_freq.to(device)  # [head_dim/2] float32
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] int64 -> cos, sin: [T, head_dim], computed in float32 like transformers.
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; cos/sin: [T, head_dim] (non-interleaved halves, as in HF Llama/Qwen).
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
