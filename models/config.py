@@ -114,3 +114,24 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
         params["original_max_position_embeddings"] = raw.get(
             "original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
     return RopeConfig(theta=theta, kind=str(kind), params=params)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What `generation_config.json` says about stopping (falls back to config.json's ids)."""
+
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+def read_generation_defaults(model_dir: str | Path, cfg: ModelConfig) -> GenerationDefaults:
+    path = Path(model_dir) / "generation_config.json"
+    raw: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: cannot read it as JSON: {exc}") from exc
+    eos = raw.get("eos_token_id", list(cfg.eos_token_ids))
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+    return GenerationDefaults(raw.get("bos_token_id", cfg.bos_token_id), eos_ids)

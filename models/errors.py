@@ -45,3 +45,7 @@ class KvCapacityExceeded(TandemError):
 
 class CheckpointError(TandemError):
     """A model directory that cannot be loaded (unknown architecture, missing file or tensor, bad shape)."""
+
+
+class AdapterNotFound(TandemError):
+    """A request named an adapter the executor does not hold."""

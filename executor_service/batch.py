@@ -1,0 +1,132 @@
+"""One packed forward for a validated batch: reserve KV, run the model, sample, update the caches."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
+from models.attention import AttentionMetadata, ItemLayout
+from models.kv_cache import BlockTable, PagedKvCache
+from models.sampler import Sampler, SamplingRow
+from models.transformer import DecoderModel
+
+
+@dataclass
+class CacheState:
+    """What the executor records per cache: its blocks, every token written (for penalties) and where the
+    prompt ended (tokens after it are outputs fed back, which presence/frequency penalties count)."""
+
+    table: BlockTable = field(default_factory=BlockTable)
+    tokens: list[int] = field(default_factory=list)
+    prompt_len: int | None = None
+
+    @classmethod
+    def new(cls) -> "CacheState":
+        return cls()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return 0 if self.prompt_len is None else len(self.tokens) - self.prompt_len
+
+    def truncate(self, new_len: int) -> None:
+        del self.tokens[new_len:]
+        if self.prompt_len is not None and self.prompt_len > new_len:
+            self.prompt_len = new_len
+
+
+@dataclass
+class BatchItem:
+    item: UnifiedItem
+    state: CacheState
+
+
+class BatchRunner:
+    def __init__(self, model: DecoderModel, kv: PagedKvCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.lm_head.weight.device
+        self.group = model.config.num_heads // model.config.num_kv_heads
+        self.sampler = Sampler(model.config.vocab_size)
+
+    def run(self, batch: list[BatchItem], all_positions: bool = False) -> list[list[SequenceOutput] | None]:
+        """Per item: None for a non-final chunk, else one SequenceOutput per position asked for (the last
+        position, or every position of the item when all_positions)."""
+        tables = [b.state.table for b in batch]
+        old_lengths = [t.length for t in tables]
+        self.kv.reserve([(t, t.length + len(b.item.token_ids)) for t, b in zip(tables, batch)])
+        try:
+            logits, rows_per_item = self._forward(batch, all_positions)
+        except BaseException:
+            for t, n in zip(tables, old_lengths):  # give back what reserve took; the cache is unchanged
+                self.kv.truncate(t, n)
+            raise
+        for b in batch:
+            b.state.table.length += len(b.item.token_ids)
+            b.state.tokens.extend(b.item.token_ids)
+            if b.item.is_final_chunk and b.state.prompt_len is None:
+                b.state.prompt_len = b.state.table.length
+        return self._outputs(batch, logits, rows_per_item)
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[BatchItem], all_positions: bool) -> tuple[torch.Tensor, list[int]]:
+        layouts, ids, logit_rows, rows_per_item = [], [], [], []
+        start = 0
+        for b in batch:
+            n = len(b.item.token_ids)
+            layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n))
+            ids.extend(b.item.token_ids)
+            if not b.item.is_final_chunk:
+                rows_per_item.append(0)
+            elif all_positions:
+                logit_rows.extend(range(start, start + n))
+                rows_per_item.append(n)
+            else:
+                logit_rows.append(start + n - 1)
+                rows_per_item.append(1)
+            start += n
+        meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        return self.model(input_ids, meta, self.kv, rows), rows_per_item  # logits: [R, vocab]
+
+    @torch.inference_mode()
+    def _outputs(self, batch: list[BatchItem], logits: torch.Tensor,
+                 rows_per_item: list[int]) -> list[list[SequenceOutput] | None]:
+        sample_rows: list[int] = []
+        sampling: list[SamplingRow] = []
+        row = 0
+        for b, count in zip(batch, rows_per_item):
+            if count and b.item.output.wants_tokens:
+                state = b.state
+                for k in range(count):
+                    # Position of the token being predicted: after the k-th of this item's new tokens.
+                    step = state.table.length - count + k + 1
+                    sampling.append(SamplingRow(b.item.sampling, state.tokens, state.num_output_tokens, step,
+                                                b.item.output.top_logprobs))
+                    sample_rows.append(row + k)
+            row += count
+        sampled = None
+        if sampling:
+            sampled = self.sampler.sample(logits[sample_rows], sampling).to_lists()
+        want_logits = any(c and b.item.output.wants_logits for b, c in zip(batch, rows_per_item))
+        cpu_logits = logits.cpu() if want_logits else None
+        results: list[list[SequenceOutput] | None] = []
+        row = s = 0
+        for b, count in zip(batch, rows_per_item):
+            if not count:
+                results.append(None)
+                continue
+            outs = []
+            for k in range(count):
+                out = SequenceOutput()
+                if b.item.output.wants_tokens:
+                    got = sampled[s]
+                    out.tokens.append(TokenOutput(got.token_id, got.logprob, got.top))
+                    s += 1
+                if b.item.output.wants_logits:
+                    out.logits = cpu_logits[row + k: row + k + 1]
+                outs.append(out)
+            results.append(outs)
+            row += count
+        return results

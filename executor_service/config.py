@@ -1,0 +1,63 @@
+"""ExecutorConfig: everything the executor is started with (filled from CLI flags or by tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.kv_cache import DEFAULT_BLOCK_SIZE
+
+DEFAULT_KV_FRACTION_CUDA = 0.85  # of the device memory left free after the weights
+DEFAULT_KV_FRACTION_CPU = 0.25  # of MemAvailable: the host also runs the scheduler, tokenizer, clients
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model_dir: Path
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kv_blocks: int | None = None  # explicit pool size; else sized by kv_memory_fraction
+    kv_memory_fraction: float | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_batch_tokens: int = 8192  # most tokens one forward may carry (all items together)
+    progress: bool = True  # progress bar while loading weights
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+        return dev
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device now: CUDA's free bytes, or the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30  # no /proc (not Linux): assume a modest 4 GiB
+
+
+def kv_block_count(cfg: ExecutorConfig, device: torch.device, bytes_per_block: int) -> int:
+    if cfg.kv_blocks is not None:
+        if cfg.kv_blocks <= 0:
+            raise ValueError(f"--kv-blocks must be positive, got {cfg.kv_blocks}")
+        return cfg.kv_blocks
+    fraction = cfg.kv_memory_fraction
+    if fraction is None:
+        fraction = DEFAULT_KV_FRACTION_CUDA if device.type == "cuda" else DEFAULT_KV_FRACTION_CPU
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
+    blocks = int(available_memory_bytes(device) * fraction) // bytes_per_block
+    if blocks < 1:
+        raise ValueError("not enough free memory for a single KV block; lower the model size or pass --kv-blocks")
+    return blocks

@@ -1,0 +1,269 @@
+"""The in-process Executor: owns the model, the paged KV cache and the sampler; usable without a network.
+
+Its operations descend from the reference `ModelExecutor` trait (prefill, decode, batch decode,
+unified_decode, forward_verify, truncate_kv, release_cache). Every operation validates its whole
+request before touching state, runs under one model lock, and leaves the cache table as it found it
+on any error.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from executor_service.batch import BatchItem, BatchRunner, CacheState
+from executor_service.config import ExecutorConfig, kv_block_count
+from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
+from executor_service.types import (CacheRef, DecodeItem, DecodeResult, ExecutorInfo, KvUsage, OutputMode,
+                                    OutputOptions, PrefillResult, SequenceOutput, UnifiedItem, UnifiedResult,
+                                    VerifyResult)
+from models.config import read_generation_defaults
+from models.errors import (AdapterNotFound, CacheNotFound, InvalidRequest, KvCapacityExceeded, PositionMismatch,
+                           SequenceTooLong)
+from models.kv_cache import PagedKvCache
+from models.loader import load_model
+from models.sampling_params import SamplingParams
+
+CAPABILITIES = ("paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
+                "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling")
+MAX_TOP_LOGPROBS = 20
+MAX_DECODE_STEPS = 256
+
+
+@dataclass(frozen=True)
+class _Planned:
+    item: UnifiedItem
+    state: CacheState | None  # None: a new cache
+
+
+class Executor:
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.config = config
+        self.device = config.resolve_device()
+        self.model = load_model(config.model_dir, self.device, config.dtype, progress=config.progress)
+        cfg = self.model.config
+        self.model_config = cfg
+        self.generation = read_generation_defaults(config.model_dir, cfg)
+        dtype = self.model.lm_head.weight.dtype
+        per_block = PagedKvCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                                 dtype)
+        blocks = kv_block_count(config, self.device, per_block)
+        self.kv = PagedKvCache(cfg.num_layers, blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                               self.device)
+        self.runner = BatchRunner(self.model, self.kv)
+        self.metrics = ExecutorMetrics()
+        self._caches: dict[str, CacheState] = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- operations
+    def prefill(self, token_ids: Sequence[int], cache_id: str | None = None,
+                sampling: SamplingParams = SamplingParams(), output: OutputOptions = OutputOptions(),
+                adapter: str = "") -> PrefillResult:
+        """Runs a prompt (or the next chunk of one, when cache_id names an existing cache) and samples the
+        token that follows it. The sampled token is not written to the cache: feed it to decode."""
+        with self._op("prefill"):
+            pos = self._state(cache_id).table.length if cache_id else 0
+            item = UnifiedItem(tuple(token_ids), cache_id, pos, True, sampling, output, adapter)
+            (result,) = self._run([item])
+            return PrefillResult(result.cache, result.output)
+
+    def unified_decode(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
+        """One packed forward over a mix of prefill chunks and decodes; output for final chunks only."""
+        with self._op("unified_decode"):
+            return self._run(items)
+
+    def decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> list[DecodeResult]:
+        """Feeds each item's token at its cache's position and samples the next, num_steps times, feeding
+        each sampled token back. An item stops early at one of its stop tokens or at the model's length
+        limit; if the KV pool fills after the first step, every item stops there (partial results)."""
+        with self._op("decode"):
+            steps = max(1, num_steps)
+            if steps > MAX_DECODE_STEPS:
+                raise InvalidRequest(f"num_steps must be <= {MAX_DECODE_STEPS}, got {num_steps}")
+            if not items:
+                raise InvalidRequest("decode needs at least one item")
+            for it in items:
+                if steps > 1 and not it.output.wants_tokens:
+                    raise InvalidRequest("num_steps > 1 feeds sampled tokens back: output mode must include tokens")
+            outputs = [SequenceOutput() for _ in items]
+            active = list(range(len(items)))
+            tokens = [it.token_id for it in items]
+            max_len = self.model_config.max_position_embeddings
+            for step in range(steps):
+                batch = [UnifiedItem((tokens[i],), items[i].cache.cache_id,
+                                     items[i].cache.seq_len if step == 0 else self._caches[items[i].cache.cache_id]
+                                     .table.length, True, items[i].sampling, items[i].output, items[i].adapter)
+                         for i in active]
+                try:
+                    results = self._run(batch)
+                except KvCapacityExceeded:
+                    if step == 0:
+                        raise
+                    break
+                still = []
+                for i, res in zip(active, results):
+                    outputs[i].tokens.extend(res.output.tokens)
+                    if res.output.logits is not None:
+                        prev = outputs[i].logits
+                        outputs[i].logits = res.output.logits if prev is None else torch.cat([prev, res.output.logits])
+                    sampled = res.output.tokens[0].token_id if res.output.tokens else None
+                    if sampled is not None and sampled not in items[i].stop_token_ids and res.cache.seq_len < max_len:
+                        tokens[i] = sampled
+                        still.append(i)
+                active = still
+                if not active:
+                    break
+            return [DecodeResult(self._ref(it.cache.cache_id), out) for it, out in zip(items, outputs)]
+
+    def forward_verify(self, cache: CacheRef, token_ids: Sequence[int], output: OutputOptions = OutputOptions(),
+                       adapter: str = "") -> VerifyResult:
+        """Writes N+1 tokens at the cache's position in one forward and returns, for every one of them, the
+        greedy prediction of the token after it (and/or its logits). Truncate afterwards to keep only the
+        accepted prefix."""
+        with self._op("forward_verify"):
+            item = UnifiedItem(tuple(token_ids), cache.cache_id, cache.seq_len, True, SamplingParams(), output,
+                               adapter)
+            (planned,) = self._validate([item])
+            batch = [BatchItem(item, planned.state)]
+            outputs = self.runner.run(batch, all_positions=True)
+            self._count(outputs)
+            self.metrics.tokens_processed += len(token_ids)
+            positions = outputs[0] or []
+            return VerifyResult(self._ref(cache.cache_id), positions)
+
+    def truncate_cache(self, cache_id: str, new_len: int) -> CacheRef:
+        """Rolls a cache back to its first new_len tokens (speculative decoding rejects), freeing whole blocks."""
+        with self._op("truncate_cache"):
+            state = self._state(cache_id)
+            if new_len < 0 or new_len > state.table.length:
+                raise PositionMismatch(
+                    f"cache {cache_id!r} holds {state.table.length} tokens; cannot truncate it to {new_len}")
+            self.kv.truncate(state.table, new_len)
+            state.truncate(new_len)
+            return self._ref(cache_id)
+
+    def release_cache(self, cache_ids: Sequence[str]) -> tuple[int, list[str]]:
+        """Frees every named cache. Idempotent: unknown ids are returned, not an error."""
+        with self._op("release_cache"):
+            released, unknown = 0, []
+            for cid in cache_ids:
+                state = self._caches.pop(cid, None)
+                if state is None:
+                    unknown.append(cid)
+                    continue
+                self.kv.release(state.table)
+                released += 1
+            self.metrics.caches_released += released
+            return released, unknown
+
+    def kv_usage(self) -> KvUsage:
+        u = self.kv.usage()
+        return KvUsage(u.block_size, u.total_blocks, u.free_blocks, len(self._caches))
+
+    def info(self) -> ExecutorInfo:
+        cfg = self.model_config
+        return ExecutorInfo(
+            model_id=self.config.model_dir.name, model_dir=str(self.config.model_dir), architecture=cfg.architecture,
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            max_seq_len=cfg.max_position_embeddings, dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
+            device=str(self.device), eos_token_ids=self.generation.eos_token_ids,
+            bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(),
+            max_batch_tokens=self.config.max_batch_tokens, capabilities=CAPABILITIES)
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        return self.metrics.snapshot()
+
+    def cache_length(self, cache_id: str) -> int:
+        return self._state(cache_id).table.length
+
+    # ----------------------------------------------------------------- internals
+    @contextmanager
+    def _op(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        self._lock.acquire()
+        waited = time.perf_counter() - start
+        try:
+            yield
+        finally:
+            self._lock.release()
+            self.metrics.record_op(name, time.perf_counter() - start, waited)
+
+    def _state(self, cache_id: str | None) -> CacheState:
+        state = self._caches.get(cache_id or "")
+        if state is None:
+            raise CacheNotFound(cache_id or "")
+        return state
+
+    def _ref(self, cache_id: str) -> CacheRef:
+        state = self._caches.get(cache_id)
+        return CacheRef(cache_id, state.table.length if state else 0)
+
+    def _validate(self, items: Sequence[UnifiedItem]) -> list[_Planned]:
+        """Checks the whole batch against the request rules and the cache table; mutates nothing."""
+        if not items:
+            raise InvalidRequest("the batch has no items")
+        total = sum(len(it.token_ids) for it in items)
+        if total > self.config.max_batch_tokens:
+            raise InvalidRequest(f"the batch carries {total} tokens; this executor takes at most "
+                                 f"{self.config.max_batch_tokens} per call (--max-batch-tokens): split it into chunks")
+        vocab, max_len = self.model_config.vocab_size, self.model_config.max_position_embeddings
+        seen: set[str] = set()
+        planned = []
+        for n, it in enumerate(items):
+            where = f"item {n}" + (f" (cache {it.cache_id!r})" if it.cache_id else "")
+            if not it.token_ids:
+                raise InvalidRequest(f"{where}: token_ids is empty")
+            bad = next((t for t in it.token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
+            if it.adapter:
+                raise AdapterNotFound(f"{where}: adapter {it.adapter!r} is not loaded (this executor holds none)")
+            it.sampling.validate(vocab)
+            if not 0 <= it.output.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"{where}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+            state = None
+            if it.cache_id:
+                if it.cache_id in seen:
+                    raise InvalidRequest(f"cache {it.cache_id!r} appears twice in one batch")
+                seen.add(it.cache_id)
+                state = self._state(it.cache_id)
+                if it.pos_offset != state.table.length:
+                    raise PositionMismatch(f"{where}: pos_offset {it.pos_offset} but the cache holds "
+                                           f"{state.table.length} tokens; send the tokens for position "
+                                           f"{state.table.length} next")
+            elif it.pos_offset != 0:
+                raise InvalidRequest(f"{where}: a new cache (empty cache_id) starts at pos_offset 0, got {it.pos_offset}")
+            if it.pos_offset + len(it.token_ids) > max_len:
+                raise SequenceTooLong(f"{where}: {it.pos_offset} + {len(it.token_ids)} tokens exceed the model's "
+                                      f"maximum length of {max_len}")
+            planned.append(_Planned(it, state))
+        return planned
+
+    def _run(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
+        planned = self._validate(items)
+        batch = [BatchItem(p.item, p.state or CacheState.new()) for p in planned]
+        outputs = self.runner.run(batch)  # reserves KV first; on any error gives it back and re-raises
+        self._count(outputs)
+        return [UnifiedResult(self._register(p, b.state), outs[0] if outs else None)
+                for p, b, outs in zip(planned, batch, outputs)]
+
+    def _count(self, outputs: list[list[SequenceOutput] | None]) -> None:
+        self.metrics.forward_passes += 1
+        self.metrics.tokens_sampled += sum(len(o.tokens) for outs in outputs if outs for o in outs)
+
+    def _register(self, planned: _Planned, state: CacheState) -> CacheRef:
+        """Names a cache created by a successful forward (ids are only handed out once state exists)."""
+        if planned.state is not None:
+            cache_id = planned.item.cache_id or ""
+        else:
+            cache_id = uuid.uuid4().hex
+            self._caches[cache_id] = state
+            self.metrics.caches_created += 1
+        self.metrics.tokens_processed += len(planned.item.token_ids)
+        return CacheRef(cache_id, state.table.length)

@@ -1,0 +1,131 @@
+"""Domain objects of the executor API (the in-process form of the tandem.executor.v1 messages)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from models.sampling_params import SamplingParams
+
+
+class OutputMode(enum.Enum):
+    TOKENS = "tokens"
+    LOGITS = "logits"
+    TOKENS_AND_LOGITS = "tokens_and_logits"
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What a caller wants back for each sampled position. top_logprobs: alternatives per token (0 = none)."""
+
+    mode: OutputMode = OutputMode.TOKENS
+    top_logprobs: int = 0
+
+    @property
+    def wants_tokens(self) -> bool:
+        return self.mode is not OutputMode.LOGITS
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.mode is not OutputMode.TOKENS
+
+
+@dataclass(frozen=True)
+class CacheRef:
+    cache_id: str
+    seq_len: int  # tokens the cache holds after the call
+
+
+@dataclass(frozen=True)
+class KvUsage:
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    active_caches: int
+
+
+@dataclass
+class TokenOutput:
+    token_id: int
+    logprob: float  # log-probability under the model's raw distribution
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class SequenceOutput:
+    tokens: list[TokenOutput] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [positions, vocab] float32 on CPU, when asked for
+
+
+@dataclass(frozen=True)
+class UnifiedItem:
+    """One item of a mixed batch: a prefill chunk (several tokens) or a decode (one token).
+
+    cache_id None (or "") starts a new cache, at pos_offset 0. Output is produced only for final chunks.
+    """
+
+    token_ids: tuple[int, ...]
+    cache_id: str | None = None
+    pos_offset: int = 0
+    is_final_chunk: bool = True
+    sampling: SamplingParams = SamplingParams()
+    output: OutputOptions = OutputOptions()
+    adapter: str = ""
+
+
+@dataclass
+class UnifiedResult:
+    cache: CacheRef
+    output: SequenceOutput | None  # None for non-final chunks
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    cache: CacheRef  # seq_len = the position token_id is written at (the cache's current length)
+    token_id: int
+    sampling: SamplingParams = SamplingParams()
+    output: OutputOptions = OutputOptions()
+    adapter: str = ""
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class DecodeResult:
+    cache: CacheRef
+    output: SequenceOutput  # one TokenOutput per step taken
+
+
+@dataclass
+class PrefillResult:
+    cache: CacheRef
+    output: SequenceOutput
+    cached_tokens: int = 0  # prompt tokens served from a shared prefix (0 until prefix caching lands)
+
+
+@dataclass
+class VerifyResult:
+    cache: CacheRef
+    positions: list[SequenceOutput]  # one per input token: the prediction for the next position
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    model_id: str
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    dtype: str
+    device: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    kv: KvUsage
+    max_batch_tokens: int
+    capabilities: tuple[str, ...]
+    adapters: tuple[str, ...] = ()
