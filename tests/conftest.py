@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random HF checkpoints (built once per session) and executors over them."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    """Imports scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """tiny_checkpoint(arch, **kwargs) -> model dir; each distinct request is built once per session."""
+    maker = load_script("make_tiny_checkpoint")
+    built: dict[tuple, Path] = {}
+
+    def make(arch: str, **kwargs) -> Path:
+        key = (arch, repr(sorted(kwargs.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = maker.make_tiny_checkpoint(arch, out, **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real default model, converted once per machine into the default cache (scripts/prepare_default_model.py)."""
+    prep = load_script("prepare_default_model")
+    return Path(prep.prepare())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _limit_threads() -> None:
+    # CI has 2 cores; keep torch from oversubscribing them when tests spawn servers later.
+    import torch
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))

@@ -1,0 +1,147 @@
+"""Parity of the in-process Executor with transformers on tiny random checkpoints (fp32)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from executor_service.types import CacheRef, DecodeItem, UnifiedItem
+from tests.executor_driver import LOGITS, greedy_run, make_executor
+from tests.hf_reference import HfReference, rel_err
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+TOL = 1e-4
+STEPS = 32
+
+
+def prompt_of(length: int, seed: int = 0, low: int = 3, high: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(low, high) for _ in range(length)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_setup(request, tiny_checkpoint):
+    model_dir = tiny_checkpoint(request.param)
+    return request.param, model_dir, HfReference(model_dir)
+
+
+@pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunks-of-7"])
+def test_greedy_32_matches_transformers(arch_setup, chunk):
+    _, model_dir, hf = arch_setup
+    ex = make_executor(model_dir)
+    prompt = prompt_of(21, seed=1)
+    ref_tokens, ref_logits = hf.greedy(prompt, STEPS)
+    cache_id, tokens, logits = greedy_run(ex, prompt, STEPS, chunk=chunk)
+    errors = [rel_err(o, r) for o, r in zip(logits, ref_logits)]
+    assert max(errors) < TOL, f"worst step {errors.index(max(errors))}: {max(errors):.2e}"
+    assert tokens == ref_tokens
+    assert ex.cache_length(cache_id) == len(prompt) + STEPS - 1
+    ex.release_cache([cache_id])
+    assert ex.kv_usage().free_blocks == ex.kv_usage().total_blocks
+
+
+def test_mixed_batch_of_five_with_releases(arch_setup):
+    """5 sequences of different lengths share every forward: prefill chunks of 8 beside decodes; two are
+    released mid-way. Each must still match its own transformers reference token for token."""
+    _, model_dir, hf = arch_setup
+    ex = make_executor(model_dir)
+    prompts = [prompt_of(n, seed=10 + n) for n in (3, 9, 17, 30, 41)]
+    release_after = {1: 10, 3: 5}  # sequence -> tokens generated before it is released
+    refs = [hf.greedy(p, STEPS) for p in prompts]
+    cache = [None] * 5
+    fed = [0] * 5  # prompt tokens written so far
+    gen: list[list[int]] = [[] for _ in range(5)]
+    logits: list[list[torch.Tensor]] = [[] for _ in range(5)]
+    active = set(range(5))
+    for step in range(200):
+        if not active:
+            break
+        order = sorted(active)
+        items = []
+        for i in order:
+            if fed[i] < len(prompts[i]):
+                part = prompts[i][fed[i]:fed[i] + 8]
+                items.append(UnifiedItem(tuple(part), cache[i], fed[i], fed[i] + len(part) == len(prompts[i]),
+                                         output=LOGITS))
+            else:
+                pos = len(prompts[i]) + len(gen[i]) - 1
+                items.append(UnifiedItem((gen[i][-1],), cache[i], pos, True, output=LOGITS))
+        results = ex.unified_decode(items)
+        for i, item, res in zip(order, items, results):
+            cache[i] = res.cache.cache_id
+            if fed[i] < len(prompts[i]):
+                fed[i] += len(item.token_ids)
+            if res.output is not None:
+                gen[i].append(res.output.tokens[0].token_id)
+                logits[i].append(res.output.logits[0])
+            limit = release_after.get(i, STEPS)
+            if len(gen[i]) == limit:
+                ex.release_cache([cache[i]])
+                active.discard(i)
+    for i in range(5):
+        limit = release_after.get(i, STEPS)
+        ref_tokens, ref_logits = refs[i]
+        assert gen[i] == ref_tokens[:limit], f"sequence {i}"
+        assert max(rel_err(o, r) for o, r in zip(logits[i], ref_logits)) < TOL
+    usage = ex.kv_usage()
+    assert usage.free_blocks == usage.total_blocks and usage.active_caches == 0
+
+
+def test_truncate_then_decode_equals_fresh_sequence(arch_setup):
+    _, model_dir, hf = arch_setup
+    ex = make_executor(model_dir)
+    prompt = prompt_of(20, seed=3)
+    cache_id, tokens, _ = greedy_run(ex, prompt, 12)
+    full = prompt + tokens  # the cache holds all but the last token
+    for new_len in (23, 17, 16):  # inside a block, and right at a block boundary (block size 16)
+        ref = ex.truncate_cache(cache_id, new_len)
+        assert ref.seq_len == new_len
+        (d,) = ex.decode([DecodeItem(CacheRef(cache_id, new_len), full[new_len], output=LOGITS)])
+        fresh = ex.prefill(full[:new_len + 1], output=LOGITS)
+        assert rel_err(d.output.logits[0], fresh.output.logits[0]) < TOL
+        assert rel_err(d.output.logits[0], hf.last_logits(full[:new_len + 1])) < TOL
+        ex.release_cache([fresh.cache.cache_id])
+        ex.truncate_cache(cache_id, new_len)
+    ex.release_cache([cache_id])
+    assert ex.kv_usage().free_blocks == ex.kv_usage().total_blocks
+
+
+def test_forward_verify_returns_every_position(arch_setup):
+    _, model_dir, hf = arch_setup
+    ex = make_executor(model_dir)
+    prompt = prompt_of(14, seed=4)
+    res = ex.prefill(prompt)
+    draft = prompt_of(5, seed=5)
+    v = ex.forward_verify(CacheRef(res.cache.cache_id, len(prompt)), draft, output=LOGITS)
+    assert v.cache.seq_len == len(prompt) + len(draft)
+    ref = hf.all_logits(prompt + draft)[len(prompt):]
+    assert len(v.positions) == len(draft)
+    for k, pos in enumerate(v.positions):
+        assert rel_err(pos.logits[0], ref[k]) < TOL
+        assert pos.tokens[0].token_id == int(ref[k].argmax())
+    # Accept two draft tokens: roll back the rest and carry on decoding from there.
+    keep = len(prompt) + 2
+    ex.truncate_cache(res.cache.cache_id, keep)
+    nxt = v.positions[1].tokens[0].token_id
+    (d,) = ex.decode([DecodeItem(CacheRef(res.cache.cache_id, keep), nxt, output=LOGITS)])
+    assert rel_err(d.output.logits[0], hf.last_logits(prompt + draft[:2] + [nxt])) < TOL
+
+
+def test_multi_step_decode_equals_single_steps(arch_setup):
+    _, model_dir, _ = arch_setup
+    ex = make_executor(model_dir)
+    prompt = prompt_of(10, seed=6)
+    _, tokens, _ = greedy_run(ex, prompt, 9)
+    res = ex.prefill(prompt)
+    first = res.output.tokens[0].token_id
+    (d,) = ex.decode([DecodeItem(CacheRef(res.cache.cache_id, len(prompt)), first)], num_steps=8)
+    assert [first] + [t.token_id for t in d.output.tokens] == tokens
+    assert d.cache.seq_len == len(prompt) + 8
+    # Stopping early at a stop token: the stop token is returned, nothing after it.
+    res2 = ex.prefill(prompt)
+    stop = tokens[3]
+    (d2,) = ex.decode([DecodeItem(CacheRef(res2.cache.cache_id, len(prompt)), first,
+                                  stop_token_ids=frozenset({stop}))], num_steps=8)
+    got = [t.token_id for t in d2.output.tokens]
+    assert got == tokens[1:tokens.index(stop, 1) + 1]
