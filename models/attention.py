@@ -108,8 +108,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     for b in meta.buckets:  # at most two: decode, prefill
         rows, max_q = b.block_tables.shape[0], b.max_q
         # keys/values: [B, max_blocks, block_size, kv_heads, d] -> [B, kv_heads, L, d]
-        keys = k_pool[b.block_tables].flatten(1, 2).transpose(1, 2)
-        values = v_pool[b.block_tables].flatten(1, 2).transpose(1, 2)
+        flat_tables = b.block_tables.view(-1)
+        keys = k_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d).transpose(1, 2)
+        values = v_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d).transpose(1, 2)
         if max_q == 1:
             qb = q[b.token_index].view(rows, kv_heads, group, d)  # [B, kv_heads, group, d]
         else:
