@@ -108,7 +108,9 @@ class BatchRunner:
             row += count
         sampled = None
         if sampling:
-            sampled = self.sampler.sample(logits[sample_rows], sampling).to_lists()
+            # Skip the [R, vocab] gather in the common case where every row is sampled.
+            picked = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+            sampled = self.sampler.sample(picked, sampling).to_lists()
         want_logits = any(c and b.item.output.wants_logits for b, c in zip(batch, rows_per_item))
         cpu_logits = logits.cpu() if want_logits else None
         results: list[list[SequenceOutput] | None] = []

@@ -42,6 +42,7 @@ class _Bucket:
     block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with block 0, masked out)
     mask: torch.Tensor  # [B, 1, group * max_q, max_blocks * block_size] bool, True = may attend
     max_q: int
+    covers_batch: bool  # the bucket holds every token of the batch, in packed order
 
 
 class AttentionMetadata:
@@ -61,13 +62,13 @@ class AttentionMetadata:
         decode = [i for i, it in enumerate(items) if it.n_new == 1]
         prefill = [i for i, it in enumerate(items) if it.n_new > 1]
         self.buckets = [
-            self._bucket([items[i] for i in idx], starts[idx], block_size, group, device)
+            self._bucket([items[i] for i in idx], starts[idx], block_size, group, device, len(idx) == len(items))
             for idx in (decode, prefill) if idx
         ]
 
     @staticmethod
     def _bucket(items: list[ItemLayout], starts: np.ndarray, block_size: int, group: int,
-                device: torch.device) -> _Bucket:
+                device: torch.device, covers_batch: bool) -> _Bucket:
         n_new = np.array([it.n_new for it in items], dtype=np.int64)
         past = np.array([it.past for it in items], dtype=np.int64)
         max_q = int(n_new.max())
@@ -90,7 +91,7 @@ class AttentionMetadata:
         # Rows are ordered (group, query) to match the folded GQA query layout.
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(items), 1, group * max_q, -1)
         return _Bucket(t(token_index).to(device), t(batch_index).to(device), t(query_index).to(device),
-                       t(tables).to(device), mask.to(device), max_q)
+                       t(tables).to(device), mask.to(device), max_q, covers_batch)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
@@ -112,7 +113,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         keys = k_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d).transpose(1, 2)
         values = v_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d).transpose(1, 2)
         if max_q == 1:
-            qb = q[b.token_index].view(rows, kv_heads, group, d)  # [B, kv_heads, group, d]
+            # [B, kv_heads, group, d]; an all-decode batch needs no gather.
+            qb = (q if b.covers_batch else q[b.token_index]).view(rows, kv_heads, group, d)
         else:
             padded = q.new_zeros(rows, max_q, heads, d)
             padded[b.batch_index, b.query_index] = q[b.token_index]
@@ -120,6 +122,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
             qb = padded.view(rows, max_q, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
                 rows, kv_heads, group * max_q, d)
         ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=b.mask, scale=scale)
+        if max_q == 1 and b.covers_batch:
+            return ob.reshape(total, heads * d)
         if max_q == 1:
             out[b.token_index] = ob.reshape(rows, heads, d)
         else:

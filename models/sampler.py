@@ -147,14 +147,16 @@ class Sampler:
                 is_greedy = torch.tensor(greedy).to(x.device, non_blocking=True)  # [B] bool
                 token_ids = torch.where(is_greedy, x.argmax(dim=-1), token_ids)  # [B]
 
-        lp_all = torch.log_softmax(raw, dim=-1)  # [B, V] raw logprobs
-        logprobs = lp_all.gather(1, token_ids[:, None]).squeeze(1)  # [B]
         wanted = [max(0, row.num_top_logprobs) for row in rows]
         n = min(max(wanted, default=0), raw.shape[1])
         if n > 0:
+            lp_all = torch.log_softmax(raw, dim=-1)  # [B, V] raw logprobs
+            logprobs = lp_all.gather(1, token_ids[:, None]).squeeze(1)  # [B]
             top_logprobs, top_ids = lp_all.topk(n, dim=-1, sorted=True)  # [B, N] each, descending
         else:
-            top_logprobs, top_ids = lp_all.new_empty((len(rows), 0)), token_ids.new_empty((len(rows), 0))
+            # Without alternatives, logit - logsumexp avoids writing a [B, V] log_softmax.
+            logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - raw.logsumexp(dim=-1)  # [B]
+            top_logprobs, top_ids = raw.new_empty((len(rows), 0)), token_ids.new_empty((len(rows), 0))
         return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, wanted)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -45,13 +45,14 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.heads, self.head_dim)  # [T, heads, d]
-        k = k.view(-1, self.kv_heads, self.head_dim)  # [T, kv_heads, d]
-        v = v.view(-1, self.kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, self.heads + self.kv_heads, self.head_dim)  # [T, heads + kv_heads, d]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qk.split([self.heads, self.kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = apply_rotary(qk, cos, sin)  # q and k rotated together: half the small ops
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, heads, d], [T, kv_heads, d]
+        v = v.view(-1, self.kv_heads, self.head_dim)
         out = paged_attention(q, k, v, cache, self.layer, meta, self.scale)  # [T, heads * d]
         return self.o_proj(out)
 
