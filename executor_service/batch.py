@@ -85,7 +85,7 @@ class BatchRunner:
                 logit_rows.append(start + n - 1)
                 rows_per_item.append(1)
             start += n
-        meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device)
+        meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         return self.model(input_ids, meta, self.kv, rows), rows_per_item  # logits: [R, vocab]

@@ -9,7 +9,7 @@ attention the items are split into two buckets, each handled by a fixed number o
   longest chunk.
 
 Per bucket and layer: gather the K/V blocks of every item through its block table (one index op each),
-one `scaled_dot_product_attention` call with a boolean mask (causal within the chunk, and hiding padding
+one `scaled_dot_product_attention` call with an additive mask (causal within the chunk, and hiding padding
 and other sequences' garbage), and a scatter back to packed order. Grouped-query attention is handled by
 folding the query heads that share a KV head into the query-length axis, so K/V are never repeated.
 """
@@ -40,7 +40,7 @@ class _Bucket:
     batch_index: torch.Tensor  # [n] item row within the bucket
     query_index: torch.Tensor  # [n] query slot within the item's padded chunk
     block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with block 0, masked out)
-    mask: torch.Tensor  # [B, 1, group * max_q, max_blocks * block_size] bool, True = may attend
+    mask: torch.Tensor  # [B, 1, group * max_q, L] additive float mask (0 or -inf); L = longest context
     max_q: int
     covers_batch: bool  # the bucket holds every token of the batch, in packed order
 
@@ -48,7 +48,8 @@ class _Bucket:
 class AttentionMetadata:
     """Everything attention needs for one packed batch, built once and shared by all layers."""
 
-    def __init__(self, items: Sequence[ItemLayout], block_size: int, group: int, device: torch.device) -> None:
+    def __init__(self, items: Sequence[ItemLayout], block_size: int, group: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
         positions, slots = [], []
         for it in items:
             pos = np.arange(it.past, it.past + it.n_new, dtype=np.int64)
@@ -62,13 +63,14 @@ class AttentionMetadata:
         decode = [i for i, it in enumerate(items) if it.n_new == 1]
         prefill = [i for i, it in enumerate(items) if it.n_new > 1]
         self.buckets = [
-            self._bucket([items[i] for i in idx], starts[idx], block_size, group, device, len(idx) == len(items))
+            self._bucket([items[i] for i in idx], starts[idx], block_size, group, device, dtype,
+                         len(idx) == len(items))
             for idx in (decode, prefill) if idx
         ]
 
     @staticmethod
     def _bucket(items: list[ItemLayout], starts: np.ndarray, block_size: int, group: int,
-                device: torch.device, covers_batch: bool) -> _Bucket:
+                device: torch.device, dtype: torch.dtype, covers_batch: bool) -> _Bucket:
         n_new = np.array([it.n_new for it in items], dtype=np.int64)
         past = np.array([it.past for it in items], dtype=np.int64)
         max_q = int(n_new.max())
@@ -82,16 +84,20 @@ class AttentionMetadata:
         query_index = np.arange(int(n_new.sum())) - np.repeat(np.cumsum(n_new) - n_new, n_new)
         token_index = np.repeat(starts, n_new) + query_index
         # Query i of an item sits at position past+i and sees keys 0..past+i. Padded query rows
-        # (i >= n_new) see the item's whole context: never an all-False row (which would give NaN),
+        # (i >= n_new) see the item's whole context: never an all-masked row (which would give NaN),
         # and their output is discarded.
         t = torch.from_numpy
         limit = torch.minimum(t(past)[:, None] + torch.arange(max_q)[None, :], t(ctx)[:, None] - 1)  # [B, max_q]
-        keys = torch.arange(max_blocks * block_size)
-        mask = keys[None, None, :] <= limit[:, :, None]  # [B, max_q, L]
+        # Keys past the longest context are padding in every row: trim them (a view) rather than mask them.
+        keys = torch.arange(int(ctx.max()))
+        mask = keys[None, None, :] <= limit[:, :, None]  # [B, max_q, L], L = longest context
         # Rows are ordered (group, query) to match the folded GQA query layout.
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(items), 1, group * max_q, -1)
+        # Additive float form, built once per batch: a boolean mask is converted by every SDPA call,
+        # i.e. once per layer.
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
         return _Bucket(t(token_index).to(device), t(batch_index).to(device), t(query_index).to(device),
-                       t(tables).to(device), mask.to(device), max_q, covers_batch)
+                       t(tables).to(device), additive.to(device), max_q, covers_batch)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
@@ -108,10 +114,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     out = q.new_empty(total, heads, d)
     for b in meta.buckets:  # at most two: decode, prefill
         rows, max_q = b.block_tables.shape[0], b.max_q
-        # keys/values: [B, max_blocks, block_size, kv_heads, d] -> [B, kv_heads, L, d]
+        # keys/values: [B * max_blocks, block_size, kv_heads, d] -> [B, kv_heads, L, d]
         flat_tables = b.block_tables.view(-1)
-        keys = k_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d).transpose(1, 2)
-        values = v_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d).transpose(1, 2)
+        length = b.mask.shape[-1]
+        keys = k_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d)[:, :length].transpose(1, 2)
+        values = v_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d)[:, :length].transpose(1, 2)
         if max_q == 1:
             # [B, kv_heads, group, d]; an all-decode batch needs no gather.
             qb = (q if b.covers_batch else q[b.token_index]).view(rows, kv_heads, group, d)

@@ -1,7 +1,7 @@
 """Loads an HF model directory (config.json + safetensors, single or sharded) into a DecoderModel.
 
 The model is built on the meta device and each parameter is assigned straight from the file, so
-memory peaks at one copy of the weights (plus one layer's q/k/v while they are fused).
+memory peaks at one copy of the weights (plus one layer's q/k/v while they are fused into one tensor).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 # Tensors some checkpoints carry that carry no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -135,6 +135,14 @@ class Sampler:
         raw = logits[:, : self.vocab_size].float()  # [B, V]; no copy when already float32: never mutated
         x = self._penalise(raw, rows)  # [B, V]; `raw` itself when no row has bias or penalties
         greedy = [row.params.temperature <= 0.0 for row in rows]
+        wanted = [max(0, row.num_top_logprobs) for row in rows]
+        if all(greedy) and x is raw and not any(wanted):
+            # The hot path (plain greedy, no alternatives): one max pass yields both the token and the
+            # max for a stable logsumexp; the chosen logprob is max - logsumexp = -log(sum(exp(raw - max))).
+            top, token_ids = raw.max(dim=-1)  # [B] each (first index on ties, like argmax)
+            logprobs = -(raw - top[:, None]).exp_().sum(dim=-1).log()  # [B]
+            empty = raw.new_empty((len(rows), 0))
+            return SamplerOutput(token_ids, logprobs, token_ids.new_empty((len(rows), 0)), empty, wanted)
         if all(greedy):
             token_ids = x.argmax(dim=-1)  # [B]
         else:
@@ -147,7 +155,6 @@ class Sampler:
                 is_greedy = torch.tensor(greedy).to(x.device, non_blocking=True)  # [B] bool
                 token_ids = torch.where(is_greedy, x.argmax(dim=-1), token_ids)  # [B]
 
-        wanted = [max(0, row.num_top_logprobs) for row in rows]
         n = min(max(wanted, default=0), raw.shape[1])
         if n > 0:
             lp_all = torch.log_softmax(raw, dim=-1)  # [B, V] raw logprobs

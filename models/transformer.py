@@ -1,7 +1,7 @@
 """Decoder-only transformer (Llama, Qwen2, Qwen3) over a packed batch of tokens and a paged KV cache.
 
-Every linear layer runs once per step on `[T, hidden]` (all items' tokens flattened). q/k/v and gate/up
-projections are fused into one matmul each; the loader concatenates the checkpoint's separate tensors.
+Every linear layer runs once per step on `[T, hidden]` (all items' tokens flattened). The q/k/v
+projections are fused into one matmul; the loader concatenates the checkpoint's separate tensors.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, exactly as transformers does.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op; bit-equal in fp32
+        # Half precision: normalise in float32 and cast back before the weight, exactly as transformers does.
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -58,15 +60,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # gate and up stay separate matmuls: fused, the halves are strided views and the elementwise
+    # silu * up on them measured ~5% slower per decode step on CPU than two contiguous outputs.
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, inter] inside
 
 
 class DecoderLayer(nn.Module):
@@ -84,7 +87,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Parameter names mirror HF's (`model.layers.N...`, `lm_head`) except the fused qkv/gate_up."""
+    """Parameter names mirror HF's (`model.layers.N...`, `lm_head`) except the fused qkv_proj."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
