@@ -23,8 +23,8 @@ from executor_service.types import (CacheRef, DecodeItem, DecodeResult, Executor
                                     OutputOptions, PrefillResult, SequenceOutput, UnifiedItem, UnifiedResult,
                                     VerifyResult)
 from models.config import read_generation_defaults
-from models.errors import (AdapterNotFound, CacheNotFound, InvalidRequest, KvCapacityExceeded, PositionMismatch,
-                           SequenceTooLong)
+from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
+                           PositionMismatch, SequenceTooLong)
 from models.kv_cache import PagedKvCache
 from models.loader import load_model
 from models.sampling_params import SamplingParams
@@ -67,9 +67,16 @@ class Executor:
         """Runs a prompt (or the next chunk of one, when cache_id names an existing cache) and samples the
         token that follows it. The sampled token is not written to the cache: feed it to decode."""
         with self._op("prefill"):
-            pos = self._state(cache_id).table.length if cache_id else 0
+            pos = 0
+            if cache_id:
+                state = self._state(cache_id)
+                if state.num_output_tokens:
+                    raise CacheStateConflict(f"cache {cache_id!r} is already decoding ({state.num_output_tokens} "
+                                             "output tokens): its prompt cannot grow; use Decode or UnifiedDecode")
+                pos = state.table.length
             item = UnifiedItem(tuple(token_ids), cache_id, pos, True, sampling, output, adapter)
             (result,) = self._run([item])
+            self._caches[result.cache.cache_id].prompt_len = result.cache.seq_len  # every Prefill chunk is prompt
             return PrefillResult(result.cache, result.output)
 
     def unified_decode(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:

@@ -43,6 +43,7 @@ class _Bucket:
     mask: torch.Tensor  # [B, 1, group * max_q, L] additive float mask (0 or -inf); L = longest context
     max_q: int
     covers_batch: bool  # the bucket holds every token of the batch, in packed order
+    fresh: bool  # every item starts at position 0 with the same length: plain causal attention suffices
 
 
 class AttentionMetadata:
@@ -97,7 +98,8 @@ class AttentionMetadata:
         # i.e. once per layer.
         additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
         return _Bucket(t(token_index).to(device), t(batch_index).to(device), t(query_index).to(device),
-                       t(tables).to(device), additive.to(device), max_q, covers_batch)
+                       t(tables).to(device), additive.to(device), max_q, covers_batch,
+                       bool(max_q > 1 and not past.any() and (n_new == max_q).all()))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
@@ -114,6 +116,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     out = q.new_empty(total, heads, d)
     for b in meta.buckets:  # at most two: decode, prefill
         rows, max_q = b.block_tables.shape[0], b.max_q
+        if b.fresh:
+            # Whole prompts from position 0: their keys are this step's k/v, and the mask is plain causal,
+            # which lets the kernel skip the upper triangle.
+            ob = _causal(q if b.covers_batch else q[b.token_index], k if b.covers_batch else k[b.token_index],
+                         v if b.covers_batch else v[b.token_index], rows, scale)  # [B * n, heads * d]
+            if b.covers_batch:
+                return ob
+            out[b.token_index] = ob.view(-1, heads, d)
+            continue
         # keys/values: [B * max_blocks, block_size, kv_heads, d] -> [B, kv_heads, L, d]
         flat_tables = b.block_tables.view(-1)
         length = b.mask.shape[-1]
@@ -137,3 +148,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
             ob = ob.view(rows, kv_heads, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, heads, d)
             out[b.token_index] = ob[b.batch_index, b.query_index]
     return out.view(total, heads * d)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
+    """q: [B * n, heads, d]; k, v: [B * n, kv_heads, d], each item n tokens from position 0 -> [B * n, heads * d]."""
+    heads, d = q.shape[1], q.shape[2]
+    group = heads // k.shape[1]
+    qb = q.view(rows, -1, heads, d).transpose(1, 2)  # [B, heads, n, d]
+    kb = k.view(rows, -1, k.shape[1], d).transpose(1, 2)  # [B, kv_heads, n, d]
+    vb = v.view(rows, -1, v.shape[1], d).transpose(1, 2)
+    if group > 1:
+        kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)  # [B, heads, n, d]
+    ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)  # [B, heads, n, d]
+    return ob.transpose(1, 2).reshape(-1, heads * d)

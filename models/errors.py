@@ -26,6 +26,10 @@ class PositionMismatch(TandemError):
     """A request addressed a cache at a position other than its current length."""
 
 
+class CacheStateConflict(TandemError):
+    """The operation does not fit the cache's state (e.g. continuing the prompt of a cache already decoding)."""
+
+
 class SequenceTooLong(TandemError):
     """The sequence would grow past the model's maximum length (max_position_embeddings)."""
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from executor_service.types import CacheRef, DecodeItem, OutputOptions, UnifiedItem
-from models.errors import (AdapterNotFound, CacheNotFound, InvalidRequest, KvCapacityExceeded, PositionMismatch,
+from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
+                           PositionMismatch,
                            SequenceTooLong)
 from models.sampling_params import SamplingParams
 from tests.executor_driver import LOGITS, make_executor
@@ -130,3 +131,13 @@ def test_multi_step_decode_stops_when_pool_fills(ex):
         ex.decode([DecodeItem(CacheRef(a.cache.cache_id, 192), 4)])
     ex.release_cache([a.cache.cache_id])
     assert blocks_in_use(ex) == 0
+
+
+def test_prefill_cannot_continue_a_decoding_cache(ex):
+    a = ex.prefill([3, 4, 5])
+    b = ex.prefill([6, 7], cache_id=a.cache.cache_id)  # a chunked prompt may keep growing...
+    assert b.cache.seq_len == 5
+    ex.decode([DecodeItem(CacheRef(a.cache.cache_id, 5), b.output.tokens[0].token_id)])
+    with pytest.raises(CacheStateConflict, match="already decoding"):  # ...until decoding starts
+        ex.prefill([8], cache_id=a.cache.cache_id)
+    assert ex.cache_length(a.cache.cache_id) == 6

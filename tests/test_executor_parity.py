@@ -145,3 +145,18 @@ def test_multi_step_decode_equals_single_steps(arch_setup):
                                   stop_token_ids=frozenset({stop}))], num_steps=8)
     got = [t.token_id for t in d2.output.tokens]
     assert got == tokens[1:tokens.index(stop, 1) + 1]
+
+
+def test_equal_length_fresh_prompts_beside_a_decode(arch_setup):
+    """Whole prompts of one length from position 0 take the plain-causal attention path; a decode in the
+    same batch takes the paged path. Both must match transformers."""
+    _, model_dir, hf = arch_setup
+    ex = make_executor(model_dir)
+    p1, p2, p3 = prompt_of(12, seed=20), prompt_of(12, seed=21), prompt_of(6, seed=22)
+    first = ex.prefill(p3)
+    decode_tok = first.output.tokens[0].token_id
+    results = ex.unified_decode([UnifiedItem(tuple(p1), output=LOGITS),
+                                 UnifiedItem((decode_tok,), first.cache.cache_id, len(p3), output=LOGITS),
+                                 UnifiedItem(tuple(p2), output=LOGITS)])
+    for res, tokens in zip(results, (p1, p3 + [decode_tok], p2)):
+        assert rel_err(res.output.logits[0], hf.last_logits(tokens)) < TOL

@@ -1,0 +1,126 @@
+"""Conversions between tandem.executor.v1 messages and the executor's domain objects."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from executor_service.metrics import LatencySummary, MetricsSnapshot
+from executor_service.types import (CacheRef, DecodeItem, ExecutorInfo, KvUsage, OutputMode, OutputOptions,
+                                    SequenceOutput, UnifiedItem)
+from models.errors import InvalidRequest
+from models.sampling_params import SamplingParams
+from protos import executor_pb2 as pb
+
+_MODES = {
+    pb.OUTPUT_MODE_UNSPECIFIED: OutputMode.TOKENS,
+    pb.OUTPUT_MODE_TOKENS: OutputMode.TOKENS,
+    pb.OUTPUT_MODE_LOGITS: OutputMode.LOGITS,
+    pb.OUTPUT_MODE_TOKENS_AND_LOGITS: OutputMode.TOKENS_AND_LOGITS,
+}
+_LOGITS_DTYPES = {pb.LOGITS_DTYPE_UNSPECIFIED, pb.LOGITS_DTYPE_FLOAT32, pb.LOGITS_DTYPE_BFLOAT16,
+                  pb.LOGITS_DTYPE_FLOAT16}
+
+
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    if m.HasField("top_p") and not (0.0 < m.top_p <= 1.0):
+        raise InvalidRequest(f"sampling.top_p must be in (0, 1] (leave it unset for off), got {m.top_p}")
+    if not math.isnan(m.repetition_penalty) and m.repetition_penalty < 0:
+        raise InvalidRequest(f"sampling.repetition_penalty must be > 0 (unset = off), got {m.repetition_penalty}")
+    return SamplingParams(
+        temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.HasField("top_p") else 0.0, min_p=m.min_p,
+        repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty, seed=m.seed if m.HasField("seed") else None,
+        logit_bias=dict(m.logit_bias))
+
+
+def output_from_pb(m: pb.OutputOptions) -> tuple[OutputOptions, int]:
+    """Returns the domain options and the wire dtype for logits."""
+    if m.mode not in _MODES:
+        raise InvalidRequest(f"output.mode {m.mode} is not a known OutputMode")
+    if m.logits_dtype not in _LOGITS_DTYPES:
+        raise InvalidRequest(f"output.logits_dtype {m.logits_dtype} is not a known LogitsDtype")
+    return OutputOptions(_MODES[m.mode], m.top_logprobs), m.logits_dtype or pb.LOGITS_DTYPE_FLOAT32
+
+
+def encode_logits(rows: torch.Tensor, dtype: int) -> pb.Logits:
+    """rows: [n, vocab] float32 on CPU -> packed little-endian bytes (n rows concatenated)."""
+    if dtype == pb.LOGITS_DTYPE_BFLOAT16:
+        data = rows.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+    elif dtype == pb.LOGITS_DTYPE_FLOAT16:
+        data = rows.to(torch.float16).numpy().astype("<f2").tobytes()
+    else:
+        dtype = pb.LOGITS_DTYPE_FLOAT32
+        data = rows.numpy().astype("<f4", copy=False).tobytes()
+    return pb.Logits(data=data, dtype=dtype, vocab_size=rows.shape[-1])
+
+
+def decode_logits(m: pb.Logits) -> np.ndarray:
+    """The inverse of encode_logits, for clients and tests: [n, vocab] float32."""
+    if m.dtype == pb.LOGITS_DTYPE_BFLOAT16:
+        raw = np.frombuffer(m.data, dtype="<u2").astype(np.uint32) << 16
+        values = raw.view(np.float32)
+    elif m.dtype == pb.LOGITS_DTYPE_FLOAT16:
+        values = np.frombuffer(m.data, dtype="<f2").astype(np.float32)
+    else:
+        values = np.frombuffer(m.data, dtype="<f4")
+    return values.reshape(-1, m.vocab_size)
+
+
+def sequence_output_to_pb(out: SequenceOutput, logits_dtype: int) -> pb.SequenceOutput:
+    msg = pb.SequenceOutput(tokens=[
+        pb.TokenOutput(token_id=t.token_id, logprob=t.logprob,
+                       top_logprobs=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs])
+        for t in out.tokens])
+    if out.logits is not None:
+        msg.logits.CopyFrom(encode_logits(out.logits, logits_dtype))
+    return msg
+
+
+def cache_to_pb(c: CacheRef) -> pb.CacheRef:
+    return pb.CacheRef(cache_id=c.cache_id, seq_len=c.seq_len)
+
+
+def kv_to_pb(kv: KvUsage) -> pb.KvUsage:
+    return pb.KvUsage(block_size=kv.block_size, total_blocks=kv.total_blocks, free_blocks=kv.free_blocks,
+                      active_caches=kv.active_caches)
+
+
+def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
+    output, dtype = output_from_pb(m.output)
+    return UnifiedItem(tuple(m.token_ids), m.cache_id or None, m.pos_offset, m.is_final_chunk,
+                       sampling_from_pb(m.sampling), output, m.adapter), dtype
+
+
+def decode_item_from_pb(m: pb.DecodeItem) -> tuple[DecodeItem, int]:
+    if not m.cache.cache_id:
+        raise InvalidRequest("decode item needs cache.cache_id (run Prefill first)")
+    output, dtype = output_from_pb(m.output)
+    return DecodeItem(CacheRef(m.cache.cache_id, m.cache.seq_len), m.token_id, sampling_from_pb(m.sampling),
+                      output, m.adapter, frozenset(m.stop_token_ids)), dtype
+
+
+def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
+    msg = pb.GetInfoResponse(
+        model_id=info.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size, num_layers=info.num_layers, num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, max_seq_len=info.max_seq_len, dtype=info.dtype,
+        device=info.device, eos_token_ids=list(info.eos_token_ids), kv=kv_to_pb(info.kv),
+        capabilities=list(info.capabilities), adapters=list(info.adapters), model_dir=info.model_dir,
+        max_batch_tokens=info.max_batch_tokens)
+    if info.bos_token_id is not None:
+        msg.bos_token_id = info.bos_token_id
+    return msg
+
+
+def latency_to_pb(s: LatencySummary) -> pb.LatencySummary:
+    return pb.LatencySummary(count=s.count, mean_ms=s.mean_ms, p95_ms=s.p95_ms, max_ms=s.max_ms)
+
+
+def metrics_to_pb(m: MetricsSnapshot, kv: KvUsage, rpcs: dict[str, LatencySummary]) -> pb.GetMetricsResponse:
+    return pb.GetMetricsResponse(
+        operations={k: latency_to_pb(v) for k, v in m.ops.items()}, lock_wait=latency_to_pb(m.lock_wait),
+        kv=kv_to_pb(kv), forward_passes=m.forward_passes, tokens_processed=m.tokens_processed,
+        tokens_sampled=m.tokens_sampled, caches_created=m.caches_created, caches_released=m.caches_released,
+        rpcs={k: latency_to_pb(v) for k, v in rpcs.items()})

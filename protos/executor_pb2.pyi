@@ -1,0 +1,381 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OutputMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_MODE_UNSPECIFIED: _ClassVar[OutputMode]
+    OUTPUT_MODE_TOKENS: _ClassVar[OutputMode]
+    OUTPUT_MODE_LOGITS: _ClassVar[OutputMode]
+    OUTPUT_MODE_TOKENS_AND_LOGITS: _ClassVar[OutputMode]
+
+class LogitsDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGITS_DTYPE_UNSPECIFIED: _ClassVar[LogitsDtype]
+    LOGITS_DTYPE_FLOAT32: _ClassVar[LogitsDtype]
+    LOGITS_DTYPE_BFLOAT16: _ClassVar[LogitsDtype]
+    LOGITS_DTYPE_FLOAT16: _ClassVar[LogitsDtype]
+OUTPUT_MODE_UNSPECIFIED: OutputMode
+OUTPUT_MODE_TOKENS: OutputMode
+OUTPUT_MODE_LOGITS: OutputMode
+OUTPUT_MODE_TOKENS_AND_LOGITS: OutputMode
+LOGITS_DTYPE_UNSPECIFIED: LogitsDtype
+LOGITS_DTYPE_FLOAT32: LogitsDtype
+LOGITS_DTYPE_BFLOAT16: LogitsDtype
+LOGITS_DTYPE_FLOAT16: LogitsDtype
+
+class CacheRef(_message.Message):
+    __slots__ = ("cache_id", "seq_len")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    seq_len: int
+    def __init__(self, cache_id: _Optional[str] = ..., seq_len: _Optional[int] = ...) -> None: ...
+
+class KvUsage(_message.Message):
+    __slots__ = ("block_size", "total_blocks", "free_blocks", "active_caches")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    active_caches: int
+    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., active_caches: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+
+class OutputOptions(_message.Message):
+    __slots__ = ("mode", "top_logprobs", "logits_dtype")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    mode: OutputMode
+    top_logprobs: int
+    logits_dtype: LogitsDtype
+    def __init__(self, mode: _Optional[_Union[OutputMode, str]] = ..., top_logprobs: _Optional[int] = ..., logits_dtype: _Optional[_Union[LogitsDtype, str]] = ...) -> None: ...
+
+class Logits(_message.Message):
+    __slots__ = ("data", "dtype", "vocab_size")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: LogitsDtype
+    vocab_size: int
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[_Union[LogitsDtype, str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenOutput(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class SequenceOutput(_message.Message):
+    __slots__ = ("tokens", "logits")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenOutput]
+    logits: Logits
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenOutput, _Mapping]]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    dtype: str
+    device: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv: KvUsage
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    model_dir: str
+    max_batch_tokens: int
+    bos_token_id: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_id", "sampling", "output", "adapter")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_id: str
+    sampling: SamplingParams
+    output: OutputOptions
+    adapter: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("cache", "output", "cached_tokens", "kv")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    output: SequenceOutput
+    cached_tokens: int
+    kv: KvUsage
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class DecodeItem(_message.Message):
+    __slots__ = ("cache", "token_id", "sampling", "output", "adapter", "stop_token_ids")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    token_id: int
+    sampling: SamplingParams
+    output: OutputOptions
+    adapter: str
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("items", "num_steps")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
+    num_steps: int
+    def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+
+class DecodeResult(_message.Message):
+    __slots__ = ("cache", "output")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    output: SequenceOutput
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("results", "kv")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DecodeResult]
+    kv: KvUsage
+    def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class UnifiedItem(_message.Message):
+    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IS_FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    pos_offset: int
+    is_final_chunk: bool
+    sampling: SamplingParams
+    output: OutputOptions
+    adapter: str
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class UnifiedDecodeRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[UnifiedItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[UnifiedItem, _Mapping]]] = ...) -> None: ...
+
+class UnifiedResult(_message.Message):
+    __slots__ = ("cache", "output")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    output: SequenceOutput
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ...) -> None: ...
+
+class UnifiedDecodeResponse(_message.Message):
+    __slots__ = ("results", "kv")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[UnifiedResult]
+    kv: KvUsage
+    def __init__(self, results: _Optional[_Iterable[_Union[UnifiedResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class ForwardVerifyRequest(_message.Message):
+    __slots__ = ("cache", "token_ids", "output", "adapter")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output: OutputOptions
+    adapter: str
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class ForwardVerifyResponse(_message.Message):
+    __slots__ = ("cache", "positions", "kv")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    positions: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
+    kv: KvUsage
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., positions: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class TruncateCacheRequest(_message.Message):
+    __slots__ = ("cache_id", "new_len")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_LEN_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    new_len: int
+    def __init__(self, cache_id: _Optional[str] = ..., new_len: _Optional[int] = ...) -> None: ...
+
+class TruncateCacheResponse(_message.Message):
+    __slots__ = ("cache", "kv")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    kv: KvUsage
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class ReleaseCacheRequest(_message.Message):
+    __slots__ = ("cache_ids",)
+    CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseCacheResponse(_message.Message):
+    __slots__ = ("released", "unknown_cache_ids", "kv")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    unknown_cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    kv: KvUsage
+    def __init__(self, released: _Optional[int] = ..., unknown_cache_ids: _Optional[_Iterable[str]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class GetMetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("count", "mean_ms", "p95_ms", "max_ms")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    P95_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    mean_ms: float
+    p95_ms: float
+    max_ms: float
+    def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
+
+class GetMetricsResponse(_message.Message):
+    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs")
+    class OperationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: LatencySummary
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[LatencySummary, _Mapping]] = ...) -> None: ...
+    class RpcsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: LatencySummary
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[LatencySummary, _Mapping]] = ...) -> None: ...
+    OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOCK_WAIT_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    CACHES_CREATED_FIELD_NUMBER: _ClassVar[int]
+    CACHES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    RPCS_FIELD_NUMBER: _ClassVar[int]
+    operations: _containers.MessageMap[str, LatencySummary]
+    lock_wait: LatencySummary
+    kv: KvUsage
+    forward_passes: int
+    tokens_processed: int
+    tokens_sampled: int
+    caches_created: int
+    caches_released: int
+    rpcs: _containers.MessageMap[str, LatencySummary]
+    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ...) -> None: ...
