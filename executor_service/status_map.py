@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import grpc
 
-from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, CheckpointError, InvalidRequest, KvCapacityExceeded,
-                           PositionMismatch, SequenceTooLong, TandemError)
+from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, CheckpointError, InvalidRequest,
+                           KvCapacityExceeded, PositionMismatch, SequenceTooLong, TandemError, Unavailable)
 
 STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -15,6 +15,7 @@ STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     SequenceTooLong: grpc.StatusCode.OUT_OF_RANGE,
     KvCapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -47,6 +47,10 @@ class KvCapacityExceeded(TandemError):
         self.total_blocks = total_blocks
 
 
+class Unavailable(TandemError):
+    """The executor cannot serve right now (still loading, or shutting down); retry later or elsewhere."""
+
+
 class CheckpointError(TandemError):
     """A model directory that cannot be loaded (unknown architecture, missing file or tensor, bad shape)."""
 

@@ -1,0 +1,64 @@
+"""`python -m executor_service` / `tandem-executor`: serve a model over tandem.executor.v1."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from executor_service.config import ExecutorConfig
+from executor_service.server import ServerConfig, serve
+from models.errors import CheckpointError
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="tandem-executor",
+        description="Serve an HF model directory over gRPC (tandem.executor.v1.ExecutorService, plus "
+                    "grpc.health.v1 and server reflection). Health turns SERVING once the weights are loaded "
+                    "and a warm-up forward ran; a line 'READY <addresses>' is printed to stdout then.")
+    ap.add_argument("--model", type=Path, required=True, help="HF model directory (config.json + safetensors)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    ap.add_argument("--port", type=int, default=50051, help="TCP port (default 50051; 0 = any free port; "
+                                                            "-1 = none, with --uds)")
+    ap.add_argument("--uds", help="also listen on this Unix domain socket path")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="weights and KV dtype (auto: float32 on CPU, the checkpoint's dtype on CUDA)")
+    kv = ap.add_mutually_exclusive_group()
+    kv.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")
+    kv.add_argument("--kv-memory-fraction", type=float,
+                    help="KV pool as a fraction of free memory (default 0.85 on CUDA after the weights, "
+                         "0.25 of MemAvailable on CPU)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    ap.add_argument("--max-batch-tokens", type=int, default=8192,
+                    help="most tokens one call may carry, all items together (default 8192)")
+    ap.add_argument("--max-message-mb", type=int, default=64,
+                    help="gRPC request/response size limit in MiB (default 64)")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    executor_cfg = ExecutorConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                                  kv_blocks=args.kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
+                                  block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+                                  progress=sys.stderr.isatty())
+    server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb)
+    try:
+        return serve(executor_cfg, server_cfg)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"tandem-executor: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The executor's gRPC server: ExecutorService + grpc.health.v1 + reflection, readiness, clean shutdown."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from executor_service.config import ExecutorConfig
+from executor_service.executor import Executor
+from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
+from executor_service.servicer import ExecutorServicer
+from protos import executor_pb2, executor_pb2_grpc
+
+log = logging.getLogger("tandem.executor")
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 50051  # 0 = any free port (printed when ready)
+    uds: str | None = None  # also (or only, with port -1) listen on this Unix socket path
+    max_message_mb: int = 64  # request and response size limit: logits of 64 rows x 152k vocab fit
+    workers: int = 16  # RPC threads; model calls still run one at a time (the executor's lock)
+    grace_s: float = 30.0  # on SIGTERM/SIGINT: time in-flight RPCs get to finish
+
+
+def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetrics,
+                 health_servicer: health.HealthServicer) -> tuple[grpc.Server, list[str]]:
+    limit = cfg.max_message_mb * 1024 * 1024
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="rpc"),
+        interceptors=[ErrorMappingInterceptor(metrics)],
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                 ("grpc.so_reuseport", 0)])
+    executor_pb2_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    addresses = []
+    if cfg.port >= 0:
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (address in use?)")
+        addresses.append(f"{cfg.host}:{port}")
+    if cfg.uds:
+        server.add_insecure_port(f"unix:{cfg.uds}")
+        addresses.append(f"unix:{cfg.uds}")
+    if not addresses:
+        raise ValueError("nothing to listen on: give --port >= 0 or --uds PATH")
+    return server, addresses
+
+
+def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
+    """Listens at once (health NOT_SERVING, RPCs UNAVAILABLE), loads and warms up the model, then turns
+    SERVING. Blocks until SIGTERM/SIGINT, then drains in-flight RPCs and returns 0."""
+    metrics = RpcMetrics()
+    servicer = ExecutorServicer(metrics)
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server, addresses = build_server(cfg, servicer, metrics, health_servicer)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    log.info("listening on %s; loading %s", ", ".join(addresses), executor_cfg.model_dir)
+
+    start = time.perf_counter()
+    executor = Executor(executor_cfg)
+    warm = executor.prefill([executor.info().bos_token_id or 0] * 4)  # compiles kernels, touches the KV pool
+    executor.release_cache([warm.cache.cache_id])
+    servicer.attach(executor)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    info = executor.info()
+    log.info("ready in %.1fs: %s (%s, %s on %s), KV %d blocks x %d tokens; serving on %s",
+             time.perf_counter() - start, info.model_id, info.architecture, info.dtype, info.device,
+             info.kv.total_blocks, info.kv.block_size, ", ".join(addresses))
+    print(f"READY {' '.join(addresses)}", flush=True)  # a line scripts can wait for
+
+    stop.wait()
+    log.info("shutting down: finishing in-flight RPCs (up to %.0fs)", cfg.grace_s)
+    servicer.drain()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(cfg.grace_s).wait()
+    log.info("stopped")
+    return 0

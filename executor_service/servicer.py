@@ -1,0 +1,89 @@
+"""ExecutorService over gRPC: each RPC is proto -> domain -> one Executor call -> proto.
+
+Errors are raised as domain exceptions and turned into status codes by the interceptor
+(executor_service/interceptor.py); nothing here chooses a status code.
+"""
+from __future__ import annotations
+
+from executor_service import codec
+from executor_service.executor import Executor
+from executor_service.interceptor import RpcMetrics
+from executor_service.types import CacheRef
+from models.errors import InvalidRequest, Unavailable
+from protos import executor_pb2 as pb
+from protos import executor_pb2_grpc as pb_grpc
+
+
+class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
+    def __init__(self, rpc_metrics: RpcMetrics) -> None:
+        self._executor: Executor | None = None
+        self._draining = False
+        self._rpc_metrics = rpc_metrics
+
+    def attach(self, executor: Executor) -> None:
+        """Called once the model is loaded and warmed up; until then every RPC is UNAVAILABLE."""
+        self._executor = executor
+
+    def drain(self) -> None:
+        self._draining = True
+
+    @property
+    def ex(self) -> Executor:
+        if self._draining:
+            raise Unavailable("the executor is shutting down; retry on another executor")
+        if self._executor is None:
+            raise Unavailable("the executor is still loading its model; wait for health SERVING")
+        return self._executor
+
+    def GetInfo(self, request, context):
+        return codec.info_to_pb(self.ex.info())
+
+    def Prefill(self, request, context):
+        output, dtype = codec.output_from_pb(request.output)
+        res = self.ex.prefill(list(request.token_ids), request.cache_id or None,
+                              codec.sampling_from_pb(request.sampling), output, request.adapter)
+        return pb.PrefillResponse(cache=codec.cache_to_pb(res.cache),
+                                  output=codec.sequence_output_to_pb(res.output, dtype),
+                                  cached_tokens=res.cached_tokens, kv=codec.kv_to_pb(self.ex.kv_usage()))
+
+    def Decode(self, request, context):
+        items = [codec.decode_item_from_pb(i) for i in request.items]
+        results = self.ex.decode([item for item, _ in items], request.num_steps)
+        return pb.DecodeResponse(
+            results=[pb.DecodeResult(cache=codec.cache_to_pb(r.cache),
+                                     output=codec.sequence_output_to_pb(r.output, dtype))
+                     for r, (_, dtype) in zip(results, items)],
+            kv=codec.kv_to_pb(self.ex.kv_usage()))
+
+    def UnifiedDecode(self, request, context):
+        items = [codec.unified_item_from_pb(i) for i in request.items]
+        results = self.ex.unified_decode([item for item, _ in items])
+        out = pb.UnifiedDecodeResponse(kv=codec.kv_to_pb(self.ex.kv_usage()))
+        for r, (_, dtype) in zip(results, items):
+            res = out.results.add(cache=codec.cache_to_pb(r.cache))
+            if r.output is not None:
+                res.output.CopyFrom(codec.sequence_output_to_pb(r.output, dtype))
+        return out
+
+    def ForwardVerify(self, request, context):
+        if not request.cache.cache_id:
+            raise InvalidRequest("ForwardVerify needs cache.cache_id (run Prefill first)")
+        output, dtype = codec.output_from_pb(request.output)
+        res = self.ex.forward_verify(CacheRef(request.cache.cache_id, request.cache.seq_len),
+                                     list(request.token_ids), output, request.adapter)
+        return pb.ForwardVerifyResponse(cache=codec.cache_to_pb(res.cache),
+                                        positions=[codec.sequence_output_to_pb(p, dtype) for p in res.positions],
+                                        kv=codec.kv_to_pb(self.ex.kv_usage()))
+
+    def TruncateCache(self, request, context):
+        ref = self.ex.truncate_cache(request.cache_id, request.new_len)
+        return pb.TruncateCacheResponse(cache=codec.cache_to_pb(ref), kv=codec.kv_to_pb(self.ex.kv_usage()))
+
+    def ReleaseCache(self, request, context):
+        released, unknown = self.ex.release_cache(list(request.cache_ids))
+        return pb.ReleaseCacheResponse(released=released, unknown_cache_ids=unknown,
+                                       kv=codec.kv_to_pb(self.ex.kv_usage()))
+
+    def GetMetrics(self, request, context):
+        ex = self.ex
+        return codec.metrics_to_pb(ex.metrics_snapshot(), ex.kv_usage(), self._rpc_metrics.snapshot())
