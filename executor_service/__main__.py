@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     executor_cfg = ExecutorConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                                   kv_blocks=args.kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
                                   block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-                                  progress=sys.stderr.isatty())
+                                  progress=True)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb)
     try:
         return serve(executor_cfg, server_cfg)

@@ -241,7 +241,8 @@ class Executor:
                 seen.add(it.cache_id)
                 state = self._state(it.cache_id)
                 if it.pos_offset != state.table.length:
-                    raise PositionMismatch(f"{where}: pos_offset {it.pos_offset} but the cache holds "
+                    raise PositionMismatch(f"{where}: position {it.pos_offset} (pos_offset / cache.seq_len) but "
+                                           f"the cache holds "
                                            f"{state.table.length} tokens; send the tokens for position "
                                            f"{state.table.length} next")
             elif it.pos_offset != 0:

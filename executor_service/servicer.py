@@ -39,26 +39,29 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return codec.info_to_pb(self.ex.info())
 
     def Prefill(self, request, context):
+        ex = self.ex  # once per RPC: a drain that starts mid-call must not fail the work already done
         output, dtype = codec.output_from_pb(request.output)
-        res = self.ex.prefill(list(request.token_ids), request.cache_id or None,
-                              codec.sampling_from_pb(request.sampling), output, request.adapter)
+        res = ex.prefill(list(request.token_ids), request.cache_id or None,
+                         codec.sampling_from_pb(request.sampling), output, request.adapter)
         return pb.PrefillResponse(cache=codec.cache_to_pb(res.cache),
                                   output=codec.sequence_output_to_pb(res.output, dtype),
-                                  cached_tokens=res.cached_tokens, kv=codec.kv_to_pb(self.ex.kv_usage()))
+                                  cached_tokens=res.cached_tokens, kv=codec.kv_to_pb(ex.kv_usage()))
 
     def Decode(self, request, context):
+        ex = self.ex
         items = [codec.decode_item_from_pb(i) for i in request.items]
-        results = self.ex.decode([item for item, _ in items], request.num_steps)
+        results = ex.decode([item for item, _ in items], request.num_steps)
         return pb.DecodeResponse(
             results=[pb.DecodeResult(cache=codec.cache_to_pb(r.cache),
                                      output=codec.sequence_output_to_pb(r.output, dtype))
                      for r, (_, dtype) in zip(results, items)],
-            kv=codec.kv_to_pb(self.ex.kv_usage()))
+            kv=codec.kv_to_pb(ex.kv_usage()))
 
     def UnifiedDecode(self, request, context):
+        ex = self.ex
         items = [codec.unified_item_from_pb(i) for i in request.items]
-        results = self.ex.unified_decode([item for item, _ in items])
-        out = pb.UnifiedDecodeResponse(kv=codec.kv_to_pb(self.ex.kv_usage()))
+        results = ex.unified_decode([item for item, _ in items])
+        out = pb.UnifiedDecodeResponse(kv=codec.kv_to_pb(ex.kv_usage()))
         for r, (_, dtype) in zip(results, items):
             res = out.results.add(cache=codec.cache_to_pb(r.cache))
             if r.output is not None:
@@ -68,21 +71,24 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def ForwardVerify(self, request, context):
         if not request.cache.cache_id:
             raise InvalidRequest("ForwardVerify needs cache.cache_id (run Prefill first)")
+        ex = self.ex
         output, dtype = codec.output_from_pb(request.output)
-        res = self.ex.forward_verify(CacheRef(request.cache.cache_id, request.cache.seq_len),
-                                     list(request.token_ids), output, request.adapter)
+        res = ex.forward_verify(CacheRef(request.cache.cache_id, request.cache.seq_len),
+                                list(request.token_ids), output, request.adapter)
         return pb.ForwardVerifyResponse(cache=codec.cache_to_pb(res.cache),
                                         positions=[codec.sequence_output_to_pb(p, dtype) for p in res.positions],
-                                        kv=codec.kv_to_pb(self.ex.kv_usage()))
+                                        kv=codec.kv_to_pb(ex.kv_usage()))
 
     def TruncateCache(self, request, context):
-        ref = self.ex.truncate_cache(request.cache_id, request.new_len)
-        return pb.TruncateCacheResponse(cache=codec.cache_to_pb(ref), kv=codec.kv_to_pb(self.ex.kv_usage()))
+        ex = self.ex
+        ref = ex.truncate_cache(request.cache_id, request.new_len)
+        return pb.TruncateCacheResponse(cache=codec.cache_to_pb(ref), kv=codec.kv_to_pb(ex.kv_usage()))
 
     def ReleaseCache(self, request, context):
-        released, unknown = self.ex.release_cache(list(request.cache_ids))
+        ex = self.ex
+        released, unknown = ex.release_cache(list(request.cache_ids))
         return pb.ReleaseCacheResponse(released=released, unknown_cache_ids=unknown,
-                                       kv=codec.kv_to_pb(self.ex.kv_usage()))
+                                       kv=codec.kv_to_pb(ex.kv_usage()))
 
     def GetMetrics(self, request, context):
         ex = self.ex
