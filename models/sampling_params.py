@@ -22,7 +22,9 @@ class SamplingParams:
     min_p: drop tokens whose probability is below min_p * max probability; 0 = off.
     repetition_penalty: transformers' multiplicative penalty over every token the sequence holds
         (prompt and output); 0 or 1 = off.
-    presence_penalty / frequency_penalty: OpenAI's additive penalties over the output tokens only.
+    presence_penalty / frequency_penalty: OpenAI's additive penalties over the output tokens only: those
+        fed to a cache after its prompt (after Prefill, or after its first final UnifiedDecode chunk). A
+        sequence recomputed after preemption re-enters its outputs as prompt, so they then count as prompt.
     seed: makes sampling reproducible; None = a fresh random seed per step.
     logit_bias: token id -> value added to its logit before everything else.
     """
