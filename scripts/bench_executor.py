@@ -47,14 +47,20 @@ handler time (request/response (de)serialisation on both ends, loopback channel,
 (JSON `micro_ms`); JSON `empty_rpc` is the round trip of an empty ReleaseCache (channel + interceptor +
 gRPC's per-call cost without payload), `interceptor_overhead_ms` the interceptor wrapper alone.
 `inproc cpu` / `srv cpu`: CPU ms per call of this process (process time) and of the server (/proc, all
-threads); `inproc thr` / `srv thr`: threads that used >= 10% of the side's timed wall time.
+threads); `cores`: that CPU time per wall-clock second of the side's calls; `inproc thr` / `srv thr`:
+threads that used >= 10% of the side's timed wall time. JSON `other_processes_cores`: cores other processes
+kept busy during the row's timed calls (/proc/stat; null for windows under 2 s); above 0.25 a note flags
+the row, as its ratios are not the idle-machine ones.
 
 Reading `op diff`: torch's CPU ops run on OpenMP (libgomp), and every thread that has run model ops owns
 its own team of T - 1 worker threads for as long as it lives. Once a process holds more team threads
 than CPUs (the server warms the model up on its main thread, then runs RPCs on gRPC pool threads),
 libgomp stops spin-waiting between parallel regions and parks its workers on a futex, so the same work
 (same `srv cpu`) takes longer. `srv thr` > T shows several pool threads running the model; an idle team
-(the main thread's) does not show there but still counts.
+(the main thread's) does not show there but still counts. That difference needs libgomp's default waiting
+(`--omp-wait-policy unset`, as a server started by hand runs): there the in-process side spin-waits and
+the server does not. Under this script's default OMP_WAIT_POLICY=PASSIVE neither side spins, `op diff` is
+noise, and the ratio is gRPC's own cost.
 
     python scripts/bench_executor.py                        # SmolLM2-135M-Instruct (prepared if needed)
     python scripts/bench_executor.py --quick --model /tmp/tiny-llama
@@ -79,11 +85,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# Both sides are torch processes sharing the cores. With OpenMP's default active wait, the idle side's
-# workers keep spinning after each of its calls and steal CPU from the side being timed (measured: the
-# server's executor op ran ~20% slower than the same op in-process on 2 cores). Passive waiting removes
-# that confound; the server subprocess inherits it. Set before torch is imported, or it has no effect.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP wait policy of both sides (the server subprocess inherits the environment); it must be set before
+# torch is imported, hence this look at argv ahead of argparse. Default PASSIVE (unless OMP_WAIT_POLICY is
+# set): every libgomp worker sleeps between parallel regions on both sides, so the ratio isolates gRPC's own
+# cost. `--omp-wait-policy unset` keeps libgomp's default (spin ~3 ms, then sleep), as a server started by
+# hand runs: there the in-process side spin-waits while the server's workers sleep almost at once, because
+# the server runs model calls on gRPC pool threads besides its main thread and libgomp throttles spinning
+# once a process's OpenMP threads outnumber its CPUs ("Reading op diff" above).
+OMP_WAIT_POLICIES = ("passive", "active", "unset")
+
+
+def _omp_wait_policy(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--omp-wait-policy" and i + 1 < len(argv):
+            return argv[i + 1].lower()
+        if a.startswith("--omp-wait-policy="):
+            return a.split("=", 1)[1].lower()
+    return None
+
+
+_POLICY_ARG = _omp_wait_policy(sys.argv[1:]) if __name__ == "__main__" else None
+if _POLICY_ARG == "unset":
+    os.environ.pop("OMP_WAIT_POLICY", None)
+elif _POLICY_ARG in OMP_WAIT_POLICIES:
+    os.environ["OMP_WAIT_POLICY"] = _POLICY_ARG.upper()
+else:  # no flag (or a bad one: argparse reports it)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -157,6 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=sorted(bc.DTYPES), help="default float32")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of each side (the server gets --threads T; default: every usable core)")
+    ap.add_argument("--omp-wait-policy", choices=OMP_WAIT_POLICIES, type=str.lower, default=None,
+                    help="OMP_WAIT_POLICY of both sides: passive (default unless the environment sets one), active, "
+                         "or unset = libgomp's default (as a server started by hand runs)")
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="both sides' per-call token limit (default 8192)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--empty-rpcs", type=int, default=None, help="timed empty RPCs for the baseline round trip")
@@ -418,6 +448,17 @@ def busy_threads(before: dict[str, float], after: dict[str, float], wall_s: floa
     return sum(deltas), sum(d >= 0.1 * wall_s for d in deltas)
 
 
+def machine_busy_s() -> float | None:
+    """CPU seconds all CPUs spent busy since boot (/proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
 def loadavg() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -527,13 +568,13 @@ def bench_config(inproc: InProcSide, grpc_side: GrpcSide, cfg: Config, batch: in
         inproc.reset_timing(device)
         grpc_side.reset_timing(device)
         op0, srv0 = inproc.op_stats(), grpc_side.server_stats()
-        load0 = loadavg()
+        load0, busy0, wall0 = loadavg(), machine_busy_s(), time.perf_counter()
         threads0 = (thread_cpu_s(os.getpid()), thread_cpu_s(grpc_side.server_pid))
         for step in range(args.steps):  # alternate who goes first
             for side in ((inproc, grpc_side) if step % 2 == 0 else (grpc_side, inproc)):
                 side.step(cfg, timed=True)
         threads1 = (thread_cpu_s(os.getpid()), thread_cpu_s(grpc_side.server_pid))
-        load1 = loadavg()
+        load1, busy1, wall1 = loadavg(), machine_busy_s(), time.perf_counter()
         op1, srv1 = inproc.op_stats(), grpc_side.server_stats()
         micro = micro_breakdown(inproc, grpc_side, args.micro_repeats)
         req_bytes, resp_bytes = grpc_side.last_request.ByteSize(), grpc_side.last_response.ByteSize()
@@ -546,6 +587,10 @@ def bench_config(inproc: InProcSide, grpc_side: GrpcSide, cfg: Config, batch: in
     # This process's threads also run the gRPC client (little CPU); the server's only serve the gRPC side.
     bench_cpu, bench_busy = busy_threads(threads0[0], threads1[0], sum(i_calls))
     srv_cpu, srv_busy = busy_threads(threads0[1], threads1[1], sum(g_calls))
+    # Cores that other processes kept busy meanwhile (the machine's busy time minus both sides' CPU time).
+    # /proc counts 10 ms ticks: in windows under a second or two that is too coarse to flag anything.
+    others = None if busy0 is None or busy1 is None or wall1 - wall0 < 2.0 else \
+        max(0.0, (busy1 - busy0 - bench_cpu - srv_cpu) / (wall1 - wall0))
     i_call, g_call = statistics.median(i_calls), statistics.median(g_calls)
     agree = sum(a == b for a, b in zip(inproc.history, grpc_side.history)) / len(inproc.history)
     mean_ms = lambda xs: 1e3 * statistics.fmean(xs)  # noqa: E731
@@ -576,7 +621,10 @@ def bench_config(inproc: InProcSide, grpc_side: GrpcSide, cfg: Config, batch: in
         "inproc_cpu_ms": 1e3 * statistics.median(inproc.clock.cpu_times),
         "grpc_client_cpu_ms": 1e3 * statistics.median(grpc_side.clock.cpu_times),
         "server_cpu_ms": 1e3 * srv_cpu / len(g_calls), "server_busy_threads": srv_busy,
-        "inproc_busy_threads": bench_busy, "loadavg_1m": [load0, load1],
+        # CPU per wall second while each side ran: ~T when a side had its T cores, less when others competed.
+        "inproc_cores": statistics.fmean(inproc.clock.cpu_times) / statistics.fmean(i_calls),
+        "server_cores": srv_cpu / sum(g_calls),
+        "inproc_busy_threads": bench_busy, "loadavg_1m": [load0, load1], "other_processes_cores": others,
         "tokens_agree": agree, "prefill_tokens_agree": first_agree,
         "breakdown_ms": breakdown, "micro_ms": micro,
         "inproc_times": stats(i_calls), "grpc_times": stats(g_calls),
@@ -593,12 +641,15 @@ BREAKDOWN_COLUMNS = [("config", "config"), ("batch", "batch"), ("overhead", "grp
                      ("op_diff", "op diff"), ("servicer", "servicer"), ("transport", "transport"),
                      ("client_diff", "client diff"), ("micro_serde", "serde (micro)"),
                      ("micro_codec", "codec (micro)"), ("inproc_op", "inproc op"), ("server_op", "srv op"),
-                     ("inproc_cpu", "inproc cpu"), ("server_cpu", "srv cpu"), ("inproc_threads", "inproc thr"),
-                     ("server_threads", "srv thr")]
+                     ("inproc_cpu", "inproc cpu"), ("server_cpu", "srv cpu"), ("inproc_cores", "inproc cores"),
+                     ("server_cores", "srv cores"), ("inproc_threads", "inproc thr"), ("server_threads", "srv thr")]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.omp_wait_policy and args.omp_wait_policy != _POLICY_ARG:
+        log(f"warning: --omp-wait-policy {args.omp_wait_policy} only acts when the script is run as a program "
+            f"(torch is imported by then); OMP_WAIT_POLICY is {os.environ.get('OMP_WAIT_POLICY') or 'unset'}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally/atexit cleanup on SIGTERM too
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     threads = max(1, threads)
@@ -675,11 +726,13 @@ def main(argv: list[str] | None = None) -> int:
         bd["micro_codec"] = micro["codec_in"] + micro["codec_out"]
         bd["inproc_cpu"], bd["server_cpu"] = r["inproc_cpu_ms"], r["server_cpu_ms"]
         bd["inproc_threads"], bd["server_threads"] = r["inproc_busy_threads"], r["server_busy_threads"]
+        bd["inproc_cores"], bd["server_cores"] = r["inproc_cores"], r["server_cores"]
 
     cfg = ex.model_config
     print(f"model: {model_dir.name}  ({cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size})")
-    print(f"device: {device}  dtype: {args.dtype}  threads per side: {threads}  context {args.context}, "
+    print(f"device: {device}  dtype: {args.dtype}  threads per side: {threads}  "
+          f"OMP_WAIT_POLICY: {os.environ.get('OMP_WAIT_POLICY') or 'unset'}  context {args.context}, "
           f"{args.steps} timed calls after {args.warmup} per side and configuration; medians")
     print(f"empty RPC round trip: {empty_before['median_ms']:.3f} ms before, {empty_after['median_ms']:.3f} ms after; "
           f"interceptor wrapper: {interceptor_ms * 1e3:.2f} us per call\n")
@@ -692,6 +745,11 @@ def main(argv: list[str] | None = None) -> int:
           "client diff = gRPC client build+read - in-process build+read; micro: pieces timed alone here.\n")
     print(bc.format_table([{**r["breakdown_ms"], "config": r["config"], "batch": r["batch"]} for r in rows],
                           BREAKDOWN_COLUMNS))
+    busy = [f"{r['config']}@{r['batch']} ({r['other_processes_cores']:.2f})" for r in rows
+            if (r["other_processes_cores"] or 0) > 0.25]
+    if busy:
+        print(f"\nnote: other processes kept > 0.25 cores busy (mean cores in brackets) while timing {', '.join(busy)}; "
+              "those ratios are not the idle-machine ones")
     disagree = [f"{r['config']}@{r['batch']}" for r in rows if (r["tokens_agree"] < 1 or not r["prefill_tokens_agree"])
                 and r["logits_dtype"] != "LOGITS_DTYPE_BFLOAT16"]  # bf16-rounded logits: other argmax ties, expected
     if disagree:
@@ -707,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
                      "multi_steps": args.multi_steps, "threads_per_side": threads, "dtype": args.dtype,
                      "seed": args.seed, "kv_blocks": kv_blocks, "max_batch_tokens": max_batch_tokens,
                      "max_message_mb": MAX_MESSAGE_MB, "quick": args.quick,
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "unset (libgomp default)",
                      "timed_region": "request/items building + decode call + reading tokens (logits: "
                                      "decode_logits to float32) on both sides"},
         "server": server_info,
