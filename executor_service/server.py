@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
+from executor_service.model_thread import ModelThread
 from executor_service.servicer import ExecutorServicer
 from protos import executor_pb2, executor_pb2_grpc
 
@@ -58,11 +59,19 @@ def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetr
     return server, addresses
 
 
+def _load_and_warm(executor_cfg: ExecutorConfig) -> Executor:
+    executor = Executor(executor_cfg)
+    warm = executor.prefill([executor.info().bos_token_id or 0] * 4)  # compiles kernels, touches the KV pool
+    executor.release_cache([warm.cache.cache_id])
+    return executor
+
+
 def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     """Listens at once (health NOT_SERVING, RPCs UNAVAILABLE), loads and warms up the model, then turns
     SERVING. Blocks until SIGTERM/SIGINT, then drains in-flight RPCs and returns 0."""
     metrics = RpcMetrics()
-    servicer = ExecutorServicer(metrics)
+    thread = ModelThread()
+    servicer = ExecutorServicer(metrics, thread)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -74,9 +83,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     log.info("listening on %s; loading %s", ", ".join(addresses), executor_cfg.model_dir)
 
     start = time.perf_counter()
-    executor = Executor(executor_cfg)
-    warm = executor.prefill([executor.info().bos_token_id or 0] * 4)  # compiles kernels, touches the KV pool
-    executor.release_cache([warm.cache.cache_id])
+    executor = thread.call(_load_and_warm, executor_cfg)
     servicer.attach(executor)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -91,5 +98,6 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     servicer.drain()
     health_servicer.enter_graceful_shutdown()
     server.stop(cfg.grace_s).wait()
+    thread.shutdown()
     log.info("stopped")
     return 0

@@ -5,20 +5,34 @@ Errors are raised as domain exceptions and turned into status codes by the inter
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 from executor_service import codec
 from executor_service.executor import Executor
 from executor_service.interceptor import RpcMetrics
+from executor_service.model_thread import ModelThread
 from executor_service.types import CacheRef
 from models.errors import InvalidRequest, Unavailable
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 
 
+def _on_model_thread(handler: Callable) -> Callable:
+    """Runs the whole handler (proto conversion included: logits encoding touches torch) on the model
+    thread; see executor_service/model_thread.py for why."""
+    @functools.wraps(handler)
+    def wrapper(self: "ExecutorServicer", request, context):
+        return self._thread.call(handler, self, request, context)
+    return wrapper
+
+
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, rpc_metrics: RpcMetrics) -> None:
+    def __init__(self, rpc_metrics: RpcMetrics, thread: ModelThread) -> None:
         self._executor: Executor | None = None
         self._draining = False
         self._rpc_metrics = rpc_metrics
+        self._thread = thread
 
     def attach(self, executor: Executor) -> None:
         """Called once the model is loaded and warmed up; until then every RPC is UNAVAILABLE."""
@@ -35,9 +49,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             raise Unavailable("the executor is still loading its model; wait for health SERVING")
         return self._executor
 
+    @_on_model_thread
     def GetInfo(self, request, context):
         return codec.info_to_pb(self.ex.info())
 
+    @_on_model_thread
     def Prefill(self, request, context):
         ex = self.ex  # once per RPC: a drain that starts mid-call must not fail the work already done
         output, dtype = codec.output_from_pb(request.output)
@@ -47,6 +63,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                                   output=codec.sequence_output_to_pb(res.output, dtype),
                                   cached_tokens=res.cached_tokens, kv=codec.kv_to_pb(ex.kv_usage()))
 
+    @_on_model_thread
     def Decode(self, request, context):
         ex = self.ex
         items = [codec.decode_item_from_pb(i) for i in request.items]
@@ -57,6 +74,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                      for r, (_, dtype) in zip(results, items)],
             kv=codec.kv_to_pb(ex.kv_usage()))
 
+    @_on_model_thread
     def UnifiedDecode(self, request, context):
         ex = self.ex
         items = [codec.unified_item_from_pb(i) for i in request.items]
@@ -68,6 +86,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 res.output.CopyFrom(codec.sequence_output_to_pb(r.output, dtype))
         return out
 
+    @_on_model_thread
     def ForwardVerify(self, request, context):
         if not request.cache.cache_id:
             raise InvalidRequest("ForwardVerify needs cache.cache_id (run Prefill first)")
@@ -79,17 +98,20 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                                         positions=[codec.sequence_output_to_pb(p, dtype) for p in res.positions],
                                         kv=codec.kv_to_pb(ex.kv_usage()))
 
+    @_on_model_thread
     def TruncateCache(self, request, context):
         ex = self.ex
         ref = ex.truncate_cache(request.cache_id, request.new_len)
         return pb.TruncateCacheResponse(cache=codec.cache_to_pb(ref), kv=codec.kv_to_pb(ex.kv_usage()))
 
+    @_on_model_thread
     def ReleaseCache(self, request, context):
         ex = self.ex
         released, unknown = ex.release_cache(list(request.cache_ids))
         return pb.ReleaseCacheResponse(released=released, unknown_cache_ids=unknown,
                                        kv=codec.kv_to_pb(ex.kv_usage()))
 
+    @_on_model_thread
     def GetMetrics(self, request, context):
         ex = self.ex
         return codec.metrics_to_pb(ex.metrics_snapshot(), ex.kv_usage(), self._rpc_metrics.snapshot())

@@ -53,14 +53,10 @@ kept busy during the row's timed calls (/proc/stat; null for windows under 2 s);
 the row, as its ratios are not the idle-machine ones.
 
 Reading `op diff`: torch's CPU ops run on OpenMP (libgomp), and every thread that has run model ops owns
-its own team of T - 1 worker threads for as long as it lives. Once a process holds more team threads
-than CPUs (the server warms the model up on its main thread, then runs RPCs on gRPC pool threads),
-libgomp stops spin-waiting between parallel regions and parks its workers on a futex, so the same work
-(same `srv cpu`) takes longer. `srv thr` > T shows several pool threads running the model; an idle team
-(the main thread's) does not show there but still counts. That difference needs libgomp's default waiting
-(`--omp-wait-policy unset`, as a server started by hand runs): there the in-process side spin-waits and
-the server does not. Under this script's default OMP_WAIT_POLICY=PASSIVE neither side spins, `op diff` is
-noise, and the ratio is gRPC's own cost.
+its own team of T - 1 worker threads for as long as it lives. The server therefore runs load, warm-up and
+every RPC's model work on one dedicated thread (executor_service/model_thread.py); `srv thr` <= T confirms
+it. Before that fix the server's extra idle teams made libgomp park its workers instead of spinning, and
+`op diff` showed a ~18 % slower step for the same CPU time.
 
     python scripts/bench_executor.py                        # SmolLM2-135M-Instruct (prepared if needed)
     python scripts/bench_executor.py --quick --model /tmp/tiny-llama
@@ -86,12 +82,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 # OpenMP wait policy of both sides (the server subprocess inherits the environment); it must be set before
-# torch is imported, hence this look at argv ahead of argparse. Default PASSIVE (unless OMP_WAIT_POLICY is
-# set): every libgomp worker sleeps between parallel regions on both sides, so the ratio isolates gRPC's own
-# cost. `--omp-wait-policy unset` keeps libgomp's default (spin ~3 ms, then sleep), as a server started by
-# hand runs: there the in-process side spin-waits while the server's workers sleep almost at once, because
-# the server runs model calls on gRPC pool threads besides its main thread and libgomp throttles spinning
-# once a process's OpenMP threads outnumber its CPUs ("Reading op diff" above).
+# torch is imported, hence this look at argv ahead of argparse. Default: whatever the environment says
+# (libgomp's own default when unset: spin ~3 ms, then sleep), as a server started by hand runs. `passive`
+# makes every libgomp worker sleep between parallel regions on both sides.
 OMP_WAIT_POLICIES = ("passive", "active", "unset")
 
 
@@ -109,8 +102,7 @@ if _POLICY_ARG == "unset":
     os.environ.pop("OMP_WAIT_POLICY", None)
 elif _POLICY_ARG in OMP_WAIT_POLICIES:
     os.environ["OMP_WAIT_POLICY"] = _POLICY_ARG.upper()
-else:  # no flag (or a bad one: argparse reports it)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# no flag (or a bad one: argparse reports it): the environment's policy
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -185,8 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of each side (the server gets --threads T; default: every usable core)")
     ap.add_argument("--omp-wait-policy", choices=OMP_WAIT_POLICIES, type=str.lower, default=None,
-                    help="OMP_WAIT_POLICY of both sides: passive (default unless the environment sets one), active, "
-                         "or unset = libgomp's default (as a server started by hand runs)")
+                    help="OMP_WAIT_POLICY of both sides: passive, active, or unset = libgomp's default "
+                         "(default: the environment's, i.e. as a server started by hand runs)")
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="both sides' per-call token limit (default 8192)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--empty-rpcs", type=int, default=None, help="timed empty RPCs for the baseline round trip")
