@@ -1,0 +1,153 @@
+"""Starts a Tandem server (`python -m executor_service` or `python -m scheduler`) as a subprocess and waits
+for its readiness line.
+
+Both servers print exactly one stdout line, `READY <address> [...]`, once they serve (health SERVING).
+We wait for that line — read by a thread, so the wait has a deadline and notices an early exit — instead
+of sleeping. stop() sends SIGTERM, waits for the drain, and SIGKILLs after a timeout. Used by
+scripts/serve, the benchmarks and the tests (tests/grpc_harness.py).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 20.0
+_EOF = object()
+_live: set["ServerProcess"] = set()  # killed at interpreter exit if the caller was interrupted
+
+
+class ServerProcess:
+    """A started server: .name, .address ("127.0.0.1:PORT"), .proc, .args."""
+
+    def __init__(self, name: str, proc: subprocess.Popen, log: IO | None, lines: "queue.Queue",
+                 args: list[str]) -> None:
+        self.name = name
+        self.proc = proc
+        self.args = args
+        self._log = log  # a temp file holding stderr, or None when stderr is inherited
+        self._lines = lines
+        self.address = ""
+        self.returncode: int | None = None
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> str:
+        """Blocks until the READY line arrives and returns the address; raises with the server's log if it
+        exits or the timeout passes first."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            raise RuntimeError(f"{self.name} did not print READY within {timeout:.0f}s; log:\n{self.log()}")
+        if line is _EOF:  # stdout closed: the process is exiting (or has exited)
+            try:
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                code = self.proc.returncode
+            raise RuntimeError(f"{self.name} exited with code {code} before READY; log:\n{self.log()}")
+        words = line.split()
+        if len(words) < 2 or words[0] != "READY":
+            self.kill()
+            raise RuntimeError(f"{self.name}: unexpected first stdout line {line!r}; log:\n{self.log()}")
+        self.address = words[1]  # the TCP address (the first one printed)
+        return self.address
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Waits for the process to end (SIGKILL after `timeout`, then raises) and returns its exit code."""
+        try:
+            self.returncode = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"{self.name} did not exit within {timeout:.0f}s of SIGTERM (killed); "
+                               f"log:\n{self.log()}")
+        return self.returncode
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, wait for the drain, return the exit code. Safe to call twice."""
+        try:
+            if self.returncode is None:
+                self.send_signal(signal.SIGTERM)
+                self.wait_exit(timeout)
+            return self.returncode if self.returncode is not None else -9
+        finally:
+            self.kill()
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        _live.discard(self)
+
+    def log(self, tail_chars: int = 20000) -> str:
+        """The server's stderr so far (its last `tail_chars` characters)."""
+        if self._log is None:
+            return "<stderr went to the terminal>"
+        try:
+            self._log.flush()
+            with open(self._log.name, "r", errors="replace") as f:
+                return f.read()[-tail_chars:]
+        except (OSError, ValueError):
+            return "<log unavailable>"
+
+
+def _pump_stdout(stream, lines: "queue.Queue") -> None:
+    for line in stream:  # the READY line, and anything after it (so the pipe never fills)
+        lines.put(line.strip())
+    lines.put(_EOF)
+
+
+def launch(name: str, module: str, *args: str, capture_log: bool = True, python: str = sys.executable,
+           ready_timeout: float = READY_TIMEOUT_S) -> ServerProcess:
+    """Runs `python -m module *args` in the repo root and returns once it printed READY. With
+    capture_log, its stderr goes to a temp file (quoted by errors, .log()); else to this terminal."""
+    cmd = [python, "-m", module, *args]
+    log = tempfile.NamedTemporaryFile(prefix=f"tandem-{name}-", suffix=".log", delete=True) if capture_log else None
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=log if log is not None else None, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump_stdout, args=(proc.stdout, lines), daemon=True,
+                     name=f"{name}-stdout-{proc.pid}").start()
+    server = ServerProcess(name, proc, log, lines, cmd)
+    _live.add(server)
+    try:
+        server.wait_ready(ready_timeout)
+    except BaseException:
+        server.stop(timeout=5)
+        raise
+    return server
+
+
+def launch_executor(model_dir: Path | str, *args: str, **kw) -> ServerProcess:
+    """`python -m executor_service --model DIR --port 0 *args` (any free port unless args say otherwise)."""
+    return launch("executor", "executor_service", "--model", str(model_dir), "--port", "0", *args, **kw)
+
+
+def launch_scheduler(executor_address: str, *args: str, **kw) -> ServerProcess:
+    """`python -m scheduler --executor ADDR --port 0 *args`."""
+    return launch("scheduler", "scheduler", "--executor", executor_address, "--port", "0", *args, **kw)
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for server in list(_live):
+        server.kill()
