@@ -47,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)  # this thread's; serve() sets the model thread's too
     executor_cfg = ExecutorConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                                   kv_blocks=args.kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
                                   block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                                   progress=True)
-    server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb)
+    server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
+                              threads=args.threads)
     try:
         return serve(executor_cfg, server_cfg)
     except (CheckpointError, ValueError, OSError) as exc:

@@ -9,6 +9,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -31,6 +32,7 @@ class ServerConfig:
     max_message_mb: int = 64  # request and response size limit: logits of 64 rows x 152k vocab fit
     workers: int = 16  # RPC threads; model calls still run one at a time (the executor's lock)
     grace_s: float = 30.0  # on SIGTERM/SIGINT: time in-flight RPCs get to finish
+    threads: int | None = None  # torch CPU threads of the model thread (None: torch's default)
 
 
 def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetrics,
@@ -83,6 +85,8 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     log.info("listening on %s; loading %s", ", ".join(addresses), executor_cfg.model_dir)
 
     start = time.perf_counter()
+    if cfg.threads:  # a per-thread OpenMP setting: it must be made on the thread that runs the model
+        thread.call(torch.set_num_threads, cfg.threads)
     executor = thread.call(_load_and_warm, executor_cfg)
     servicer.attach(executor)
     for name in ("", SERVICE_NAME):

@@ -1,10 +1,12 @@
-"""The one place that turns domain errors into gRPC status codes (AIP-193: the most specific code)."""
+"""The one place that turns domain errors into gRPC status codes (AIP-193: the most specific code), for both
+servers: the executor and the scheduler."""
 from __future__ import annotations
 
 import grpc
 
-from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, CheckpointError, InvalidRequest,
-                           KvCapacityExceeded, PositionMismatch, SequenceTooLong, TandemError, Unavailable)
+from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, CapacityExceeded, CheckpointError,
+                           InvalidRequest, PositionMismatch, RemoteError, SequenceTooLong, TandemError, Unavailable,
+                           Unsupported)
 
 STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -13,13 +15,16 @@ STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     CacheStateConflict: grpc.StatusCode.FAILED_PRECONDITION,
     SequenceTooLong: grpc.StatusCode.OUT_OF_RANGE,
-    KvCapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unsupported: grpc.StatusCode.FAILED_PRECONDITION,
     CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 
 def status_for(exc: TandemError) -> grpc.StatusCode:
+    if isinstance(exc, RemoteError):  # relayed as the remote service chose it
+        return getattr(grpc.StatusCode, exc.status_name, grpc.StatusCode.UNKNOWN)
     for cls in type(exc).__mro__:
         if cls in STATUS_OF:
             return STATUS_OF[cls]

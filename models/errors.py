@@ -1,4 +1,4 @@
-"""Domain errors raised by the model core and the in-process executor.
+"""Domain errors raised by the model core, the in-process executor and the scheduler.
 
 Each class names one failure a caller can act on. The gRPC edge maps them to status codes in a single
 table (executor_service); nothing here knows about gRPC.
@@ -34,7 +34,11 @@ class SequenceTooLong(TandemError):
     """The sequence would grow past the model's maximum length (max_position_embeddings)."""
 
 
-class KvCapacityExceeded(TandemError):
+class CapacityExceeded(TandemError):
+    """Not enough capacity for the request now (queue full) or ever (it alone cannot fit the KV cache)."""
+
+
+class KvCapacityExceeded(CapacityExceeded):
     """Not enough free KV blocks for the request; nothing was allocated."""
 
     def __init__(self, needed_blocks: int, free_blocks: int, total_blocks: int) -> None:
@@ -57,3 +61,17 @@ class CheckpointError(TandemError):
 
 class AdapterNotFound(TandemError):
     """A request named an adapter the executor does not hold."""
+
+
+class Unsupported(TandemError):
+    """The request needs something this model or server does not have (e.g. chat messages without a chat
+    template)."""
+
+
+class RemoteError(TandemError):
+    """An error status another Tandem service returned (the executor, seen by the scheduler); relayed with
+    the same code and the remote message."""
+
+    def __init__(self, status_name: str, message: str) -> None:
+        super().__init__(message)
+        self.status_name = status_name  # a grpc.StatusCode name, e.g. "INVALID_ARGUMENT"

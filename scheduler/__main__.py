@@ -1,0 +1,70 @@
+"""`python -m scheduler` / `tandem-scheduler`: continuous batching over an executor, tandem.generate.v1."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from models.errors import TandemError
+from scheduler.config import SchedulerConfig
+from scheduler.server import serve_async
+
+_D = SchedulerConfig("")  # defaults, for the help text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="tandem-scheduler",
+        description="Serve tandem.generate.v1.GenerateService (streaming Generate, Tokenize, GetModelInfo; plus "
+                    "grpc.health.v1 and server reflection) by batching requests continuously over a Tandem "
+                    "executor: each step is one UnifiedDecode with a token for every running sequence and prompt "
+                    "chunks for waiting ones. Waits for the executor to serve, then prints 'READY <addresses>'.")
+    ap.add_argument("--executor", required=True, help="executor address, HOST:PORT or unix:PATH")
+    ap.add_argument("--host", default=_D.host, help="address to bind (default 127.0.0.1: loopback only)")
+    ap.add_argument("--port", type=int, default=_D.port,
+                    help=f"TCP port (default {_D.port}; 0 = any free port; -1 = none, with --uds)")
+    ap.add_argument("--uds", help="also listen on this Unix domain socket path")
+    ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template); "
+                                        "default: the model directory the executor reports")
+    ap.add_argument("--max-batch-tokens", type=int, default=_D.max_batch_tokens,
+                    help=f"tokens per step, decodes and prefill chunks together (default {_D.max_batch_tokens}; "
+                         "capped by the executor's own limit)")
+    ap.add_argument("--max-running", type=int, default=_D.max_running,
+                    help=f"sequences in the batch at once (default {_D.max_running})")
+    ap.add_argument("--prefill-chunk", type=int, default=_D.prefill_chunk,
+                    help=f"most prompt tokens of one sequence per step (default {_D.prefill_chunk})")
+    ap.add_argument("--default-max-new-tokens", type=int, default=_D.default_max_new_tokens,
+                    help=f"max_new_tokens of requests that leave it unset (default {_D.default_max_new_tokens})")
+    ap.add_argument("--max-waiting", type=int, default=_D.max_waiting,
+                    help=f"queued requests beyond which Generate is RESOURCE_EXHAUSTED (default {_D.max_waiting})")
+    ap.add_argument("--max-message-mb", type=int, default=_D.max_message_mb,
+                    help=f"request size limit in MiB (default {_D.max_message_mb})")
+    ap.add_argument("--connect-timeout", type=float, default=_D.connect_timeout_s,
+                    help=f"seconds to wait at startup for the executor to serve (default {_D.connect_timeout_s:.0f})")
+    ap.add_argument("--grace", type=float, default=_D.grace_s,
+                    help=f"on SIGTERM/SIGINT: seconds running requests get to finish (default {_D.grace_s:.0f})")
+    ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = SchedulerConfig(executor=args.executor, host=args.host, port=args.port, uds=args.uds,
+                          tokenizer=args.tokenizer, max_batch_tokens=args.max_batch_tokens,
+                          max_running=args.max_running, prefill_chunk=args.prefill_chunk,
+                          default_max_new_tokens=args.default_max_new_tokens, max_waiting=args.max_waiting,
+                          max_message_mb=args.max_message_mb, connect_timeout_s=args.connect_timeout,
+                          grace_s=args.grace)
+    try:
+        cfg.validate()
+        return asyncio.run(serve_async(cfg))
+    except (TandemError, ValueError, OSError) as exc:
+        print(f"tandem-scheduler: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

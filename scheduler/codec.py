@@ -1,0 +1,130 @@
+"""tandem.generate.v1 messages <-> the scheduler's domain objects, with every check a request can fail
+before it is queued (each raises the domain error the status table maps to the most specific code)."""
+from __future__ import annotations
+
+import uuid
+
+from executor_service.codec import sampling_from_pb
+from models.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
+from models.sampling_params import SamplingParams
+from protos import executor_pb2 as epb
+from protos import generate_pb2 as pb
+from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
+from scheduler.tokenizer import ChatMessage, ModelTokenizer
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_REQUEST_ID_CHARS = 256
+
+_FINISH = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP,
+           FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORTED: pb.FINISH_REASON_ABORTED}
+
+
+def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTokenizer, vocab_size: int) -> list[int]:
+    kind = m.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("the request has no input: set one of text, token_ids or messages")
+    if kind == "text":
+        if not m.text:
+            raise InvalidRequest("input text is empty")
+        ids = tok.encode(m.text)
+    elif kind == "token_ids":
+        ids = list(m.token_ids.ids)
+        bad = next((i for i in ids if i >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has {vocab_size} tokens")
+    else:
+        if not m.messages.messages:
+            raise InvalidRequest("input messages is empty: give at least one {role, content}")
+        ids = tok.encode_chat([ChatMessage(x.role, x.content) for x in m.messages.messages])
+    if not ids:
+        raise InvalidRequest(f"input {kind} is empty (it tokenizes to no tokens)")
+    return ids
+
+
+def sampling_params_from_pb(m: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+    # The generate and executor SamplingParams are the same message (same numbers and types): reuse the
+    # executor's conversion so both services check sampling values identically.
+    params = sampling_from_pb(epb.SamplingParams.FromString(m.SerializeToString()))
+    params.validate(vocab_size)
+    return params
+
+
+def sampling_to_executor_pb(p: SamplingParams) -> epb.SamplingParams:
+    m = epb.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p,
+                           repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                           frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias)
+    if p.top_p:
+        m.top_p = p.top_p
+    if p.seed is not None:
+        m.seed = p.seed
+    return m
+
+
+def stopping_from_pb(m: pb.StoppingCriteria, prompt_len: int, max_seq_len: int, default_max_new: int,
+                     vocab_size: int) -> StoppingCriteria:
+    if prompt_len >= max_seq_len:
+        raise SequenceTooLong(f"the prompt has {prompt_len} tokens; the model accepts at most {max_seq_len} in "
+                              "all (prompt + output), so nothing can be generated")
+    room = max_seq_len - prompt_len
+    if m.max_new_tokens:
+        if m.max_new_tokens > room:
+            raise SequenceTooLong(f"prompt ({prompt_len} tokens) + max_new_tokens ({m.max_new_tokens}) exceeds the "
+                                  f"model's maximum length {max_seq_len}; lower max_new_tokens to <= {room}")
+        max_new = m.max_new_tokens
+    else:
+        max_new = min(default_max_new, room)
+    if m.min_new_tokens > max_new:
+        raise InvalidRequest(f"stopping.min_new_tokens ({m.min_new_tokens}) exceeds max_new_tokens ({max_new})")
+    if len(m.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(m.stop)}")
+    for s in m.stop:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop strings must have 1..{MAX_STOP_CHARS} characters, got {s!r:.80}")
+    bad = next((t for t in m.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"stop token id {bad} is out of range: the vocabulary has {vocab_size} tokens")
+    return StoppingCriteria(max_new, m.min_new_tokens, tuple(m.stop), frozenset(m.stop_token_ids), m.ignore_eos,
+                            m.include_stop_str_in_output)
+
+
+def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: epb.GetInfoResponse,
+                    default_max_new: int) -> GenerateRequest:
+    if len(m.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id has {len(m.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    if m.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {m.top_logprobs}")
+    if m.adapter and m.adapter not in info.adapters:
+        raise AdapterNotFound(f"unknown adapter {m.adapter!r}; loaded: {sorted(info.adapters) or 'none'}")
+    sampling = sampling_params_from_pb(m.sampling, info.vocab_size)
+    prompt = prompt_ids_from_pb(m, tok, info.vocab_size)
+    stopping = stopping_from_pb(m.stopping, len(prompt), info.max_seq_len, default_max_new, info.vocab_size)
+    return GenerateRequest(m.request_id or uuid.uuid4().hex, tuple(prompt), stopping, sampling, m.adapter,
+                           m.top_logprobs, m.keep_special_tokens)
+
+
+def delta_to_pb(request_id: str, d: Delta) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(request_id=request_id, text=d.text, token_ids=[t.token_id for t in d.tokens],
+                              stop_reason=d.stop_reason)
+    for t in d.tokens:
+        lp = out.logprobs.add(token_id=t.token_id, logprob=t.logprob)
+        for tid, v in t.top:
+            lp.top_logprobs.add(token_id=tid, logprob=v)
+    if d.finish_reason is not None:
+        out.finish_reason = _FINISH[d.finish_reason]
+    if d.usage is not None:
+        out.usage.CopyFrom(pb.Usage(prompt_tokens=d.usage.prompt_tokens, completion_tokens=d.usage.completion_tokens,
+                                    cached_tokens=d.usage.cached_tokens, preemptions=d.usage.preemptions))
+    return out
+
+
+def model_info_to_pb(info: epb.GetInfoResponse, tok: ModelTokenizer, planner_budget: int, cfg,
+                     executor: str) -> pb.GetModelInfoResponse:
+    return pb.GetModelInfoResponse(
+        model_id=info.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
+        max_seq_len=info.max_seq_len, eos_token_ids=list(info.eos_token_ids), adapters=list(info.adapters),
+        dtype=info.dtype, device=info.device, has_chat_template=tok.chat_template is not None,
+        max_batch_tokens=planner_budget, max_running=cfg.max_running, prefill_chunk=cfg.prefill_chunk,
+        default_max_new_tokens=cfg.default_max_new_tokens, kv_block_size=info.kv.block_size,
+        kv_total_blocks=info.kv.total_blocks, executor=executor)

@@ -1,0 +1,31 @@
+"""Scheduler settings (CLI flags map 1:1 onto these fields; see scheduler/__main__.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    executor: str  # HOST:PORT (or unix:PATH) of the executor to drive
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 50052  # 0 = any free port (printed when ready)
+    uds: str | None = None  # also listen on this Unix socket
+    tokenizer: str | None = None  # dir with tokenizer.json; None = the model dir the executor reports
+    max_batch_tokens: int = 2048  # tokens per step (decodes + prefill chunks), capped by the executor's limit
+    max_running: int = 64  # sequences decoding or prefilling at once
+    prefill_chunk: int = 512  # most prompt tokens of one sequence per step
+    default_max_new_tokens: int = 256  # when a request leaves max_new_tokens unset
+    max_waiting: int = 1024  # queued requests beyond which Generate answers RESOURCE_EXHAUSTED
+    max_message_mb: int = 16  # request size limit (prompts), and the executor channel's
+    connect_timeout_s: float = 300.0  # at startup: how long to wait for the executor to serve
+    reconnect_interval_s: float = 1.0  # while the executor is unreachable: how often to try it
+    grace_s: float = 30.0  # on SIGTERM: time running requests get to finish before they are aborted
+
+    def validate(self) -> None:
+        for name in ("max_batch_tokens", "max_running", "prefill_chunk", "default_max_new_tokens", "max_waiting",
+                     "max_message_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_running > self.max_batch_tokens:
+            raise ValueError(f"--max-running ({self.max_running}) cannot exceed --max-batch-tokens "
+                             f"({self.max_batch_tokens}): every running sequence needs a token per step")

@@ -1,0 +1,60 @@
+"""One asyncio server interceptor: domain errors -> gRPC status codes (executor_service/status_map.py, the
+table both servers share), unexpected exceptions -> INTERNAL with the traceback in the log."""
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+
+from executor_service.status_map import status_for
+from models.errors import TandemError
+
+log = logging.getLogger("tandem.scheduler")
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None and method in _OURS:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner(request, context)
+                except TandemError as exc:
+                    await _abort(context, method, exc)
+                except Exception:
+                    log.exception("%s failed", method)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the scheduler log")
+
+            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                       response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None and method in _OURS:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for message in inner_stream(request, context):
+                        yield message
+                except TandemError as exc:
+                    await _abort(context, method, exc)
+                except Exception:
+                    log.exception("%s failed", method)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the scheduler log")
+
+            return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                        response_serializer=handler.response_serializer)
+        return handler  # health, reflection: untouched
+
+
+_OURS = {"Generate", "Tokenize", "GetModelInfo"}
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: TandemError) -> None:
+    code = status_for(exc)
+    log.info("%s -> %s: %s", method, code.name, exc)
+    await context.abort(code, str(exc))

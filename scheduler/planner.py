@@ -1,0 +1,120 @@
+"""The step planner: which sequences take part in the next UnifiedDecode, with how many tokens.
+
+Policy (one step):
+1. every running sequence that is decoding gets one token; if their KV growth does not fit the free
+   blocks, the youngest running sequences are preempted until it does;
+2. running sequences still in their prompt get prefill chunks, oldest first, while the token budget and
+   the free blocks last;
+3. waiting (new or preempted) sequences are admitted oldest first while fewer than max_running run, the
+   budget lasts, and their whole prompt (plus one token) fits the free blocks left after what the
+   running prompts still need — so an admitted prompt never stalls for lack of blocks. The head of the
+   queue is never skipped for a smaller one behind it (no starvation).
+The executor's own accounting stays the authority: a RESOURCE_EXHAUSTED answer still preempts (engine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class KvView:
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+
+
+@dataclass(frozen=True)
+class StepItem:
+    seq: Sequence
+    start: int  # position of the first token (the sequence's num_cached)
+    count: int  # tokens written this step
+
+    @property
+    def is_final(self) -> bool:  # the chunk reaches the end of the known tokens: sample after it
+        return self.start + self.count == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    items: list[StepItem] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # waiting -> running this step
+    preempted: list[Sequence] = field(default_factory=list)  # running -> waiting (release their caches)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class Planner:
+    def __init__(self, max_batch_tokens: int, max_running: int, prefill_chunk: int) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.prefill_chunk = prefill_chunk
+
+    def plan(self, running: list[Sequence], waiting: list[Sequence], kv: KvView) -> StepPlan:
+        """running and waiting are ordered oldest first; neither list is modified."""
+        bs = kv.block_size
+        plan = StepPlan()
+        running = list(running)
+        free = kv.free_blocks
+        watermark = max(1, kv.total_blocks // 100)  # headroom for decode growth before admitting more
+
+        def grow(seq: Sequence, n: int) -> int:
+            return blocks_for(seq.num_cached + n, bs) - blocks_for(seq.num_cached, bs)
+
+        # 1. decodes, preempting the youngest until their growth fits
+        while True:
+            decoding = [s for s in running if s.is_decoding][:self.max_batch_tokens]
+            need = sum(grow(s, 1) for s in decoding)
+            if need <= free or not running:
+                break
+            victim = running.pop()  # youngest
+            plan.preempted.append(victim)
+            free += blocks_for(victim.num_cached, bs)
+        budget = self.max_batch_tokens
+        for s in decoding:
+            plan.items.append(StepItem(s, s.num_cached, 1))
+        budget -= len(decoding)
+        free -= need
+
+        # 2. running prompts (chunked prefill in progress, oldest first)
+        prefilling = [s for s in running if not s.is_decoding]
+        for s in prefilling:
+            n = self._chunk(s, budget, free, bs)
+            if n:
+                plan.items.append(StepItem(s, s.num_cached, n))
+                budget -= n
+                free -= grow(s, n)
+        # what running prompts still need after this step: reserved, not available to admissions
+        planned = {id(i.seq): i.count for i in plan.items}
+        reserved = sum(blocks_for(s.num_tokens + 1, bs) - blocks_for(s.num_cached + planned.get(id(s), 0), bs)
+                       for s in prefilling)
+
+        # 3. admissions, oldest first, never skipping the head
+        n_running = len(running)
+        for s in waiting:
+            if n_running >= self.max_running or budget <= 0:
+                break
+            if blocks_for(s.num_tokens + 1, bs) > free - reserved - watermark:
+                break
+            n = min(s.remaining, self.prefill_chunk, budget)
+            plan.admitted.append(s)
+            plan.items.append(StepItem(s, 0, n))
+            n_running += 1
+            budget -= n
+            free -= blocks_for(n, bs)
+            reserved += blocks_for(s.num_tokens + 1, bs) - blocks_for(n, bs)
+        return plan
+
+    def _chunk(self, s: Sequence, budget: int, free: int, bs: int) -> int:
+        """Tokens of s's prompt to write this step: limited by the chunk size, the budget and free blocks."""
+        n = min(s.remaining, self.prefill_chunk, budget)
+        room = (blocks_for(s.num_cached, bs) + max(free, 0)) * bs - s.num_cached  # tokens the blocks can hold
+        return max(0, min(n, room))
+
+    @staticmethod
+    def fits_alone(tokens: int, kv: KvView) -> bool:
+        """Whether a sequence of this many tokens fits the whole KV pool."""
+        return blocks_for(tokens, kv.block_size) <= kv.total_blocks

@@ -1,0 +1,65 @@
+"""A generation request in domain form (validated), and what streams back for it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from models.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StoppingCriteria:
+    max_new_tokens: int  # resolved: never 0
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    stopping: StoppingCriteria
+    sampling: SamplingParams = SamplingParams()
+    adapter: str = ""
+    top_logprobs: int = 0
+    keep_special_tokens: bool = False
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens or the model's maximum length
+    STOP = "stop"  # an EOS token or a stop token id
+    STOP_SEQUENCE = "stop_sequence"  # a stop string
+    ABORTED = "aborted"  # ended by the server (shutdown)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class Delta:
+    """What one stream message carries: new text and tokens since the previous message; finish_reason and
+    usage on the last one only."""
+
+    text: str = ""
+    tokens: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str = ""
+    usage: Usage | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.tokens or self.finish_reason)

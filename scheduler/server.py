@@ -1,0 +1,106 @@
+"""The scheduler's gRPC server (asyncio): GenerateService + grpc.health.v1 + reflection, readiness, drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from models.errors import CheckpointError
+from protos import generate_pb2, generate_pb2_grpc
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient
+from scheduler.interceptor import ErrorMappingInterceptor
+from scheduler.servicer import GenerateServicer
+from scheduler.tokenizer import ModelTokenizer
+
+log = logging.getLogger("tandem.scheduler")
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+
+async def _wait_for_executor(client: GrpcExecutorClient, cfg: SchedulerConfig):
+    """GetInfo until the executor serves (it may still be loading its model)."""
+    deadline = time.monotonic() + cfg.connect_timeout_s
+    last_note = 0.0
+    while True:
+        try:
+            return await client.info()
+        except ExecutorUnreachable as exc:
+            now = time.monotonic()
+            if now >= deadline:
+                raise ExecutorUnreachable(f"executor {cfg.executor} did not serve within "
+                                          f"{cfg.connect_timeout_s:.0f}s: {exc}") from exc
+            if now - last_note >= 10:
+                log.info("waiting for executor %s to serve...", cfg.executor)
+                last_note = now
+            await asyncio.sleep(min(cfg.reconnect_interval_s, 0.5))
+
+
+async def serve_async(cfg: SchedulerConfig) -> int:
+    client = GrpcExecutorClient(cfg.executor, max_message_mb=max(cfg.max_message_mb, 64))
+    info = await _wait_for_executor(client, cfg)
+    tokenizer_dir = Path(cfg.tokenizer or info.model_dir)
+    tokenizer = ModelTokenizer(tokenizer_dir)
+    if tokenizer.vocab_size > info.vocab_size:
+        raise CheckpointError(f"tokenizer at {tokenizer_dir} has {tokenizer.vocab_size} tokens but the executor's "
+                              f"model only {info.vocab_size}: pass the model's own tokenizer with --tokenizer")
+
+    health_servicer = health.aio.HealthServicer()
+
+    async def set_health(up: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    loop = asyncio.get_running_loop()
+    engine = Engine(cfg, client, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)))
+    limit = cfg.max_message_mb * 1024 * 1024
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
+                             options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0)])
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    addresses = []
+    if cfg.port >= 0:
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (address in use?)")
+        addresses.append(f"{cfg.host}:{port}")
+    if cfg.uds:
+        server.add_insecure_port(f"unix:{cfg.uds}")
+        addresses.append(f"unix:{cfg.uds}")
+    if not addresses:
+        raise ValueError("nothing to listen on: give --port >= 0 or --uds PATH")
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    await set_health(True)
+    engine_task = loop.create_task(engine.run(), name="engine")
+    log.info("serving %s (%s) from executor %s on %s; tokenizer %s; budget %d tokens/step, max %d running",
+             info.model_id, info.architecture, cfg.executor, ", ".join(addresses), tokenizer_dir,
+             engine.planner.max_batch_tokens, cfg.max_running)
+    print(f"READY {' '.join(addresses)}", flush=True)  # a line scripts can wait for
+
+    stop_wait = loop.create_task(stop.wait())
+    done, _ = await asyncio.wait({stop_wait, engine_task}, return_when=asyncio.FIRST_COMPLETED)
+    if engine_task in done:  # the loop died: a bug; report it and stop rather than hang
+        stop_wait.cancel()
+        engine_task.result()
+    log.info("shutting down: running requests get up to %.0fs to finish", cfg.grace_s)
+    await set_health(False)
+    await engine.drain(cfg.grace_s)
+    await server.stop(5.0)
+    engine_task.cancel()
+    await client.close()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,42 @@
+"""GenerateService over gRPC (asyncio): proto -> domain -> one engine call -> proto. Status codes come from
+the interceptor (scheduler/interceptor.py); nothing here picks one."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from models.errors import TandemError
+from protos import generate_pb2 as pb
+from protos import generate_pb2_grpc as pb_grpc
+from scheduler import codec
+from scheduler.engine import Engine
+
+
+class GenerateServicer(pb_grpc.GenerateServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        engine = self.engine
+        if request.adapter and request.adapter not in engine.info.adapters:
+            await engine.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
+        req = codec.request_from_pb(request, engine.tokenizer, engine.info, engine.cfg.default_max_new_tokens)
+        seq = engine.submit(req)
+        try:
+            while True:
+                event = await seq.events.get()
+                if isinstance(event, TandemError):
+                    raise event
+                yield codec.delta_to_pb(req.request_id, event)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            engine.abort(seq)  # a no-op for a finished sequence; frees the cache of a cancelled one
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        tok = self.engine.tokenizer
+        ids = codec.prompt_ids_from_pb(request, tok, self.engine.info.vocab_size)
+        return pb.TokenizeResponse(token_ids=ids, pieces=tok.pieces(ids))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+        e = self.engine
+        return codec.model_info_to_pb(e.info, e.tokenizer, e.planner.max_batch_tokens, e.cfg, e.client.address)

@@ -1,0 +1,127 @@
+"""The model's tokenizer as the scheduler uses it: tokenizer.json via `tokenizers`, the chat template via
+jinja2 (rendered the way transformers' `apply_chat_template` does), special-token ids for decoding."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from models.errors import CheckpointError, InvalidRequest, Unsupported
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class _TemplateError(Exception):
+    """Raised by a chat template's raise_exception(): the messages do not fit the template."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens as strings or as AddedToken dicts {"content": ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ModelTokenizer:
+    """Loads `tokenizer.json` (required), `tokenizer_config.json` and `chat_template.jinja` (optional)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path} not found: the scheduler needs the model's tokenizer.json "
+                                  "(pass --tokenizer DIR if the executor's model dir is not on this host)")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses for bad files
+            raise CheckpointError(f"{path}: cannot load it with `tokenizers`: {exc}") from exc
+        config = self._read_json(self.model_dir / "tokenizer_config.json")
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self._template_vars = {k: _token_text(config.get(k)) for k in
+                               ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.chat_template = self._find_chat_template(config)
+        self._compiled = None
+        if self.chat_template is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            try:
+                self._compiled = env.from_string(self.chat_template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise CheckpointError(f"{self.model_dir}: the chat template does not compile: {exc}") from exc
+
+    # ----------------------------------------------------------------- encoding
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, with the special tokens the tokenizer's post-processor adds (e.g. BOS), as
+        transformers' `tokenizer(text)` does."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        if self._compiled is None:
+            raise Unsupported(f"model {self.model_dir.name!r} has no chat template (tokenizer_config.json "
+                              "chat_template or chat_template.jinja); send text or token_ids instead")
+        try:
+            return self._compiled.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                         add_generation_prompt=True, **self._template_vars)
+        except _TemplateError as exc:
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"the chat template failed on these messages: {exc}") from exc
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The rendered template's ids. The template writes its own special tokens, so none are added
+        (as `apply_chat_template(tokenize=True)` does)."""
+        return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    # ----------------------------------------------------------------- decoding
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text (decoded alone; special tokens kept)."""
+        return [self._tok.decode([i], skip_special_tokens=False) for i in ids]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    # ----------------------------------------------------------------- files
+    @staticmethod
+    def _read_json(path: Path) -> dict[str, Any]:
+        if not path.is_file():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: cannot read it as JSON: {exc}") from exc
+
+    def _find_chat_template(self, config: dict[str, Any]) -> str | None:
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if jinja_file.is_file():  # transformers >= 4.43 saves the template here and prefers it
+            return jinja_file.read_text()
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template if isinstance(template, str) and template else None
