@@ -62,6 +62,16 @@ def sampling_to_executor_pb(p: SamplingParams) -> epb.SamplingParams:
     return m
 
 
+def with_banned_tokens(m: epb.SamplingParams, token_ids) -> epb.SamplingParams:
+    """A copy of m that never samples token_ids (the lowest bias the contract allows), for the steps before
+    min_new_tokens — as transformers' MinNewTokensLengthLogitsProcessor masks EOS. Logprobs stay raw."""
+    banned = epb.SamplingParams()
+    banned.CopyFrom(m)
+    for t in token_ids:
+        banned.logit_bias[t] = -100.0
+    return banned
+
+
 def stopping_from_pb(m: pb.StoppingCriteria, prompt_len: int, max_seq_len: int, default_max_new: int,
                      vocab_size: int) -> StoppingCriteria:
     if prompt_len >= max_seq_len:

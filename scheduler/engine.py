@@ -15,7 +15,7 @@ from typing import Callable
 
 from models.errors import CapacityExceeded, RemoteError, TandemError, Unavailable
 from protos import executor_pb2 as epb
-from scheduler.codec import sampling_to_executor_pb
+from scheduler.codec import sampling_to_executor_pb, with_banned_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient
 from scheduler.planner import KvView, Planner, StepItem, blocks_for
@@ -69,7 +69,11 @@ class Engine:
                 f"need {blocks_for(tokens, self.kv.block_size)} KV blocks but the executor's whole cache has "
                 f"{self.kv.total_blocks} (x {self.kv.block_size} tokens); shorten the request")
         seq = Sequence(request, next(self._arrivals), self.tokenizer, self.info.eos_token_ids, self.info.max_seq_len)
-        seq.executor_sampling = sampling_to_executor_pb(request.sampling)
+        sampling = sampling_to_executor_pb(request.sampling)
+        stop = request.stopping
+        early = (with_banned_tokens(sampling, set(seq.eos_token_ids) | stop.stop_token_ids)
+                 if stop.min_new_tokens else sampling)
+        seq.executor_sampling = (sampling, early)
         self.waiting.append(seq)  # arrivals increase: appending keeps the order
         self._wake.set()
         return seq
@@ -100,6 +104,10 @@ class Engine:
     # ----------------------------------------------------------------- the loop
     async def run(self) -> None:
         while not self._closed:
+            if not self.up:  # _reconnect() wakes us once the executor is back
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             await self._release_pending()
             if not (self.running or self.waiting):
                 self._wake.clear()
@@ -134,6 +142,10 @@ class Engine:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             _insort(self.running, seq)
+        if plan.preempted:
+            await self._release_pending()  # the plan counts on the victims' blocks being free
+            if not self.up:
+                return
         if not plan.items:
             await self._stalled()
             return
@@ -179,7 +191,7 @@ class Engine:
     def _item_pb(self, item: StepItem) -> epb.UnifiedItem:
         seq, req = item.seq, item.seq.request
         return epb.UnifiedItem(cache_id=seq.cache_id, token_ids=seq.token_slice(item.start, item.start + item.count),
-                               pos_offset=item.start, is_final_chunk=item.is_final, sampling=seq.executor_sampling,
+                               pos_offset=item.start, is_final_chunk=item.is_final, sampling=seq.sampling_for_next_token(),
                                output=self._output_options(req.top_logprobs), adapter=req.adapter)
 
     def _output_options(self, top_logprobs: int) -> epb.OutputOptions:

@@ -28,10 +28,12 @@ class Sequence:
         self.cache_id = ""  # "" until the executor created one
         self.num_cached = 0  # tokens of all_ids written into the cache
         self.preemptions = 0
-        self.executor_sampling = None  # the executor's SamplingParams message, built once (engine)
+        # The executor's SamplingParams messages, built once by the engine: (normal, before min_new_tokens).
+        self.executor_sampling: tuple = (None, None)
         self.events: asyncio.Queue[Delta | TandemError] = asyncio.Queue()
         stop = request.stopping
         self._eos = frozenset(() if stop.ignore_eos else eos_token_ids)
+        self.eos_token_ids = self._eos  # the EOS ids that stop this request
         self._max_len = min(len(request.prompt_ids) + stop.max_new_tokens, max_seq_len)
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, not request.keep_special_tokens)
         self._stops = StopStringMatcher(stop.stop, stop.include_stop_str_in_output)
@@ -67,6 +69,12 @@ class Sequence:
         self.num_cached = 0
         self.status = Status.WAITING
         self.preemptions += 1
+
+    def sampling_for_next_token(self):
+        """The sampling message for the token sampled after this step: EOS and stop tokens are banned
+        while fewer than min_new_tokens exist."""
+        normal, early = self.executor_sampling
+        return early if len(self.output_ids) < self.request.stopping.min_new_tokens else normal
 
     # ----------------------------------------------------------------- outputs
     def append(self, token: TokenLogprob) -> None:
@@ -116,7 +124,11 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def _emit(self, text: str) -> None:
-        self._delta.text += self._stops.feed(text)[0] if text else ""
+        # The sequence ends anyway (EOS, stop token, length): a stop string this text completes only
+        # decides where the text is cut.
+        if text:
+            out, match = self._stops.feed(text)
+            self._delta.text += match.text if match is not None else out
 
     def _emit_final(self, text: str) -> None:
         # No stop string can complete any more: release what was held back.

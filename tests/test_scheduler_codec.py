@@ -1,0 +1,274 @@
+"""scheduler.codec: tandem.generate.v1 requests -> domain objects, with the checks and their domain errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from models.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
+from models.sampling_params import SamplingParams
+from protos import executor_pb2 as epb
+from protos import generate_pb2 as pb
+from scheduler.codec import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
+                             delta_to_pb, request_from_pb, sampling_params_from_pb, sampling_to_executor_pb)
+from scheduler.request import Delta, FinishReason, StoppingCriteria, TokenLogprob, Usage
+from scheduler.tokenizer import ChatMessage, ModelTokenizer
+
+MAX_SEQ_LEN = 64
+DEFAULT_MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir) -> ModelTokenizer:
+    return ModelTokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def info(tok) -> epb.GetInfoResponse:
+    return epb.GetInfoResponse(model_id="SmolLM2-135M-Instruct", architecture="LlamaForCausalLM",
+                               vocab_size=tok.vocab_size, max_seq_len=MAX_SEQ_LEN, eos_token_ids=[2],
+                               adapters=["lora-a", "lora-b"], dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def parse(tok, info):
+    def run(default_max_new: int = DEFAULT_MAX_NEW, **fields):
+        fields.setdefault("token_ids", pb.TokenIds(ids=[1, 2, 3]))
+        if "text" in fields or "messages" in fields:
+            del fields["token_ids"]
+        return request_from_pb(pb.GenerateRequest(**fields), tok, info, default_max_new)
+
+    return run
+
+
+def ids(n: int, start: int = 10) -> pb.TokenIds:
+    return pb.TokenIds(ids=list(range(start, start + n)))
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def test_text_input_is_tokenized(parse, tok):
+    req = parse(text="Hello world")
+    assert list(req.prompt_ids) == tok.encode("Hello world")
+
+
+def test_messages_input_uses_the_chat_template(parse, tok):
+    msgs = [("system", "Be brief."), ("user", "Hi")]
+    req = parse(messages=pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in msgs]))
+    assert list(req.prompt_ids) == tok.encode_chat([ChatMessage(r, c) for r, c in msgs])
+
+
+def test_token_ids_input_is_used_as_is(parse, tok):
+    req = parse(token_ids=pb.TokenIds(ids=[5, 0, tok.vocab_size - 1]))
+    assert req.prompt_ids == (5, 0, tok.vocab_size - 1)
+
+
+def test_no_input(tok, info):
+    with pytest.raises(InvalidRequest, match="no input"):
+        request_from_pb(pb.GenerateRequest(request_id="x"), tok, info, DEFAULT_MAX_NEW)
+
+
+@pytest.mark.parametrize("fields", [
+    {"text": ""},
+    {"token_ids": pb.TokenIds()},
+    {"messages": pb.ChatMessages()},
+], ids=["empty-text", "empty-token-ids", "empty-messages"])
+def test_empty_inputs(parse, fields):
+    with pytest.raises(InvalidRequest, match="empty"):
+        parse(**fields)
+
+
+def test_token_id_out_of_vocab(parse, tok):
+    with pytest.raises(InvalidRequest, match="out of range"):
+        parse(token_ids=pb.TokenIds(ids=[1, tok.vocab_size, 3]))
+
+
+# ------------------------------------------------------------------ sampling
+
+
+@pytest.mark.parametrize("sampling", [
+    pb.SamplingParams(temperature=-1),
+    pb.SamplingParams(temperature=math.nan),
+    pb.SamplingParams(temperature=math.inf),
+    pb.SamplingParams(top_p=0.0),  # explicit 0
+    pb.SamplingParams(top_p=1.5),
+    pb.SamplingParams(top_p=-0.1),
+    pb.SamplingParams(min_p=1.5),
+    pb.SamplingParams(repetition_penalty=-1),
+    pb.SamplingParams(presence_penalty=2.5),
+    pb.SamplingParams(frequency_penalty=-3),
+    pb.SamplingParams(logit_bias={49152: 1.0}),
+    pb.SamplingParams(logit_bias={5: 101.0}),
+    pb.SamplingParams(logit_bias={5: math.nan}),
+], ids=lambda m: str(m).replace("\n", " ").strip())
+def test_bad_sampling_is_invalid(parse, sampling):
+    with pytest.raises(InvalidRequest, match="sampling"):
+        parse(sampling=sampling)
+
+
+@pytest.mark.parametrize("sampling", [
+    pb.SamplingParams(),
+    pb.SamplingParams(top_p=1.0),
+    pb.SamplingParams(top_p=1e-3, temperature=2.0, top_k=5),
+    pb.SamplingParams(seed=0),
+    pb.SamplingParams(seed=2**64 - 1),
+    pb.SamplingParams(logit_bias={0: -100.0, 49151: 100.0}),
+    pb.SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.0, min_p=1.0),
+], ids=lambda m: str(m).replace("\n", " ").strip() or "unset")
+def test_good_sampling_is_accepted(parse, sampling):
+    parse(sampling=sampling)
+
+
+def test_sampling_defaults_are_greedy(parse):
+    assert parse().sampling == SamplingParams()
+    assert parse().sampling.is_greedy
+
+
+def _full_sampling() -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                             presence_penalty=0.5, frequency_penalty=-0.25, seed=1234567890123,
+                             logit_bias={7: 2.5, 300: -100.0, 49151: 0.125})
+
+
+def test_generate_sampling_is_wire_compatible_with_executor_sampling():
+    m = _full_sampling()
+    e = epb.SamplingParams.FromString(m.SerializeToString())
+    for field in pb.SamplingParams.DESCRIPTOR.fields:
+        assert e.DESCRIPTOR.fields_by_name[field.name].number == field.number
+        assert e.DESCRIPTOR.fields_by_name[field.name].type == field.type
+        assert getattr(e, field.name) == getattr(m, field.name), field.name
+    assert {f.name for f in e.DESCRIPTOR.fields} == {f.name for f in m.DESCRIPTOR.fields}
+    assert e.HasField("top_p") and e.HasField("seed")
+    assert dict(e.logit_bias) == dict(m.logit_bias)
+    # and back
+    assert pb.SamplingParams.FromString(e.SerializeToString()) == m
+
+
+def test_sampling_from_pb_fields(tok):
+    m = _full_sampling()
+    p = sampling_params_from_pb(m, tok.vocab_size)
+    assert p.temperature == pytest.approx(0.7) and p.top_k == 40 and p.top_p == pytest.approx(0.9)
+    assert p.min_p == pytest.approx(0.05) and p.repetition_penalty == pytest.approx(1.1)
+    assert p.presence_penalty == 0.5 and p.frequency_penalty == -0.25
+    assert p.seed == 1234567890123
+    assert p.logit_bias == {7: 2.5, 300: -100.0, 49151: 0.125}
+    unset = sampling_params_from_pb(pb.SamplingParams(), tok.vocab_size)
+    assert unset.top_p == 0.0 and unset.seed is None
+
+
+@pytest.mark.parametrize("m", [
+    _full_sampling(),
+    pb.SamplingParams(),
+    pb.SamplingParams(top_p=1.0, seed=0),
+    pb.SamplingParams(temperature=1.3, logit_bias={1: 1.0}),
+], ids=["full", "unset", "top_p-1-seed-0", "temp-bias"])
+def test_sampling_round_trips_to_the_executor(tok, m):
+    e = sampling_to_executor_pb(sampling_params_from_pb(m, tok.vocab_size))
+    assert e == epb.SamplingParams.FromString(m.SerializeToString())
+    assert e.HasField("top_p") == m.HasField("top_p")
+    assert e.HasField("seed") == m.HasField("seed")
+
+
+# ------------------------------------------------------------------ request fields
+
+
+def test_top_logprobs_limit(parse):
+    assert parse(top_logprobs=MAX_TOP_LOGPROBS).top_logprobs == MAX_TOP_LOGPROBS
+    with pytest.raises(InvalidRequest, match="top_logprobs"):
+        parse(top_logprobs=MAX_TOP_LOGPROBS + 1)
+
+
+def test_request_id(parse):
+    assert parse(request_id="abc").request_id == "abc"
+    assert parse(request_id="x" * MAX_REQUEST_ID_CHARS).request_id == "x" * MAX_REQUEST_ID_CHARS
+    with pytest.raises(InvalidRequest, match="request_id"):
+        parse(request_id="x" * (MAX_REQUEST_ID_CHARS + 1))
+    a, b = parse().request_id, parse().request_id  # unset: made up, unique
+    assert a and b and a != b
+
+
+def test_adapters(parse):
+    assert parse(adapter="lora-b").adapter == "lora-b"
+    assert parse().adapter == ""
+    with pytest.raises(AdapterNotFound, match="nope"):
+        parse(adapter="nope")
+
+
+def test_keep_special_tokens(parse):
+    assert parse().keep_special_tokens is False
+    assert parse(keep_special_tokens=True).keep_special_tokens is True
+
+
+# ------------------------------------------------------------------ stopping
+
+
+def test_stopping_fields(parse):
+    req = parse(stopping=pb.StoppingCriteria(max_new_tokens=20, min_new_tokens=2, stop=["###", "\n\n"],
+                                             stop_token_ids=[2, 7], ignore_eos=True,
+                                             include_stop_str_in_output=True))
+    assert req.stopping == StoppingCriteria(20, 2, ("###", "\n\n"), frozenset({2, 7}), True, True)
+
+
+def test_default_max_new_tokens(parse):
+    assert parse(token_ids=ids(10)).stopping.max_new_tokens == DEFAULT_MAX_NEW
+    # shortened to the room the prompt leaves
+    assert parse(token_ids=ids(MAX_SEQ_LEN - 4)).stopping.max_new_tokens == 4
+    assert parse(token_ids=ids(MAX_SEQ_LEN - 1)).stopping.max_new_tokens == 1
+    assert parse(token_ids=ids(10), default_max_new=1000).stopping.max_new_tokens == MAX_SEQ_LEN - 10
+
+
+def test_prompt_too_long(parse):
+    with pytest.raises(SequenceTooLong):
+        parse(token_ids=ids(MAX_SEQ_LEN))
+    with pytest.raises(SequenceTooLong):
+        parse(token_ids=ids(MAX_SEQ_LEN + 5))
+
+
+def test_prompt_plus_explicit_max_new_too_long(parse):
+    ok = parse(token_ids=ids(10), stopping=pb.StoppingCriteria(max_new_tokens=MAX_SEQ_LEN - 10))
+    assert ok.stopping.max_new_tokens == MAX_SEQ_LEN - 10
+    with pytest.raises(SequenceTooLong, match="max_new_tokens"):
+        parse(token_ids=ids(10), stopping=pb.StoppingCriteria(max_new_tokens=MAX_SEQ_LEN - 9))
+
+
+def test_min_new_tokens_above_max_new(parse):
+    assert parse(stopping=pb.StoppingCriteria(max_new_tokens=5, min_new_tokens=5)).stopping.min_new_tokens == 5
+    with pytest.raises(InvalidRequest, match="min_new_tokens"):
+        parse(stopping=pb.StoppingCriteria(max_new_tokens=5, min_new_tokens=6))
+    with pytest.raises(InvalidRequest, match="min_new_tokens"):  # against the default max_new_tokens
+        parse(stopping=pb.StoppingCriteria(min_new_tokens=DEFAULT_MAX_NEW + 1))
+
+
+def test_stop_strings_limits(parse):
+    parse(stopping=pb.StoppingCriteria(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]))
+    parse(stopping=pb.StoppingCriteria(stop=["x" * MAX_STOP_CHARS]))
+    with pytest.raises(InvalidRequest, match="stop strings"):
+        parse(stopping=pb.StoppingCriteria(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]))
+    with pytest.raises(InvalidRequest, match="stop strings"):
+        parse(stopping=pb.StoppingCriteria(stop=["x" * (MAX_STOP_CHARS + 1)]))
+    with pytest.raises(InvalidRequest, match="stop strings"):
+        parse(stopping=pb.StoppingCriteria(stop=["ok", ""]))
+
+
+def test_stop_token_id_out_of_vocab(parse, tok):
+    parse(stopping=pb.StoppingCriteria(stop_token_ids=[tok.vocab_size - 1]))
+    with pytest.raises(InvalidRequest, match="stop token id"):
+        parse(stopping=pb.StoppingCriteria(stop_token_ids=[2, tok.vocab_size]))
+
+
+# ------------------------------------------------------------------ responses
+
+
+def test_delta_to_pb():
+    d = Delta("hi", [TokenLogprob(5, -0.25, ((5, -0.25), (9, -2.0))), TokenLogprob(2, -0.5)],
+              FinishReason.STOP, "2", Usage(7, 2, 0, 1))
+    m = delta_to_pb("req", d)
+    assert (m.request_id, m.text, list(m.token_ids), m.stop_reason) == ("req", "hi", [5, 2], "2")
+    assert m.finish_reason == pb.FINISH_REASON_STOP
+    assert [(lp.token_id, lp.logprob) for lp in m.logprobs] == [(5, -0.25), (2, -0.5)]
+    assert [(t.token_id, t.logprob) for t in m.logprobs[0].top_logprobs] == [(5, -0.25), (9, -2.0)]
+    assert list(m.logprobs[1].top_logprobs) == []
+    assert (m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.preemptions) == (7, 2, 1)
+    mid = delta_to_pb("req", Delta("x", [TokenLogprob(5, -1.0)]))
+    assert mid.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not mid.HasField("usage")
