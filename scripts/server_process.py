@@ -109,21 +109,41 @@ class ServerProcess:
             return "<log unavailable>"
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the launching thread's process dies, so servers are
+    not orphaned when a test run or a benchmark is killed (atexit does not run on a signal death)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the atexit handler below is all we have
+
+
 def _pump_stdout(stream, lines: "queue.Queue") -> None:
     for line in stream:  # the READY line, and anything after it (so the pipe never fills)
         lines.put(line.strip())
     lines.put(_EOF)
 
 
-def launch(name: str, module: str, *args: str, capture_log: bool = True, python: str = sys.executable,
+def launch(name: str, module: str, *args: str, capture_log: bool = True, log_path: Path | None = None,
+           own_session: bool = False, python: str = sys.executable,
            ready_timeout: float = READY_TIMEOUT_S) -> ServerProcess:
-    """Runs `python -m module *args` in the repo root and returns once it printed READY. With
-    capture_log, its stderr goes to a temp file (quoted by errors, .log()); else to this terminal."""
+    """Runs `python -m module *args` in the repo root and returns once it printed READY. Its stderr goes
+    to log_path if given (kept), else with capture_log to a temp file (quoted by errors, .log()), else to
+    this terminal. own_session: the child does not get the terminal's Ctrl-C (the caller stops it)."""
     cmd = [python, "-m", module, *args]
-    log = tempfile.NamedTemporaryFile(prefix=f"tandem-{name}-", suffix=".log", delete=True) if capture_log else None
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "w")
+    elif capture_log:
+        log = tempfile.NamedTemporaryFile(prefix=f"tandem-{name}-", suffix=".log", mode="w", delete=True)
+    else:
+        log = None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=log if log is not None else None, text=True, env=env)
+                            stderr=log if log is not None else None, text=True, env=env,
+                            start_new_session=own_session,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_stdout, args=(proc.stdout, lines), daemon=True,
                      name=f"{name}-stdout-{proc.pid}").start()

@@ -1,0 +1,126 @@
+"""Starts the executor and the scheduler, streams a sample chat answer, prints a grpcurl command, and keeps
+serving until Ctrl-C (then stops the scheduler, letting running requests finish, and the executor).
+
+Run through `scripts/serve`, which first bootstraps .venv and prepares the default model:
+
+    scripts/serve                                   # SmolLM2-135M-Instruct on 127.0.0.1:50052
+    scripts/serve --prompt "Name three colors."     # another sample question
+    scripts/serve --model DIR --port 6000           # another HF model dir / port
+    scripts/serve --executor-args "--kv-blocks 512" --scheduler-args "--max-running 32"
+
+Logs go to --log-dir (default ~/.cache/tandem/logs): executor.log and scheduler.log.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import server_process  # noqa: E402
+from protos import generate_pb2 as pb  # noqa: E402
+from protos import generate_pb2_grpc as pb_grpc  # noqa: E402
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="HF model directory (scripts/serve passes the default)")
+    ap.add_argument("--host", default="127.0.0.1", help="address both servers bind (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=50052, help="scheduler (GenerateService) port (default 50052)")
+    ap.add_argument("--executor-port", type=int, default=50051, help="executor port (default 50051)")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"sample chat question (default {DEFAULT_PROMPT!r})")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="length limit of the sample answer")
+    ap.add_argument("--executor-args", default="", help="extra flags for tandem-executor, one quoted string")
+    ap.add_argument("--scheduler-args", default="", help="extra flags for tandem-scheduler, one quoted string")
+    ap.add_argument("--log-dir", type=Path, default=Path.home() / ".cache" / "tandem" / "logs")
+    ap.add_argument("--no-wait", action="store_true", help="stop after the sample answer (for scripted checks)")
+    return ap.parse_args(argv)
+
+
+def say(msg: str) -> None:
+    print(f"[serve] {msg}", file=sys.stderr, flush=True)
+
+
+def stream_answer(address: str, prompt: str, max_new_tokens: int) -> pb.GenerateResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        req = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
+                                 stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens))
+        print(f"\n>>> {prompt}\n", flush=True)
+        last = None
+        for last in stub.Generate(req, timeout=600):
+            print(last.text, end="", flush=True)
+        print("\n", flush=True)
+        return last
+
+
+def grpcurl_hint(address: str) -> str:
+    body = json.dumps({"messages": {"messages": [{"role": "user", "content": "Write a haiku about the sea."}]},
+                       "stopping": {"maxNewTokens": 64}})
+    grpcurl = ROOT / ".venv" / "bin" / "grpcurl"
+    exe = str(grpcurl) if grpcurl.exists() else "grpcurl"
+    return f"{exe} -plaintext -d '{body}' {address} tandem.generate.v1.GenerateService/Generate"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    logs = args.log_dir
+    executor = scheduler = None
+    try:
+        say(f"starting the executor on {args.host}:{args.executor_port} (loads {args.model.name}; log: "
+            f"{logs / 'executor.log'})")
+        started = time.monotonic()
+        executor = server_process.launch(
+            "executor", "executor_service", "--model", str(args.model), "--host", args.host, "--port",
+            str(args.executor_port), *shlex.split(args.executor_args), log_path=logs / "executor.log",
+            own_session=True, ready_timeout=600)
+        say(f"executor ready in {time.monotonic() - started:.1f}s; starting the scheduler on {args.host}:{args.port} "
+            f"(log: {logs / 'scheduler.log'})")
+        scheduler = server_process.launch(
+            "scheduler", "scheduler", "--executor", executor.address, "--host", args.host, "--port", str(args.port),
+            *shlex.split(args.scheduler_args), log_path=logs / "scheduler.log", own_session=True)
+        say(f"both healthy; GenerateService at {scheduler.address}")
+        last = stream_answer(scheduler.address, args.prompt, args.max_new_tokens)
+        if last is not None and last.HasField("usage"):
+            say(f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} generated tokens")
+        print("Try it yourself (the server has reflection: no .proto needed):\n", flush=True)
+        print(f"  {grpcurl_hint(scheduler.address)}\n", flush=True)
+        if args.no_wait:
+            return 0
+        say("serving; Ctrl-C stops both servers")
+        while not stop.wait(1.0):
+            for proc in (executor, scheduler):
+                if proc.proc.poll() is not None:
+                    say(f"the {proc.name} exited unexpectedly (code {proc.proc.returncode}); log tail:\n{proc.log(4000)}")
+                    return 1
+        return 0
+    except RuntimeError as exc:  # a server did not come up: its log is in the message
+        say(str(exc))
+        return 1
+    finally:
+        for proc in (scheduler, executor):  # the scheduler first: it drains its requests through the executor
+            if proc is not None:
+                say(f"stopping the {proc.name}")
+                code = proc.stop(timeout=40)
+                if code != 0:
+                    say(f"the {proc.name} exited with code {code}; see its log")
+        if executor is not None:
+            say("stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
