@@ -1,7 +1,6 @@
 """Conversions between tandem.executor.v1 messages and the executor's domain objects."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -10,7 +9,7 @@ from executor_service.metrics import LatencySummary, MetricsSnapshot
 from executor_service.types import (CacheRef, DecodeItem, ExecutorInfo, KvUsage, OutputMode, OutputOptions,
                                     SequenceOutput, UnifiedItem)
 from models.errors import InvalidRequest
-from models.sampling_params import SamplingParams
+from executor_service.sampling_codec import sampling_from_pb  # noqa: F401  (re-exported for the servicer)
 from protos import executor_pb2 as pb
 
 _MODES = {
@@ -21,18 +20,6 @@ _MODES = {
 }
 _LOGITS_DTYPES = {pb.LOGITS_DTYPE_UNSPECIFIED, pb.LOGITS_DTYPE_FLOAT32, pb.LOGITS_DTYPE_BFLOAT16,
                   pb.LOGITS_DTYPE_FLOAT16}
-
-
-def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
-    if m.HasField("top_p") and not (0.0 < m.top_p <= 1.0):
-        raise InvalidRequest(f"sampling.top_p must be in (0, 1] (leave it unset for off), got {m.top_p}")
-    if not math.isnan(m.repetition_penalty) and m.repetition_penalty < 0:
-        raise InvalidRequest(f"sampling.repetition_penalty must be > 0 (unset = off), got {m.repetition_penalty}")
-    return SamplingParams(
-        temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.HasField("top_p") else 0.0, min_p=m.min_p,
-        repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
-        frequency_penalty=m.frequency_penalty, seed=m.seed if m.HasField("seed") else None,
-        logit_bias=dict(m.logit_bias))
 
 
 def output_from_pb(m: pb.OutputOptions) -> tuple[OutputOptions, int]:

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
+from executor_service.grpc_setup import add_health_reflection_and_ports
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
 from executor_service.model_thread import ModelThread
 from executor_service.servicer import ExecutorServicer
@@ -44,21 +44,7 @@ def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetr
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                  ("grpc.so_reuseport", 0)])
     executor_pb2_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    addresses = []
-    if cfg.port >= 0:
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if port == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (address in use?)")
-        addresses.append(f"{cfg.host}:{port}")
-    if cfg.uds:
-        server.add_insecure_port(f"unix:{cfg.uds}")
-        addresses.append(f"unix:{cfg.uds}")
-    if not addresses:
-        raise ValueError("nothing to listen on: give --port >= 0 or --uds PATH")
-    return server, addresses
+    return server, add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds)
 
 
 def _load_and_warm(executor_cfg: ExecutorConfig) -> Executor:

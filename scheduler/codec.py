@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from executor_service.codec import sampling_from_pb
+from executor_service.sampling_codec import sampling_from_pb, sampling_to_pb
 from models.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
 from models.sampling_params import SamplingParams
 from protos import executor_pb2 as epb
@@ -51,15 +51,7 @@ def sampling_params_from_pb(m: pb.SamplingParams, vocab_size: int) -> SamplingPa
     return params
 
 
-def sampling_to_executor_pb(p: SamplingParams) -> epb.SamplingParams:
-    m = epb.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p,
-                           repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                           frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias)
-    if p.top_p:
-        m.top_p = p.top_p
-    if p.seed is not None:
-        m.seed = p.seed
-    return m
+sampling_to_executor_pb = sampling_to_pb  # the executor message the scheduler sends per item
 
 
 def with_banned_tokens(m: epb.SamplingParams, token_ids) -> epb.SamplingParams:

@@ -25,11 +25,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
                     return await inner(request, context)
-                except TandemError as exc:
+                except Exception as exc:
                     await _abort(context, method, exc)
-                except Exception:
-                    log.exception("%s failed", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the scheduler log")
 
             return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                        response_serializer=handler.response_serializer)
@@ -40,11 +37,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for message in inner_stream(request, context):
                         yield message
-                except TandemError as exc:
+                except Exception as exc:
                     await _abort(context, method, exc)
-                except Exception:
-                    log.exception("%s failed", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the scheduler log")
 
             return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
                                                         response_serializer=handler.response_serializer)
@@ -54,7 +48,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 _OURS = {"Generate", "Tokenize", "GetModelInfo"}
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, exc: TandemError) -> None:
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AbortError):  # context.abort() already ran (inside the handler)
+        raise exc
+    if not isinstance(exc, TandemError):  # a bug, not the caller's fault: log it whole, keep serving
+        log.exception("%s failed", method, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the scheduler log")
     code = status_for(exc)
     log.info("%s -> %s: %s", method, code.name, exc)
     await context.abort(code, str(exc))

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
+from executor_service.grpc_setup import add_health_reflection_and_ports
 from models.errors import CheckpointError
 from protos import generate_pb2, generate_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -65,20 +65,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
                              options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0)])
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    addresses = []
-    if cfg.port >= 0:
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if port == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (address in use?)")
-        addresses.append(f"{cfg.host}:{port}")
-    if cfg.uds:
-        server.add_insecure_port(f"unix:{cfg.uds}")
-        addresses.append(f"unix:{cfg.uds}")
-    if not addresses:
-        raise ValueError("nothing to listen on: give --port >= 0 or --uds PATH")
+    addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

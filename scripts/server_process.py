@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,14 +110,13 @@ class ServerProcess:
             return "<log unavailable>"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the launching thread's process dies, so servers are
-    not orphaned when a test run or a benchmark is killed (atexit does not run on a signal death)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the atexit handler below is all we have
+def _die_with_parent(cmd: list[str]) -> list[str]:
+    """Prefixes cmd with util-linux `setpriv --pdeathsig SIGTERM` where it exists (Linux): the server then
+    gets SIGTERM when the launching thread's process dies, so it is not orphaned when a test run or a
+    benchmark is killed (atexit does not run on a signal death). An exec wrapper, not a preexec_fn: Python
+    code between fork and exec can crash a process with gRPC threads."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "SIGTERM", "--", *cmd] if setpriv and sys.platform.startswith("linux") else cmd
 
 
 def _pump_stdout(stream, lines: "queue.Queue") -> None:
@@ -140,10 +140,9 @@ def launch(name: str, module: str, *args: str, capture_log: bool = True, log_pat
     else:
         log = None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_die_with_parent(cmd), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=log if log is not None else None, text=True, env=env,
-                            start_new_session=own_session,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                            start_new_session=own_session)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_stdout, args=(proc.stdout, lines), daemon=True,
                      name=f"{name}-stdout-{proc.pid}").start()
