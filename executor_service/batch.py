@@ -65,7 +65,8 @@ class BatchRunner:
             b.state.table.length += len(b.item.token_ids)
             b.state.tokens.extend(b.item.token_ids)
             if b.item.is_final_chunk and b.state.prompt_len is None:
-                b.state.prompt_len = b.state.table.length
+                given = b.item.prompt_len
+                b.state.prompt_len = b.state.table.length if given is None else given
         return self._outputs(batch, logits, rows_per_item)
 
     @torch.inference_mode()

@@ -77,7 +77,8 @@ def kv_to_pb(kv: KvUsage) -> pb.KvUsage:
 def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
     output, dtype = output_from_pb(m.output)
     return UnifiedItem(tuple(m.token_ids), m.cache_id or None, m.pos_offset, m.is_final_chunk,
-                       sampling_from_pb(m.sampling), output, m.adapter), dtype
+                       sampling_from_pb(m.sampling), output, m.adapter,
+                       m.prompt_len if m.HasField("prompt_len") else None), dtype
 
 
 def decode_item_from_pb(m: pb.DecodeItem) -> tuple[DecodeItem, int]:

@@ -20,7 +20,8 @@ from protos import executor_pb2_grpc as pb_grpc
 
 def _on_model_thread(handler: Callable) -> Callable:
     """Runs the whole handler (proto conversion included: logits encoding touches torch) on the model
-    thread; see executor_service/model_thread.py for why."""
+    thread; see executor_service/model_thread.py for why. Only RPCs that run the model use it: info,
+    metrics, truncate and release do no tensor math and must not queue behind a long Decode."""
     @functools.wraps(handler)
     def wrapper(self: "ExecutorServicer", request, context):
         return self._thread.call(handler, self, request, context)
@@ -49,7 +50,6 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             raise Unavailable("the executor is still loading its model; wait for health SERVING")
         return self._executor
 
-    @_on_model_thread
     def GetInfo(self, request, context):
         return codec.info_to_pb(self.ex.info())
 
@@ -98,20 +98,17 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                                         positions=[codec.sequence_output_to_pb(p, dtype) for p in res.positions],
                                         kv=codec.kv_to_pb(ex.kv_usage()))
 
-    @_on_model_thread
     def TruncateCache(self, request, context):
         ex = self.ex
         ref = ex.truncate_cache(request.cache_id, request.new_len)
         return pb.TruncateCacheResponse(cache=codec.cache_to_pb(ref), kv=codec.kv_to_pb(ex.kv_usage()))
 
-    @_on_model_thread
     def ReleaseCache(self, request, context):
         ex = self.ex
         released, unknown = ex.release_cache(list(request.cache_ids))
         return pb.ReleaseCacheResponse(released=released, unknown_cache_ids=unknown,
                                        kv=codec.kv_to_pb(ex.kv_usage()))
 
-    @_on_model_thread
     def GetMetrics(self, request, context):
         ex = self.ex
         return codec.metrics_to_pb(ex.metrics_snapshot(), ex.kv_usage(), self._rpc_metrics.snapshot())

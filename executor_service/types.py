@@ -72,6 +72,10 @@ class UnifiedItem:
     sampling: SamplingParams = SamplingParams()
     output: OutputOptions = OutputOptions()
     adapter: str = ""
+    # How many of the cache's tokens are prompt (presence/frequency penalties count only the rest), fixed
+    # at the first final chunk. None = every token up to that chunk. A scheduler recomputing a preempted
+    # sequence passes its true prompt length so the earlier outputs still count as outputs.
+    prompt_len: int | None = None
 
 
 @dataclass

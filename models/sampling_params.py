@@ -23,8 +23,9 @@ class SamplingParams:
     repetition_penalty: transformers' multiplicative penalty over every token the sequence holds
         (prompt and output); 0 or 1 = off.
     presence_penalty / frequency_penalty: OpenAI's additive penalties over the output tokens only: those
-        fed to a cache after its prompt (after Prefill, or after its first final UnifiedDecode chunk). A
-        sequence recomputed after preemption re-enters its outputs as prompt, so they then count as prompt.
+        fed to a cache after its prompt (after Prefill, or after its first final UnifiedDecode chunk, or
+        after the item's prompt_len when given: the scheduler sets it so a sequence recomputed after
+        preemption still counts its earlier outputs as outputs).
     seed: makes sampling reproducible; None = a fresh random seed per step.
     logit_bias: token id -> value added to its logit before everything else.
     """

@@ -235,7 +235,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
 
 class UnifiedItem(_message.Message):
-    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter")
+    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class UnifiedItem(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
@@ -250,7 +251,8 @@ class UnifiedItem(_message.Message):
     sampling: SamplingParams
     output: OutputOptions
     adapter: str
-    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
     __slots__ = ("items",)

@@ -192,7 +192,8 @@ class Engine:
         seq, req = item.seq, item.seq.request
         return epb.UnifiedItem(cache_id=seq.cache_id, token_ids=seq.token_slice(item.start, item.start + item.count),
                                pos_offset=item.start, is_final_chunk=item.is_final, sampling=seq.sampling_for_next_token(),
-                               output=self._output_options(req.top_logprobs), adapter=req.adapter)
+                               output=self._output_options(req.top_logprobs), adapter=req.adapter,
+                               prompt_len=len(req.prompt_ids))
 
     def _output_options(self, top_logprobs: int) -> epb.OutputOptions:
         opts = self._exec_output.get(top_logprobs)

@@ -221,3 +221,18 @@ def test_a_request_that_cannot_fit_alone_is_resource_exhausted(small_kv):
     err = rpc_error(lambda: list(scheduler.stub.Generate(ids_request([1] * 100, 150))))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV" in err.details()
     wait_kv_free(executor.stub)
+
+
+def test_preemption_keeps_penalties_on_earlier_outputs(small_kv, scheduler):
+    """presence/frequency penalties count output tokens only; a recomputed sequence re-enters its outputs
+    as one prefill, with prompt_len telling the executor which of them are outputs."""
+    _, small = small_kv
+    ps = prompts(8, seed=8)
+    sampling = pb.SamplingParams(presence_penalty=0.7, frequency_penalty=0.9)
+    stop = pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True)
+    reqs = [ids_request(p, 40, stopping=stop, sampling=sampling) for p in ps]
+    alone = [collect(scheduler.stub, r) for r in reqs]
+    with cf.ThreadPoolExecutor(8) as pool:
+        squeezed = list(pool.map(lambda r: collect(small.stub, r), reqs))
+    assert sum(r.usage.preemptions for r in squeezed) > 0
+    assert [r.token_ids for r in squeezed] == [r.token_ids for r in alone]
