@@ -46,6 +46,10 @@ class Executor:
         self.config = config
         self.device = config.resolve_device()
         self.model = load_model(config.model_dir, self.device, config.dtype, progress=config.progress)
+        # CPU float32: oneDNN-packed copies of the linear weights for decode-sized calls. Before the KV pool
+        # is sized, so that the pool's share of free memory accounts for them.
+        if config.cpu_packed_weights:
+            self.model.pack_cpu_weights()
         cfg = self.model.config
         self.model_config = cfg
         self.generation = read_generation_defaults(config.model_dir, cfg)
