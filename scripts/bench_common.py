@@ -7,6 +7,11 @@
 - `machine_info(...)`: CPU count, torch version, threads, device name, for the JSON header.
 - `format_table(rows, columns)`: a plain-text, right-aligned table.
 - `write_json(path, payload)`: creates the parent directory and writes indented JSON.
+- `summarize(values, scale)`: mean / std / min / max / p50 / p90 / p99 of a sample (numpy's linear
+  percentiles, as vLLM's serving benchmark reports them).
+- `process_cpu_s(pid)` / `machine_busy_s()`: CPU seconds of one process (all threads) and of the whole
+  machine since boot, from /proc (None elsewhere): the difference of two readings around a timed phase
+  tells how many cores a server used and how busy other jobs kept the machine.
 
 Benchmark-only; never imported by the servers. Scripts import it as a sibling module:
 `sys.path.insert(0, str(Path(__file__).resolve().parent))` then `import bench_common`.
@@ -185,6 +190,45 @@ def write_json(path: str | Path, payload: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     return path
+
+
+def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, Any]:
+    """Distribution of `values` x scale (e.g. scale 1e3: seconds -> ms): n, mean, std, min, max, p50, p90,
+    p99 (numpy's linear interpolation). An empty sample gives n 0 and None everywhere else."""
+    import numpy as np
+    keys = ("mean", "std", "min", "max", "p50", "p90", "p99")
+    if len(values) == 0:
+        return {"n": 0, **{k: None for k in keys}}
+    a = np.asarray(values, dtype=np.float64) * scale
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"n": int(a.size), "mean": float(a.mean()), "std": float(a.std()), "min": float(a.min()),
+            "max": float(a.max()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) a live process has used, from /proc (None elsewhere or
+    once it has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _clock_ticks()
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all CPUs spent busy since boot (/proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / _clock_ticks()
+
+
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def int_list(text: str, flag: str) -> list[int]:

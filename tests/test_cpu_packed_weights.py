@@ -13,6 +13,7 @@ from tests.hf_reference import rel_err
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
 
 
+@torch.no_grad()
 def test_packed_linear_matches_f_linear():
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True)
