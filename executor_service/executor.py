@@ -251,7 +251,7 @@ class Executor:
                                            f"{state.table.length} next")
             elif it.pos_offset != 0:
                 raise InvalidRequest(f"{where}: a new cache (empty cache_id) starts at pos_offset 0, got {it.pos_offset}")
-            if it.prompt_len is not None and it.prompt_len > it.pos_offset + len(it.token_ids):
+            if it.is_final_chunk and it.prompt_len is not None and it.prompt_len > it.pos_offset + len(it.token_ids):
                 raise InvalidRequest(f"{where}: prompt_len {it.prompt_len} exceeds the {it.pos_offset + len(it.token_ids)} "
                                      "tokens the cache will hold after this item")
             if it.pos_offset + len(it.token_ids) > max_len:

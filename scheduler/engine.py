@@ -193,7 +193,8 @@ class Engine:
         return epb.UnifiedItem(cache_id=seq.cache_id, token_ids=seq.token_slice(item.start, item.start + item.count),
                                pos_offset=item.start, is_final_chunk=item.is_final, sampling=seq.sampling_for_next_token(),
                                output=self._output_options(req.top_logprobs), adapter=req.adapter,
-                               prompt_len=len(req.prompt_ids))
+                               # read by the executor at the first final chunk only
+                               prompt_len=len(req.prompt_ids) if item.is_final else None)
 
     def _output_options(self, top_logprobs: int) -> epb.OutputOptions:
         opts = self._exec_output.get(top_logprobs)
