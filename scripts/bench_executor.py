@@ -440,17 +440,6 @@ def busy_threads(before: dict[str, float], after: dict[str, float], wall_s: floa
     return sum(deltas), sum(d >= 0.1 * wall_s for d in deltas)
 
 
-def machine_busy_s() -> float | None:
-    """CPU seconds all CPUs spent busy since boot (/proc/stat; None elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
-
-
 def loadavg() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -560,13 +549,13 @@ def bench_config(inproc: InProcSide, grpc_side: GrpcSide, cfg: Config, batch: in
         inproc.reset_timing(device)
         grpc_side.reset_timing(device)
         op0, srv0 = inproc.op_stats(), grpc_side.server_stats()
-        load0, busy0, wall0 = loadavg(), machine_busy_s(), time.perf_counter()
+        load0, busy0, wall0 = loadavg(), bc.machine_busy_s(), time.perf_counter()
         threads0 = (thread_cpu_s(os.getpid()), thread_cpu_s(grpc_side.server_pid))
         for step in range(args.steps):  # alternate who goes first
             for side in ((inproc, grpc_side) if step % 2 == 0 else (grpc_side, inproc)):
                 side.step(cfg, timed=True)
         threads1 = (thread_cpu_s(os.getpid()), thread_cpu_s(grpc_side.server_pid))
-        load1, busy1, wall1 = loadavg(), machine_busy_s(), time.perf_counter()
+        load1, busy1, wall1 = loadavg(), bc.machine_busy_s(), time.perf_counter()
         op1, srv1 = inproc.op_stats(), grpc_side.server_stats()
         micro = micro_breakdown(inproc, grpc_side, args.micro_repeats)
         req_bytes, resp_bytes = grpc_side.last_request.ByteSize(), grpc_side.last_response.ByteSize()

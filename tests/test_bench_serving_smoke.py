@@ -1,0 +1,72 @@
+"""Smoke test of scripts/bench_serving.py --quick on a tiny checkpoint: it starts a real executor and
+scheduler, streams concurrent requests through them, stops them, runs both transformers baselines on the
+same prompts and writes sane JSON and a PNG.
+
+No timing assertions: the machine is shared and noisy; only structure, positivity and exact output
+lengths are checked.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+N, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 4, 16, 8, 2
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serving_quick(tiny_checkpoint, tmp_path):
+    model_dir = tiny_checkpoint("llama")
+    out = tmp_path / "results" / "serving.json"  # the parent dir does not exist yet: the script creates it
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--quick", "--model", str(model_dir),
+         "--baseline", "hf,hf-serial", "--num-requests", str(N), "--input-len", str(INPUT_LEN),
+         "--output-len", str(OUTPUT_LEN), "--concurrency", str(CONCURRENCY), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    data = json.loads(out.read_text())
+
+    assert data["benchmark"] == "bench_serving"
+    cfg = data["config"]
+    assert (cfg["num_requests"], cfg["input_len"], cfg["output_len"], cfg["concurrency"]) == \
+        (N, INPUT_LEN, OUTPUT_LEN, CONCURRENCY)
+    assert data["machine"]["cpu_count"] >= 1 and cfg["threads"] >= 1
+    assert data["peak"]["gflops"] > 0
+    assert data["model"]["flops"]["per_request"]["total"] > 0
+    assert data["servers"]["scheduler"]["address"].startswith("127.0.0.1:")
+    assert data["servers"]["exit_codes"] == {"scheduler": 0, "executor": 0}  # SIGTERM -> clean drain
+    assert data["all_exact_output_len"] is True
+
+    assert set(data["sides"]) == {"tandem", "hf", "hf-serial"}
+    for name, side in data["sides"].items():
+        assert side["requests"] == side["completed"] == side["exact_output_len"] == N, name
+        assert side["failed"] == 0, name
+        for key in ("duration_s", "request_throughput", "output_throughput", "total_token_throughput", "gflops",
+                    "pct_peak"):
+            assert side[key] > 0, (name, key, side[key])
+        assert side["output_tokens"] == N * OUTPUT_LEN, name
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            for stat in ("mean", "p50", "p99"):
+                assert side[metric][stat] >= 0, (name, metric, stat)
+            assert side[metric]["mean"] > 0 or metric == "itl_ms", (name, metric)
+        assert side["itl_ms"]["n"] == N * (OUTPUT_LEN - 1), name  # one ITL value per token after the first
+        assert len(side["per_request"]) == N
+        for r in side["per_request"]:
+            assert r["error"] is None and r["output_len"] == OUTPUT_LEN and len(r["output_ids"]) == OUTPUT_LEN, \
+                (name, r)
+            assert r["ttft_ms"] > 0 and r["latency_ms"] >= r["ttft_ms"], (name, r)
+    for r in data["sides"]["tandem"]["per_request"]:
+        assert r["finish_reason"] == "FINISH_REASON_LENGTH"
+        assert r["usage"]["prompt_tokens"] == INPUT_LEN and r["usage"]["completion_tokens"] == OUTPUT_LEN
+    for name in ("hf", "hf-serial"):
+        ratio = data["ratios"][name]
+        assert ratio["output_throughput"] > 0 and ratio["target"] > 0
+        assert data["sides"][name]["agreement_with_tandem"]["compared"] == N
+
+    png = out.with_suffix(".png")
+    assert data["plot"] == str(png)
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    # The tables went to stdout.
+    assert "out tok/s" in proc.stdout and "TTFT p99" in proc.stdout and "tandem speedup" in proc.stdout
