@@ -347,7 +347,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class GetMetricsResponse(_message.Message):
-    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs")
+    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs", "adapters")
     class OperationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,7 @@ class GetMetricsResponse(_message.Message):
     CACHES_CREATED_FIELD_NUMBER: _ClassVar[int]
     CACHES_RELEASED_FIELD_NUMBER: _ClassVar[int]
     RPCS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     operations: _containers.MessageMap[str, LatencySummary]
     lock_wait: LatencySummary
     kv: KvUsage
@@ -380,4 +381,61 @@ class GetMetricsResponse(_message.Message):
     caches_created: int
     caches_released: int
     rpcs: _containers.MessageMap[str, LatencySummary]
-    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "rank", "target_modules", "on_device", "active_caches", "requests", "loads", "evictions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    on_device: bool
+    active_caches: int
+    requests: int
+    loads: int
+    evictions: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., on_device: _Optional[bool] = ..., active_caches: _Optional[int] = ..., requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: AdapterInfo
+    def __init__(self, adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...

@@ -74,6 +74,21 @@ class ExecutorServiceStub:
                 request_serializer=protos_dot_executor__pb2.GetMetricsRequest.SerializeToString,
                 response_deserializer=protos_dot_executor__pb2.GetMetricsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/LoadAdapter',
+                request_serializer=protos_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/UnloadAdapter',
+                request_serializer=protos_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/ListAdapters',
+                request_serializer=protos_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -135,6 +150,27 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a PEFT LoRA adapter directory (inside the executor's --adapter-root) under a name that requests
+        then put in their `adapter` field.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forgets an adapter. FAILED_PRECONDITION while caches created with it are still held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +213,21 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=protos_dot_executor__pb2.GetMetricsRequest.FromString,
                     response_serializer=protos_dot_executor__pb2.GetMetricsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=protos_dot_executor__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=protos_dot_executor__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=protos_dot_executor__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +446,87 @@ class ExecutorService:
             '/tandem.executor.v1.ExecutorService/GetMetrics',
             protos_dot_executor__pb2.GetMetricsRequest.SerializeToString,
             protos_dot_executor__pb2.GetMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/LoadAdapter',
+            protos_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+            protos_dot_executor__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/UnloadAdapter',
+            protos_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+            protos_dot_executor__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/ListAdapters',
+            protos_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
+            protos_dot_executor__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
