@@ -10,7 +10,7 @@ import torch
 
 from executor_service.config import ExecutorConfig
 from executor_service.server import ServerConfig, serve
-from models.errors import CheckpointError
+from models.errors import TandemError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,12 +37,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="most tokens one call may carry, all items together (default 8192)")
     ap.add_argument("--max-message-mb", type=int, default=64,
                     help="gRPC request/response size limit in MiB (default 64)")
+    ap.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                    help="preload a PEFT LoRA adapter directory under NAME (repeatable; inside --adapter-root when "
+                         "one is given)")
+    ap.add_argument("--adapter-root", type=Path,
+                    help="directory LoadAdapter may load from (paths must resolve inside it, symlinks included); "
+                         "without it, adapters can only be preloaded with --adapter")
+    ap.add_argument("--max-adapters-on-device", type=int, default=8,
+                    help="adapters whose weights stay on the device; the least recently used others wait in host "
+                         "memory (default 8)")
+    ap.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     ap.add_argument("--no-cpu-packed-weights", action="store_true",
                     help="CPU float32: do not keep oneDNN-packed copies of the linear weights (saves their memory, "
                          "~1.1-1.3x slower decode steps)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return ap.parse_args(argv)
+
+
+def _adapter_flags(values: list[str]) -> list[tuple[str, Path]]:
+    pairs = []
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"tandem-executor: error: --adapter wants NAME=PATH, got {v!r}")
+        pairs.append((name, Path(path)))
+    return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,12 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     executor_cfg = ExecutorConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                                   kv_blocks=args.kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
                                   block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-                                  progress=True, cpu_packed_weights=not args.no_cpu_packed_weights)
+                                  progress=True, cpu_packed_weights=not args.no_cpu_packed_weights,
+                                  adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
+                                  max_adapters_on_device=args.max_adapters_on_device,
+                                  max_lora_rank=args.max_lora_rank)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
                               threads=args.threads)
     try:
         return serve(executor_cfg, server_cfg)
-    except (CheckpointError, ValueError, OSError) as exc:
+    except (TandemError, ValueError, OSError) as exc:
         print(f"tandem-executor: error: {exc}", file=sys.stderr)
         return 2
 

@@ -8,6 +8,7 @@ import torch
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention import AttentionMetadata, ItemLayout
 from models.kv_cache import BlockTable, PagedKvCache
+from models.lora import LoraBatch, LoraWeights
 from models.sampler import Sampler, SamplingRow
 from models.transformer import DecoderModel
 
@@ -20,6 +21,7 @@ class CacheState:
     table: BlockTable = field(default_factory=BlockTable)
     tokens: list[int] = field(default_factory=list)
     prompt_len: int | None = None
+    adapter: str = ""  # fixed at creation: the KV holds this adapter's k/v projections
 
     @classmethod
     def new(cls) -> "CacheState":
@@ -49,14 +51,16 @@ class BatchRunner:
         self.group = model.config.num_heads // model.config.num_kv_heads
         self.sampler = Sampler(model.config.vocab_size)
 
-    def run(self, batch: list[BatchItem], all_positions: bool = False) -> list[list[SequenceOutput] | None]:
+    def run(self, batch: list[BatchItem], all_positions: bool = False,
+            adapters: dict[str, LoraWeights] | None = None) -> list[list[SequenceOutput] | None]:
         """Per item: None for a non-final chunk, else one SequenceOutput per position asked for (the last
-        position, or every position of the item when all_positions)."""
+        position, or every position of the item when all_positions). adapters: device weights of the LoRA
+        adapters the items name."""
         tables = [b.state.table for b in batch]
         old_lengths = [t.length for t in tables]
         self.kv.reserve([(t, t.length + len(b.item.token_ids)) for t, b in zip(tables, batch)])
         try:
-            logits, rows_per_item = self._forward(batch, all_positions)
+            logits, rows_per_item = self._forward(batch, all_positions, adapters or {})
         except BaseException:
             for t, n in zip(tables, old_lengths):  # give back what reserve took; the cache is unchanged
                 self.kv.truncate(t, n)
@@ -70,11 +74,15 @@ class BatchRunner:
         return self._outputs(batch, logits, rows_per_item)
 
     @torch.inference_mode()
-    def _forward(self, batch: list[BatchItem], all_positions: bool) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, batch: list[BatchItem], all_positions: bool,
+                 adapters: dict[str, LoraWeights]) -> tuple[torch.Tensor, list[int]]:
         layouts, ids, logit_rows, rows_per_item = [], [], [], []
+        spans: dict[str, list[tuple[int, int]]] = {}  # adapter -> its items' token ranges in the packed batch
         start = 0
         for b in batch:
             n = len(b.item.token_ids)
+            if b.item.adapter:
+                spans.setdefault(b.item.adapter, []).append((start, start + n))
             layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n))
             ids.extend(b.item.token_ids)
             if not b.item.is_final_chunk:
@@ -89,7 +97,8 @@ class BatchRunner:
         meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        return self.model(input_ids, meta, self.kv, rows), rows_per_item  # logits: [R, vocab]
+        lora = LoraBatch.build(spans, adapters, self.device)
+        return self.model(input_ids, meta, self.kv, rows, lora), rows_per_item  # logits: [R, vocab]
 
     @torch.inference_mode()
     def _outputs(self, batch: list[BatchItem], logits: torch.Tensor,

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from executor_service.metrics import LatencySummary, MetricsSnapshot
-from executor_service.types import (CacheRef, DecodeItem, ExecutorInfo, KvUsage, OutputMode, OutputOptions,
+from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, ExecutorInfo, KvUsage, OutputMode, OutputOptions,
                                     SequenceOutput, UnifiedItem)
 from models.errors import InvalidRequest
 from executor_service.sampling_codec import sampling_from_pb  # noqa: F401  (re-exported for the servicer)
@@ -106,9 +106,16 @@ def latency_to_pb(s: LatencySummary) -> pb.LatencySummary:
     return pb.LatencySummary(count=s.count, mean_ms=s.mean_ms, p95_ms=s.p95_ms, max_ms=s.max_ms)
 
 
-def metrics_to_pb(m: MetricsSnapshot, kv: KvUsage, rpcs: dict[str, LatencySummary]) -> pb.GetMetricsResponse:
+def metrics_to_pb(m: MetricsSnapshot, kv: KvUsage, rpcs: dict[str, LatencySummary],
+                  adapters: list[AdapterInfo]) -> pb.GetMetricsResponse:
     return pb.GetMetricsResponse(
         operations={k: latency_to_pb(v) for k, v in m.ops.items()}, lock_wait=latency_to_pb(m.lock_wait),
         kv=kv_to_pb(kv), forward_passes=m.forward_passes, tokens_processed=m.tokens_processed,
         tokens_sampled=m.tokens_sampled, caches_created=m.caches_created, caches_released=m.caches_released,
-        rpcs={k: latency_to_pb(v) for k, v in rpcs.items()})
+        rpcs={k: latency_to_pb(v) for k, v in rpcs.items()}, adapters=[adapter_to_pb(a) for a in adapters])
+
+
+def adapter_to_pb(a: AdapterInfo) -> pb.AdapterInfo:
+    return pb.AdapterInfo(name=a.name, path=a.path, rank=a.rank, target_modules=list(a.target_modules),
+                          on_device=a.on_device, active_caches=a.active_caches, requests=a.requests, loads=a.loads,
+                          evictions=a.evictions)

@@ -25,6 +25,12 @@ class ExecutorConfig:
     # CPU float32: a oneDNN-packed copy of every linear weight for decode-sized calls (~1.1-1.3x per decode
     # step on 2 cores; costs a second copy of the linear weights in memory). Off: plain F.linear only.
     cpu_packed_weights: bool = True
+    # LoRA: runtime loads only from inside adapter_root (None: runtime loading disabled); `adapters` are the
+    # operator's preloads (name, dir); at most max_adapters_on_device adapters' weights on the device.
+    adapter_root: Path | None = None
+    adapters: tuple[tuple[str, Path], ...] = ()
+    max_adapters_on_device: int = 8
+    max_lora_rank: int = 64
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

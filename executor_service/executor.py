@@ -10,26 +10,28 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
+from executor_service.adapters import AdapterRegistry
 from executor_service.batch import BatchItem, BatchRunner, CacheState
 from executor_service.config import ExecutorConfig, kv_block_count
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
-from executor_service.types import (CacheRef, DecodeItem, DecodeResult, ExecutorInfo, KvUsage, OutputMode,
+from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, KvUsage, OutputMode,
                                     OutputOptions, PrefillResult, SequenceOutput, UnifiedItem, UnifiedResult,
                                     VerifyResult)
 from models.config import read_generation_defaults
-from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
+from models.errors import (AdapterInUse, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
                            PositionMismatch, SequenceTooLong)
 from models.kv_cache import PagedKvCache
 from models.loader import load_model
 from models.sampling_params import SamplingParams
 
-CAPABILITIES = ("paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
+CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
                 "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling")
 MAX_TOP_LOGPROBS = 20
 MAX_DECODE_STEPS = 256
@@ -60,6 +62,10 @@ class Executor:
         self.kv = PagedKvCache(cfg.num_layers, blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
                                self.device)
         self.runner = BatchRunner(self.model, self.kv)
+        self.adapters = AdapterRegistry(cfg, self.device, dtype, config.adapter_root, config.max_adapters_on_device,
+                                        config.max_lora_rank)
+        for name, path in config.adapters:  # the operator's preloads (allowed without a root)
+            self.adapters.load(name, path, trusted=True)
         self.metrics = ExecutorMetrics()
         self._caches: dict[str, CacheState] = {}
         self._lock = threading.Lock()
@@ -141,7 +147,7 @@ class Executor:
                                adapter)
             (planned,) = self._validate([item])
             batch = [BatchItem(item, planned.state)]
-            outputs = self.runner.run(batch, all_positions=True)
+            outputs = self.runner.run(batch, all_positions=True, adapters=self._adapter_weights(batch))
             self._count(outputs)
             self.metrics.tokens_processed += len(token_ids)
             positions = outputs[0] or []
@@ -172,6 +178,28 @@ class Executor:
             self.metrics.caches_released += released
             return released, unknown
 
+    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Loads a PEFT LoRA directory from inside the adapter root; nothing changes on any error."""
+        with self._op("load_adapter"):
+            self.adapters.load(name, path)
+            return self._adapter_info(name)
+
+    def unload_adapter(self, name: str) -> None:
+        with self._op("unload_adapter"):
+            self.adapters.get(name)
+            users = sum(1 for s in self._caches.values() if s.adapter == name)
+            if users:
+                raise AdapterInUse(f"adapter {name!r} is used by {users} live caches; release them first "
+                                   "(unloading never cuts a sequence short)")
+            self.adapters.unload(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        counts: dict[str, int] = {}
+        for s in self._caches.values():
+            if s.adapter:
+                counts[s.adapter] = counts.get(s.adapter, 0) + 1
+        return self.adapters.infos(counts)
+
     def kv_usage(self) -> KvUsage:
         u = self.kv.usage()
         return KvUsage(u.block_size, u.total_blocks, u.free_blocks, len(self._caches))
@@ -185,7 +213,7 @@ class Executor:
             max_seq_len=cfg.max_position_embeddings, dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
             device=str(self.device), eos_token_ids=self.generation.eos_token_ids,
             bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(),
-            max_batch_tokens=self.config.max_batch_tokens, capabilities=CAPABILITIES)
+            max_batch_tokens=self.config.max_batch_tokens, capabilities=CAPABILITIES, adapters=self.adapters.names())
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         return self.metrics.snapshot()
@@ -234,7 +262,7 @@ class Executor:
             if bad is not None:
                 raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
             if it.adapter:
-                raise AdapterNotFound(f"{where}: adapter {it.adapter!r} is not loaded (this executor holds none)")
+                self.adapters.get(it.adapter)  # AdapterNotFound
             it.sampling.validate(vocab)
             if not 0 <= it.output.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequest(f"{where}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
@@ -244,6 +272,10 @@ class Executor:
                     raise InvalidRequest(f"cache {it.cache_id!r} appears twice in one batch")
                 seen.add(it.cache_id)
                 state = self._state(it.cache_id)
+                if state.adapter != it.adapter:
+                    raise CacheStateConflict(f"{where}: the cache was created with adapter {state.adapter or '(base)'!r};"
+                                             f" it cannot continue with {it.adapter or '(base)'!r} (its KV depends "
+                                             "on the adapter)")
                 if it.pos_offset != state.table.length:
                     raise PositionMismatch(f"{where}: position {it.pos_offset} (pos_offset / cache.seq_len) but "
                                            f"the cache holds "
@@ -258,15 +290,32 @@ class Executor:
                 raise SequenceTooLong(f"{where}: {it.pos_offset} + {len(it.token_ids)} tokens exceed the model's "
                                       f"maximum length of {max_len}")
             planned.append(_Planned(it, state))
+        used = {it.adapter for it in items if it.adapter}
+        if len(used) > self.adapters.max_on_device:
+            raise InvalidRequest(f"the batch uses {len(used)} adapters but at most {self.adapters.max_on_device} fit "
+                                 "on the device at once (--max-adapters-on-device): split the batch")
         return planned
 
     def _run(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
         planned = self._validate(items)
         batch = [BatchItem(p.item, p.state or CacheState.new()) for p in planned]
-        outputs = self.runner.run(batch)  # reserves KV first; on any error gives it back and re-raises
+        for b in batch:
+            b.state.adapter = b.item.adapter  # new caches take their item's (validated: equal for old ones)
+        # reserves KV first; on any error gives it back and re-raises
+        outputs = self.runner.run(batch, adapters=self._adapter_weights(batch))
         self._count(outputs)
         return [UnifiedResult(self._register(p, b.state), outs[0] if outs else None)
                 for p, b, outs in zip(planned, batch, outputs)]
+
+    def _adapter_weights(self, batch: list[BatchItem]) -> dict:
+        names = {b.item.adapter for b in batch if b.item.adapter}
+        for b in batch:
+            if b.item.adapter:
+                self.adapters.count_request(b.item.adapter)
+        return self.adapters.on_device(names) if names else {}
+
+    def _adapter_info(self, name: str) -> AdapterInfo:
+        return next(a for a in self.list_adapters() if a.name == name)
 
     def _count(self, outputs: list[list[SequenceOutput] | None]) -> None:
         self.metrics.forward_passes += 1

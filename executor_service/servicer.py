@@ -111,4 +111,16 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     def GetMetrics(self, request, context):
         ex = self.ex
-        return codec.metrics_to_pb(ex.metrics_snapshot(), ex.kv_usage(), self._rpc_metrics.snapshot())
+        return codec.metrics_to_pb(ex.metrics_snapshot(), ex.kv_usage(), self._rpc_metrics.snapshot(),
+                                   ex.list_adapters())
+
+    @_on_model_thread  # moves weights to the device
+    def LoadAdapter(self, request, context):
+        return pb.LoadAdapterResponse(adapter=codec.adapter_to_pb(self.ex.load_adapter(request.name, request.path)))
+
+    def UnloadAdapter(self, request, context):
+        self.ex.unload_adapter(request.name)
+        return pb.UnloadAdapterResponse()
+
+    def ListAdapters(self, request, context):
+        return pb.ListAdaptersResponse(adapters=[codec.adapter_to_pb(a) for a in self.ex.list_adapters()])

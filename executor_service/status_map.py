@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, CapacityExceeded, CheckpointError,
+from models.errors import (AdapterInUse, AdapterNotFound, PermissionDenied, CacheNotFound, CacheStateConflict, CapacityExceeded, CheckpointError,
                            InvalidRequest, PositionMismatch, RemoteError, SequenceTooLong, TandemError, Unavailable,
                            Unsupported)
 
@@ -12,6 +12,8 @@ STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     CacheNotFound: grpc.StatusCode.NOT_FOUND,
     AdapterNotFound: grpc.StatusCode.NOT_FOUND,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    AdapterInUse: grpc.StatusCode.FAILED_PRECONDITION,
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     CacheStateConflict: grpc.StatusCode.FAILED_PRECONDITION,
     SequenceTooLong: grpc.StatusCode.OUT_OF_RANGE,

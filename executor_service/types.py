@@ -133,3 +133,16 @@ class ExecutorInfo:
     max_batch_tokens: int
     capabilities: tuple[str, ...]
     adapters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: str
+    rank: int
+    target_modules: tuple[str, ...]
+    on_device: bool
+    active_caches: int
+    requests: int
+    loads: int
+    evictions: int

@@ -75,3 +75,11 @@ class RemoteError(TandemError):
     def __init__(self, status_name: str, message: str) -> None:
         super().__init__(message)
         self.status_name = status_name  # a grpc.StatusCode name, e.g. "INVALID_ARGUMENT"
+
+
+class PermissionDenied(TandemError):
+    """The request reaches outside what this server may touch (an adapter path outside --adapter-root)."""
+
+
+class AdapterInUse(TandemError):
+    """The adapter's state forbids the operation: its name is already loaded, or caches still use it."""

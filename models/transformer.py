@@ -19,6 +19,7 @@ from torch import nn
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
 from models.kv_cache import PagedKvCache
+from models.lora import LoraBatch
 from models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -66,9 +67,11 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKvCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoraBatch | None) -> torch.Tensor:
         # x: [T, hidden]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        if lora is not None:
+            lora.apply(qkv, x, self.layer, "qkv")
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.heads + self.kv_heads, self.head_dim)  # [T, heads + kv_heads, d]
         if self.q_norm is not None:
@@ -78,19 +81,24 @@ class Attention(nn.Module):
         q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, heads, d], [T, kv_heads, d]
         v = v.view(-1, self.kv_heads, self.head_dim)
         out = paged_attention(q, k, v, cache, self.layer, meta, self.scale)  # [T, heads * d]
-        return self.o_proj(out)
+        return self.o_proj(out) if lora is None else lora.apply(self.o_proj(out), out, self.layer, "o")
 
 
 class MLP(nn.Module):
     # gate and up stay separate matmuls: fused, the halves are strided views and the elementwise
     # silu * up on them measured ~5% slower per decode step on CPU than two contiguous outputs.
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        if lora is not None:
+            gate = lora.apply(self.gate_proj(x), x, self.layer, "gate")
+            mid = F.silu(gate, inplace=True).mul_(lora.apply(self.up_proj(x), x, self.layer, "up"))
+            return lora.apply(self.down_proj(mid), mid, self.layer, "down")
         # In place on the fresh [T, inter] gate output: a prefill chunk's intermediates are ~12 MB each, and
         # on CPU every such new buffer is page-faulted in again (glibc trims the freed heap), which made
         # silu and mul cost as much as half a matmul; two fewer buffers measured ~1.15x on the MLP at T=2048.
@@ -103,14 +111,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKvCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
         # Residual adds in place on the sublayers' fresh outputs (a + h == h + a bit for bit): one [T, hidden]
         # buffer fewer each, which on CPU spares large prefill chunks a page-faulted allocation.
-        h = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        h = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, lora).add_(h)
+        return self.mlp(self.post_attention_layernorm(h), lora).add_(h)
 
 
 class DecoderModel(nn.Module):
@@ -154,12 +162,12 @@ class DecoderModel(nn.Module):
         return True
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKvCache,
-                logit_rows: torch.Tensor) -> torch.Tensor:
+                logit_rows: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids: [T]; logit_rows: [R] indices into the packed tokens whose logits are wanted.
         Returns float32 logits [R, vocab]; the LM head runs on those R rows only."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)  # [T, head_dim] each
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, meta)
+            h = layer(h, cos, sin, cache, meta, lora)
         h = self.model.norm(h[logit_rows])  # [R, hidden]
         return self.lm_head(h).float()  # [R, vocab]

@@ -539,7 +539,8 @@ def test_reflection_lists_the_service(server):
     from google.protobuf.descriptor_pool import DescriptorPool
     desc = DescriptorPool(db).FindServiceByName(SERVICE)
     assert {m.name for m in desc.methods} == {"GetInfo", "Prefill", "Decode", "UnifiedDecode", "ForwardVerify",
-                                              "TruncateCache", "ReleaseCache", "GetMetrics"}
+                                              "TruncateCache", "ReleaseCache", "GetMetrics", "LoadAdapter",
+                                              "UnloadAdapter", "ListAdapters"}
     assert desc.methods_by_name["Prefill"].input_type.full_name == "tandem.executor.v1.PrefillRequest"
 
 

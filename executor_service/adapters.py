@@ -1,0 +1,117 @@
+"""The executor's LoRA adapters: loading confined to --adapter-root, validation against the base model, and
+an LRU of at most --max-adapters-on-device adapters whose weights sit on the device (the rest wait in host
+memory and move back on first use)."""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor_service.types import AdapterInfo
+from models.config import ModelConfig
+from models.errors import AdapterInUse, AdapterNotFound, InvalidRequest, PermissionDenied
+from models.lora import CONFIG_FILE, WEIGHTS_FILE, LoraWeights, read_adapter
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass
+class _Adapter:
+    name: str
+    path: Path
+    host: LoraWeights  # CPU copy, always kept
+    device: LoraWeights | None = None  # on the executor's device while in the LRU
+    requests: int = 0
+    loads: int = 0
+    evictions: int = 0
+
+
+class AdapterRegistry:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, root: Path | None,
+                 max_on_device: int, max_rank: int) -> None:
+        if max_on_device < 1 or max_rank < 1:
+            raise ValueError(f"--max-adapters-on-device and --max-lora-rank must be >= 1, got {max_on_device} and "
+                             f"{max_rank}")
+        self._cfg, self._device, self._dtype = cfg, device, dtype
+        self.root = root.resolve() if root is not None else None
+        self.max_on_device = max_on_device
+        self.max_rank = max_rank
+        self._adapters: dict[str, _Adapter] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()  # names on the device, least recently used first
+
+    # ----------------------------------------------------------------- load / unload
+    def load(self, name: str, path: str | Path, trusted: bool = False) -> None:
+        """Validates and loads an adapter (host memory; it moves to the device when first used). trusted:
+        an operator's --adapter flag, allowed without --adapter-root (never a client's request)."""
+        if not _NAME.match(name or ""):
+            raise InvalidRequest(f"adapter name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        if name in self._adapters:
+            raise AdapterInUse(f"adapter {name!r} is already loaded (from {self._adapters[name].path}); "
+                               "unload it first or pick another name")
+        resolved = self._confine(Path(path), trusted)
+        weights = read_adapter(resolved, self._cfg, self._dtype, self.max_rank)
+        self._adapters[name] = _Adapter(name, resolved, weights)
+
+    def unload(self, name: str) -> None:
+        self.get(name)
+        del self._adapters[name]
+        self._lru.pop(name, None)
+
+    def get(self, name: str) -> _Adapter:
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            loaded = ", ".join(sorted(self._adapters)) or "none"
+            raise AdapterNotFound(f"adapter {name!r} is not loaded (loaded: {loaded}); LoadAdapter it first")
+        return adapter
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._adapters))
+
+    # ----------------------------------------------------------------- use
+    def on_device(self, names: set[str]) -> dict[str, LoraWeights]:
+        """Device weights for the adapters of one batch, moving them in (and least recently used others out)
+        as needed. The caller has checked len(names) <= max_on_device."""
+        for name in names:
+            a = self.get(name)
+            if a.device is None:
+                while len(self._lru) >= self.max_on_device:
+                    victim = next(v for v in self._lru if v not in names)
+                    self._evict(victim)
+                a.device = a.host.to(self._device)
+                a.loads += 1
+            self._lru[name] = None
+            self._lru.move_to_end(name)
+        return {n: self._adapters[n].device for n in names}
+
+    def count_request(self, name: str) -> None:
+        self._adapters[name].requests += 1
+
+    def infos(self, caches_per_adapter: dict[str, int]) -> list[AdapterInfo]:
+        return [AdapterInfo(a.name, str(a.path), a.host.rank, a.host.targets, a.device is not None,
+                            caches_per_adapter.get(a.name, 0), a.requests, a.loads, a.evictions)
+                for a in sorted(self._adapters.values(), key=lambda a: a.name)]
+
+    # ----------------------------------------------------------------- internals
+    def _evict(self, name: str) -> None:
+        a = self._adapters[name]
+        a.device = None  # the host copy stays; on CPU both were the same tensors
+        a.evictions += 1
+        self._lru.pop(name)
+
+    def _confine(self, path: Path, trusted: bool) -> Path:
+        """The adapter directory, resolved; inside the root (symlinks followed) unless trusted without a root."""
+        if self.root is None:
+            if not trusted:
+                raise PermissionDenied("loading adapters at run time is disabled: start the executor with "
+                                       "--adapter-root DIR (adapters are then loaded from inside DIR only)")
+            return path.resolve()
+        resolved = (self.root / path).resolve()  # an absolute path replaces the root here
+        files = [resolved, resolved / CONFIG_FILE, resolved / WEIGHTS_FILE]
+        for f in files:  # each file too: a symlinked weights file must not lead outside either
+            if not f.resolve().is_relative_to(self.root):
+                raise PermissionDenied(f"adapter path {str(path)!r} resolves to {f.resolve()}, outside the adapter "
+                                       f"root {self.root}")
+        return resolved
