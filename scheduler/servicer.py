@@ -39,4 +39,5 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         e = self.engine
+        await e.refresh_info()  # adapters may have been loaded or unloaded on the executor since
         return codec.model_info_to_pb(e.info, e.tokenizer, e.planner.max_batch_tokens, e.cfg, e.client.address)
