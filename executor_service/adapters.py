@@ -41,12 +41,13 @@ class AdapterRegistry:
         self.max_rank = max_rank
         self._adapters: dict[str, _Adapter] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # names on the device, least recently used first
+        self.moves = 0  # loads to + evictions from the device so far (lets callers invalidate derived copies)
 
     # ----------------------------------------------------------------- load / unload
     def load(self, name: str, path: str | Path, trusted: bool = False) -> None:
         """Validates and loads an adapter (host memory; it moves to the device when first used). trusted:
         an operator's --adapter flag, allowed without --adapter-root (never a client's request)."""
-        if not _NAME.match(name or ""):
+        if not _NAME.fullmatch(name or ""):
             raise InvalidRequest(f"adapter name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
         if name in self._adapters:
             raise AdapterInUse(f"adapter {name!r} is already loaded (from {self._adapters[name].path}); "
@@ -82,6 +83,7 @@ class AdapterRegistry:
                     self._evict(victim)
                 a.device = a.host.to(self._device)
                 a.loads += 1
+                self.moves += 1
             self._lru[name] = None
             self._lru.move_to_end(name)
         return {n: self._adapters[n].device for n in names}
@@ -99,6 +101,7 @@ class AdapterRegistry:
         a = self._adapters[name]
         a.device = None  # the host copy stays; on CPU both were the same tensors
         a.evictions += 1
+        self.moves += 1
         self._lru.pop(name)
 
     def _confine(self, path: Path, trusted: bool) -> Path:

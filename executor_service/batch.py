@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention import AttentionMetadata, ItemLayout
 from models.kv_cache import BlockTable, PagedKvCache
-from models.lora import LoraBatch, LoraWeights
+from models.lora import LoraWeights
+from models.lora_batch import LoraBatch, LoraStacks
 from models.sampler import Sampler, SamplingRow
 from models.transformer import DecoderModel
 
@@ -50,17 +52,18 @@ class BatchRunner:
         self.device = model.lm_head.weight.device
         self.group = model.config.num_heads // model.config.num_kv_heads
         self.sampler = Sampler(model.config.vocab_size)
+        self.lora_stacks = LoraStacks()  # the executor clears it whenever adapters load, unload or move
 
     def run(self, batch: list[BatchItem], all_positions: bool = False,
-            adapters: dict[str, LoraWeights] | None = None) -> list[list[SequenceOutput] | None]:
+            adapters: Callable[[], dict[str, LoraWeights]] | None = None) -> list[list[SequenceOutput] | None]:
         """Per item: None for a non-final chunk, else one SequenceOutput per position asked for (the last
-        position, or every position of the item when all_positions). adapters: device weights of the LoRA
-        adapters the items name."""
+        position, or every position of the item when all_positions). adapters: called once the KV is
+        reserved (a refused batch moves no adapter), returns the device weights of the items' adapters."""
         tables = [b.state.table for b in batch]
         old_lengths = [t.length for t in tables]
         self.kv.reserve([(t, t.length + len(b.item.token_ids)) for t, b in zip(tables, batch)])
         try:
-            logits, rows_per_item = self._forward(batch, all_positions, adapters or {})
+            logits, rows_per_item = self._forward(batch, all_positions, adapters() if adapters else {})
         except BaseException:
             for t, n in zip(tables, old_lengths):  # give back what reserve took; the cache is unchanged
                 self.kv.truncate(t, n)
@@ -97,7 +100,7 @@ class BatchRunner:
         meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        lora = LoraBatch.build(spans, adapters, self.device)
+        lora = LoraBatch.build(spans, adapters, len(ids), self.device, self.lora_stacks)
         return self.model(input_ids, meta, self.kv, rows, lora), rows_per_item  # logits: [R, vocab]
 
     @torch.inference_mode()

@@ -147,7 +147,7 @@ class Executor:
                                adapter)
             (planned,) = self._validate([item])
             batch = [BatchItem(item, planned.state)]
-            outputs = self.runner.run(batch, all_positions=True, adapters=self._adapter_weights(batch))
+            outputs = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
             self._count(outputs)
             self.metrics.tokens_processed += len(token_ids)
             positions = outputs[0] or []
@@ -192,6 +192,7 @@ class Executor:
                 raise AdapterInUse(f"adapter {name!r} is used by {users} live caches; release them first "
                                    "(unloading never cuts a sequence short)")
             self.adapters.unload(name)
+            self.runner.lora_stacks.clear()
 
     def list_adapters(self) -> list[AdapterInfo]:
         counts: dict[str, int] = {}
@@ -302,7 +303,7 @@ class Executor:
         for b in batch:
             b.state.adapter = b.item.adapter  # new caches take their item's (validated: equal for old ones)
         # reserves KV first; on any error gives it back and re-raises
-        outputs = self.runner.run(batch, adapters=self._adapter_weights(batch))
+        outputs = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
         self._count(outputs)
         return [UnifiedResult(self._register(p, b.state), outs[0] if outs else None)
                 for p, b, outs in zip(planned, batch, outputs)]
@@ -312,7 +313,13 @@ class Executor:
         for b in batch:
             if b.item.adapter:
                 self.adapters.count_request(b.item.adapter)
-        return self.adapters.on_device(names) if names else {}
+        if not names:
+            return {}
+        moves = self.adapters.moves
+        weights = self.adapters.on_device(names)
+        if self.adapters.moves != moves:  # weights moved in or out: stacked copies may hold stale tensors
+            self.runner.lora_stacks.clear()
+        return weights
 
     def _adapter_info(self, name: str) -> AdapterInfo:
         return next(a for a in self.list_adapters() if a.name == name)

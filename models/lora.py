@@ -1,13 +1,9 @@
-"""LoRA adapters in PEFT format, and their batched application inside one packed forward.
+"""LoRA adapters in PEFT format: reading, validating against the base model, fusing onto our layers.
 
 An adapter adds `scale * B @ A @ x` to some projections (q/k/v/o/gate/up/down). Our model fuses q/k/v into
 one `qkv_proj`, so an adapter's q, k and v parts are fused too: A stacked along the rank axis and B
 block-diagonal, giving the same three updates in one pair of matmuls. The scale is folded into B.
-
-In a batch that mixes adapters, every linear layer first runs its base projection once over all tokens,
-then, per adapter present, adds the low-rank update to that adapter's tokens only (a gather, two skinny
-matmuls, a scatter-add) — Punica's segmented idea (SGMV) in plain torch: one small matmul pair per
-adapter per layer, never a forward per adapter or per item. Ranks may differ between adapters.
+Applying adapters to a packed batch: models/lora_batch.py.
 """
 from __future__ import annotations
 
@@ -68,6 +64,8 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
         conf = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"{cfg_path}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(conf, dict):
+        raise InvalidRequest(f"{cfg_path}: expected a JSON object, got {type(conf).__name__}")
     if str(conf.get("peft_type", "LORA")).upper() != "LORA":
         raise InvalidRequest(f"{cfg_path}: peft_type {conf.get('peft_type')!r} is not LORA")
     for key, why in (("modules_to_save", "trains whole extra modules"), ("use_dora", "needs DoRA magnitudes")):
@@ -75,7 +73,19 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
             raise InvalidRequest(f"{cfg_path}: {key} is set ({why}); Tandem serves plain LoRA adapters only")
     if conf.get("bias", "none") != "none":
         raise InvalidRequest(f"{cfg_path}: bias={conf['bias']!r} (trained biases) is not supported; use bias='none'")
-    alpha = float(conf.get("lora_alpha", 8))
+    targets_conf = conf.get("target_modules")
+    if isinstance(targets_conf, list):  # (a string is a regex over module names: checked by the tensors below)
+        unknown = sorted(set(targets_conf) - set(PROJECTIONS))
+        if unknown:
+            raise InvalidRequest(f"{cfg_path}: target_modules {unknown} are not supported; LoRA may target "
+                                 f"{', '.join(PROJECTIONS)}")
+    r_conf = conf.get("r", 8)
+    if not isinstance(r_conf, int) or isinstance(r_conf, bool) or r_conf < 1:
+        raise InvalidRequest(f"{cfg_path}: r must be a positive integer, got {r_conf!r}")
+    try:
+        alpha = float(conf.get("lora_alpha", 8))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"{cfg_path}: lora_alpha must be a number, got {conf.get('lora_alpha')!r}") from exc
     rslora = bool(conf.get("use_rslora", False))
     rank_pattern, alpha_pattern = conf.get("rank_pattern") or {}, conf.get("alpha_pattern") or {}
     raw: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -105,6 +115,8 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
             raise InvalidRequest(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
                                  f"model (expected [r, {in_f}] / [{out_f}, r]): an adapter for another model?")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise InvalidRequest(f"{where}: the weights hold NaN or infinity")
         if r > max_rank:
             raise InvalidRequest(f"{where}: rank {r} exceeds this executor's --max-lora-rank {max_rank}")
         module = f"model.layers.{layer}.{'self_attn' if SLOT_OF[proj] in ('qkv', 'o') else 'mlp'}.{proj}"
@@ -140,39 +152,3 @@ def _fuse(pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], cfg: 
             if (layer, proj) in pairs:
                 out[(layer, SLOT_OF[proj])] = pairs[(layer, proj)]
     return out
-
-
-class LoraBatch:
-    """Which tokens of a packed batch use which adapter, for one forward. rows: a slice when the adapter's
-    tokens are contiguous in the batch (the usual case: items grouped), else an index tensor [n]."""
-
-    def __init__(self, segments: list[tuple[LoraWeights, slice | torch.Tensor]]) -> None:
-        self.segments = segments
-
-    @classmethod
-    def build(cls, spans: dict[str, list[tuple[int, int]]], weights: dict[str, LoraWeights],
-              device: torch.device) -> "LoraBatch | None":
-        """spans: adapter name -> [(start, stop)) token ranges in the packed batch (base tokens absent)."""
-        segments = []
-        for name, ranges in spans.items():
-            ranges.sort()
-            contiguous = all(prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:]))
-            if contiguous:
-                rows: slice | torch.Tensor = slice(ranges[0][0], ranges[-1][1])
-            else:
-                rows = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
-            segments.append((weights[name], rows))
-        return cls(segments) if segments else None
-
-    def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, slot: str) -> torch.Tensor:
-        """Adds each adapter's update to its tokens' rows of y in place. y: [T, out]; x: [T, in]."""
-        for w, rows in self.segments:
-            ab = w.pairs.get((layer, slot))
-            if ab is None:
-                continue
-            a, b = ab
-            if isinstance(rows, slice):
-                y[rows] += (x[rows] @ a.T) @ b.T  # [n, in] @ [in, r] @ [r, out]
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
-        return y

@@ -19,7 +19,7 @@ from torch import nn
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
 from models.kv_cache import PagedKvCache
-from models.lora import LoraBatch
+from models.lora_batch import LoraBatch
 from models.rope import RotaryEmbedding, apply_rotary
 
 

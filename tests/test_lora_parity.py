@@ -1,0 +1,331 @@
+"""Multi-LoRA parity (issue 5): the executor with PEFT adapters against peft's own forward on tiny fp32
+checkpoints: whole and chunked prefill, decode steps, mixed batches of base + several adapters, the
+device LRU (max_adapters_on_device) and unload / reload."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_service.types import CacheRef, DecodeItem, UnifiedItem
+from models.errors import AdapterNotFound, TandemError
+from tests.executor_driver import LOGITS, make_executor
+from tests.lora_fixtures import ALL_MODULES, HfReference, PeftReference, make_peft_adapter, rel_err
+
+TOL = 1e-4
+STEPS = 8
+
+# name -> make_peft_adapter keyword arguments. Different ranks, scalings and target sets, so that a mix-up
+# between adapters (or a wrong scaling, or a module left out) shows in the logits.
+ADAPTERS: dict[str, dict] = {
+    "all8": dict(r=8, alpha=16, target_modules=ALL_MODULES, seed=1),
+    "qv4": dict(r=4, alpha=8, target_modules=("q_proj", "v_proj"), seed=2),
+    "mlp16": dict(r=16, alpha=8, target_modules=("gate_proj", "up_proj", "down_proj"), seed=3),
+    "rs8": dict(r=8, alpha=4, target_modules=("k_proj", "o_proj", "down_proj"), seed=4, use_rslora=True),
+}
+
+
+def prompt_of(length: int, seed: int = 0, low: int = 3, high: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(low, high) for _ in range(length)]
+
+
+PROMPT = prompt_of(19, seed=1)  # shared where it can be: peft references are cached per (adapter, prompt)
+
+
+class Setup:
+    """A tiny base checkpoint, an adapter root holding ADAPTERS, and cached references."""
+
+    def __init__(self, base: Path, root: Path, specs: dict[str, dict]) -> None:
+        self.base, self.root, self.specs = base, root, specs
+        self.dirs = {name: make_peft_adapter(base, root / name, **kw) for name, kw in specs.items()}
+        self._models: dict[str, HfReference | PeftReference] = {}
+        self._greedy: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}  # (adapter, prompt) -> longest run
+
+    def ref(self, adapter: str) -> HfReference | PeftReference:
+        if adapter not in self._models:
+            self._models[adapter] = (HfReference(self.base) if not adapter
+                                     else PeftReference(self.base, self.dirs[adapter]))
+        return self._models[adapter]
+
+    def greedy(self, adapter: str, prompt: list[int], steps: int = STEPS) -> tuple[list[int], list[torch.Tensor]]:
+        key = (adapter, tuple(prompt))
+        if key not in self._greedy or len(self._greedy[key][0]) < steps:
+            self._greedy[key] = self.ref(adapter).greedy(prompt, steps)
+        tokens, logits = self._greedy[key]
+        return tokens[:steps], logits[:steps]
+
+    def executor(self, preload: tuple[str, ...] = (), **kwargs):
+        return make_executor(self.base, adapter_root=self.root,
+                             adapters=tuple((n, self.dirs[n]) for n in preload), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint, tmp_path_factory) -> Setup:
+    return Setup(tiny_checkpoint("llama"), tmp_path_factory.mktemp("lora-llama"), ADAPTERS)
+
+
+def run_greedy(ex, prompt: list[int], steps: int, adapter: str, chunk: int | None = None
+               ) -> tuple[str, list[int], list[torch.Tensor]]:
+    """Prefill (whole, or chunks through unified_decode) then single-step greedy decodes, all with `adapter`.
+    Returns (cache id, tokens, logits before each token)."""
+    if chunk is None:
+        res = ex.prefill(prompt, output=LOGITS, adapter=adapter)
+        cache_id, out = res.cache.cache_id, res.output
+    else:
+        cache_id, pos = None, 0
+        while pos < len(prompt):
+            part = prompt[pos:pos + chunk]
+            final = pos + len(part) == len(prompt)
+            (res,) = ex.unified_decode([UnifiedItem(tuple(part), cache_id, pos, final, output=LOGITS,
+                                                    adapter=adapter)])
+            assert (res.output is not None) == final
+            cache_id, pos, out = res.cache.cache_id, pos + len(part), res.output
+    tokens, logits = [out.tokens[0].token_id], [out.logits[0]]
+    for _ in range(steps - 1):
+        (d,) = ex.decode([DecodeItem(CacheRef(cache_id, len(prompt) + len(tokens) - 1), tokens[-1], output=LOGITS,
+                                     adapter=adapter)])
+        tokens.append(d.output.tokens[0].token_id)
+        logits.append(d.output.logits[0])
+    return cache_id, tokens, logits
+
+
+def assert_matches(got: tuple[list[int], list[torch.Tensor]], ref: tuple[list[int], list[torch.Tensor]],
+                   what: str) -> None:
+    tokens, logits = got
+    ref_tokens, ref_logits = ref
+    assert len(logits) == len(ref_logits)
+    errors = [rel_err(o, r) for o, r in zip(logits, ref_logits)]
+    worst = max(errors)
+    assert worst < TOL, f"{what}: step {errors.index(worst)} logits off by {worst:.2e} (rel) from the reference"
+    assert tokens == ref_tokens, f"{what}: greedy tokens {tokens} != reference {ref_tokens}"
+
+
+def kv_all_free(ex) -> bool:
+    u = ex.kv_usage()
+    return u.free_blocks == u.total_blocks and u.active_caches == 0
+
+
+def adapters_by_name(ex) -> dict:
+    return {a.name: a for a in ex.list_adapters()}
+
+
+def test_fixture_adapters_change_the_model(llama):
+    """Guards the fixtures: each adapter moves the logits far beyond the tolerance, and no two agree."""
+    prompt = prompt_of(13, seed=5)
+    rows = {name: llama.ref(name).last_logits(prompt) for name in ["", *ADAPTERS]}
+    names = list(rows)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert rel_err(rows[a], rows[b]) > 0.05, f"adapters {a!r} and {b!r} give nearly the same logits"
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_greedy_matches_peft(llama, name):
+    """Preloaded adapter (ExecutorConfig.adapters): prefill + STEPS-1 decode steps match peft's logits and
+    greedy tokens; the base model on the same executor still matches plain transformers."""
+    ex = llama.executor(preload=(name,))
+    prompt = PROMPT
+    cid, tokens, logits = run_greedy(ex, prompt, STEPS, name)
+    assert_matches((tokens, logits), llama.greedy(name, prompt), f"adapter {name}")
+    assert ex.cache_length(cid) == len(prompt) + STEPS - 1
+    info = adapters_by_name(ex)[name]
+    spec = ADAPTERS[name]
+    assert info.rank == spec["r"] and set(info.target_modules) == set(spec["target_modules"])
+    assert Path(info.path).resolve() == llama.dirs[name].resolve()
+    assert info.active_caches == 1 and info.requests == STEPS  # 1 prefill item + STEPS-1 decode items
+    base_cid, base_tokens, base_logits = run_greedy(ex, prompt, STEPS, "")
+    assert_matches((base_tokens, base_logits), llama.greedy("", prompt), "base model beside an adapter")
+    ex.release_cache([cid, base_cid])
+    assert kv_all_free(ex) and adapters_by_name(ex)[name].active_caches == 0
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain-linear"])
+def test_runtime_load_and_chunked_prefill(llama, packed):
+    """load_adapter at run time (path relative to adapter_root), prompt in chunks of 5 via unified_decode,
+    with and without the CPU packed-weight path."""
+    ex = llama.executor(cpu_packed_weights=packed)
+    info = ex.load_adapter("all8", "all8")
+    assert info.name == "all8" and info.rank == 8 and set(info.target_modules) == set(ALL_MODULES)
+    assert [a.name for a in ex.list_adapters()] == ["all8"]
+    assert "all8" in ex.info().adapters
+    prompt = PROMPT
+    cid, tokens, logits = run_greedy(ex, prompt, STEPS, "all8", chunk=5)
+    assert_matches((tokens, logits), llama.greedy("all8", prompt), "chunked prefill")
+    assert adapters_by_name(ex)["all8"].requests == -(-len(prompt) // 5) + STEPS - 1  # chunks + decodes
+    ex.release_cache([cid])
+    assert kv_all_free(ex)
+
+
+def test_qwen2_adapter(tiny_checkpoint, tmp_path_factory):
+    """An untied head and q/k/v biases (Qwen2): LoRA is added to the biased projections' outputs."""
+    setup = Setup(tiny_checkpoint("qwen2"), tmp_path_factory.mktemp("lora-qwen2"),
+                  {"q8": dict(r=8, alpha=16, target_modules=ALL_MODULES, seed=11)})
+    ex = setup.executor(preload=("q8",))
+    prompt = prompt_of(17, seed=3)
+    cid, tokens, logits = run_greedy(ex, prompt, STEPS, "q8")
+    assert_matches((tokens, logits), setup.greedy("q8", prompt), "qwen2 adapter")
+    ex.release_cache([cid])
+
+
+def test_mixed_batch_base_and_adapters(llama):
+    """One unified_decode per step over base + three adapters (+ a second sequence of one of them):
+    prefill chunks of 8 beside decodes, different prompt lengths; each sequence matches its own reference."""
+    ex = llama.executor(preload=("qv4", "mlp16", "rs8"))
+    seqs = [("", 9), ("qv4", 17), ("mlp16", 5), ("rs8", 26), ("qv4", 3), ("", 12)]
+    prompts = [prompt_of(n, seed=20 + i) for i, (_, n) in enumerate(seqs)]
+    cache: list[str | None] = [None] * len(seqs)
+    fed = [0] * len(seqs)
+    gen: list[list[int]] = [[] for _ in seqs]
+    logits: list[list[torch.Tensor]] = [[] for _ in seqs]
+    sizes = set()
+    for _ in range(50):
+        active = [i for i in range(len(seqs)) if len(gen[i]) < STEPS]
+        if not active:
+            break
+        items = []
+        for i in active:
+            adapter = seqs[i][0]
+            if fed[i] < len(prompts[i]):
+                part = prompts[i][fed[i]:fed[i] + 8]
+                items.append(UnifiedItem(tuple(part), cache[i], fed[i], fed[i] + len(part) == len(prompts[i]),
+                                         output=LOGITS, adapter=adapter))
+            else:
+                items.append(UnifiedItem((gen[i][-1],), cache[i], len(prompts[i]) + len(gen[i]) - 1, True,
+                                         output=LOGITS, adapter=adapter))
+        sizes.add(len({it.adapter for it in items}))
+        for i, item, res in zip(active, items, ex.unified_decode(items)):
+            cache[i] = res.cache.cache_id
+            if fed[i] < len(prompts[i]):
+                fed[i] += len(item.token_ids)
+            if res.output is not None:
+                gen[i].append(res.output.tokens[0].token_id)
+                logits[i].append(res.output.logits[0])
+    assert 4 in sizes, "some forward should carry base + all three adapters"
+    for i, (adapter, _) in enumerate(seqs):
+        assert_matches((gen[i], logits[i]), llama.greedy(adapter, prompts[i]), f"sequence {i} ({adapter or 'base'})")
+    listed = adapters_by_name(ex)
+    assert listed["qv4"].active_caches == 2 and listed["mlp16"].active_caches == 1
+    ex.release_cache([c for c in cache if c])
+    assert kv_all_free(ex)
+    assert all(a.active_caches == 0 for a in ex.list_adapters())
+
+
+def test_large_mixed_batch_non_contiguous(llama):
+    """A prefill-sized forward (300 tokens: above the size where the executor stops stacking adapters) in
+    which one adapter's items are not adjacent, then a decode-sized step over the same caches. Each item
+    matches its own reference."""
+    ex = llama.executor(preload=("qv4", "mlp16", "all8"))
+    seqs = [("", 90), ("qv4", 80), ("", 40), ("qv4", 30), ("mlp16", 35), ("all8", 25)]
+    assert sum(n for _, n in seqs) == 300
+    prompts = [prompt_of(n, seed=80 + i) for i, (_, n) in enumerate(seqs)]
+    results = ex.unified_decode([UnifiedItem(tuple(p), output=LOGITS, adapter=a) for (a, _), p in zip(seqs, prompts)])
+    refs = [llama.greedy(a, p, 2) for (a, _), p in zip(seqs, prompts)]
+    for i, (res, (ref_tokens, ref_logits)) in enumerate(zip(results, refs)):
+        assert rel_err(res.output.logits[0], ref_logits[0]) < TOL, f"item {i} ({seqs[i][0] or 'base'}), prefill"
+        assert res.output.tokens[0].token_id == ref_tokens[0]
+    steps = ex.unified_decode([UnifiedItem((r.output.tokens[0].token_id,), r.cache.cache_id, r.cache.seq_len,
+                                           output=LOGITS, adapter=a) for (a, _), r in zip(seqs, results)])
+    for i, (res, (ref_tokens, ref_logits)) in enumerate(zip(steps, refs)):
+        assert rel_err(res.output.logits[0], ref_logits[1]) < TOL, f"item {i} ({seqs[i][0] or 'base'}), decode"
+        assert res.output.tokens[0].token_id == ref_tokens[1]
+    ex.release_cache([r.cache.cache_id for r in results])
+    assert kv_all_free(ex)
+
+
+def check_lru(ex, limit: int) -> None:
+    listed = ex.list_adapters()
+    on = [a.name for a in listed if a.on_device]
+    assert len(on) <= limit, f"{len(on)} adapters on the device ({on}), limit {limit}"
+    for a in listed:  # every load to the device is matched by an eviction, except for the one resident now
+        assert a.loads - a.evictions == int(a.on_device), a
+
+
+def test_lru_rotation_keeps_outputs_exact(llama):
+    """max_adapters_on_device=2 with 4 live caches on 4 adapters, decoded round-robin: every step needs an
+    adapter that was evicted. Outputs stay exact; at most 2 adapters on the device; evictions counted."""
+    names = list(ADAPTERS)
+    ex = llama.executor(max_adapters_on_device=2)
+    for n in names:
+        ex.load_adapter(n, llama.dirs[n])
+    check_lru(ex, 2)
+    prompts = {n: PROMPT for n in names}  # the adapters alone make the sequences differ
+    caches, tokens, logits = {}, {n: [] for n in names}, {n: [] for n in names}
+    for n in names:
+        res = ex.prefill(prompts[n], output=LOGITS, adapter=n)
+        caches[n] = res.cache.cache_id
+        tokens[n].append(res.output.tokens[0].token_id)
+        logits[n].append(res.output.logits[0])
+        check_lru(ex, 2)
+    for _ in range(STEPS - 1):  # rounds
+        for n in names:
+            pos = len(prompts[n]) + len(tokens[n]) - 1
+            (d,) = ex.decode([DecodeItem(CacheRef(caches[n], pos), tokens[n][-1], output=LOGITS, adapter=n)])
+            tokens[n].append(d.output.tokens[0].token_id)
+            logits[n].append(d.output.logits[0])
+            check_lru(ex, 2)
+    for n in names:
+        assert_matches((tokens[n], logits[n]), llama.greedy(n, prompts[n]), f"adapter {n} under LRU")
+    listed = adapters_by_name(ex)
+    assert sum(a.evictions for a in listed.values()) >= len(names) * (STEPS - 1) - 2
+    assert all(a.loads >= STEPS - 1 for a in listed.values())
+    assert all(a.requests == STEPS for a in listed.values())
+    # Two adapters alternating now fit on the device: at most the 2 evictions that bring them in.
+    ex.release_cache(list(caches.values()))
+    before = sum(a.evictions for a in ex.list_adapters())
+    for _ in range(3):
+        for n in names[:2]:
+            ex.release_cache([ex.prefill(prompts[n], adapter=n).cache.cache_id])
+    assert sum(a.evictions for a in ex.list_adapters()) <= before + 2
+    check_lru(ex, 2)
+    assert kv_all_free(ex)
+
+
+def test_batch_with_more_adapters_than_device_slots(llama):
+    """Three adapters in one batch with max_adapters_on_device=2: either served exactly (the limit bends
+    for one batch) or refused with a typed error that changes nothing. Never a wrong answer."""
+    names = ["qv4", "mlp16", "rs8"]
+    ex = llama.executor(preload=tuple(names), max_adapters_on_device=2)
+    prompts = {n: prompt_of(6 + i, seed=60 + i) for i, n in enumerate(names)}
+    items = [UnifiedItem(tuple(prompts[n]), output=LOGITS, adapter=n) for n in names]
+    before = [(a.name, a.requests, a.active_caches) for a in ex.list_adapters()]
+    try:
+        results = ex.unified_decode(items)
+    except TandemError:
+        assert kv_all_free(ex)
+        assert [(a.name, a.requests, a.active_caches) for a in ex.list_adapters()] == before
+        return
+    for n, res in zip(names, results):
+        ref_tokens, ref_logits = llama.greedy(n, prompts[n], 1)
+        assert rel_err(res.output.logits[0], ref_logits[0]) < TOL
+        assert res.output.tokens[0].token_id == ref_tokens[0]
+    ex.release_cache([r.cache.cache_id for r in results])
+    check_lru(ex, 3)
+
+
+def test_unload_then_not_found_then_reload(llama):
+    ex = llama.executor(preload=("qv4", "mlp16"))
+    prompt = PROMPT
+    cid, tokens, logits = run_greedy(ex, prompt, 3, "qv4")
+    assert_matches((tokens, logits), llama.greedy("qv4", prompt, 3), "before unload")
+    ex.release_cache([cid])
+    assert ex.unload_adapter("qv4") is None
+    assert [a.name for a in ex.list_adapters()] == ["mlp16"]
+    assert "qv4" not in ex.info().adapters
+    with pytest.raises(AdapterNotFound, match="qv4"):
+        ex.prefill(prompt, adapter="qv4")
+    with pytest.raises(AdapterNotFound, match="qv4"):
+        ex.unified_decode([UnifiedItem(tuple(prompt)), UnifiedItem(tuple(prompt), adapter="qv4")])
+    assert kv_all_free(ex)
+    # Reload under the same name (fresh counters), and the same files under another name.
+    info = ex.load_adapter("qv4", llama.dirs["qv4"])
+    assert info.requests == 0 and info.active_caches == 0
+    ex.load_adapter("qv4-again", llama.dirs["qv4"])
+    for name in ("qv4", "qv4-again"):
+        cid, tokens, logits = run_greedy(ex, prompt, 3, name)
+        assert_matches((tokens, logits), llama.greedy("qv4", prompt, 3), f"after reload as {name}")
+        ex.release_cache([cid])
+    assert sorted(a.name for a in ex.list_adapters()) == ["mlp16", "qv4", "qv4-again"]
+    assert kv_all_free(ex)
