@@ -46,12 +46,27 @@ def _out_in(cfg: ModelConfig, proj: str) -> tuple[int, int]:
             "down_proj": (cfg.hidden_size, cfg.intermediate_size)}[proj]
 
 
-def _pattern_value(patterns: dict, module: str, default: float) -> float:
-    # PEFT's rank_pattern / alpha_pattern: the first key that matches the end of the module's name.
+def _pattern_value(patterns: dict[str, float], module: str, default: float) -> float:
+    # PEFT's rank_pattern / alpha_pattern (peft.utils.other.get_pattern_key): the first key that matches the
+    # end of the module's name; the key is a regex, grouped so that alternations apply as a whole.
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", module):
+        if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+def _patterns(conf: dict, name: str, cfg_path: Path) -> dict[str, float]:
+    patterns = conf.get(name) or {}
+    if not isinstance(patterns, dict):
+        raise InvalidRequest(f"{cfg_path}: {name} must be an object of module pattern -> number")
+    for key, value in patterns.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise InvalidRequest(f"{cfg_path}: {name}[{key!r}] must be a positive number, got {value!r}")
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise InvalidRequest(f"{cfg_path}: {name} key {key!r} is not a valid regex: {exc}") from exc
+    return patterns
 
 
 def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int) -> LoraWeights:
@@ -79,15 +94,15 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
         if unknown:
             raise InvalidRequest(f"{cfg_path}: target_modules {unknown} are not supported; LoRA may target "
                                  f"{', '.join(PROJECTIONS)}")
-    r_conf = conf.get("r", 8)
-    if not isinstance(r_conf, int) or isinstance(r_conf, bool) or r_conf < 1:
-        raise InvalidRequest(f"{cfg_path}: r must be a positive integer, got {r_conf!r}")
+    r_default = conf.get("r", 8)
+    if not isinstance(r_default, int) or isinstance(r_default, bool) or r_default < 1:
+        raise InvalidRequest(f"{cfg_path}: r must be a positive integer, got {r_default!r}")
     try:
         alpha = float(conf.get("lora_alpha", 8))
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"{cfg_path}: lora_alpha must be a number, got {conf.get('lora_alpha')!r}") from exc
     rslora = bool(conf.get("use_rslora", False))
-    rank_pattern, alpha_pattern = conf.get("rank_pattern") or {}, conf.get("alpha_pattern") or {}
+    rank_pattern, alpha_pattern = _patterns(conf, "rank_pattern", cfg_path), _patterns(conf, "alpha_pattern", cfg_path)
     raw: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights_path), framework="pt") as f:
@@ -111,19 +126,24 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
             raise InvalidRequest(f"{where}: lora_A and lora_B must both be present")
         a, b = ab["A"], ab["B"]
         out_f, in_f = _out_in(cfg, proj)
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, a.shape[0]):
             raise InvalidRequest(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
                                  f"model (expected [r, {in_f}] / [{out_f}, r]): an adapter for another model?")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise InvalidRequest(f"{where}: the weights hold NaN or infinity")
+        r = a.shape[0]
         if r > max_rank:
             raise InvalidRequest(f"{where}: rank {r} exceeds this executor's --max-lora-rank {max_rank}")
         module = f"model.layers.{layer}.{'self_attn' if SLOT_OF[proj] in ('qkv', 'o') else 'mlp'}.{proj}"
-        r_conf = _pattern_value(rank_pattern, module, r)
+        r_conf = _pattern_value(rank_pattern, module, r_default)
+        if r_conf != r:  # peft refuses such a file too (size mismatch): the scale would be wrong
+            raise InvalidRequest(f"{where}: adapter_config.json gives rank {r_conf} but the tensors have rank {r}")
         a_conf = _pattern_value(alpha_pattern, module, alpha)
-        scale = a_conf / (math.sqrt(r_conf) if rslora else r_conf)
-        scaled[(layer, proj)] = (a.to(dtype), (b.float() * scale).to(dtype))
+        scale = a_conf / (math.sqrt(r) if rslora else r)
+        b_scaled = (b.float() * scale).to(dtype)
+        if not torch.isfinite(b_scaled).all():
+            raise InvalidRequest(f"{where}: lora_B x scale ({scale:g}) overflows {dtype}")
+        scaled[(layer, proj)] = (a.to(dtype), b_scaled)
         rank = max(rank, r)
     targets = tuple(p for p in PROJECTIONS if any(k[1] == p for k in scaled))
     return LoraWeights(_fuse(scaled, cfg), rank, targets)

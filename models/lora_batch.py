@@ -4,7 +4,7 @@ Every linear layer first runs its base projection once over all tokens; then the
 updates are added, each to its own tokens only. Two ways, chosen per forward by the token count:
 - stacked (decode-sized batches, T <= STACKED_MAX_TOKENS): the adapters' A matrices of a layer are stacked
   along the rank axis ([sum r, in]) and their B side by side ([out, sum r]); one matmul gives every token's
-  projection onto every adapter's rank space, a 0/1 mask keeps each token's own columns, one more matmul
+  projection onto every adapter's rank space, a mask keeps each token's own columns, one more matmul
   adds the update — two matmuls per layer whatever the number of adapters (Punica's BGMV idea, with the
   gather replaced by the mask; the wasted columns cost little at small T);
 - segmented (prefill-sized batches): per adapter, gather its tokens' rows, two skinny matmuls, scatter-add
@@ -88,7 +88,8 @@ class LoraBatch:
             if stack is not None:
                 a, b, owners = stack
                 xa = x @ a.T  # [T, sum r]: every token projected onto every adapter's rank space
-                y.addmm_(xa.mul_(self._mask(owners, xa.dtype)), b.T)  # keep each token's own adapter's columns
+                # keep each token's own adapter's columns; masked_fill, not a 0/1 product: inf * 0 would be NaN
+                y.addmm_(xa.masked_fill_(self._mask(owners), 0.0), b.T)
             return y
         for w, rows in zip(self.weights, self._rows):
             ab = w.pairs.get((layer, slot))
@@ -101,11 +102,11 @@ class LoraBatch:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
         return y
 
-    def _mask(self, owners: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _mask(self, owners: tuple[int, ...]) -> torch.Tensor:
         mask = self._masks.get(owners)
-        if mask is None:  # [T, sum r]: 1 where the column belongs to the token's adapter
+        if mask is None:  # [T, sum r] bool: True where the column belongs to another adapter than the token's
             cols = torch.tensor(owners, dtype=torch.int64, device=self.device)
-            mask = self._masks[owners] = (self._owner[:, None] == cols[None, :]).to(dtype)
+            mask = self._masks[owners] = self._owner[:, None] != cols[None, :]
         return mask
 
     @staticmethod

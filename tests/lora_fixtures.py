@@ -72,6 +72,10 @@ class PeftReference:
         return self.model(input_ids=torch.tensor([token_ids])).logits[0, -1].float()
 
     @torch.no_grad()
+    def all_logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(input_ids=torch.tensor([token_ids])).logits[0].float()
+
+    @torch.no_grad()
     def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
         """Greedy continuation: (tokens, logits before each token), like HfReference.greedy."""
         cache = DynamicCache()

@@ -160,6 +160,8 @@ def test_cache_keeps_its_adapter(ex, env):
         lambda: ex.unified_decode([UnifiedItem((base_tok,), base_id, n),
                                    UnifiedItem((a_tok,), a_id, n, adapter="")]),
         lambda: ex.prefill([3, 4], cache_id=chunk_id, adapter="b"),
+        lambda: ex.forward_verify(CacheRef(a_id, n), [a_tok, 3], adapter="b"),
+        lambda: ex.forward_verify(CacheRef(base_id, n), [base_tok, 3], adapter="a"),
         lambda: ex.unified_decode([UnifiedItem((3, 4), chunk_id, n, adapter="")]),
     ]
     for i, call in enumerate(cases):
@@ -346,6 +348,13 @@ def _nan_weights(d: Path) -> None:
     edit_adapter_tensors(d, edit)
 
 
+def _scalar_a(d: Path) -> None:
+    def edit(t):
+        key = next(k for k in t if "lora_A" in k)
+        t[key] = t[key][0, 0].clone()  # a 0-d tensor
+    edit_adapter_tensors(d, edit)
+
+
 BAD_DIRS = {
     "missing-config": lambda d: (d / "adapter_config.json").unlink(),
     "config-not-json": lambda d: (d / "adapter_config.json").write_text("{not json", encoding="utf-8"),
@@ -362,6 +371,14 @@ BAD_DIRS = {
     "target-lm_head": lambda d: edit_adapter_config(d, target_modules=["q_proj", "v_proj", "lm_head"]),
     "not-lora": lambda d: edit_adapter_config(d, peft_type="IA3"),
     "rank-zero": lambda d: edit_adapter_config(d, r=0),
+    # peft itself refuses these files (its lora_A would be [2, in], the file's is [4, in]).
+    "r-disagrees-with-weights": lambda d: edit_adapter_config(d, r=2),
+    "scalar-A": _scalar_a,
+    "rank-pattern-not-a-dict": lambda d: edit_adapter_config(d, rank_pattern=["q_proj"]),
+    "rank-pattern-bad-regex": lambda d: edit_adapter_config(d, rank_pattern={"q_proj(": 2}),
+    "rank-pattern-string-value": lambda d: edit_adapter_config(d, rank_pattern={"q_proj": "two"}),
+    "alpha-pattern-string-value": lambda d: edit_adapter_config(d, alpha_pattern={"v_proj": "x"}),
+    "alpha-not-a-number": lambda d: edit_adapter_config(d, lora_alpha="sixteen"),
 }
 
 
@@ -391,6 +408,30 @@ def test_nan_weights_rejected_or_harmless(ex, env):
                              UnifiedItem(tuple(PROMPT), output=LOGITS, adapter="a")])
     assert rel_err(res[0].output.logits[0], ref.output.logits[0]) < 1e-5
     assert rel_err(res[2].output.logits[0], ref_a.output.logits[0]) < 1e-5
+
+
+def test_huge_adapter_does_not_poison_its_batch(ex, env):
+    """Finite but huge weights (the projection overflows to inf: in fp16 that is any value past 65504) may
+    ruin that adapter's own output, never the base items' or another adapter's sharing the forward."""
+    d = env.copy_good("huge")
+
+    def edit(t):
+        for k in [k for k in t if "lora_A" in k]:
+            t[k] = torch.full_like(t[k], 3e38)  # finite; x @ A.T overflows for any token
+    edit_adapter_tensors(d, edit)
+    try:
+        ex.load_adapter("x", d)
+    except TandemError as e:  # refusing it is fine too
+        assert status_for(e) == Code.INVALID_ARGUMENT
+        return
+    ref = ex.prefill(PROMPT, output=LOGITS)
+    ref_a = ex.prefill(PROMPT, output=LOGITS, adapter="a")
+    res = ex.unified_decode([UnifiedItem(tuple(PROMPT), output=LOGITS), UnifiedItem(tuple(PROMPT), adapter="x"),
+                             UnifiedItem(tuple(PROMPT), output=LOGITS, adapter="a")])
+    assert rel_err(res[0].output.logits[0], ref.output.logits[0]) < 1e-5, "base item poisoned"
+    assert rel_err(res[2].output.logits[0], ref_a.output.logits[0]) < 1e-5, "adapter a's item poisoned"
+    ex.release_cache([r.cache.cache_id for r in (ref, ref_a, *res)])
+    assert kv_all_free(ex)
 
 
 def test_target_module_outside_set(ex, env):
@@ -430,17 +471,27 @@ def test_bad_preload_fails_startup(env):
         make_executor(env.base, kv_blocks=12, adapter_root=env.root, adapters=(("p", d),))
 
 
-def test_rank_and_alpha_patterns_exact_or_refused(ex, env):
-    """peft's rank_pattern / alpha_pattern (per-module rank and alpha): served exactly like peft, or refused
-    with INVALID_ARGUMENT; never silently scaled wrong."""
-    d = env.root / "patterns"
+PATTERNS = {  # name -> (target_modules, rank_pattern, alpha_pattern); keys are regexes, as peft matches them
+    "by-module": (["q_proj", "v_proj", "down_proj"], {"v_proj": 2}, {"down_proj": 3}),
+    "by-layer": (["q_proj", "o_proj"], {"layers.1.self_attn.q_proj": 2}, {"model.layers.0.self_attn.o_proj": 32}),
+    "alternation": (["q_proj", "o_proj", "down_proj"], {}, {"o_proj|down_proj": 3}),
+}
+
+
+@pytest.mark.parametrize("case", list(PATTERNS))
+def test_rank_and_alpha_patterns_exact_or_refused(ex, env, case):
+    """peft's rank_pattern / alpha_pattern (per-module rank and alpha; each key is a regex that must match the
+    end of the module's name, as a whole group: peft.utils.other.get_pattern_key): served exactly like peft,
+    or refused with INVALID_ARGUMENT; never silently scaled wrong."""
+    d = env.root / f"patterns-{case}"
     if not d.exists():
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
+        targets, ranks, alphas = PATTERNS[case]
         base = AutoModelForCausalLM.from_pretrained(env.base)
         torch.manual_seed(8)
-        cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                         init_lora_weights=False, rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 3})
+        cfg = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False, rank_pattern=ranks,
+                         alpha_pattern=alphas)
         get_peft_model(base, cfg).save_pretrained(d)
     try:
         info = ex.load_adapter("pat", d)
@@ -500,8 +551,8 @@ def test_grpc_adapter_rpcs(server, env):
         == Code.FAILED_PRECONDITION
     assert rpc_code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="x", path=str(env.outside)))) \
         == Code.PERMISSION_DENIED
-    assert rpc_code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="x", path=str(Path("..") / env.outside.parent.name / env.outside.name)))) \
-        == Code.PERMISSION_DENIED
+    dotdot = str(Path("..") / env.outside.parent.name / env.outside.name)
+    assert rpc_code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="x", path=dotdot))) == Code.PERMISSION_DENIED
     assert rpc_code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="bad name", path="other"))) \
         == Code.INVALID_ARGUMENT
     bad = env.copy_good("grpc-bad")

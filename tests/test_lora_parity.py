@@ -329,3 +329,36 @@ def test_unload_then_not_found_then_reload(llama):
         ex.release_cache([cid])
     assert sorted(a.name for a in ex.list_adapters()) == ["mlp16", "qv4", "qv4-again"]
     assert kv_all_free(ex)
+    # The name again, now for other weights: nothing derived from the old "qv4" (stacked copies) may survive.
+    ex.unload_adapter("qv4")
+    ex.load_adapter("qv4", llama.dirs["mlp16"])
+    cid, tokens, logits = run_greedy(ex, prompt, 3, "qv4")
+    assert_matches((tokens, logits), llama.greedy("mlp16", prompt, 3), "name reused for other weights")
+    ex.release_cache([cid])
+
+
+def test_forward_verify_and_multi_step_decode(llama):
+    """forward_verify (every position's logits) and Decode with num_steps > 1 (two caches on two adapters in
+    one batch) with adapters, against peft."""
+    ex = llama.executor(preload=("all8", "qv4"))
+    n = len(PROMPT)
+    ref_tokens, _ = llama.greedy("all8", PROMPT)
+    res = ex.prefill(PROMPT, adapter="all8")
+    draft = [ref_tokens[0], 17, 42, ref_tokens[1]]  # whatever tokens: verify scores each position
+    v = ex.forward_verify(CacheRef(res.cache.cache_id, n), draft, output=LOGITS, adapter="all8")
+    want = llama.ref("all8").all_logits(PROMPT + draft)[n:]
+    assert len(v.positions) == len(draft)
+    for i, pos in enumerate(v.positions):
+        assert rel_err(pos.logits[0], want[i]) < TOL, f"verify position {i}"
+    ex.release_cache([res.cache.cache_id])
+
+    caches = {name: ex.prefill(PROMPT, output=LOGITS, adapter=name) for name in ("all8", "qv4")}
+    items = [DecodeItem(CacheRef(r.cache.cache_id, n), r.output.tokens[0].token_id, output=LOGITS, adapter=name)
+             for name, r in caches.items()]
+    results = ex.decode(items, num_steps=STEPS - 1)
+    for (name, first), d in zip(caches.items(), results):
+        tokens = [first.output.tokens[0].token_id] + [t.token_id for t in d.output.tokens]
+        logits = [first.output.logits[0], *d.output.logits]
+        assert_matches((tokens, logits), llama.greedy(name, PROMPT), f"multi-step decode on {name}")
+    ex.release_cache([r.cache.cache_id for r in caches.values()])
+    assert kv_all_free(ex)
