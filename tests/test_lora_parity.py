@@ -11,7 +11,7 @@ import torch
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from models.errors import AdapterNotFound, TandemError
-from tests.executor_driver import LOGITS, make_executor
+from tests.executor_driver import LOGITS, greedy_run, make_executor
 from tests.lora_fixtures import ALL_MODULES, HfReference, PeftReference, make_peft_adapter, rel_err
 
 TOL = 1e-4
@@ -69,27 +69,7 @@ def llama(tiny_checkpoint, tmp_path_factory) -> Setup:
 
 def run_greedy(ex, prompt: list[int], steps: int, adapter: str, chunk: int | None = None
                ) -> tuple[str, list[int], list[torch.Tensor]]:
-    """Prefill (whole, or chunks through unified_decode) then single-step greedy decodes, all with `adapter`.
-    Returns (cache id, tokens, logits before each token)."""
-    if chunk is None:
-        res = ex.prefill(prompt, output=LOGITS, adapter=adapter)
-        cache_id, out = res.cache.cache_id, res.output
-    else:
-        cache_id, pos = None, 0
-        while pos < len(prompt):
-            part = prompt[pos:pos + chunk]
-            final = pos + len(part) == len(prompt)
-            (res,) = ex.unified_decode([UnifiedItem(tuple(part), cache_id, pos, final, output=LOGITS,
-                                                    adapter=adapter)])
-            assert (res.output is not None) == final
-            cache_id, pos, out = res.cache.cache_id, pos + len(part), res.output
-    tokens, logits = [out.tokens[0].token_id], [out.logits[0]]
-    for _ in range(steps - 1):
-        (d,) = ex.decode([DecodeItem(CacheRef(cache_id, len(prompt) + len(tokens) - 1), tokens[-1], output=LOGITS,
-                                     adapter=adapter)])
-        tokens.append(d.output.tokens[0].token_id)
-        logits.append(d.output.logits[0])
-    return cache_id, tokens, logits
+    return greedy_run(ex, prompt, steps, chunk, adapter)
 
 
 def assert_matches(got: tuple[list[int], list[torch.Tensor]], ref: tuple[list[int], list[torch.Tensor]],
