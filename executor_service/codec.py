@@ -96,7 +96,8 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
         num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, max_seq_len=info.max_seq_len, dtype=info.dtype,
         device=info.device, eos_token_ids=list(info.eos_token_ids), kv=kv_to_pb(info.kv),
         capabilities=list(info.capabilities), adapters=list(info.adapters), model_dir=info.model_dir,
-        max_batch_tokens=info.max_batch_tokens)
+        max_batch_tokens=info.max_batch_tokens, num_experts=info.num_experts,
+        num_experts_per_tok=info.num_experts_per_tok, moe_layers=list(info.moe_layers))
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     return msg
@@ -107,12 +108,13 @@ def latency_to_pb(s: LatencySummary) -> pb.LatencySummary:
 
 
 def metrics_to_pb(m: MetricsSnapshot, kv: KvUsage, rpcs: dict[str, LatencySummary],
-                  adapters: list[AdapterInfo]) -> pb.GetMetricsResponse:
+                  adapters: list[AdapterInfo], expert_load: dict[int, list[int]]) -> pb.GetMetricsResponse:
     return pb.GetMetricsResponse(
         operations={k: latency_to_pb(v) for k, v in m.ops.items()}, lock_wait=latency_to_pb(m.lock_wait),
         kv=kv_to_pb(kv), forward_passes=m.forward_passes, tokens_processed=m.tokens_processed,
         tokens_sampled=m.tokens_sampled, caches_created=m.caches_created, caches_released=m.caches_released,
-        rpcs={k: latency_to_pb(v) for k, v in rpcs.items()}, adapters=[adapter_to_pb(a) for a in adapters])
+        rpcs={k: latency_to_pb(v) for k, v in rpcs.items()}, adapters=[adapter_to_pb(a) for a in adapters],
+        expert_load=[pb.ExpertLoad(layer=layer, tokens=t) for layer, t in sorted(expert_load.items())])
 
 
 def adapter_to_pb(a: AdapterInfo) -> pb.AdapterInfo:

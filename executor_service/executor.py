@@ -29,6 +29,7 @@ from models.errors import (AdapterInUse, CacheNotFound, CacheStateConflict, Inva
                            PositionMismatch, SequenceTooLong)
 from models.kv_cache import PagedKvCache
 from models.loader import load_model
+from models.moe import SparseMoeBlock
 from models.sampling_params import SamplingParams
 
 CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
@@ -214,7 +215,13 @@ class Executor:
             max_seq_len=cfg.max_position_embeddings, dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
             device=str(self.device), eos_token_ids=self.generation.eos_token_ids,
             bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(),
-            max_batch_tokens=self.config.max_batch_tokens, capabilities=CAPABILITIES, adapters=self.adapters.names())
+            max_batch_tokens=self.config.max_batch_tokens, capabilities=CAPABILITIES, adapters=self.adapters.names(),
+            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)))
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """MoE layer -> tokens routed to each of its experts since start."""
+        return {m.layer: m.expert_tokens.tolist() for m in self.model.modules() if isinstance(m, SparseMoeBlock)}
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         return self.metrics.snapshot()

@@ -112,7 +112,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def GetMetrics(self, request, context):
         ex = self.ex
         return codec.metrics_to_pb(ex.metrics_snapshot(), ex.kv_usage(), self._rpc_metrics.snapshot(),
-                                   ex.list_adapters())
+                                   ex.list_adapters(), ex.expert_load())
 
     @_on_model_thread  # moves weights to the device
     def LoadAdapter(self, request, context):

@@ -133,6 +133,9 @@ class ExecutorInfo:
     max_batch_tokens: int
     capabilities: tuple[str, ...]
     adapters: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

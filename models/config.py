@@ -8,7 +8,7 @@ from typing import Any
 
 from models.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,19 @@ class ModelConfig:
     torch_dtype: str  # dtype the checkpoint was saved in ("float32", "bfloat16", ...)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE); num_experts 0 = a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """transformers' Qwen3MoeDecoderLayer rule: sparse unless listed in mlp_only_layers, every
+        decoder_sparse_step-th layer."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -97,12 +110,27 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-family configs say so with attention_bias.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope=_rope_from_hf(raw),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            **_moe_from_hf(raw, arch, source),
         )
+
+
+def _moe_from_hf(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    top_k, inter = raw.get("num_experts_per_tok"), raw.get("moe_intermediate_size")
+    if not experts or not top_k or not inter or not 0 < int(top_k) <= int(experts):
+        raise CheckpointError(f"{source}: Qwen3-MoE needs num_experts, num_experts_per_tok (1..num_experts) and "
+                              f"moe_intermediate_size; got {experts!r}, {top_k!r}, {inter!r}")
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    return {"num_experts": int(experts), "num_experts_per_tok": int(top_k), "moe_intermediate_size": int(inter),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)), "decoder_sparse_step": step,
+            "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ())}
 
 
 def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:

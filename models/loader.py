@@ -16,6 +16,7 @@ from tqdm import tqdm
 from models.config import ModelConfig
 from models.errors import CheckpointError
 from models.transformer import DecoderModel
+from models.moe import SparseMoeBlock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,6 +24,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+}
+# Our stacked expert parameter (suffix after "layers.N.") -> the per-expert HF tensors concatenated (dim 0)
+# for each expert e, read from "mlp.experts.{e}.<part>".
+_EXPERTS = {
+    "mlp.experts_gate_up": ("gate_proj.weight", "up_proj.weight"),  # [E, 2*I, H]
+    "mlp.experts_down": ("down_proj.weight",),  # [E, H, I]
 }
 # Tensors some checkpoints carry that carry no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -79,15 +86,22 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         return handles[path].get_tensor(name)
 
     state: dict[str, torch.Tensor] = {}
+    used_expert_tensors: set[str] = set()
     bar = tqdm(wanted.items(), desc=f"loading {model_dir.name}", unit="tensor", file=sys.stderr,
                disable=not progress, leave=False)
     for name, meta in bar:
         prefix, _, suffix = name.partition("layers.")
         layer_no, _, rest = suffix.partition(".")
         fused = _FUSED.get(rest) if suffix else None
+        experts = _EXPERTS.get(rest) if suffix else None
         if fused:
             base = f"{prefix}layers.{layer_no}."
             tensor = torch.cat([read(base + part) for part in fused], dim=0)
+        elif experts:  # one tensor per expert in the checkpoint -> one stacked [E, ...] parameter
+            base = f"{prefix}layers.{layer_no}.mlp.experts."
+            tensor = torch.stack([torch.cat([read(f"{base}{e}.{part}") for part in experts], dim=0)
+                                  for e in range(meta.shape[0])])
+            used_expert_tensors.update(f"{base}{e}.{part}" for e in range(meta.shape[0]) for part in experts)
         else:
             tensor = read(name)
         if tuple(tensor.shape) != tuple(meta.shape):
@@ -98,8 +112,11 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     model.load_state_dict(state, strict=not tied, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _warn_unused(files, set(state), tied)
+    _warn_unused(files, set(state) | used_expert_tensors, tied)
     model.init_rotary(device)
+    for m in model.modules():  # non-persistent buffers were built on the meta device
+        if isinstance(m, SparseMoeBlock):
+            m.expert_tokens = torch.zeros(m.num_experts, dtype=torch.int64, device=device)
     return model.eval()
 
 

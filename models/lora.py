@@ -122,6 +122,9 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
         where = f"{weights_path}: layer {layer} {proj}"
         if layer >= cfg.num_layers:
             raise InvalidRequest(f"{where}: the base model has only {cfg.num_layers} layers")
+        if cfg.is_moe_layer(layer) and SLOT_OF[proj] in ("gate", "up", "down"):
+            raise InvalidRequest(f"{where}: layer {layer} is a mixture-of-experts layer; LoRA on its experts is not "
+                                 "supported (adapt the attention projections only)")
         if set(ab) != {"A", "B"}:
             raise InvalidRequest(f"{where}: lora_A and lora_B must both be present")
         a, b = ab["A"], ab["B"]

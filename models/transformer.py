@@ -20,6 +20,7 @@ from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
 from models.kv_cache import PagedKvCache
 from models.lora_batch import LoraBatch
+from models.moe import SparseMoeBlock
 from models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -111,14 +112,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer)
+        self.mlp = SparseMoeBlock(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg, layer)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKvCache,
                 meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
         # Residual adds in place on the sublayers' fresh outputs (a + h == h + a bit for bit): one [T, hidden]
         # buffer fewer each, which on CPU spares large prefill chunks a page-faulted allocation.
         h = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, lora).add_(h)
-        return self.mlp(self.post_attention_layernorm(h), lora).add_(h)
+        x = self.post_attention_layernorm(h)
+        return (self.mlp(x) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(x, lora)).add_(h)
 
 
 class DecoderModel(nn.Module):

@@ -1,0 +1,58 @@
+"""Qwen3-MoE's sparse MLP: a router picks top-k experts per token; tokens are dispatched in one batch.
+
+Router as transformers defines it: logits = x @ W_gate^T, softmax in float32, top-k, optional
+renormalisation of the k probabilities (norm_topk_prob), cast back to the activations' dtype.
+
+Dispatch over the whole packed batch (every item's tokens together): the T*k (token, expert) assignments
+are sorted by expert, bincount gives each expert's segment, and each active expert runs one gate_up
+matmul and one down matmul over its tokens; results are scaled by the routing weights and scattered back
+with index_add_. A Python loop runs over active experts only, never over tokens. Expert weights are
+stacked once at load: gate_up [E, 2*I, H] (gate rows first), down [E, H, I].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        inter = cfg.moe_intermediate_size
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts_gate_up = nn.Parameter(torch.empty(cfg.num_experts, 2 * inter, cfg.hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, inter))
+        self.inter = inter
+        # Tokens routed to each expert since load (load balance, GetMetrics); on the weights' device.
+        self.register_buffer("expert_tokens", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        flat_experts = experts.reshape(-1)  # [T*k]
+        order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat_experts, minlength=self.num_experts)  # [E]
+        self.expert_tokens += counts
+        token_of = order // self.top_k  # [T*k] token row of each sorted assignment
+        weight_of = weights.reshape(-1)[order]  # [T*k]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # active experts only do work
+            if n == 0:
+                continue
+            rows = token_of[start:start + n]
+            gate, up = F.linear(x.index_select(0, rows), self.experts_gate_up[e]).split(self.inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts_down[e])  # [n, H]
+            out.index_add_(0, rows, y * weight_of[start:start + n, None])
+            start += n
+        return out
