@@ -108,6 +108,10 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
         with safe_open(str(weights_path), framework="pt") as f:
             for key in f.keys():
                 m = _KEY.match(key)
+                if ".mlp.experts." in key or ".mlp.gate." in key:
+                    raise InvalidRequest(f"{weights_path}: tensor {key!r} adapts a mixture-of-experts layer (its "
+                                         "experts or router); LoRA on experts is not supported: adapt the "
+                                         "attention projections only")
                 if m is None or m.group(3) not in PROJECTIONS:
                     raise InvalidRequest(f"{weights_path}: tensor {key!r} is not a LoRA A/B weight of "
                                          f"{'/'.join(PROJECTIONS)} (embedding or LM-head adapters are not supported)")
