@@ -220,3 +220,14 @@ def test_expert_token_counts(moe):
         routed = [now - before for now, before in zip(load[layer], start[layer])]
         assert sum(routed) == expected_tokens * moe.top_k, f"layer {layer}: {routed}"
         assert all(c >= 0 for c in routed)
+
+
+def test_dense_model_reports_no_experts(tiny_checkpoint):
+    ex = make_executor(tiny_checkpoint("qwen3"))
+    info = ex.info()
+    if not hasattr(info, "num_experts"):
+        pytest.skip("ExecutorInfo has no num_experts field yet")
+    assert (info.num_experts, info.num_experts_per_tok, tuple(getattr(info, "moe_layers", ()))) == (0, 0, ())
+    if hasattr(ex, "expert_load"):
+        ex.prefill(prompt_of(5))
+        assert ex.expert_load() == {}
