@@ -40,3 +40,41 @@ def greedy_run(ex: Executor, prompt: list[int], steps: int, chunk: int | None = 
         tokens.append(d.output.tokens[0].token_id)
         logits.append(d.output.logits[0])
     return cache_id, tokens, logits
+
+
+def mixed_batch_run(ex: Executor, prompts: list[list[int]], steps: int, release_after: dict[int, int],
+                    chunk: int = 8) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Runs every sequence through shared unified_decode calls: prompt chunks of `chunk` tokens beside
+    single-token decodes, greedy; sequence i is released after release_after.get(i, steps) tokens.
+    Returns per sequence (tokens, logits before each token)."""
+    n = len(prompts)
+    cache: list[str | None] = [None] * n
+    fed = [0] * n  # prompt tokens written so far
+    gen: list[list[int]] = [[] for _ in range(n)]
+    logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    active = set(range(n))
+    for _ in range(200 + steps):
+        if not active:
+            break
+        order = sorted(active)
+        items = []
+        for i in order:
+            if fed[i] < len(prompts[i]):
+                part = prompts[i][fed[i]:fed[i] + chunk]
+                items.append(UnifiedItem(tuple(part), cache[i], fed[i], fed[i] + len(part) == len(prompts[i]),
+                                         output=LOGITS))
+            else:
+                pos = len(prompts[i]) + len(gen[i]) - 1
+                items.append(UnifiedItem((gen[i][-1],), cache[i], pos, True, output=LOGITS))
+        results = ex.unified_decode(items)
+        for i, item, res in zip(order, items, results):
+            cache[i] = res.cache.cache_id
+            if fed[i] < len(prompts[i]):
+                fed[i] += len(item.token_ids)
+            if res.output is not None:
+                gen[i].append(res.output.tokens[0].token_id)
+                logits[i].append(res.output.logits[0])
+            if len(gen[i]) == release_after.get(i, steps):
+                ex.release_cache([cache[i]])
+                active.discard(i)
+    return gen, logits

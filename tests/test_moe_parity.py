@@ -12,10 +12,9 @@ import json
 import random
 
 import pytest
-import torch
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
-from tests.executor_driver import LOGITS, greedy_run, make_executor
+from tests.executor_driver import LOGITS, greedy_run, make_executor, mixed_batch_run
 from tests.hf_reference import HfReference, rel_err
 
 TOL = 1e-4
@@ -98,35 +97,7 @@ def test_mixed_batch_of_five_with_releases(moe):
     prompts = [prompt_of(n, seed=10 + n) for n in (3, 9, 17, 30, 41)]
     release_after = {1: 10, 3: 5}  # sequence -> tokens generated before it is released
     refs = [moe.greedy(p) for p in prompts]
-    cache = [None] * 5
-    fed = [0] * 5  # prompt tokens written so far
-    gen: list[list[int]] = [[] for _ in range(5)]
-    logits: list[list[torch.Tensor]] = [[] for _ in range(5)]
-    active = set(range(5))
-    for _ in range(200):
-        if not active:
-            break
-        order = sorted(active)
-        items = []
-        for i in order:
-            if fed[i] < len(prompts[i]):
-                part = prompts[i][fed[i]:fed[i] + 8]
-                items.append(UnifiedItem(tuple(part), cache[i], fed[i], fed[i] + len(part) == len(prompts[i]),
-                                         output=LOGITS))
-            else:
-                pos = len(prompts[i]) + len(gen[i]) - 1
-                items.append(UnifiedItem((gen[i][-1],), cache[i], pos, True, output=LOGITS))
-        results = ex.unified_decode(items)
-        for i, item, res in zip(order, items, results):
-            cache[i] = res.cache.cache_id
-            if fed[i] < len(prompts[i]):
-                fed[i] += len(item.token_ids)
-            if res.output is not None:
-                gen[i].append(res.output.tokens[0].token_id)
-                logits[i].append(res.output.logits[0])
-            if len(gen[i]) == release_after.get(i, STEPS):
-                ex.release_cache([cache[i]])
-                active.discard(i)
+    gen, logits = mixed_batch_run(ex, prompts, STEPS, release_after)
     for i in range(5):
         limit = release_after.get(i, STEPS)
         ref_tokens, ref_logits = refs[i]
