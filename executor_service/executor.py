@@ -21,7 +21,7 @@ from executor_service.adapters import AdapterRegistry
 from executor_service.batch import BatchItem, BatchRunner, CacheState
 from executor_service.config import ExecutorConfig, kv_block_count
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
-from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, KvUsage, OutputMode,
+from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, KvUsage,
                                     OutputOptions, PrefillResult, SequenceOutput, UnifiedItem, UnifiedResult,
                                     VerifyResult)
 from models.config import read_generation_defaults

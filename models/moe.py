@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.lora_batch import LoraBatch
 
 
 class SparseMoeBlock(nn.Module):
@@ -36,7 +37,8 @@ class SparseMoeBlock(nn.Module):
         # Tokens routed to each expert since load (load balance, GetMetrics); on the weights' device.
         self.register_buffer("expert_tokens", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        # lora: accepted for the dense MLP's signature; adapters never reach experts (refused at load)
         # x: [T, H]
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each

@@ -119,8 +119,7 @@ class DecoderLayer(nn.Module):
         # Residual adds in place on the sublayers' fresh outputs (a + h == h + a bit for bit): one [T, hidden]
         # buffer fewer each, which on CPU spares large prefill chunks a page-faulted allocation.
         h = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, lora).add_(h)
-        x = self.post_attention_layernorm(h)
-        return (self.mlp(x) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(x, lora)).add_(h)
+        return self.mlp(self.post_attention_layernorm(h), lora).add_(h)
 
 
 class DecoderModel(nn.Module):

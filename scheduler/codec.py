@@ -51,9 +51,6 @@ def sampling_params_from_pb(m: pb.SamplingParams, vocab_size: int) -> SamplingPa
     return params
 
 
-sampling_to_executor_pb = sampling_to_pb  # the executor message the scheduler sends per item
-
-
 def with_banned_tokens(m: epb.SamplingParams, token_ids) -> epb.SamplingParams:
     """A copy of m that never samples token_ids (the lowest bias the contract allows), for the steps before
     min_new_tokens — as transformers' MinNewTokensLengthLogitsProcessor masks EOS. Logprobs stay raw."""

@@ -13,9 +13,10 @@ import logging
 import time
 from typing import Callable
 
+from executor_service.sampling_codec import sampling_to_pb
 from models.errors import CapacityExceeded, RemoteError, TandemError, Unavailable
 from protos import executor_pb2 as epb
-from scheduler.codec import sampling_to_executor_pb, with_banned_tokens
+from scheduler.codec import with_banned_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient
 from scheduler.planner import KvView, Planner, StepItem, blocks_for
@@ -69,7 +70,7 @@ class Engine:
                 f"need {blocks_for(tokens, self.kv.block_size)} KV blocks but the executor's whole cache has "
                 f"{self.kv.total_blocks} (x {self.kv.block_size} tokens); shorten the request")
         seq = Sequence(request, next(self._arrivals), self.tokenizer, self.info.eos_token_ids, self.info.max_seq_len)
-        sampling = sampling_to_executor_pb(request.sampling)
+        sampling = sampling_to_pb(request.sampling)
         stop = request.stopping
         early = (with_banned_tokens(sampling, set(seq.eos_token_ids) | stop.stop_token_ids)
                  if stop.min_new_tokens else sampling)

@@ -32,8 +32,7 @@ class Sequence:
         self.executor_sampling: tuple = (None, None)
         self.events: asyncio.Queue[Delta | TandemError] = asyncio.Queue()
         stop = request.stopping
-        self._eos = frozenset(() if stop.ignore_eos else eos_token_ids)
-        self.eos_token_ids = self._eos  # the EOS ids that stop this request
+        self.eos_token_ids = frozenset(() if stop.ignore_eos else eos_token_ids)  # the EOS ids that stop it
         self._max_len = min(len(request.prompt_ids) + stop.max_new_tokens, max_seq_len)
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, not request.keep_special_tokens)
         self._stops = StopStringMatcher(stop.stop, stop.include_stop_str_in_output)
@@ -84,7 +83,7 @@ class Sequence:
         self._delta.tokens.append(token)
         n_out = len(self.output_ids)
         may_stop = n_out >= self.request.stopping.min_new_tokens
-        if may_stop and (tid in self._eos or tid in self.request.stopping.stop_token_ids):
+        if may_stop and (tid in self.eos_token_ids or tid in self.request.stopping.stop_token_ids):
             self._emit(self._detok.add(tid))  # its text is empty unless special tokens are kept
             self._emit_final(self._detok.flush())
             return self._finish(FinishReason.STOP, str(tid))

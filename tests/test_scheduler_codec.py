@@ -10,7 +10,7 @@ from models.sampling_params import SamplingParams
 from protos import executor_pb2 as epb
 from protos import generate_pb2 as pb
 from scheduler.codec import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
-                             delta_to_pb, request_from_pb, sampling_params_from_pb, sampling_to_executor_pb)
+                             delta_to_pb, request_from_pb, sampling_params_from_pb, sampling_to_pb)
 from scheduler.request import Delta, FinishReason, StoppingCriteria, TokenLogprob, Usage
 from scheduler.tokenizer import ChatMessage, ModelTokenizer
 
@@ -164,7 +164,7 @@ def test_sampling_from_pb_fields(tok):
     pb.SamplingParams(temperature=1.3, logit_bias={1: 1.0}),
 ], ids=["full", "unset", "top_p-1-seed-0", "temp-bias"])
 def test_sampling_round_trips_to_the_executor(tok, m):
-    e = sampling_to_executor_pb(sampling_params_from_pb(m, tok.vocab_size))
+    e = sampling_to_pb(sampling_params_from_pb(m, tok.vocab_size))
     assert e == epb.SamplingParams.FromString(m.SerializeToString())
     assert e.HasField("top_p") == m.HasField("top_p")
     assert e.HasField("seed") == m.HasField("seed")
