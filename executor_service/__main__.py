@@ -10,7 +10,7 @@ import torch
 
 from executor_service.config import ExecutorConfig
 from executor_service.server import ServerConfig, serve
-from models.errors import TandemError
+from tandem.errors import TandemError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

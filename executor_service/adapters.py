@@ -12,7 +12,7 @@ import torch
 
 from executor_service.types import AdapterInfo
 from models.config import ModelConfig
-from models.errors import AdapterInUse, AdapterNotFound, InvalidRequest, PermissionDenied
+from tandem.errors import AdapterInUse, AdapterNotFound, InvalidRequest, PermissionDenied
 from models.lora import CONFIG_FILE, WEIGHTS_FILE, LoraWeights, read_adapter
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

@@ -1,16 +1,16 @@
 """Conversions between tandem.executor.v1 messages and the executor's domain objects."""
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
 from executor_service.metrics import LatencySummary, MetricsSnapshot
-from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, ExecutorInfo, KvUsage, OutputMode, OutputOptions,
+from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, ExecutorInfo, OutputMode, OutputOptions,
                                     SequenceOutput, UnifiedItem)
-from models.errors import InvalidRequest
-from executor_service.sampling_codec import sampling_from_pb  # noqa: F401  (re-exported for the servicer)
-from protos import executor_pb2 as pb
+from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported for the servicer)
+from tandem.errors import InvalidRequest
+from tandem.executor.v1 import executor_pb2 as pb
+from tandem.kv_usage import KvUsage
 
 _MODES = {
     pb.OUTPUT_MODE_UNSPECIFIED: OutputMode.TOKENS,
@@ -56,10 +56,7 @@ def decode_logits(m: pb.Logits) -> np.ndarray:
 
 
 def sequence_output_to_pb(out: SequenceOutput, logits_dtype: int) -> pb.SequenceOutput:
-    msg = pb.SequenceOutput(tokens=[
-        pb.TokenOutput(token_id=t.token_id, logprob=t.logprob,
-                       top_logprobs=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs])
-        for t in out.tokens])
+    msg = pb.SequenceOutput(tokens=[token_logprob_to_pb(t.token_id, t.logprob, t.top_logprobs) for t in out.tokens])
     if out.logits is not None:
         msg.logits.CopyFrom(encode_logits(out.logits, logits_dtype))
     return msg
@@ -67,11 +64,6 @@ def sequence_output_to_pb(out: SequenceOutput, logits_dtype: int) -> pb.Sequence
 
 def cache_to_pb(c: CacheRef) -> pb.CacheRef:
     return pb.CacheRef(cache_id=c.cache_id, seq_len=c.seq_len)
-
-
-def kv_to_pb(kv: KvUsage) -> pb.KvUsage:
-    return pb.KvUsage(block_size=kv.block_size, total_blocks=kv.total_blocks, free_blocks=kv.free_blocks,
-                      active_caches=kv.active_caches)
 
 
 def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
@@ -94,7 +86,7 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
         model_id=info.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
         hidden_size=info.hidden_size, num_layers=info.num_layers, num_heads=info.num_heads,
         num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, max_seq_len=info.max_seq_len, dtype=info.dtype,
-        device=info.device, eos_token_ids=list(info.eos_token_ids), kv=kv_to_pb(info.kv),
+        device=info.device, eos_token_ids=list(info.eos_token_ids), kv=kv_usage_to_pb(info.kv),
         capabilities=list(info.capabilities), adapters=list(info.adapters), model_dir=info.model_dir,
         max_batch_tokens=info.max_batch_tokens, num_experts=info.num_experts,
         num_experts_per_tok=info.num_experts_per_tok, moe_layers=list(info.moe_layers))
@@ -111,7 +103,7 @@ def metrics_to_pb(m: MetricsSnapshot, kv: KvUsage, rpcs: dict[str, LatencySummar
                   adapters: list[AdapterInfo], expert_load: dict[int, list[int]]) -> pb.GetMetricsResponse:
     return pb.GetMetricsResponse(
         operations={k: latency_to_pb(v) for k, v in m.ops.items()}, lock_wait=latency_to_pb(m.lock_wait),
-        kv=kv_to_pb(kv), forward_passes=m.forward_passes, tokens_processed=m.tokens_processed,
+        kv=kv_usage_to_pb(kv), forward_passes=m.forward_passes, tokens_processed=m.tokens_processed,
         tokens_sampled=m.tokens_sampled, caches_created=m.caches_created, caches_released=m.caches_released,
         rpcs={k: latency_to_pb(v) for k, v in rpcs.items()}, adapters=[adapter_to_pb(a) for a in adapters],
         expert_load=[pb.ExpertLoad(layer=layer, tokens=t) for layer, t in sorted(expert_load.items())])

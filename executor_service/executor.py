@@ -21,16 +21,17 @@ from executor_service.adapters import AdapterRegistry
 from executor_service.batch import BatchItem, BatchRunner, CacheState
 from executor_service.config import ExecutorConfig, kv_block_count
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
-from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, KvUsage,
+from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
                                     OutputOptions, PrefillResult, SequenceOutput, UnifiedItem, UnifiedResult,
                                     VerifyResult)
 from models.config import read_generation_defaults
-from models.errors import (AdapterInUse, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
+from tandem.errors import (AdapterInUse, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
                            PositionMismatch, SequenceTooLong)
 from models.kv_cache import PagedKvCache
+from tandem.kv_usage import KvUsage
 from models.loader import load_model
 from models.moe import SparseMoeBlock
-from models.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
                 "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling")

@@ -9,8 +9,8 @@ from typing import Any, Callable
 import grpc
 
 from executor_service.metrics import LatencyStats, LatencySummary
-from executor_service.status_map import status_for
-from models.errors import TandemError
+from tandem.status_map import status_for
+from tandem.errors import TandemError
 
 log = logging.getLogger("tandem.executor")
 

@@ -14,11 +14,11 @@ from grpc_health.v1 import health, health_pb2
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
-from executor_service.grpc_setup import add_health_reflection_and_ports
+from tandem.grpc_setup import add_health_reflection_and_ports
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
 from executor_service.model_thread import ModelThread
 from executor_service.servicer import ExecutorServicer
-from protos import executor_pb2, executor_pb2_grpc
+from tandem.executor.v1 import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("tandem.executor")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name

@@ -13,9 +13,9 @@ from executor_service.executor import Executor
 from executor_service.interceptor import RpcMetrics
 from executor_service.model_thread import ModelThread
 from executor_service.types import CacheRef
-from models.errors import InvalidRequest, Unavailable
-from protos import executor_pb2 as pb
-from protos import executor_pb2_grpc as pb_grpc
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.executor.v1 import executor_pb2 as pb
+from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 
 
 def _on_model_thread(handler: Callable) -> Callable:
@@ -61,7 +61,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                          codec.sampling_from_pb(request.sampling), output, request.adapter)
         return pb.PrefillResponse(cache=codec.cache_to_pb(res.cache),
                                   output=codec.sequence_output_to_pb(res.output, dtype),
-                                  cached_tokens=res.cached_tokens, kv=codec.kv_to_pb(ex.kv_usage()))
+                                  cached_tokens=res.cached_tokens, kv=codec.kv_usage_to_pb(ex.kv_usage()))
 
     @_on_model_thread
     def Decode(self, request, context):
@@ -72,14 +72,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             results=[pb.DecodeResult(cache=codec.cache_to_pb(r.cache),
                                      output=codec.sequence_output_to_pb(r.output, dtype))
                      for r, (_, dtype) in zip(results, items)],
-            kv=codec.kv_to_pb(ex.kv_usage()))
+            kv=codec.kv_usage_to_pb(ex.kv_usage()))
 
     @_on_model_thread
     def UnifiedDecode(self, request, context):
         ex = self.ex
         items = [codec.unified_item_from_pb(i) for i in request.items]
         results = ex.unified_decode([item for item, _ in items])
-        out = pb.UnifiedDecodeResponse(kv=codec.kv_to_pb(ex.kv_usage()))
+        out = pb.UnifiedDecodeResponse(kv=codec.kv_usage_to_pb(ex.kv_usage()))
         for r, (_, dtype) in zip(results, items):
             res = out.results.add(cache=codec.cache_to_pb(r.cache))
             if r.output is not None:
@@ -96,18 +96,18 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                                 list(request.token_ids), output, request.adapter)
         return pb.ForwardVerifyResponse(cache=codec.cache_to_pb(res.cache),
                                         positions=[codec.sequence_output_to_pb(p, dtype) for p in res.positions],
-                                        kv=codec.kv_to_pb(ex.kv_usage()))
+                                        kv=codec.kv_usage_to_pb(ex.kv_usage()))
 
     def TruncateCache(self, request, context):
         ex = self.ex
         ref = ex.truncate_cache(request.cache_id, request.new_len)
-        return pb.TruncateCacheResponse(cache=codec.cache_to_pb(ref), kv=codec.kv_to_pb(ex.kv_usage()))
+        return pb.TruncateCacheResponse(cache=codec.cache_to_pb(ref), kv=codec.kv_usage_to_pb(ex.kv_usage()))
 
     def ReleaseCache(self, request, context):
         ex = self.ex
         released, unknown = ex.release_cache(list(request.cache_ids))
         return pb.ReleaseCacheResponse(released=released, unknown_cache_ids=unknown,
-                                       kv=codec.kv_to_pb(ex.kv_usage()))
+                                       kv=codec.kv_usage_to_pb(ex.kv_usage()))
 
     def GetMetrics(self, request, context):
         ex = self.ex

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.sampling_params import SamplingParams
+from tandem.kv_usage import KvUsage
+from tandem.sampling_params import SamplingParams
 
 
 class OutputMode(enum.Enum):
@@ -35,14 +36,6 @@ class OutputOptions:
 class CacheRef:
     cache_id: str
     seq_len: int  # tokens the cache holds after the call
-
-
-@dataclass(frozen=True)
-class KvUsage:
-    block_size: int
-    total_blocks: int
-    free_blocks: int
-    active_caches: int
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from models.kv_cache import PagedKvCache
+from tandem.ceil_div import ceil_div
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,10 @@ class AttentionMetadata:
         past = np.array([it.past for it in items], dtype=np.int64)
         max_q = int(n_new.max())
         ctx = past + n_new
-        max_blocks = int(-(-ctx.max() // block_size))
+        max_blocks = ceil_div(int(ctx.max()), block_size)
         tables = np.zeros((len(items), max_blocks), dtype=np.int64)
         for row, it in enumerate(items):
-            used = -(-(it.past + it.n_new) // block_size)
+            used = ceil_div(it.past + it.n_new, block_size)
             tables[row, :used] = it.blocks[:used]
         batch_index = np.repeat(np.arange(len(items)), n_new)
         query_index = np.arange(int(n_new.sum())) - np.repeat(np.cumsum(n_new) - n_new, n_new)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from models.errors import KvCapacityExceeded
+from tandem.errors import KvCapacityExceeded
 
 
 class BlockAllocator:

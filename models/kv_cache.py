@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 import torch
 
 from models.block_allocator import BlockAllocator
-from models.errors import KvCapacityExceeded
+from tandem.ceil_div import ceil_div
+from tandem.errors import KvCapacityExceeded
+from tandem.kv_usage import KvUsage
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -17,13 +19,6 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
-
-
-@dataclass(frozen=True)
-class KvUsage:
-    block_size: int
-    total_blocks: int
-    free_blocks: int
 
 
 class PagedKvCache:
@@ -53,7 +48,7 @@ class PagedKvCache:
 
     def blocks_needed(self, table: BlockTable, new_length: int) -> int:
         """Blocks to add so `table` can hold `new_length` tokens."""
-        return max(0, -(-new_length // self.block_size) - len(table.blocks))
+        return max(0, ceil_div(new_length, self.block_size) - len(table.blocks))
 
     def reserve(self, growth: list[tuple[BlockTable, int]]) -> None:
         """Grows every (table, new_length) pair, all or nothing: raises KvCapacityExceeded before touching
@@ -69,7 +64,7 @@ class PagedKvCache:
     def truncate(self, table: BlockTable, new_length: int) -> None:
         """Keeps the first new_length tokens; frees whole blocks past them (the stale tail of the last
         kept block is simply overwritten later)."""
-        keep = -(-new_length // self.block_size)
+        keep = ceil_div(new_length, self.block_size)
         if keep < len(table.blocks):
             self.allocator.free(table.blocks[keep:])
             del table.blocks[keep:]

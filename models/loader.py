@@ -14,7 +14,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.config import ModelConfig
-from models.errors import CheckpointError
+from tandem.errors import CheckpointError
 from models.transformer import DecoderModel
 from models.moe import SparseMoeBlock
 

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
-from models.errors import InvalidRequest
+from tandem.errors import InvalidRequest
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SLOT_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate",

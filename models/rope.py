@@ -9,7 +9,7 @@ import math
 import torch
 
 from models.config import RopeConfig
-from models.errors import CheckpointError
+from tandem.errors import CheckpointError
 
 
 def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers; _C2 >= 2^31 is applied in two parts

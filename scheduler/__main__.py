@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from models.errors import TandemError
+from tandem.errors import TandemError
 from scheduler.config import SchedulerConfig
 from scheduler.server import serve_async
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import uuid
 
-from executor_service.sampling_codec import sampling_from_pb, sampling_to_pb
-from models.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
-from models.sampling_params import SamplingParams
-from protos import executor_pb2 as epb
-from protos import generate_pb2 as pb
+from tandem.codec import sampling_from_pb
+from tandem.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
+from tandem.sampling_params import SamplingParams
+from tandem.common.v1 import common_pb2 as cpb
+from tandem.executor.v1 import executor_pb2 as epb
+from tandem.generate.v1 import generate_pb2 as pb
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.tokenizer import ChatMessage, ModelTokenizer
 
@@ -43,18 +44,16 @@ def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTok
     return ids
 
 
-def sampling_params_from_pb(m: pb.SamplingParams, vocab_size: int) -> SamplingParams:
-    # The generate and executor SamplingParams are the same message (same numbers and types): reuse the
-    # executor's conversion so both services check sampling values identically.
-    params = sampling_from_pb(epb.SamplingParams.FromString(m.SerializeToString()))
+def sampling_params_from_pb(m: cpb.SamplingParams, vocab_size: int) -> SamplingParams:
+    params = sampling_from_pb(m)  # the same tandem.common.v1 message and codec as the executor's
     params.validate(vocab_size)
     return params
 
 
-def with_banned_tokens(m: epb.SamplingParams, token_ids) -> epb.SamplingParams:
+def with_banned_tokens(m: cpb.SamplingParams, token_ids) -> cpb.SamplingParams:
     """A copy of m that never samples token_ids (the lowest bias the contract allows), for the steps before
     min_new_tokens — as transformers' MinNewTokensLengthLogitsProcessor masks EOS. Logprobs stay raw."""
-    banned = epb.SamplingParams()
+    banned = cpb.SamplingParams()
     banned.CopyFrom(m)
     for t in token_ids:
         banned.logit_bias[t] = -100.0

@@ -13,13 +13,13 @@ import logging
 import time
 from typing import Callable
 
-from executor_service.sampling_codec import sampling_to_pb
-from models.errors import CapacityExceeded, RemoteError, TandemError, Unavailable
-from protos import executor_pb2 as epb
+from tandem.codec import kv_usage_from_pb, sampling_to_pb
+from tandem.errors import CapacityExceeded, RemoteError, TandemError, Unavailable
+from tandem.executor.v1 import executor_pb2 as epb
 from scheduler.codec import with_banned_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient
-from scheduler.planner import KvView, Planner, StepItem, blocks_for
+from scheduler.planner import Planner, StepItem
 from scheduler.request import GenerateRequest, TokenLogprob
 from scheduler.sequence import Sequence, Status
 
@@ -37,7 +37,7 @@ class Engine:
         self.info = info
         budget = min(cfg.max_batch_tokens, info.max_batch_tokens or cfg.max_batch_tokens)
         self.planner = Planner(budget, cfg.max_running, cfg.prefill_chunk)
-        self.kv = _kv_view(info.kv)
+        self.kv = kv_usage_from_pb(info.kv)
         self.running: list[Sequence] = []  # admitted, oldest arrival first
         self.waiting: list[Sequence] = []  # new or preempted, oldest arrival first
         self.up = True  # the executor answers
@@ -67,7 +67,7 @@ class Engine:
         if not Planner.fits_alone(tokens, self.kv):
             raise CapacityExceeded(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.stopping.max_new_tokens}) "
-                f"need {blocks_for(tokens, self.kv.block_size)} KV blocks but the executor's whole cache has "
+                f"need {self.kv.blocks_for(tokens)} KV blocks but the executor's whole cache has "
                 f"{self.kv.total_blocks} (x {self.kv.block_size} tokens); shorten the request")
         seq = Sequence(request, next(self._arrivals), self.tokenizer, self.info.eos_token_ids, self.info.max_seq_len)
         sampling = sampling_to_pb(request.sampling)
@@ -98,7 +98,7 @@ class Engine:
         """Re-reads the executor's info (adapters loaded since, KV)."""
         try:
             self.info = await self.client.info()
-            self.kv = _kv_view(self.info.kv)
+            self.kv = kv_usage_from_pb(self.info.kv)
         except ExecutorUnreachable as exc:
             self._executor_lost(exc)
 
@@ -169,7 +169,7 @@ class Engine:
         finally:
             self._in_flight = set()
         self.steps += 1
-        self.kv = _kv_view(resp.kv)
+        self.kv = kv_usage_from_pb(resp.kv)
         for item, res in zip(plan.items, resp.results):
             self._apply(item.seq, res)
         self._log_stats(sum(item.count for item in plan.items))
@@ -239,7 +239,7 @@ class Engine:
         ids, self._to_release = self._to_release, []
         try:
             resp = await self.client.release(ids)
-            self.kv = _kv_view(resp.kv)
+            self.kv = kv_usage_from_pb(resp.kv)
         except ExecutorUnreachable as exc:
             self._to_release.extend(ids)  # retried after reconnecting (unknown ids are no error)
             self._executor_lost(exc)
@@ -288,7 +288,7 @@ class Engine:
                 log.error("executor %s came back serving %s (was %s): restart the scheduler to use it",
                           self.client.address, info.model_dir, self.info.model_dir)
                 continue
-            self.info, self.kv, self.up = info, _kv_view(info.kv), True
+            self.info, self.kv, self.up = info, kv_usage_from_pb(info.kv), True
             self._on_health(True)
             log.info("executor %s is back (%d KV blocks free); serving again", self.client.address,
                      self.kv.free_blocks)
@@ -305,10 +305,6 @@ class Engine:
                      len(self.running), len(self.waiting), 100 * used, count / (now - since), self.preemptions)
             since, count = now, 0
         self._stats = (since, count)
-
-
-def _kv_view(kv: epb.KvUsage) -> KvView:
-    return KvView(kv.block_size, kv.total_blocks, kv.free_blocks)
 
 
 def _insort(seqs: list[Sequence], seq: Sequence) -> None:

@@ -6,9 +6,9 @@ from typing import Sequence
 
 import grpc
 
-from models.errors import RemoteError, Unavailable
-from protos import executor_pb2 as epb
-from protos import executor_pb2_grpc as epb_grpc
+from tandem.errors import RemoteError, Unavailable
+from tandem.executor.v1 import executor_pb2 as epb
+from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
 
 # Codes that mean "the executor is not there (now)", not "the request was wrong".
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,

@@ -1,4 +1,4 @@
-"""One asyncio server interceptor: domain errors -> gRPC status codes (executor_service/status_map.py, the
+"""One asyncio server interceptor: domain errors -> gRPC status codes (tandem/status_map.py, the
 table both servers share), unexpected exceptions -> INTERNAL with the traceback in the log."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from executor_service.status_map import status_for
-from models.errors import TandemError
+from tandem.status_map import status_for
+from tandem.errors import TandemError
 
 log = logging.getLogger("tandem.scheduler")
 

@@ -16,13 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class KvView:
-    block_size: int
-    total_blocks: int
-    free_blocks: int
+from tandem.ceil_div import ceil_div
+from tandem.kv_usage import KvUsage
 
 
 @dataclass(frozen=True)
@@ -43,17 +38,13 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)  # running -> waiting (release their caches)
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 class Planner:
     def __init__(self, max_batch_tokens: int, max_running: int, prefill_chunk: int) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
 
-    def plan(self, running: list[Sequence], waiting: list[Sequence], kv: KvView) -> StepPlan:
+    def plan(self, running: list[Sequence], waiting: list[Sequence], kv: KvUsage) -> StepPlan:
         """running and waiting are ordered oldest first; neither list is modified."""
         bs = kv.block_size
         plan = StepPlan()
@@ -62,7 +53,7 @@ class Planner:
         watermark = max(1, kv.total_blocks // 100)  # headroom for decode growth before admitting more
 
         def grow(seq: Sequence, n: int) -> int:
-            return blocks_for(seq.num_cached + n, bs) - blocks_for(seq.num_cached, bs)
+            return ceil_div(seq.num_cached + n, bs) - ceil_div(seq.num_cached, bs)
 
         # 1. decodes, preempting the youngest until their growth fits
         while True:
@@ -72,7 +63,7 @@ class Planner:
                 break
             victim = running.pop()  # youngest
             plan.preempted.append(victim)
-            free += blocks_for(victim.num_cached, bs)
+            free += ceil_div(victim.num_cached, bs)
         budget = self.max_batch_tokens
         for s in decoding:
             plan.items.append(StepItem(s, s.num_cached, 1))
@@ -89,7 +80,7 @@ class Planner:
                 free -= grow(s, n)
         # what running prompts still need after this step: reserved, not available to admissions
         planned = {id(i.seq): i.count for i in plan.items}
-        reserved = sum(blocks_for(s.num_tokens + 1, bs) - blocks_for(s.num_cached + planned.get(id(s), 0), bs)
+        reserved = sum(ceil_div(s.num_tokens + 1, bs) - ceil_div(s.num_cached + planned.get(id(s), 0), bs)
                        for s in prefilling)
 
         # 3. admissions, oldest first, never skipping the head
@@ -97,24 +88,24 @@ class Planner:
         for s in waiting:
             if n_running >= self.max_running or budget <= 0:
                 break
-            if blocks_for(s.num_tokens + 1, bs) > free - reserved - watermark:
+            if ceil_div(s.num_tokens + 1, bs) > free - reserved - watermark:
                 break
             n = min(s.remaining, self.prefill_chunk, budget)
             plan.admitted.append(s)
             plan.items.append(StepItem(s, 0, n))
             n_running += 1
             budget -= n
-            free -= blocks_for(n, bs)
-            reserved += blocks_for(s.num_tokens + 1, bs) - blocks_for(n, bs)
+            free -= ceil_div(n, bs)
+            reserved += ceil_div(s.num_tokens + 1, bs) - ceil_div(n, bs)
         return plan
 
     def _chunk(self, s: Sequence, budget: int, free: int, bs: int) -> int:
         """Tokens of s's prompt to write this step: limited by the chunk size, the budget and free blocks."""
         n = min(s.remaining, self.prefill_chunk, budget)
-        room = (blocks_for(s.num_cached, bs) + max(free, 0)) * bs - s.num_cached  # tokens the blocks can hold
+        room = (ceil_div(s.num_cached, bs) + max(free, 0)) * bs - s.num_cached  # tokens the blocks can hold
         return max(0, min(n, room))
 
     @staticmethod
-    def fits_alone(tokens: int, kv: KvView) -> bool:
+    def fits_alone(tokens: int, kv: KvUsage) -> bool:
         """Whether a sequence of this many tokens fits the whole KV pool."""
-        return blocks_for(tokens, kv.block_size) <= kv.total_blocks
+        return ceil_div(tokens, kv.block_size) <= kv.total_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from models.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,15 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # an EOS token or a stop token id
     STOP_SEQUENCE = "stop_sequence"  # a stop string
     ABORTED = "aborted"  # ended by the server (shutdown)
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a request ended: the reason, and for STOP the decimal id of the stop token, for STOP_SEQUENCE the
+    stop string."""
+
+    reason: FinishReason
+    stop_reason: str = ""
 
 
 @dataclass(frozen=True)

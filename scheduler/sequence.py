@@ -6,7 +6,7 @@ import asyncio
 import enum
 from typing import Sequence as Seq
 
-from models.errors import TandemError
+from tandem.errors import TandemError
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.request import Delta, FinishReason, GenerateRequest, TokenLogprob, Usage
 from scheduler.stop_strings import StopStringMatcher

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from executor_service.grpc_setup import add_health_reflection_and_ports
-from models.errors import CheckpointError
-from protos import generate_pb2, generate_pb2_grpc
+from tandem.grpc_setup import add_health_reflection_and_ports
+from tandem.errors import CheckpointError
+from tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient

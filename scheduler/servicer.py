@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from models.errors import TandemError
-from protos import generate_pb2 as pb
-from protos import generate_pb2_grpc as pb_grpc
+from tandem.errors import TandemError
+from tandem.generate.v1 import generate_pb2 as pb
+from tandem.generate.v1 import generate_pb2_grpc as pb_grpc
 from scheduler import codec
 from scheduler.engine import Engine
 

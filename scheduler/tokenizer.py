@@ -12,7 +12,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from models.errors import CheckpointError, InvalidRequest, Unsupported
+from tandem.errors import CheckpointError, InvalidRequest, Unsupported
 
 
 @dataclass(frozen=True)

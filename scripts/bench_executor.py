@@ -121,8 +121,8 @@ from executor_service.executor import Executor  # noqa: E402
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics  # noqa: E402
 from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem  # noqa: E402
 from models.kv_cache import DEFAULT_BLOCK_SIZE  # noqa: E402
-from protos import executor_pb2 as pb  # noqa: E402
-from protos import executor_pb2_grpc as pb_grpc  # noqa: E402
+from tandem.executor.v1 import executor_pb2 as pb  # noqa: E402
+from tandem.executor.v1 import executor_pb2_grpc as pb_grpc  # noqa: E402
 
 MAX_MESSAGE_MB = 64  # the server's default --max-message-mb
 QUICK = {"batches": "1,4", "steps": 3, "warmup": 1, "context": 16, "empty_rpcs": 20, "micro_repeats": 5}
@@ -481,7 +481,7 @@ def micro_breakdown(inproc: InProcSide, grpc_side: GrpcSide, repeats: int) -> di
             results=[pb.DecodeResult(cache=codec.cache_to_pb(r.cache),
                                      output=codec.sequence_output_to_pb(r.output, dtype))
                      for r, (_, dtype) in zip(results, items)],
-            kv=codec.kv_to_pb(ex.kv_usage()))
+            kv=codec.kv_usage_to_pb(ex.kv_usage()))
 
     parts = {
         "req_serialize": lambda: req.SerializeToString(),

@@ -94,12 +94,13 @@ for p in (str(ROOT), str(SCRIPTS)):
         sys.path.insert(0, p)
 
 import bench_common as bc  # noqa: E402
-import server_process  # noqa: E402
+from tandem import server_process  # noqa: E402
 from models.config import ModelConfig, read_generation_defaults  # noqa: E402
-from protos import executor_pb2 as epb  # noqa: E402
-from protos import executor_pb2_grpc as epb_grpc  # noqa: E402
-from protos import generate_pb2 as gpb  # noqa: E402
-from protos import generate_pb2_grpc as gpb_grpc  # noqa: E402
+from tandem.common.v1 import common_pb2 as cpb  # noqa: E402
+from tandem.executor.v1 import executor_pb2 as epb  # noqa: E402
+from tandem.executor.v1 import executor_pb2_grpc as epb_grpc  # noqa: E402
+from tandem.generate.v1 import generate_pb2 as gpb  # noqa: E402
+from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc  # noqa: E402
 
 BASELINES = ("hf", "hf-serial")
 TARGETS = {"hf": 1.2, "hf-serial": 6.0}  # the targets (SmolLM2 fp32, 32 clients, 128 in / 64 out)
@@ -378,7 +379,7 @@ class CpuMeter:
 def generate_request(index: int, prompt: list[int], output_len: int, tag: str) -> gpb.GenerateRequest:
     return gpb.GenerateRequest(
         request_id=f"bench-{tag}-{index}", token_ids=gpb.TokenIds(ids=prompt),
-        sampling=gpb.SamplingParams(),  # temperature 0: greedy
+        sampling=cpb.SamplingParams(),  # temperature 0: greedy
         stopping=gpb.StoppingCriteria(max_new_tokens=output_len, ignore_eos=True))
 
 

@@ -25,10 +25,9 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-import server_process  # noqa: E402
-from protos import generate_pb2 as pb  # noqa: E402
-from protos import generate_pb2_grpc as pb_grpc  # noqa: E402
+from tandem import server_process  # noqa: E402
+from tandem.generate.v1 import generate_pb2 as pb  # noqa: E402
+from tandem.generate.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 
 DEFAULT_PROMPT = "What is the capital of France?"
 

@@ -1,5 +1,5 @@
 """Real servers as subprocesses for gRPC tests: the executor (`python -m executor_service`) and the
-scheduler (`python -m scheduler`), started by scripts/server_process.py (READY-line wait, no sleeps).
+scheduler (`python -m scheduler`), started by tandem/server_process.py (READY-line wait, no sleeps).
 
     with start_executor(model_dir, "--kv-blocks", "64") as server:
         server.stub.GetInfo(pb.GetInfoRequest())
@@ -9,16 +9,11 @@ through fixtures whose finalizers always call close().
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import grpc
 
-from protos import executor_pb2_grpc, generate_pb2_grpc
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import server_process  # noqa: E402  (scripts/ is not a package)
+from tandem import server_process
+from tandem.executor.v1 import executor_pb2_grpc
+from tandem.generate.v1 import generate_pb2_grpc
 
 
 class GrpcServer:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos import executor_pb2 as epb
-from protos import generate_pb2 as pb
+from tandem.executor.v1 import executor_pb2 as epb
+from tandem.generate.v1 import generate_pb2 as pb
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 
 from executor_service.types import CacheRef, DecodeItem, OutputOptions, UnifiedItem
-from models.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
+from tandem.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
                            PositionMismatch,
                            SequenceTooLong)
-from models.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tests.executor_driver import LOGITS, make_executor
 from tests.hf_reference import rel_err
 

@@ -14,8 +14,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from executor_service import codec
 from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem
-from models.sampling_params import SamplingParams
-from protos import executor_pb2 as pb
+from tandem.sampling_params import SamplingParams
+from tandem.common.v1 import common_pb2 as cpb
+from tandem.executor.v1 import executor_pb2 as pb
 from tests.executor_driver import LOGITS, greedy_run, make_executor
 from tests.grpc_harness import start_executor, start_for
 
@@ -495,9 +496,9 @@ def test_logits_mode_returns_no_tokens(stub, local):
 # ----------------------------------------------------------------------------------- seeded sampling
 def test_seeded_sampling_repeats_exactly(stub, local):
     prompt = prompt_of(8, 18)
-    sampling = pb.SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=1234)
+    sampling = cpb.SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=1234)
 
-    def run(seed_sampling: pb.SamplingParams) -> list[int]:
+    def run(seed_sampling: cpb.SamplingParams) -> list[int]:
         res = stub.Prefill(pb.PrefillRequest(token_ids=prompt, sampling=seed_sampling))
         try:
             first = res.output.tokens[0].token_id
@@ -517,7 +518,7 @@ def test_seeded_sampling_repeats_exactly(stub, local):
                                      sampling=params)], num_steps=16)
     local.release_cache([lres.cache.cache_id])
     assert first == [lres.output.tokens[0].token_id] + [t.token_id for t in ld.output.tokens]
-    other = run(pb.SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=4321))
+    other = run(cpb.SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=4321))
     assert other != first  # a different seed draws differently (fixed seeds: deterministic, not flaky)
 
 

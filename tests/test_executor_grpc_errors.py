@@ -9,7 +9,9 @@ from typing import Callable
 import grpc
 import pytest
 
-from protos import executor_pb2 as pb
+from tandem.common.v1 import common_pb2 as cpb
+
+from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for
 
 KV_BLOCKS = 24  # x 16 tokens
@@ -92,7 +94,7 @@ def decode_item(cid: str, pos: int, token: int, **kw) -> pb.DecodeItem:
 
 
 def sampled_prefill(stub, **sampling) -> Callable[[], object]:
-    return lambda: stub.Prefill(pb.PrefillRequest(token_ids=[5, 6, 7], sampling=pb.SamplingParams(**sampling)))
+    return lambda: stub.Prefill(pb.PrefillRequest(token_ids=[5, 6, 7], sampling=cpb.SamplingParams(**sampling)))
 
 
 # Each case: (name, expected code, regex the details must match or None, setup(ctx) -> the failing call).
@@ -377,7 +379,7 @@ def one_bad_item_rejects_whole_batch(c):
     return lambda: c.stub.UnifiedDecode(pb.UnifiedDecodeRequest(items=[
         pb.UnifiedItem(cache_id=cid, token_ids=[tok], pos_offset=n, is_final_chunk=True),
         pb.UnifiedItem(token_ids=[5, 6, 7], is_final_chunk=True),
-        pb.UnifiedItem(token_ids=[8], is_final_chunk=True, sampling=pb.SamplingParams(temperature=-1))]))
+        pb.UnifiedItem(token_ids=[8], is_final_chunk=True, sampling=cpb.SamplingParams(temperature=-1))]))
 
 
 # ---------------------------------------------------------------------------------------- OUT_OF_RANGE
@@ -494,7 +496,7 @@ def test_bad_request(stub, setup: CaseFn, code: grpc.StatusCode, match: str | No
 ], ids=["top_k_huge", "top_p_1", "min_p_1", "repetition_penalty_0", "penalties_at_bounds", "logit_bias_bounds",
         "seed_max"])
 def test_boundary_values_are_accepted(stub, sampling):
-    r = stub.Prefill(pb.PrefillRequest(token_ids=[5, 6, 7], sampling=pb.SamplingParams(**sampling),
+    r = stub.Prefill(pb.PrefillRequest(token_ids=[5, 6, 7], sampling=cpb.SamplingParams(**sampling),
                                        output=pb.OutputOptions(top_logprobs=20)))
     try:
         assert len(r.output.tokens) == 1 and len(r.output.tokens[0].top_logprobs) == 20

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from protos import executor_pb2 as pb
+from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for
 
 SERVICE = "tandem.executor.v1.ExecutorService"
@@ -92,7 +92,7 @@ def test_describe(server):
     svc = grpcurl(server, "describe", SERVICE).stdout
     assert "is a service" in svc
     assert "rpc Prefill ( .tandem.executor.v1.PrefillRequest ) returns ( .tandem.executor.v1.PrefillResponse )" in svc
-    msg = grpcurl(server, "describe", "tandem.executor.v1.SamplingParams").stdout
+    msg = grpcurl(server, "describe", "tandem.common.v1.SamplingParams").stdout
     assert "is a message" in msg and "top_p" in msg and "logit_bias" in msg
 
 

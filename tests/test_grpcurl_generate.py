@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from protos import generate_pb2 as pb
+from tandem.generate.v1 import generate_pb2 as pb
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import collect
 from tests.test_grpcurl import GRPCURL, field, grpcurl

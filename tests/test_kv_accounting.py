@@ -7,7 +7,7 @@ import pytest
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from models.block_allocator import BlockAllocator
-from models.errors import KvCapacityExceeded, TandemError
+from tandem.errors import KvCapacityExceeded, TandemError
 from tests.executor_driver import make_executor
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from models.errors import CheckpointError
+from tandem.errors import CheckpointError
 from models.loader import load_model
 from tests.executor_driver import greedy_run, make_executor
 from tests.hf_reference import HfReference, rel_err

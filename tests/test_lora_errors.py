@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from executor_service import codec
-from executor_service.status_map import status_for
+from tandem.status_map import status_for
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
-from models.errors import AdapterNotFound, CacheStateConflict, InvalidRequest, PermissionDenied, TandemError
-from protos import executor_pb2 as pb
+from tandem.errors import AdapterNotFound, CacheStateConflict, InvalidRequest, PermissionDenied, TandemError
+from tandem.executor.v1 import executor_pb2 as pb
 from tests.executor_driver import LOGITS, make_executor
 from tests.grpc_harness import start_for
 from tests.lora_fixtures import (ALL_MODULES, HfReference, PeftReference, edit_adapter_config, edit_adapter_tensors,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
-from models.errors import AdapterNotFound, TandemError
+from tandem.errors import AdapterNotFound, TandemError
 from tests.executor_driver import LOGITS, greedy_run, make_executor
 from tests.lora_fixtures import ALL_MODULES, HfReference, PeftReference, make_peft_adapter, rel_err
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from executor_service.status_map import status_for
-from models.errors import InvalidRequest
+from tandem.status_map import status_for
+from tandem.errors import InvalidRequest
 from tests.executor_driver import greedy_run, make_executor
 from tests.lora_fixtures import PeftReference, make_peft_adapter, rel_err
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.planner import KvView, Planner, StepItem, blocks_for
+from scheduler.planner import Planner, StepItem
+from tandem.ceil_div import ceil_div
+from tandem.kv_usage import KvUsage
 from scheduler.request import GenerateRequest, StoppingCriteria, TokenLogprob
 from scheduler.sequence import Sequence, Status
 from scheduler.tokenizer import ModelTokenizer
@@ -35,8 +37,8 @@ def mk(tok):
     return make
 
 
-def kv(free: int, total: int = 1000) -> KvView:
-    return KvView(BS, total, free)
+def kv(free: int, total: int = 1000) -> KvUsage:
+    return KvUsage(BS, total, free)
 
 
 def items(plan) -> list[tuple[int, int, int]]:
@@ -69,7 +71,7 @@ def test_decodes_are_capped_by_the_budget(mk):
 def test_decode_growth_preempts_the_youngest(mk):
     # Each sequence has 8 tokens cached (2 full blocks): its next token needs a new block.
     running = [mk(0, 6, None, 3), mk(1, 6, None, 3), mk(2, 6, None, 3)]
-    assert all(blocks_for(s.num_cached + 1, BS) - blocks_for(s.num_cached, BS) == 1 for s in running)
+    assert all(ceil_div(s.num_cached + 1, BS) - ceil_div(s.num_cached, BS) == 1 for s in running)
     plan = Planner(512, 8, 64).plan(running, [], kv(free=1))
     # 3 blocks needed, 1 free; the youngest's 2 blocks make 3 free, enough for the other two
     assert plan.preempted == [running[2]]
@@ -206,7 +208,7 @@ def test_head_of_queue_is_not_skipped(mk):
 
 def test_running_prompts_reserve_their_blocks(mk):
     # A running prompt of 64 with 0 cached gets a 16-token chunk (4 blocks) and still needs
-    # blocks_for(65) - 4 = 13 more: those are reserved.
+    # ceil_div(65) - 4 = 13 more: those are reserved.
     running = [mk(0, 64, cached=0, status=Status.RUNNING)]
     planner = Planner(512, 8, 16)
     # free 30 - 4 (chunk) = 26 left; reserved 13; watermark 1 -> 12 available for a prompt of 40 (11 blocks)

@@ -14,9 +14,9 @@ from transformers.generation.logits_process import (
 )
 
 import models.sampler as sampler_mod
-from models.errors import InvalidRequest
+from tandem.errors import InvalidRequest
 from models.sampler import Sampler, SamplingRow, _mix32, _mix32_, row_key
-from models.sampling_params import SamplingParams as SP
+from tandem.sampling_params import SamplingParams as SP
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

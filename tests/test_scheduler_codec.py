@@ -5,12 +5,14 @@ import math
 
 import pytest
 
-from models.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
-from models.sampling_params import SamplingParams
-from protos import executor_pb2 as epb
-from protos import generate_pb2 as pb
+from tandem.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
+from tandem.sampling_params import SamplingParams
+from tandem.common.v1 import common_pb2 as cpb
+from tandem.executor.v1 import executor_pb2 as epb
+from tandem.generate.v1 import generate_pb2 as pb
 from scheduler.codec import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
-                             delta_to_pb, request_from_pb, sampling_params_from_pb, sampling_to_pb)
+                             delta_to_pb, request_from_pb, sampling_params_from_pb)
+from tandem.codec import sampling_to_pb
 from scheduler.request import Delta, FinishReason, StoppingCriteria, TokenLogprob, Usage
 from scheduler.tokenizer import ChatMessage, ModelTokenizer
 
@@ -88,19 +90,19 @@ def test_token_id_out_of_vocab(parse, tok):
 
 
 @pytest.mark.parametrize("sampling", [
-    pb.SamplingParams(temperature=-1),
-    pb.SamplingParams(temperature=math.nan),
-    pb.SamplingParams(temperature=math.inf),
-    pb.SamplingParams(top_p=0.0),  # explicit 0
-    pb.SamplingParams(top_p=1.5),
-    pb.SamplingParams(top_p=-0.1),
-    pb.SamplingParams(min_p=1.5),
-    pb.SamplingParams(repetition_penalty=-1),
-    pb.SamplingParams(presence_penalty=2.5),
-    pb.SamplingParams(frequency_penalty=-3),
-    pb.SamplingParams(logit_bias={49152: 1.0}),
-    pb.SamplingParams(logit_bias={5: 101.0}),
-    pb.SamplingParams(logit_bias={5: math.nan}),
+    cpb.SamplingParams(temperature=-1),
+    cpb.SamplingParams(temperature=math.nan),
+    cpb.SamplingParams(temperature=math.inf),
+    cpb.SamplingParams(top_p=0.0),  # explicit 0
+    cpb.SamplingParams(top_p=1.5),
+    cpb.SamplingParams(top_p=-0.1),
+    cpb.SamplingParams(min_p=1.5),
+    cpb.SamplingParams(repetition_penalty=-1),
+    cpb.SamplingParams(presence_penalty=2.5),
+    cpb.SamplingParams(frequency_penalty=-3),
+    cpb.SamplingParams(logit_bias={49152: 1.0}),
+    cpb.SamplingParams(logit_bias={5: 101.0}),
+    cpb.SamplingParams(logit_bias={5: math.nan}),
 ], ids=lambda m: str(m).replace("\n", " ").strip())
 def test_bad_sampling_is_invalid(parse, sampling):
     with pytest.raises(InvalidRequest, match="sampling"):
@@ -108,13 +110,13 @@ def test_bad_sampling_is_invalid(parse, sampling):
 
 
 @pytest.mark.parametrize("sampling", [
-    pb.SamplingParams(),
-    pb.SamplingParams(top_p=1.0),
-    pb.SamplingParams(top_p=1e-3, temperature=2.0, top_k=5),
-    pb.SamplingParams(seed=0),
-    pb.SamplingParams(seed=2**64 - 1),
-    pb.SamplingParams(logit_bias={0: -100.0, 49151: 100.0}),
-    pb.SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.0, min_p=1.0),
+    cpb.SamplingParams(),
+    cpb.SamplingParams(top_p=1.0),
+    cpb.SamplingParams(top_p=1e-3, temperature=2.0, top_k=5),
+    cpb.SamplingParams(seed=0),
+    cpb.SamplingParams(seed=2**64 - 1),
+    cpb.SamplingParams(logit_bias={0: -100.0, 49151: 100.0}),
+    cpb.SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.0, min_p=1.0),
 ], ids=lambda m: str(m).replace("\n", " ").strip() or "unset")
 def test_good_sampling_is_accepted(parse, sampling):
     parse(sampling=sampling)
@@ -125,24 +127,20 @@ def test_sampling_defaults_are_greedy(parse):
     assert parse().sampling.is_greedy
 
 
-def _full_sampling() -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+def _full_sampling() -> cpb.SamplingParams:
+    return cpb.SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                              presence_penalty=0.5, frequency_penalty=-0.25, seed=1234567890123,
                              logit_bias={7: 2.5, 300: -100.0, 49151: 0.125})
 
 
-def test_generate_sampling_is_wire_compatible_with_executor_sampling():
-    m = _full_sampling()
-    e = epb.SamplingParams.FromString(m.SerializeToString())
-    for field in pb.SamplingParams.DESCRIPTOR.fields:
-        assert e.DESCRIPTOR.fields_by_name[field.name].number == field.number
-        assert e.DESCRIPTOR.fields_by_name[field.name].type == field.type
-        assert getattr(e, field.name) == getattr(m, field.name), field.name
-    assert {f.name for f in e.DESCRIPTOR.fields} == {f.name for f in m.DESCRIPTOR.fields}
-    assert e.HasField("top_p") and e.HasField("seed")
-    assert dict(e.logit_bias) == dict(m.logit_bias)
-    # and back
-    assert pb.SamplingParams.FromString(e.SerializeToString()) == m
+def test_both_services_take_one_sampling_message():
+    # One SamplingParams (tandem.common.v1) for Generate and every executor call: nothing to keep in sync.
+    want = cpb.SamplingParams.DESCRIPTOR
+    assert pb.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].message_type is want
+    for msg in (epb.UnifiedItem, epb.DecodeItem, epb.PrefillRequest):
+        assert msg.DESCRIPTOR.fields_by_name["sampling"].message_type is want
+    logprob = pb.GenerateResponse.DESCRIPTOR.fields_by_name["logprobs"].message_type
+    assert logprob is epb.SequenceOutput.DESCRIPTOR.fields_by_name["tokens"].message_type
 
 
 def test_sampling_from_pb_fields(tok):
@@ -153,19 +151,19 @@ def test_sampling_from_pb_fields(tok):
     assert p.presence_penalty == 0.5 and p.frequency_penalty == -0.25
     assert p.seed == 1234567890123
     assert p.logit_bias == {7: 2.5, 300: -100.0, 49151: 0.125}
-    unset = sampling_params_from_pb(pb.SamplingParams(), tok.vocab_size)
+    unset = sampling_params_from_pb(cpb.SamplingParams(), tok.vocab_size)
     assert unset.top_p == 0.0 and unset.seed is None
 
 
 @pytest.mark.parametrize("m", [
     _full_sampling(),
-    pb.SamplingParams(),
-    pb.SamplingParams(top_p=1.0, seed=0),
-    pb.SamplingParams(temperature=1.3, logit_bias={1: 1.0}),
+    cpb.SamplingParams(),
+    cpb.SamplingParams(top_p=1.0, seed=0),
+    cpb.SamplingParams(temperature=1.3, logit_bias={1: 1.0}),
 ], ids=["full", "unset", "top_p-1-seed-0", "temp-bias"])
 def test_sampling_round_trips_to_the_executor(tok, m):
     e = sampling_to_pb(sampling_params_from_pb(m, tok.vocab_size))
-    assert e == epb.SamplingParams.FromString(m.SerializeToString())
+    assert e == m
     assert e.HasField("top_p") == m.HasField("top_p")
     assert e.HasField("seed") == m.HasField("seed")
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from protos import generate_pb2 as pb
+from tandem.common.v1 import common_pb2 as cpb
+
+from tandem.generate.v1 import generate_pb2 as pb
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import collect, ids_request, rpc_error, wait_kv_free
 
@@ -152,7 +154,7 @@ def test_deadline_frees_its_kv(scheduler, executor):
 
 def test_logprobs_and_seeded_sampling(scheduler):
     prompt = prompts(1, seed=6)[0]
-    sampling = pb.SamplingParams(temperature=0.9, top_k=50, seed=1234)
+    sampling = cpb.SamplingParams(temperature=0.9, top_k=50, seed=1234)
     req = ids_request(prompt, 16, sampling=sampling, top_logprobs=3,
                       stopping=pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True))
     a, b = collect(scheduler.stub, req), collect(scheduler.stub, req)
@@ -169,8 +171,8 @@ def test_logprobs_and_seeded_sampling(scheduler):
     (lambda: ids_request([1, 5], 4, adapter="nope"), grpc.StatusCode.NOT_FOUND),
     (lambda: ids_request([1, 5], 255), grpc.StatusCode.OUT_OF_RANGE),
     (lambda: ids_request([1] * 256, 1), grpc.StatusCode.OUT_OF_RANGE),
-    (lambda: ids_request([1, 5], 4, sampling=pb.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT),
-    (lambda: ids_request([1, 5], 4, sampling=pb.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda: ids_request([1, 5], 4, sampling=cpb.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda: ids_request([1, 5], 4, sampling=cpb.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
     (lambda: ids_request([1, 5], 4, top_logprobs=21), grpc.StatusCode.INVALID_ARGUMENT),
     (lambda: ids_request([1, 5], 4, stopping=pb.StoppingCriteria(max_new_tokens=4, min_new_tokens=5)),
      grpc.StatusCode.INVALID_ARGUMENT),
@@ -228,7 +230,7 @@ def test_preemption_keeps_penalties_on_earlier_outputs(small_kv, scheduler):
     as one prefill, with prompt_len telling the executor which of them are outputs."""
     _, small = small_kv
     ps = prompts(8, seed=8)
-    sampling = pb.SamplingParams(presence_penalty=0.7, frequency_penalty=0.9)
+    sampling = cpb.SamplingParams(presence_penalty=0.7, frequency_penalty=0.9)
     stop = pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True)
     reqs = [ids_request(p, 40, stopping=stop, sampling=sampling) for p in ps]
     alone = [collect(scheduler.stub, r) for r in reqs]
@@ -249,7 +251,7 @@ def chunky(request, executor):
 def test_chunked_prefill_matches_transformers(chunky, scheduler, executor, hf):
     ps = prompts(6, seed=9)
     stop = pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True)
-    sampling = pb.SamplingParams(frequency_penalty=0.5)  # penalties must see the prompt/output split right
+    sampling = cpb.SamplingParams(frequency_penalty=0.5)  # penalties must see the prompt/output split right
     with cf.ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda p: collect(chunky.stub, ids_request(p, 16, stopping=stop)), ps))
         penalised = list(pool.map(lambda p: collect(chunky.stub, ids_request(p, 16, stopping=stop,

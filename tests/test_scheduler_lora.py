@@ -7,8 +7,8 @@ import concurrent.futures as cf
 import grpc
 import pytest
 
-from protos import executor_pb2 as epb
-from protos import generate_pb2 as pb
+from tandem.executor.v1 import executor_pb2 as epb
+from tandem.generate.v1 import generate_pb2 as pb
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.hf_reference import HfReference
 from tests.lora_fixtures import PeftReference, make_peft_adapter

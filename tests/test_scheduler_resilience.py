@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import generate_pb2 as pb
+from tandem.generate.v1 import generate_pb2 as pb
 from tests.grpc_harness import start_executor, start_scheduler
 from tests.scheduler_client import collect, ids_request, rpc_error
 

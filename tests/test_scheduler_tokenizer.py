@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from models.errors import CheckpointError, InvalidRequest, Unsupported
+from tandem.errors import CheckpointError, InvalidRequest, Unsupported
 from scheduler.tokenizer import ChatMessage, ModelTokenizer
 
 TEXTS = [

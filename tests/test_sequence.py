@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from models.errors import Unavailable
+from tandem.errors import Unavailable
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob, Usage
 from scheduler.sequence import Sequence, Status
 from scheduler.tokenizer import ModelTokenizer

@@ -1,7 +1,7 @@
 """Domain errors raised by the model core, the in-process executor and the scheduler.
 
 Each class names one failure a caller can act on. The gRPC edge maps them to status codes in a single
-table (executor_service); nothing here knows about gRPC.
+table (tandem/status_map.py); nothing here knows about gRPC.
 """
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
+from tandem.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -49,35 +50,6 @@ class KvUsage(_message.Message):
     active_caches: int
     def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., active_caches: _Optional[int] = ...) -> None: ...
 
-class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logit_bias")
-    class LogitBiasEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: int
-        value: float
-        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int
-    logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
-
 class OutputOptions(_message.Message):
     __slots__ = ("mode", "top_logprobs", "logits_dtype")
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -98,31 +70,13 @@ class Logits(_message.Message):
     vocab_size: int
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[_Union[LogitsDtype, str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
-class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
-
-class TokenOutput(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
-
 class SequenceOutput(_message.Message):
     __slots__ = ("tokens", "logits")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
-    tokens: _containers.RepeatedCompositeFieldContainer[TokenOutput]
+    tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     logits: Logits
-    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenOutput, _Mapping]]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -183,10 +137,10 @@ class PrefillRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_id: str
-    sampling: SamplingParams
+    sampling: _common_pb2.SamplingParams
     output: OutputOptions
     adapter: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("cache", "output", "cached_tokens", "kv")
@@ -210,11 +164,11 @@ class DecodeItem(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     token_id: int
-    sampling: SamplingParams
+    sampling: _common_pb2.SamplingParams
     output: OutputOptions
     adapter: str
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("items", "num_steps")
@@ -254,11 +208,11 @@ class UnifiedItem(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
     is_final_chunk: bool
-    sampling: SamplingParams
+    sampling: _common_pb2.SamplingParams
     output: OutputOptions
     adapter: str
     prompt_len: int
-    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
     __slots__ = ("items",)

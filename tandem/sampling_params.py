@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from models.errors import InvalidRequest
+from tandem.errors import InvalidRequest
 
 # Presence/frequency penalties follow the OpenAI range.
 _PENALTY_RANGE = (-2.0, 2.0)

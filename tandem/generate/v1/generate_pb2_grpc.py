@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import generate_pb2 as protos_dot_generate__pb2
+from tandem.generate.v1 import generate_pb2 as tandem_dot_generate_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/generate_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/generate/v1/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class GenerateServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation over one model: tokenization, continuous batching, streaming.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -36,27 +37,31 @@ class GenerateServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/tandem.generate.v1.GenerateService/Generate',
-                request_serializer=protos_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/tandem.generate.v1.GenerateService/Tokenize',
-                request_serializer=protos_dot_generate__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_generate__pb2.TokenizeResponse.FromString,
+                request_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/tandem.generate.v1.GenerateService/GetModelInfo',
-                request_serializer=protos_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_generate__pb2.GetModelInfoResponse.FromString,
+                request_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
 
 
 class GenerateServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation over one model: tokenization, continuous batching, streaming.
+    """
 
     def Generate(self, request, context):
         """Generates a continuation and streams it: one message per step that produced visible text (or tokens),
-        the last one with finish_reason and usage set.
+        the last one with finish_reason and usage set. A wrong request fails before any message; a failure during
+        generation (the executor lost: UNAVAILABLE; a step the executor rejects: the executor's code) ends the
+        stream with that status after the messages already sent. Cancelling the call (or its deadline) stops
+        the generation and frees its KV cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,18 +86,18 @@ def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=protos_dot_generate__pb2.TokenizeRequest.FromString,
-                    response_serializer=protos_dot_generate__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=protos_dot_generate__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=protos_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+                    request_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,7 +108,8 @@ def add_GenerateServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class GenerateService:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation over one model: tokenization, continuous batching, streaming.
+    """
 
     @staticmethod
     def Generate(request,
@@ -120,8 +126,8 @@ class GenerateService:
             request,
             target,
             '/tandem.generate.v1.GenerateService/Generate',
-            protos_dot_generate__pb2.GenerateRequest.SerializeToString,
-            protos_dot_generate__pb2.GenerateResponse.FromString,
+            tandem_dot_generate_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            tandem_dot_generate_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,8 +153,8 @@ class GenerateService:
             request,
             target,
             '/tandem.generate.v1.GenerateService/Tokenize',
-            protos_dot_generate__pb2.TokenizeRequest.SerializeToString,
-            protos_dot_generate__pb2.TokenizeResponse.FromString,
+            tandem_dot_generate_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            tandem_dot_generate_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -174,8 +180,8 @@ class GenerateService:
             request,
             target,
             '/tandem.generate.v1.GenerateService/GetModelInfo',
-            protos_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
-            protos_dot_generate__pb2.GetModelInfoResponse.FromString,
+            tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+            tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from models.errors import (AdapterInUse, AdapterNotFound, PermissionDenied, CacheNotFound, CacheStateConflict, CapacityExceeded, CheckpointError,
+from tandem.errors import (AdapterInUse, AdapterNotFound, PermissionDenied, CacheNotFound, CacheStateConflict, CapacityExceeded, CheckpointError,
                            InvalidRequest, PositionMismatch, RemoteError, SequenceTooLong, TandemError, Unavailable,
                            Unsupported)
 

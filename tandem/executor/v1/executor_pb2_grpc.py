@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import executor_pb2 as protos_dot_executor__pb2
+from tandem.executor.v1 import executor_pb2 as tandem_dot_executor_dot_v1_dot_executor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/executor_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/executor/v1/executor_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class ExecutorServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The model process: it runs forwards over the paged KV caches it holds and samples tokens. Caches are
+    named by ids the executor hands out; a client creates them (Prefill, UnifiedDecode), extends them
+    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and must free them
+    (ReleaseCache): the executor never frees a cache on its own. Calls that run the model are serialised.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -36,63 +40,67 @@ class ExecutorServiceStub:
         """
         self.GetInfo = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/GetInfo',
-                request_serializer=protos_dot_executor__pb2.GetInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.GetInfoResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/Prefill',
-                request_serializer=protos_dot_executor__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.PrefillResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/Decode',
-                request_serializer=protos_dot_executor__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.DecodeResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.UnifiedDecode = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/UnifiedDecode',
-                request_serializer=protos_dot_executor__pb2.UnifiedDecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.UnifiedDecodeResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.UnifiedDecodeRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.UnifiedDecodeResponse.FromString,
                 _registered_method=True)
         self.ForwardVerify = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/ForwardVerify',
-                request_serializer=protos_dot_executor__pb2.ForwardVerifyRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.ForwardVerifyResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ForwardVerifyRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ForwardVerifyResponse.FromString,
                 _registered_method=True)
         self.TruncateCache = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/TruncateCache',
-                request_serializer=protos_dot_executor__pb2.TruncateCacheRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.TruncateCacheResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.TruncateCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.TruncateCacheResponse.FromString,
                 _registered_method=True)
         self.ReleaseCache = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/ReleaseCache',
-                request_serializer=protos_dot_executor__pb2.ReleaseCacheRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.ReleaseCacheResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheResponse.FromString,
                 _registered_method=True)
         self.GetMetrics = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/GetMetrics',
-                request_serializer=protos_dot_executor__pb2.GetMetricsRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.GetMetricsResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.GetMetricsRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.GetMetricsResponse.FromString,
                 _registered_method=True)
         self.LoadAdapter = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/LoadAdapter',
-                request_serializer=protos_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.LoadAdapterResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadAdapter = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/UnloadAdapter',
-                request_serializer=protos_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.UnloadAdapterResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
         self.ListAdapters = channel.unary_unary(
                 '/tandem.executor.v1.ExecutorService/ListAdapters',
-                request_serializer=protos_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
-                response_deserializer=protos_dot_executor__pb2.ListAdaptersResponse.FromString,
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
 
 
 class ExecutorServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The model process: it runs forwards over the paged KV caches it holds and samples tokens. Caches are
+    named by ids the executor hands out; a client creates them (Prefill, UnifiedDecode), extends them
+    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and must free them
+    (ReleaseCache): the executor never frees a cache on its own. Calls that run the model are serialised.
+    """
 
     def GetInfo(self, request, context):
         """Model facts, KV usage, capabilities.
@@ -102,7 +110,8 @@ class ExecutorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Runs a prompt (or the next chunk of one) and samples the token after it.
+        """Runs a prompt (or the next chunk of one) and samples the token after it. Creates the cache when
+        cache_id is empty.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,14 +132,15 @@ class ExecutorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ForwardVerify(self, request, context):
-        """Writes N+1 tokens in one forward and returns a prediction for each position (speculative decoding).
+        """Writes N+1 tokens in one forward and returns a greedy prediction for each position (speculative
+        decoding).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def TruncateCache(self, request, context):
-        """Rolls a cache back to its first new_len tokens, freeing whole blocks.
+        """Rolls a cache back to its first new_len tokens, freeing the blocks no longer needed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,7 +176,8 @@ class ExecutorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAdapters(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The loaded adapters with their usage counters.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -176,58 +187,58 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=protos_dot_executor__pb2.GetInfoRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.GetInfoResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.GetInfoRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.GetInfoResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_executor__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.PrefillRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.PrefillResponse.SerializeToString,
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_executor__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.DecodeRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.DecodeResponse.SerializeToString,
             ),
             'UnifiedDecode': grpc.unary_unary_rpc_method_handler(
                     servicer.UnifiedDecode,
-                    request_deserializer=protos_dot_executor__pb2.UnifiedDecodeRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.UnifiedDecodeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.UnifiedDecodeRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.UnifiedDecodeResponse.SerializeToString,
             ),
             'ForwardVerify': grpc.unary_unary_rpc_method_handler(
                     servicer.ForwardVerify,
-                    request_deserializer=protos_dot_executor__pb2.ForwardVerifyRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.ForwardVerifyResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ForwardVerifyRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ForwardVerifyResponse.SerializeToString,
             ),
             'TruncateCache': grpc.unary_unary_rpc_method_handler(
                     servicer.TruncateCache,
-                    request_deserializer=protos_dot_executor__pb2.TruncateCacheRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.TruncateCacheResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.TruncateCacheRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.TruncateCacheResponse.SerializeToString,
             ),
             'ReleaseCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseCache,
-                    request_deserializer=protos_dot_executor__pb2.ReleaseCacheRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.ReleaseCacheResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheResponse.SerializeToString,
             ),
             'GetMetrics': grpc.unary_unary_rpc_method_handler(
                     servicer.GetMetrics,
-                    request_deserializer=protos_dot_executor__pb2.GetMetricsRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.GetMetricsResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.GetMetricsRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.GetMetricsResponse.SerializeToString,
             ),
             'LoadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadAdapter,
-                    request_deserializer=protos_dot_executor__pb2.LoadAdapterRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.LoadAdapterResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterResponse.SerializeToString,
             ),
             'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadAdapter,
-                    request_deserializer=protos_dot_executor__pb2.UnloadAdapterRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.UnloadAdapterResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.SerializeToString,
             ),
             'ListAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapters,
-                    request_deserializer=protos_dot_executor__pb2.ListAdaptersRequest.FromString,
-                    response_serializer=protos_dot_executor__pb2.ListAdaptersResponse.SerializeToString,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -238,7 +249,11 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ExecutorService:
-    """Missing associated documentation comment in .proto file."""
+    """The model process: it runs forwards over the paged KV caches it holds and samples tokens. Caches are
+    named by ids the executor hands out; a client creates them (Prefill, UnifiedDecode), extends them
+    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and must free them
+    (ReleaseCache): the executor never frees a cache on its own. Calls that run the model are serialised.
+    """
 
     @staticmethod
     def GetInfo(request,
@@ -255,8 +270,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/GetInfo',
-            protos_dot_executor__pb2.GetInfoRequest.SerializeToString,
-            protos_dot_executor__pb2.GetInfoResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.GetInfoRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.GetInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -282,8 +297,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/Prefill',
-            protos_dot_executor__pb2.PrefillRequest.SerializeToString,
-            protos_dot_executor__pb2.PrefillResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.PrefillRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -309,8 +324,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/Decode',
-            protos_dot_executor__pb2.DecodeRequest.SerializeToString,
-            protos_dot_executor__pb2.DecodeResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.DecodeRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -336,8 +351,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/UnifiedDecode',
-            protos_dot_executor__pb2.UnifiedDecodeRequest.SerializeToString,
-            protos_dot_executor__pb2.UnifiedDecodeResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.UnifiedDecodeRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.UnifiedDecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -363,8 +378,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/ForwardVerify',
-            protos_dot_executor__pb2.ForwardVerifyRequest.SerializeToString,
-            protos_dot_executor__pb2.ForwardVerifyResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ForwardVerifyRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ForwardVerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -390,8 +405,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/TruncateCache',
-            protos_dot_executor__pb2.TruncateCacheRequest.SerializeToString,
-            protos_dot_executor__pb2.TruncateCacheResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.TruncateCacheRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.TruncateCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -417,8 +432,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/ReleaseCache',
-            protos_dot_executor__pb2.ReleaseCacheRequest.SerializeToString,
-            protos_dot_executor__pb2.ReleaseCacheResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ReleaseCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -444,8 +459,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/GetMetrics',
-            protos_dot_executor__pb2.GetMetricsRequest.SerializeToString,
-            protos_dot_executor__pb2.GetMetricsResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.GetMetricsRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.GetMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -471,8 +486,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/LoadAdapter',
-            protos_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
-            protos_dot_executor__pb2.LoadAdapterResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -498,8 +513,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/UnloadAdapter',
-            protos_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
-            protos_dot_executor__pb2.UnloadAdapterResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -525,8 +540,8 @@ class ExecutorService:
             request,
             target,
             '/tandem.executor.v1.ExecutorService/ListAdapters',
-            protos_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
-            protos_dot_executor__pb2.ListAdaptersResponse.FromString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

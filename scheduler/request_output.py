@@ -1,0 +1,88 @@
+"""One request's stream back to its client: incremental detokenization, stop strings, logprobs and the pending
+delta, and the queue the servicer reads. Owned by the request side; the scheduling policy never sees it.
+
+The Sequence (scheduler/sequence.py) decides the stops it can see in token ids (EOS, stop token ids, length);
+this object decides the one only text shows (a stop string) and tells the engine, which then finishes the
+sequence in the policy.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.request import Delta, Finish, FinishReason, GenerateRequest, TokenLogprob, Usage
+from scheduler.stop_strings import StopStringMatcher
+from tandem.errors import TandemError
+
+
+class RequestOutput:
+    def __init__(self, request: GenerateRequest, tokenizer) -> None:
+        self.request = request
+        self.events: asyncio.Queue[Delta | TandemError] = asyncio.Queue()
+        self.finished = False
+        self._completion_tokens = 0
+        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, not request.keep_special_tokens)
+        self._stops = StopStringMatcher(request.stopping.stop, request.stopping.include_stop_str_in_output)
+        self._delta = Delta()
+
+    def add(self, token: TokenLogprob, finish: Finish | None, preemptions: int = 0) -> Finish | None:
+        """Adds one sampled token to the pending delta. finish: what the sequence decided from the token id
+        (EOS / stop token, or length). Returns how the request ended (a stop string found in the text takes
+        precedence over length), or None while it goes on."""
+        self._delta.tokens.append(token)
+        self._completion_tokens += 1
+        if finish is not None and finish.reason is FinishReason.STOP:
+            self._emit(self._detok.add(token.token_id))  # its text is empty unless special tokens are kept
+            self._emit_final(self._detok.flush())
+            return self._finish(finish, preemptions)
+        text = self._detok.add(token.token_id)
+        if self._completion_tokens >= self.request.stopping.min_new_tokens:
+            out, match = self._stops.feed(text)
+            self._delta.text += out
+            if match is not None:
+                self._delta.text += match.text
+                return self._finish(Finish(FinishReason.STOP_SEQUENCE, match.stop), preemptions)
+        else:
+            self._delta.text += text  # before min_new_tokens no stop string counts; nothing to hold back
+        if finish is not None:  # length
+            self._emit_final(self._detok.flush())
+            return self._finish(finish, preemptions)
+        return None
+
+    def abort(self, preemptions: int = 0) -> None:
+        """Ends the stream as ABORTED (server shutdown), with the text held back so far."""
+        if not self.finished:
+            self._emit_final(self._detok.flush())
+            self._finish(Finish(FinishReason.ABORTED), preemptions)
+
+    def fail(self, error: TandemError) -> None:
+        """Ends the stream with an error status."""
+        if not self.finished:
+            self.finished = True
+            self.events.put_nowait(error)
+
+    def publish(self) -> None:
+        """Sends the pending delta to the client's stream (if it carries anything)."""
+        if self._delta:
+            self.events.put_nowait(self._delta)
+            self._delta = Delta()
+
+    def _emit(self, text: str) -> None:
+        # The request ends anyway (EOS, stop token, length): a stop string this text completes only decides
+        # where the text is cut.
+        if text:
+            out, match = self._stops.feed(text)
+            self._delta.text += match.text if match is not None else out
+
+    def _emit_final(self, text: str) -> None:
+        # No stop string can complete any more: release what was held back.
+        self._emit(text)
+        self._delta.text += self._stops.flush()
+
+    def _finish(self, finish: Finish, preemptions: int) -> Finish:
+        self.finished = True
+        self._delta.finish_reason = finish.reason
+        self._delta.stop_reason = finish.stop_reason
+        self._delta.usage = Usage(len(self.request.prompt_ids), self._completion_tokens, 0, preemptions)
+        self.publish()
+        return finish
