@@ -1,11 +1,12 @@
 """One packed forward for a validated batch: reserve KV, run the model, sample, update the caches."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from executor_service.cache_table import CacheState
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention import AttentionMetadata, ItemLayout
 from models.kv_cache import BlockTable, PagedKvCache
@@ -13,30 +14,6 @@ from models.lora import LoraWeights
 from models.lora_batch import LoraBatch, LoraStacks
 from models.sampler import Sampler, SamplingRow
 from models.transformer import DecoderModel
-
-
-@dataclass
-class CacheState:
-    """What the executor records per cache: its blocks, every token written (for penalties) and where the
-    prompt ended (tokens after it are outputs fed back, which presence/frequency penalties count)."""
-
-    table: BlockTable = field(default_factory=BlockTable)
-    tokens: list[int] = field(default_factory=list)
-    prompt_len: int | None = None
-    adapter: str = ""  # fixed at creation: the KV holds this adapter's k/v projections
-
-    @classmethod
-    def new(cls) -> "CacheState":
-        return cls()
-
-    @property
-    def num_output_tokens(self) -> int:
-        return 0 if self.prompt_len is None else len(self.tokens) - self.prompt_len
-
-    def truncate(self, new_len: int) -> None:
-        del self.tokens[new_len:]
-        if self.prompt_len is not None and self.prompt_len > new_len:
-            self.prompt_len = new_len
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 
 from executor_service.metrics import LatencySummary, MetricsSnapshot
 from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, ExecutorInfo, OutputMode, OutputOptions,
-                                    SequenceOutput, UnifiedItem)
+                                    SequenceOutput, UnifiedItem, UnifiedResult)
 from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported for the servicer)
 from tandem.errors import InvalidRequest
 from tandem.executor.v1 import executor_pb2 as pb
@@ -71,6 +71,20 @@ def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
     return UnifiedItem(tuple(m.token_ids), m.cache_id or None, m.pos_offset, m.is_final_chunk,
                        sampling_from_pb(m.sampling), output, m.adapter,
                        m.prompt_len if m.HasField("prompt_len") else None), dtype
+
+
+def unified_response_to_pb(results: list[UnifiedResult], logits_dtypes: list[int],
+                           kv: KvUsage) -> pb.UnifiedDecodeResponse:
+    out = pb.UnifiedDecodeResponse(kv=kv_usage_to_pb(kv))
+    for r, dtype in zip(results, logits_dtypes):
+        res = out.results.add(cache=cache_to_pb(r.cache))
+        if r.output is not None:
+            res.output.CopyFrom(sequence_output_to_pb(r.output, dtype))
+    return out
+
+
+def release_response_to_pb(released: int, unknown: list[str], kv: KvUsage) -> pb.ReleaseCacheResponse:
+    return pb.ReleaseCacheResponse(released=released, unknown_cache_ids=unknown, kv=kv_usage_to_pb(kv))
 
 
 def decode_item_from_pb(m: pb.DecodeItem) -> tuple[DecodeItem, int]:

@@ -9,24 +9,23 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from pathlib import Path
 from contextlib import contextmanager
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
 from executor_service.adapters import AdapterRegistry
-from executor_service.batch import BatchItem, BatchRunner, CacheState
+from executor_service.batch import BatchItem, BatchRunner
+from executor_service.cache_table import CacheState, CacheTable
 from executor_service.config import ExecutorConfig, kv_block_count
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
+from executor_service.request_validation import PlannedItem, RequestValidator
 from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
                                     OutputOptions, PrefillResult, SequenceOutput, UnifiedItem, UnifiedResult,
                                     VerifyResult)
 from models.config import read_generation_defaults
-from tandem.errors import (AdapterInUse, CacheNotFound, CacheStateConflict, InvalidRequest, KvCapacityExceeded,
-                           PositionMismatch, SequenceTooLong)
+from tandem.errors import AdapterInUse, CacheStateConflict, InvalidRequest, KvCapacityExceeded, PositionMismatch
 from models.kv_cache import PagedKvCache
 from tandem.kv_usage import KvUsage
 from models.loader import load_model
@@ -35,17 +34,14 @@ from tandem.sampling_params import SamplingParams
 
 CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
                 "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling")
-MAX_TOP_LOGPROBS = 20
 MAX_DECODE_STEPS = 256
 
 
-@dataclass(frozen=True)
-class _Planned:
-    item: UnifiedItem
-    state: CacheState | None  # None: a new cache
-
-
 class Executor:
+    """The façade of the in-process API. Its parts, each in a file named for it: request validation
+    (request_validation.py), the cache table (cache_table.py), the batch run (batch.py), adapters
+    (adapters.py), metrics (metrics.py)."""
+
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
         self.device = config.resolve_device()
@@ -69,7 +65,8 @@ class Executor:
         for name, path in config.adapters:  # the operator's preloads (allowed without a root)
             self.adapters.load(name, path, trusted=True)
         self.metrics = ExecutorMetrics()
-        self._caches: dict[str, CacheState] = {}
+        self._caches = CacheTable()
+        self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters)
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- operations
@@ -81,7 +78,7 @@ class Executor:
         with self._op("prefill"):
             pos = 0
             if cache_id:
-                state = self._state(cache_id)
+                state = self._caches.get(cache_id)
                 if state.num_output_tokens:
                     raise CacheStateConflict(f"cache {cache_id!r} is already decoding ({state.num_output_tokens} "
                                              "output tokens): its prompt cannot grow; use Decode or UnifiedDecode")
@@ -137,7 +134,7 @@ class Executor:
                 active = still
                 if not active:
                     break
-            return [DecodeResult(self._ref(it.cache.cache_id), out) for it, out in zip(items, outputs)]
+            return [DecodeResult(self._caches.ref(it.cache.cache_id), out) for it, out in zip(items, outputs)]
 
     def forward_verify(self, cache: CacheRef, token_ids: Sequence[int], output: OutputOptions = OutputOptions(),
                        adapter: str = "") -> VerifyResult:
@@ -147,31 +144,31 @@ class Executor:
         with self._op("forward_verify"):
             item = UnifiedItem(tuple(token_ids), cache.cache_id, cache.seq_len, True, SamplingParams(), output,
                                adapter)
-            (planned,) = self._validate([item])
+            (planned,) = self._validator.batch([item], self._caches)
             batch = [BatchItem(item, planned.state)]
             outputs = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
             self._count(outputs)
             self.metrics.tokens_processed += len(token_ids)
             positions = outputs[0] or []
-            return VerifyResult(self._ref(cache.cache_id), positions)
+            return VerifyResult(self._caches.ref(cache.cache_id), positions)
 
     def truncate_cache(self, cache_id: str, new_len: int) -> CacheRef:
         """Rolls a cache back to its first new_len tokens (speculative decoding rejects), freeing whole blocks."""
         with self._op("truncate_cache"):
-            state = self._state(cache_id)
+            state = self._caches.get(cache_id)
             if new_len < 0 or new_len > state.table.length:
                 raise PositionMismatch(
                     f"cache {cache_id!r} holds {state.table.length} tokens; cannot truncate it to {new_len}")
             self.kv.truncate(state.table, new_len)
             state.truncate(new_len)
-            return self._ref(cache_id)
+            return self._caches.ref(cache_id)
 
     def release_cache(self, cache_ids: Sequence[str]) -> tuple[int, list[str]]:
         """Frees every named cache. Idempotent: unknown ids are returned, not an error."""
         with self._op("release_cache"):
             released, unknown = 0, []
             for cid in cache_ids:
-                state = self._caches.pop(cid, None)
+                state = self._caches.pop(cid)
                 if state is None:
                     unknown.append(cid)
                     continue
@@ -189,7 +186,7 @@ class Executor:
     def unload_adapter(self, name: str) -> None:
         with self._op("unload_adapter"):
             self.adapters.get(name)
-            users = sum(1 for s in self._caches.values() if s.adapter == name)
+            users = self._caches.adapter_users().get(name, 0)
             if users:
                 raise AdapterInUse(f"adapter {name!r} is used by {users} live caches; release them first "
                                    "(unloading never cuts a sequence short)")
@@ -197,11 +194,7 @@ class Executor:
             self.runner.lora_stacks.clear()
 
     def list_adapters(self) -> list[AdapterInfo]:
-        counts: dict[str, int] = {}
-        for s in self._caches.values():
-            if s.adapter:
-                counts[s.adapter] = counts.get(s.adapter, 0) + 1
-        return self.adapters.infos(counts)
+        return self.adapters.infos(self._caches.adapter_users())
 
     def kv_usage(self) -> KvUsage:
         u = self.kv.usage()
@@ -228,7 +221,7 @@ class Executor:
         return self.metrics.snapshot()
 
     def cache_length(self, cache_id: str) -> int:
-        return self._state(cache_id).table.length
+        return self._caches.get(cache_id).table.length
 
     # ----------------------------------------------------------------- internals
     @contextmanager
@@ -242,71 +235,8 @@ class Executor:
             self._lock.release()
             self.metrics.record_op(name, time.perf_counter() - start, waited)
 
-    def _state(self, cache_id: str | None) -> CacheState:
-        state = self._caches.get(cache_id or "")
-        if state is None:
-            raise CacheNotFound(cache_id or "")
-        return state
-
-    def _ref(self, cache_id: str) -> CacheRef:
-        state = self._caches.get(cache_id)
-        return CacheRef(cache_id, state.table.length if state else 0)
-
-    def _validate(self, items: Sequence[UnifiedItem]) -> list[_Planned]:
-        """Checks the whole batch against the request rules and the cache table; mutates nothing."""
-        if not items:
-            raise InvalidRequest("the batch has no items")
-        total = sum(len(it.token_ids) for it in items)
-        if total > self.config.max_batch_tokens:
-            raise InvalidRequest(f"the batch carries {total} tokens; this executor takes at most "
-                                 f"{self.config.max_batch_tokens} per call (--max-batch-tokens): split it into chunks")
-        vocab, max_len = self.model_config.vocab_size, self.model_config.max_position_embeddings
-        seen: set[str] = set()
-        planned = []
-        for n, it in enumerate(items):
-            where = f"item {n}" + (f" (cache {it.cache_id!r})" if it.cache_id else "")
-            if not it.token_ids:
-                raise InvalidRequest(f"{where}: token_ids is empty")
-            bad = next((t for t in it.token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
-            if it.adapter:
-                self.adapters.get(it.adapter)  # AdapterNotFound
-            it.sampling.validate(vocab)
-            if not 0 <= it.output.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise InvalidRequest(f"{where}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-            state = None
-            if it.cache_id:
-                if it.cache_id in seen:
-                    raise InvalidRequest(f"cache {it.cache_id!r} appears twice in one batch")
-                seen.add(it.cache_id)
-                state = self._state(it.cache_id)
-                if state.adapter != it.adapter:
-                    raise CacheStateConflict(f"{where}: the cache was created with adapter {state.adapter or '(base)'!r};"
-                                             f" it cannot continue with {it.adapter or '(base)'!r} (its KV depends "
-                                             "on the adapter)")
-                if it.pos_offset != state.table.length:
-                    raise PositionMismatch(f"{where}: position {it.pos_offset} (pos_offset / cache.seq_len) but "
-                                           f"the cache holds "
-                                           f"{state.table.length} tokens; send the tokens for position "
-                                           f"{state.table.length} next")
-            elif it.pos_offset != 0:
-                raise InvalidRequest(f"{where}: a new cache (empty cache_id) starts at pos_offset 0, got {it.pos_offset}")
-            if it.is_final_chunk and it.prompt_len is not None and it.prompt_len > it.pos_offset + len(it.token_ids):
-                raise InvalidRequest(f"{where}: prompt_len {it.prompt_len} exceeds the {it.pos_offset + len(it.token_ids)} "
-                                     "tokens the cache will hold after this item")
-            if it.pos_offset + len(it.token_ids) > max_len:
-                raise SequenceTooLong(f"{where}: {it.pos_offset} + {len(it.token_ids)} tokens exceed the model's "
-                                      f"maximum length of {max_len}")
-            planned.append(_Planned(it, state))
-        used = {it.adapter for it in items if it.adapter}
-        if len(used) > self.adapters.max_on_device:
-            raise InvalidRequest(f"the batch uses {len(used)} adapters but at most {self.adapters.max_on_device} fit "
-                                 "on the device at once (--max-adapters-on-device): split the batch")
-        return planned
-
     def _run(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
-        planned = self._validate(items)
+        planned = self._validator.batch(items, self._caches)
         batch = [BatchItem(p.item, p.state or CacheState.new()) for p in planned]
         for b in batch:
             b.state.adapter = b.item.adapter  # new caches take their item's (validated: equal for old ones)
@@ -336,13 +266,12 @@ class Executor:
         self.metrics.forward_passes += 1
         self.metrics.tokens_sampled += sum(len(o.tokens) for outs in outputs if outs for o in outs)
 
-    def _register(self, planned: _Planned, state: CacheState) -> CacheRef:
+    def _register(self, planned: PlannedItem, state: CacheState) -> CacheRef:
         """Names a cache created by a successful forward (ids are only handed out once state exists)."""
         if planned.state is not None:
             cache_id = planned.item.cache_id or ""
         else:
-            cache_id = uuid.uuid4().hex
-            self._caches[cache_id] = state
+            cache_id = self._caches.add(state)
             self.metrics.caches_created += 1
         self.metrics.tokens_processed += len(planned.item.token_ids)
         return CacheRef(cache_id, state.table.length)

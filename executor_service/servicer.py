@@ -79,12 +79,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         ex = self.ex
         items = [codec.unified_item_from_pb(i) for i in request.items]
         results = ex.unified_decode([item for item, _ in items])
-        out = pb.UnifiedDecodeResponse(kv=codec.kv_usage_to_pb(ex.kv_usage()))
-        for r, (_, dtype) in zip(results, items):
-            res = out.results.add(cache=codec.cache_to_pb(r.cache))
-            if r.output is not None:
-                res.output.CopyFrom(codec.sequence_output_to_pb(r.output, dtype))
-        return out
+        return codec.unified_response_to_pb(results, [dtype for _, dtype in items], ex.kv_usage())
 
     @_on_model_thread
     def ForwardVerify(self, request, context):
@@ -106,8 +101,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def ReleaseCache(self, request, context):
         ex = self.ex
         released, unknown = ex.release_cache(list(request.cache_ids))
-        return pb.ReleaseCacheResponse(released=released, unknown_cache_ids=unknown,
-                                       kv=codec.kv_usage_to_pb(ex.kv_usage()))
+        return codec.release_response_to_pb(released, unknown, ex.kv_usage())
 
     def GetMetrics(self, request, context):
         ex = self.ex

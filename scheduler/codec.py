@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import uuid
 
-from tandem.codec import sampling_from_pb
+from tandem.codec import sampling_from_pb, sampling_to_pb
 from tandem.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
 from tandem.sampling_params import SamplingParams
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
-from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
+from scheduler.planner import StepItem, StepPlan
+from scheduler.policy import ItemResult
+from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob
 from scheduler.tokenizer import ChatMessage, ModelTokenizer
 
 MAX_TOP_LOGPROBS = 20
@@ -48,6 +50,51 @@ def sampling_params_from_pb(m: cpb.SamplingParams, vocab_size: int) -> SamplingP
     params = sampling_from_pb(m)  # the same tandem.common.v1 message and codec as the executor's
     params.validate(vocab_size)
     return params
+
+
+def executor_sampling(request: GenerateRequest, eos_token_ids) -> tuple[cpb.SamplingParams, cpb.SamplingParams]:
+    """The request's sampling message for the executor, built once: (normal, before min_new_tokens)."""
+    sampling = sampling_to_pb(request.sampling)
+    stop = request.stopping
+    if not stop.min_new_tokens:
+        return sampling, sampling
+    eos = () if stop.ignore_eos else eos_token_ids
+    return sampling, with_banned_tokens(sampling, set(eos) | stop.stop_token_ids)
+
+
+def step_to_pb(plan: StepPlan) -> list[epb.UnifiedItem]:
+    """The UnifiedDecode items of a planned step."""
+    return [_item_to_pb(item) for item in plan.items]
+
+
+def _item_to_pb(item: StepItem) -> epb.UnifiedItem:
+    seq, req = item.seq, item.seq.request
+    return epb.UnifiedItem(cache_id=seq.cache_id, token_ids=seq.token_slice(item.start, item.start + item.count),
+                           pos_offset=item.start, is_final_chunk=item.is_final, sampling=seq.sampling_for_next_token(),
+                           output=_output_options(req.top_logprobs), adapter=req.adapter,
+                           # read by the executor at the first final chunk only
+                           prompt_len=len(req.prompt_ids) if item.is_final else None)
+
+
+_OUTPUT_OPTIONS: dict[int, epb.OutputOptions] = {}  # by top_logprobs: built once, never mutated
+
+
+def _output_options(top_logprobs: int) -> epb.OutputOptions:
+    opts = _OUTPUT_OPTIONS.get(top_logprobs)
+    if opts is None:
+        opts = _OUTPUT_OPTIONS[top_logprobs] = epb.OutputOptions(mode=epb.OUTPUT_MODE_TOKENS, top_logprobs=top_logprobs)
+    return opts
+
+
+def item_results_from_pb(resp: epb.UnifiedDecodeResponse) -> list[ItemResult]:
+    results = []
+    for r in resp.results:
+        token = None
+        if r.HasField("output") and r.output.tokens:
+            t = r.output.tokens[0]
+            token = TokenLogprob(t.token_id, t.logprob, tuple((a.token_id, a.logprob) for a in t.top_logprobs))
+        results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, token))
+    return results
 
 
 def with_banned_tokens(m: cpb.SamplingParams, token_ids) -> cpb.SamplingParams:

@@ -1,15 +1,13 @@
-"""One request's life inside the scheduler: its tokens, where its KV cache stands, its stop conditions and
-the stream of deltas back to the client."""
+"""One request's token state inside the scheduler: its tokens, where its KV cache stands, and the stops it can
+see in token ids (EOS, stop token ids, length). What goes back to the client — text, stop strings, deltas —
+is the request side's RequestOutput (scheduler/request_output.py)."""
 from __future__ import annotations
 
-import asyncio
 import enum
 from typing import Sequence as Seq
 
-from tandem.errors import TandemError
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.request import Delta, FinishReason, GenerateRequest, TokenLogprob, Usage
-from scheduler.stop_strings import StopStringMatcher
+from scheduler.request import Finish, FinishReason, GenerateRequest
+from tandem.common.v1 import common_pb2 as cpb
 
 
 class Status(enum.Enum):
@@ -19,8 +17,8 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request: GenerateRequest, arrival: int, tokenizer, eos_token_ids: Seq[int],
-                 max_seq_len: int) -> None:
+    def __init__(self, request: GenerateRequest, arrival: int, eos_token_ids: Seq[int], max_seq_len: int,
+                 sampling: tuple[cpb.SamplingParams, cpb.SamplingParams] | None = None) -> None:
         self.request = request
         self.arrival = arrival  # order of submission: smaller = older
         self.status = Status.WAITING
@@ -28,15 +26,11 @@ class Sequence:
         self.cache_id = ""  # "" until the executor created one
         self.num_cached = 0  # tokens of all_ids written into the cache
         self.preemptions = 0
-        # The executor's SamplingParams messages, built once by the engine: (normal, before min_new_tokens).
-        self.executor_sampling: tuple = (None, None)
-        self.events: asyncio.Queue[Delta | TandemError] = asyncio.Queue()
+        # The executor's SamplingParams messages, built once: (normal, before min_new_tokens).
+        self.executor_sampling = sampling or (cpb.SamplingParams(), cpb.SamplingParams())
         stop = request.stopping
         self.eos_token_ids = frozenset(() if stop.ignore_eos else eos_token_ids)  # the EOS ids that stop it
         self._max_len = min(len(request.prompt_ids) + stop.max_new_tokens, max_seq_len)
-        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, not request.keep_special_tokens)
-        self._stops = StopStringMatcher(stop.stop, stop.include_stop_str_in_output)
-        self._delta = Delta()
 
     # ----------------------------------------------------------------- token accounting
     @property
@@ -69,74 +63,27 @@ class Sequence:
         self.status = Status.WAITING
         self.preemptions += 1
 
-    def sampling_for_next_token(self):
+    def sampling_for_next_token(self) -> cpb.SamplingParams:
         """The sampling message for the token sampled after this step: EOS and stop tokens are banned
         while fewer than min_new_tokens exist."""
         normal, early = self.executor_sampling
         return early if len(self.output_ids) < self.request.stopping.min_new_tokens else normal
 
     # ----------------------------------------------------------------- outputs
-    def append(self, token: TokenLogprob) -> None:
-        """Adds a sampled token and applies the stop conditions; the result collects in the pending delta."""
-        tid = token.token_id
-        self.output_ids.append(tid)
-        self._delta.tokens.append(token)
-        n_out = len(self.output_ids)
-        may_stop = n_out >= self.request.stopping.min_new_tokens
-        if may_stop and (tid in self.eos_token_ids or tid in self.request.stopping.stop_token_ids):
-            self._emit(self._detok.add(tid))  # its text is empty unless special tokens are kept
-            self._emit_final(self._detok.flush())
-            return self._finish(FinishReason.STOP, str(tid))
-        text = self._detok.add(tid)
-        if may_stop:
-            out, match = self._stops.feed(text)
-            self._delta.text += out
-            if match is not None:
-                self._delta.text += match.text
-                return self._finish(FinishReason.STOP_SEQUENCE, match.stop)
-        else:
-            self._delta.text += text  # before min_new_tokens no stop string counts; nothing to hold back
-        if self.num_tokens >= self._max_len:
-            self._emit_final(self._detok.flush())
-            self._finish(FinishReason.LENGTH, "")
-
-    def abort(self) -> None:
-        """Ends the stream as ABORTED (server shutdown), with the text held back so far."""
-        if self.status is not Status.FINISHED:
-            self._emit_final(self._detok.flush())
-            self._finish(FinishReason.ABORTED, "")
-
-    def fail(self, error: TandemError) -> None:
-        """Ends the stream with an error status."""
-        if self.status is not Status.FINISHED:
+    def append(self, token_id: int) -> Finish | None:
+        """Adds a sampled token; returns the stop it causes (EOS or a stop token id: STOP; the length limit:
+        LENGTH) and finishes the sequence then, else None."""
+        self.output_ids.append(token_id)
+        stopping = self.request.stopping
+        if len(self.output_ids) >= stopping.min_new_tokens and (
+                token_id in self.eos_token_ids or token_id in stopping.stop_token_ids):
             self.status = Status.FINISHED
-            self.events.put_nowait(error)
-
-    def publish(self) -> None:
-        """Sends the pending delta to the client's stream (if it carries anything)."""
-        if self._delta:
-            self.events.put_nowait(self._delta)
-            self._delta = Delta()
+            return Finish(FinishReason.STOP, str(token_id))
+        if self.num_tokens >= self._max_len:
+            self.status = Status.FINISHED
+            return Finish(FinishReason.LENGTH)
+        return None
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    def _emit(self, text: str) -> None:
-        # The sequence ends anyway (EOS, stop token, length): a stop string this text completes only
-        # decides where the text is cut.
-        if text:
-            out, match = self._stops.feed(text)
-            self._delta.text += match.text if match is not None else out
-
-    def _emit_final(self, text: str) -> None:
-        # No stop string can complete any more: release what was held back.
-        self._emit(text)
-        self._delta.text += self._stops.flush()
-
-    def _finish(self, reason: FinishReason, stop_reason: str) -> None:
-        self.status = Status.FINISHED
-        self._delta.finish_reason = reason
-        self._delta.stop_reason = stop_reason
-        self._delta.usage = Usage(len(self.request.prompt_ids), len(self.output_ids), 0, self.preemptions)
-        self.publish()

@@ -20,10 +20,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         if request.adapter and request.adapter not in engine.info.adapters:
             await engine.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
         req = codec.request_from_pb(request, engine.tokenizer, engine.info, engine.cfg.default_max_new_tokens)
-        seq = engine.submit(req)
+        seq, output = engine.submit(req)
         try:
             while True:
-                event = await seq.events.get()
+                event = await output.events.get()
                 if isinstance(event, TandemError):
                     raise event
                 yield codec.delta_to_pb(req.request_id, event)

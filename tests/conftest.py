@@ -36,6 +36,12 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def model_dir(tiny_checkpoint) -> Path:
+    """The tiny random Llama most tests run on (a test file may override model_dir with another model)."""
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real default model, converted once per machine into the default cache (scripts/prepare_default_model.py)."""
     prep = load_script("prepare_default_model")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT
 SCRIPT = ROOT / "scripts" / "check_contract"
 IMAGE = ROOT / "protos" / "tandem-v1.image.yaml"
 EXECUTOR_PROTO = Path("tandem") / "executor" / "v1" / "executor.proto"

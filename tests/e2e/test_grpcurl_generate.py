@@ -8,7 +8,7 @@ import pytest
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import collect
-from tests.test_grpcurl import GRPCURL, field, grpcurl
+from tests.executor.test_grpcurl import GRPCURL, field, grpcurl
 
 SERVICE = "tandem.generate.v1.GenerateService"
 pytestmark = pytest.mark.skipif(GRPCURL is None, reason="no grpcurl binary: install the test extra")

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 SCRIPT = ROOT / "scripts" / "prepare_default_model.py"
 
 

@@ -21,11 +21,6 @@ DEFAULT_MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_dir) -> ModelTokenizer:
-    return ModelTokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
 def info(tok) -> epb.GetInfoResponse:
     return epb.GetInfoResponse(model_id="SmolLM2-135M-Instruct", architecture="LlamaForCausalLM",
                                vocab_size=tok.vocab_size, max_seq_len=MAX_SEQ_LEN, eos_token_ids=[2],

@@ -35,18 +35,8 @@ def prompt_of(length: int, seed: int = 0) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint):
-    return tiny_checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def server(request, model_dir):
     return start_for(request, model_dir, "--kv-blocks", str(KV_BLOCKS))
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    return server.stub
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok(smollm2_dir) -> ModelTokenizer:
-    return ModelTokenizer(smollm2_dir)
-
-
 def _stream(tok, prompt_ids, output_ids, skip=True) -> tuple[list[str], str, IncrementalDetokenizer]:
     detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
     deltas = [detok.add(t) for t in output_ids]

@@ -28,11 +28,6 @@ def server(request, tiny_checkpoint):
                      str(MAX_BATCH_TOKENS), "--max-message-mb", "1")
 
 
-@pytest.fixture(scope="module")
-def stub(server):
-    return server.stub
-
-
 class Ctx:
     """Creates the state a case needs, remembers every cache's length to prove nothing moved, cleans up."""
 

@@ -13,7 +13,7 @@ from tandem.errors import CheckpointError
 from models.loader import load_model
 from tests.executor_driver import greedy_run, make_executor
 from tests.hf_reference import HfReference, rel_err
-from tests.test_executor_parity import prompt_of
+from tests.executor.test_executor_parity import prompt_of
 
 
 @pytest.mark.parametrize("kind", ["linear", "llama3", "dynamic", "yarn"])

@@ -12,11 +12,6 @@ from tests.executor_driver import LOGITS, make_executor
 from tests.hf_reference import rel_err
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint):
-    return tiny_checkpoint("llama")
-
-
 @pytest.fixture()
 def ex(model_dir):
     return make_executor(model_dir, kv_blocks=12)  # 12 blocks x 16 tokens

@@ -22,11 +22,6 @@ SMALL_KV_BLOCKS = 12  # x 16 tokens: 192 tokens for everyone
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint):
-    return tiny_checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def executor(request, model_dir):
     return start_for(request, model_dir, "--kv-blocks", "256")
 

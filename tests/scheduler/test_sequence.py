@@ -1,4 +1,5 @@
-"""scheduler.sequence.Sequence with SmolLM2's tokenizer: stop conditions, text deltas, token accounting."""
+"""scheduler.sequence.Sequence (token state, token-id stops) and scheduler.request_output.RequestOutput (text,
+stop strings, deltas) with SmolLM2's tokenizer, glued as the engine glues them."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,7 @@ import pytest
 
 from tandem.errors import Unavailable
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob, Usage
+from scheduler.request_output import RequestOutput
 from scheduler.sequence import Sequence, Status
 from scheduler.tokenizer import ModelTokenizer
 
@@ -15,16 +17,44 @@ ENDOFTEXT = 0  # <|endoftext|>, another special token
 MAX_SEQ_LEN = 8192
 
 
-@pytest.fixture(scope="module")
-def tok(smollm2_dir) -> ModelTokenizer:
-    return ModelTokenizer(smollm2_dir)
+class Tracked:
+    """A Sequence and its RequestOutput, fed as scheduler/engine.py feeds them; other attributes are the
+    sequence's."""
+
+    def __init__(self, seq: Sequence, out: RequestOutput) -> None:
+        self.seq, self.out, self.events = seq, out, out.events
+
+    def append(self, token: TokenLogprob) -> None:
+        finish = self.seq.append(token.token_id)
+        if self.out.add(token, finish, self.seq.preemptions) is not None and finish is None:
+            self.seq.status = Status.FINISHED  # a stop string (the engine: policy.finish)
+
+    def publish(self) -> None:
+        self.out.publish()
+
+    def abort(self) -> None:
+        self.seq.status = Status.FINISHED
+        self.out.abort(self.seq.preemptions)
+
+    def fail(self, error) -> None:
+        self.seq.status = Status.FINISHED
+        self.out.fail(error)
+
+    def __getattr__(self, name: str):
+        return getattr(self.seq, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("seq", "out", "events"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.seq, name, value)
 
 
 def make(tok, prompt: str = "Hello", max_new: int = 50, eos=(EOS,), max_seq_len: int = MAX_SEQ_LEN,
-         keep_special: bool = False, arrival: int = 0, **stopping) -> Sequence:
+         keep_special: bool = False, arrival: int = 0, **stopping) -> Tracked:
     request = GenerateRequest("req-1", tuple(tok.encode(prompt)), StoppingCriteria(max_new, **stopping),
                               keep_special_tokens=keep_special)
-    return Sequence(request, arrival, tok, eos, max_seq_len)
+    return Tracked(Sequence(request, arrival, eos, max_seq_len), RequestOutput(request, tok))
 
 
 def lp(token_id: int) -> TokenLogprob:

@@ -6,16 +6,11 @@ import pytest
 from scheduler.planner import Planner, StepItem
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
-from scheduler.request import GenerateRequest, StoppingCriteria, TokenLogprob
+from scheduler.request import GenerateRequest, StoppingCriteria
 from scheduler.sequence import Sequence, Status
 from scheduler.tokenizer import ModelTokenizer
 
 BS = 4  # tokens per KV block in these tests
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_dir) -> ModelTokenizer:
-    return ModelTokenizer(smollm2_dir)
 
 
 @pytest.fixture
@@ -26,7 +21,7 @@ def mk(tok):
     def make(arrival: int, prompt_len: int, cached: int | None = 0, outputs: int = 0,
              status: Status | None = None) -> Sequence:
         prompt = tuple(100 + (i % 500) for i in range(prompt_len))
-        seq = Sequence(GenerateRequest(f"r{arrival}", prompt, StoppingCriteria(1000)), arrival, tok, [2], 100_000)
+        seq = Sequence(GenerateRequest(f"r{arrival}", prompt, StoppingCriteria(1000)), arrival, [2], 100_000)
         seq.output_ids = [700 + i for i in range(outputs)]
         seq.num_cached = prompt_len + outputs - 1 if cached is None else cached
         running = seq.num_cached > 0 or outputs > 0
@@ -267,7 +262,7 @@ def test_preempted_sequence_recomputes_in_chunks(mk):
     assert s.token_slice(8, 15) == list(s.request.prompt_ids[8:]) + s.output_ids
     # after the final chunk the executor samples: the sequence decodes again
     s.num_cached = 15
-    s.append(TokenLogprob(800, -1.0))
+    s.append(800)
     assert s.is_decoding
     assert items(planner.plan([s], [], kv(500))) == [(0, 15, 1)]
 

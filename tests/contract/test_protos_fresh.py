@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT
 VERSION_LINE = "# Protobuf Python Version"  # the generator's runtime version stamp: allowed to differ
 
 

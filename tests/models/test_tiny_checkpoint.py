@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 SCRIPT = ROOT / "scripts" / "make_tiny_checkpoint.py"
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

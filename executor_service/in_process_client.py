@@ -1,0 +1,73 @@
+"""An ExecutorClient (scheduler/executor_client.py) over an in-process Executor: no network, for tests and
+benchmarks. It speaks the same messages as the gRPC server, through the same codec, and reports errors as a
+remote executor would (RemoteError with the status name the gRPC edge would choose), so a scheduler cannot
+tell it from the real thing except by speed.
+
+Calls run the model on the caller's thread: inside an event loop each call blocks the loop for its
+duration (fine for tests and benchmarks; a server uses the gRPC client). The *_now methods are the same
+calls without asyncio, for the synchronous scheduling-policy tests.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+from executor_service import codec
+from executor_service.executor import Executor
+from tandem.errors import RemoteError, TandemError
+from tandem.executor.v1 import executor_pb2 as epb
+from tandem.status_map import status_for
+
+T = TypeVar("T")
+
+
+class InProcessExecutorClient:
+    def __init__(self, executor: Executor, address: str = "in-process") -> None:
+        self.executor = executor
+        self.address = address
+
+    # ----------------------------------------------------------------- synchronous
+    def info_now(self) -> epb.GetInfoResponse:
+        return self._relay(lambda: codec.info_to_pb(self.executor.info()))
+
+    def unified_decode_now(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse:
+        def run() -> epb.UnifiedDecodeResponse:
+            decoded = [codec.unified_item_from_pb(i) for i in items]
+            results = self.executor.unified_decode([item for item, _ in decoded])
+            return codec.unified_response_to_pb(results, [dtype for _, dtype in decoded], self.executor.kv_usage())
+        return self._relay(run)
+
+    def release_now(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse:
+        def run() -> epb.ReleaseCacheResponse:
+            released, unknown = self.executor.release_cache(list(cache_ids))
+            return codec.release_response_to_pb(released, unknown, self.executor.kv_usage())
+        return self._relay(run)
+
+    def list_adapters_now(self) -> epb.ListAdaptersResponse:
+        return self._relay(lambda: epb.ListAdaptersResponse(
+            adapters=[codec.adapter_to_pb(a) for a in self.executor.list_adapters()]))
+
+    # ----------------------------------------------------------------- ExecutorClient
+    async def info(self) -> epb.GetInfoResponse:
+        return self.info_now()
+
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse:
+        return self.unified_decode_now(items)
+
+    async def release(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse:
+        return self.release_now(cache_ids)
+
+    async def list_adapters(self) -> epb.ListAdaptersResponse:
+        return self.list_adapters_now()
+
+    async def healthy(self) -> bool:
+        return True  # constructed only around a loaded executor
+
+    async def close(self) -> None:
+        pass
+
+    @staticmethod
+    def _relay(call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except TandemError as exc:
+            raise RemoteError(status_for(exc).name, str(exc)) from exc
