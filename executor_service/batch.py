@@ -9,7 +9,7 @@ import torch
 from executor_service.cache_table import CacheState
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention import AttentionMetadata, ItemLayout
-from models.kv_cache import BlockTable, PagedKvCache
+from models.kv_cache import PagedKvCache
 from models.lora import LoraWeights
 from models.lora_batch import LoraBatch, LoraStacks
 from models.sampler import Sampler, SamplingRow

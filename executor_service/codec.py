@@ -5,9 +5,9 @@ import numpy as np
 import torch
 
 from executor_service.metrics import LatencySummary, MetricsSnapshot
-from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, ExecutorInfo, OutputMode, OutputOptions,
-                                    SequenceOutput, UnifiedItem, UnifiedResult)
-from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported for the servicer)
+from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, OutputMode,
+                                    OutputOptions, SequenceOutput, UnifiedItem, UnifiedResult)
+from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported)
 from tandem.errors import InvalidRequest
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.kv_usage import KvUsage
@@ -81,6 +81,12 @@ def unified_response_to_pb(results: list[UnifiedResult], logits_dtypes: list[int
         if r.output is not None:
             res.output.CopyFrom(sequence_output_to_pb(r.output, dtype))
     return out
+
+
+def decode_response_to_pb(results: list[DecodeResult], logits_dtypes: list[int], kv: KvUsage) -> pb.DecodeResponse:
+    return pb.DecodeResponse(
+        results=[pb.DecodeResult(cache=cache_to_pb(r.cache), output=sequence_output_to_pb(r.output, d))
+                 for r, d in zip(results, logits_dtypes)], kv=kv_usage_to_pb(kv))
 
 
 def release_response_to_pb(released: int, unknown: list[str], kv: KvUsage) -> pb.ReleaseCacheResponse:

@@ -68,11 +68,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         ex = self.ex
         items = [codec.decode_item_from_pb(i) for i in request.items]
         results = ex.decode([item for item, _ in items], request.num_steps)
-        return pb.DecodeResponse(
-            results=[pb.DecodeResult(cache=codec.cache_to_pb(r.cache),
-                                     output=codec.sequence_output_to_pb(r.output, dtype))
-                     for r, (_, dtype) in zip(results, items)],
-            kv=codec.kv_usage_to_pb(ex.kv_usage()))
+        return codec.decode_response_to_pb(results, [dtype for _, dtype in items], ex.kv_usage())
 
     @_on_model_thread
     def UnifiedDecode(self, request, context):

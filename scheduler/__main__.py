@@ -11,6 +11,15 @@ from scheduler.config import SchedulerConfig
 from scheduler.server import serve_async
 
 _D = SchedulerConfig("")  # defaults, for the help text
+_LIMITS = (  # (SchedulerConfig field, help with {} for the default)
+    ("max_batch_tokens", "tokens per step, decodes and prefill chunks together (default {}; capped by the executor's "
+                         "own limit)"),
+    ("max_running", "sequences in the batch at once (default {})"),
+    ("prefill_chunk", "most prompt tokens of one sequence per step (default {})"),
+    ("default_max_new_tokens", "max_new_tokens of requests that leave it unset (default {})"),
+    ("max_waiting", "queued requests beyond which Generate is RESOURCE_EXHAUSTED (default {})"),
+    ("max_message_mb", "request size limit in MiB (default {})"),
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -27,19 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--uds", help="also listen on this Unix domain socket path")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template); "
                                         "default: the model directory the executor reports")
-    ap.add_argument("--max-batch-tokens", type=int, default=_D.max_batch_tokens,
-                    help=f"tokens per step, decodes and prefill chunks together (default {_D.max_batch_tokens}; "
-                         "capped by the executor's own limit)")
-    ap.add_argument("--max-running", type=int, default=_D.max_running,
-                    help=f"sequences in the batch at once (default {_D.max_running})")
-    ap.add_argument("--prefill-chunk", type=int, default=_D.prefill_chunk,
-                    help=f"most prompt tokens of one sequence per step (default {_D.prefill_chunk})")
-    ap.add_argument("--default-max-new-tokens", type=int, default=_D.default_max_new_tokens,
-                    help=f"max_new_tokens of requests that leave it unset (default {_D.default_max_new_tokens})")
-    ap.add_argument("--max-waiting", type=int, default=_D.max_waiting,
-                    help=f"queued requests beyond which Generate is RESOURCE_EXHAUSTED (default {_D.max_waiting})")
-    ap.add_argument("--max-message-mb", type=int, default=_D.max_message_mb,
-                    help=f"request size limit in MiB (default {_D.max_message_mb})")
+    for name, what in _LIMITS:  # integer limits: --max-batch-tokens N sets SchedulerConfig.max_batch_tokens
+        default = getattr(_D, name)
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=what.format(default))
     ap.add_argument("--connect-timeout", type=float, default=_D.connect_timeout_s,
                     help=f"seconds to wait at startup for the executor to serve (default {_D.connect_timeout_s:.0f})")
     ap.add_argument("--grace", type=float, default=_D.grace_s,

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
-from scheduler.planner import Planner, StepItem, StepPlan
+from scheduler.planner import Planner, StepPlan
 from scheduler.request import Finish, TokenLogprob
 from scheduler.sequence import Sequence, Status
 from tandem.errors import CapacityExceeded, TandemError

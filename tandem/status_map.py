@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.errors import (AdapterInUse, AdapterNotFound, PermissionDenied, CacheNotFound, CacheStateConflict, CapacityExceeded, CheckpointError,
-                           InvalidRequest, PositionMismatch, RemoteError, SequenceTooLong, TandemError, Unavailable,
-                           Unsupported)
+from tandem.errors import (AdapterInUse, AdapterNotFound, CacheNotFound, CacheStateConflict, CapacityExceeded,
+                           CheckpointError, InvalidRequest, PermissionDenied, PositionMismatch, RemoteError,
+                           SequenceTooLong, TandemError, Unavailable, Unsupported)
 
 STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
-from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem
+from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem, UnifiedResult
+from tests.hf_reference import rel_err
 
 LOGITS = OutputOptions(OutputMode.TOKENS_AND_LOGITS)
 
@@ -42,12 +44,17 @@ def greedy_run(ex: Executor, prompt: list[int], steps: int, chunk: int | None = 
     return cache_id, tokens, logits
 
 
-def mixed_batch_run(ex: Executor, prompts: list[list[int]], steps: int, release_after: dict[int, int],
-                    chunk: int = 8) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def mixed_batch_run(ex: Executor, prompts: list[list[int]], steps: int, release_after: dict[int, int] | None = None,
+                    chunk: int = 8, adapters: Sequence[str] = (), release: bool = True,
+                    on_step: Callable[[list[UnifiedItem], list[UnifiedResult]], None] | None = None,
+                    ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Runs every sequence through shared unified_decode calls: prompt chunks of `chunk` tokens beside
-    single-token decodes, greedy; sequence i is released after release_after.get(i, steps) tokens.
-    Returns per sequence (tokens, logits before each token)."""
+    single-token decodes, greedy, sequence i with adapters[i] (default: the base model); sequence i is released
+    after release_after.get(i, steps) tokens (kept, with release=False). on_step sees each call's items and
+    results. Returns per sequence (tokens, logits before each token)."""
     n = len(prompts)
+    release_after = release_after or {}
+    adapter = list(adapters) or [""] * n
     cache: list[str | None] = [None] * n
     fed = [0] * n  # prompt tokens written so far
     gen: list[list[int]] = [[] for _ in range(n)]
@@ -62,11 +69,13 @@ def mixed_batch_run(ex: Executor, prompts: list[list[int]], steps: int, release_
             if fed[i] < len(prompts[i]):
                 part = prompts[i][fed[i]:fed[i] + chunk]
                 items.append(UnifiedItem(tuple(part), cache[i], fed[i], fed[i] + len(part) == len(prompts[i]),
-                                         output=LOGITS))
+                                         output=LOGITS, adapter=adapter[i]))
             else:
                 pos = len(prompts[i]) + len(gen[i]) - 1
-                items.append(UnifiedItem((gen[i][-1],), cache[i], pos, True, output=LOGITS))
+                items.append(UnifiedItem((gen[i][-1],), cache[i], pos, True, output=LOGITS, adapter=adapter[i]))
         results = ex.unified_decode(items)
+        if on_step is not None:
+            on_step(items, results)
         for i, item, res in zip(order, items, results):
             cache[i] = res.cache.cache_id
             if fed[i] < len(prompts[i]):
@@ -75,6 +84,20 @@ def mixed_batch_run(ex: Executor, prompts: list[list[int]], steps: int, release_
                 gen[i].append(res.output.tokens[0].token_id)
                 logits[i].append(res.output.logits[0])
             if len(gen[i]) == release_after.get(i, steps):
-                ex.release_cache([cache[i]])
+                if release:
+                    ex.release_cache([cache[i]])
                 active.discard(i)
     return gen, logits
+
+
+def assert_greedy_matches(ex: Executor, prompt: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor],
+                          steps: int, tol: float, chunk: int | None = None) -> None:
+    """greedy_run equals a reference (logits within tol relative at every step, identical tokens), the cache
+    holds what was written, and releasing it frees the whole pool."""
+    cache_id, tokens, logits = greedy_run(ex, prompt, steps, chunk=chunk)
+    errors = [rel_err(o, r) for o, r in zip(logits, ref_logits)]
+    assert max(errors) < tol, f"worst step {errors.index(max(errors))}: {max(errors):.2e}"
+    assert tokens == ref_tokens
+    assert ex.cache_length(cache_id) == len(prompt) + steps - 1
+    ex.release_cache([cache_id])
+    assert ex.kv_usage().free_blocks == ex.kv_usage().total_blocks

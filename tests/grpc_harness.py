@@ -9,6 +9,8 @@ through fixtures whose finalizers always call close().
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 
 from tandem import server_process

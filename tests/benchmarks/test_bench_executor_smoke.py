@@ -6,22 +6,15 @@ No timing assertions: the machine is shared and noisy; only structure and positi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.conftest import ROOT
 
 CONFIGS = {"tokens", "logits/f32", "logits/bf16", "tokens/x8"}
 
 
-def test_bench_executor_quick(tiny_checkpoint, tmp_path):
+def test_bench_executor_quick(tiny_checkpoint, tmp_path, run_bench):
     model_dir = tiny_checkpoint("llama")
     out = tmp_path / "results" / "bench_executor.json"  # the parent dir does not exist yet: the script creates it
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_executor.py"), "--quick", "--model", str(model_dir),
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    proc = run_bench("bench_executor", "--quick", "--model", str(model_dir), "--out", str(out))
     assert "server stopped (exit code 0)" in proc.stderr  # SIGTERM -> clean drain, not a kill
     assert out.is_file()
     data = json.loads(out.read_text())

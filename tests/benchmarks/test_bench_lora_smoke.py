@@ -7,28 +7,17 @@ No timing assertions: the machine is shared and noisy; only structure and positi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.conftest import ROOT
 
-SCRIPT = ROOT / "scripts" / "bench_lora.py"
 CONFIGS = ["base", "1 adapter", "4 mixed"]
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc
-
-
-def test_bench_lora_quick(tiny_checkpoint, tmp_path):
+def test_bench_lora_quick(tiny_checkpoint, tmp_path, run_bench):
     model_dir = tiny_checkpoint("llama")
     out = tmp_path / "results" / "bench_lora.json"  # the parent dir does not exist yet: the script creates it
     adapters = tmp_path / "adapters"
-    proc = run_bench("--quick", "--model", str(model_dir), "--batch", "8", "--steps", "2", "--rank", "4",
-                     "--adapter-dir", str(adapters), "--out", str(out))
+    proc = run_bench("bench_lora", "--quick", "--model", str(model_dir), "--batch", "8", "--steps", "2",
+                     "--rank", "4", "--adapter-dir", str(adapters), "--out", str(out))
     data = json.loads(out.read_text())
 
     assert data["benchmark"] == "bench_lora"
@@ -64,7 +53,7 @@ def test_bench_lora_quick(tiny_checkpoint, tmp_path):
 
     # Second run: the matching adapters in --adapter-dir are reused, not recreated.
     out2 = tmp_path / "again.json"
-    run_bench("--quick", "--model", str(model_dir), "--batch", "4", "--steps", "1", "--rank", "4",
+    run_bench("bench_lora", "--quick", "--model", str(model_dir), "--batch", "4", "--steps", "1", "--rank", "4",
               "--adapter-counts", "0,2", "--num-adapters", "4", "--adapter-dir", str(adapters), "--out", str(out2))
     again = json.loads(out2.read_text())
     assert again["adapters"]["creation"]["created"] == []

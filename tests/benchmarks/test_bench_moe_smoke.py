@@ -3,19 +3,12 @@ decode, and writes sane JSON whose FLOPs count the routed experts. No timing ass
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-
-from tests.conftest import ROOT
 
 
-def test_bench_moe_quick(tmp_path):
+
+def test_bench_moe_quick(tmp_path, run_bench):
     out = tmp_path / "results" / "bench_moe.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_moe.py"), "--quick", "--batches", "1,8", "--peak-n", "256",
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    proc = run_bench("bench_moe", "--quick", "--batches", "1,8", "--peak-n", "256", "--out", str(out))
     data = json.loads(out.read_text())
 
     model = data["model"]

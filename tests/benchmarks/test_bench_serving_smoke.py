@@ -8,24 +8,18 @@ lengths are checked.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.conftest import ROOT
 
 N, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 4, 16, 8, 2
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_serving_quick(tiny_checkpoint, tmp_path):
+def test_bench_serving_quick(tiny_checkpoint, tmp_path, run_bench):
     model_dir = tiny_checkpoint("llama")
     out = tmp_path / "results" / "serving.json"  # the parent dir does not exist yet: the script creates it
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--quick", "--model", str(model_dir),
-         "--baseline", "hf,hf-serial", "--num-requests", str(N), "--input-len", str(INPUT_LEN),
-         "--output-len", str(OUTPUT_LEN), "--concurrency", str(CONCURRENCY), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    proc = run_bench("bench_serving", "--quick", "--model", str(model_dir), "--baseline", "hf,hf-serial",
+                     "--num-requests", str(N), "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+                     "--concurrency", str(CONCURRENCY), "--out", str(out), timeout=180)
     data = json.loads(out.read_text())
 
     assert data["benchmark"] == "bench_serving"

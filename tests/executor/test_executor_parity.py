@@ -6,7 +6,7 @@ import random
 import pytest
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
-from tests.executor_driver import LOGITS, greedy_run, make_executor, mixed_batch_run
+from tests.executor_driver import LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run
 from tests.hf_reference import HfReference, rel_err
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -31,13 +31,7 @@ def test_greedy_32_matches_transformers(arch_setup, chunk):
     ex = make_executor(model_dir)
     prompt = prompt_of(21, seed=1)
     ref_tokens, ref_logits = hf.greedy(prompt, STEPS)
-    cache_id, tokens, logits = greedy_run(ex, prompt, STEPS, chunk=chunk)
-    errors = [rel_err(o, r) for o, r in zip(logits, ref_logits)]
-    assert max(errors) < TOL, f"worst step {errors.index(max(errors))}: {max(errors):.2e}"
-    assert tokens == ref_tokens
-    assert ex.cache_length(cache_id) == len(prompt) + STEPS - 1
-    ex.release_cache([cache_id])
-    assert ex.kv_usage().free_blocks == ex.kv_usage().total_blocks
+    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL, chunk)
 
 
 def test_mixed_batch_of_five_with_releases(arch_setup):

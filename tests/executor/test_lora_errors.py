@@ -392,6 +392,18 @@ def test_bad_adapter_dir(ex, env, case):
     assert ex.load_adapter("x", env.good).name == "x"
 
 
+def _assert_x_poisons_no_neighbour(ex) -> list[str]:
+    """Adapter "x" shares one forward with a base item and an adapter-"a" item: theirs match their solo runs.
+    Returns the ids of the caches it made."""
+    ref = ex.prefill(PROMPT, output=LOGITS)
+    ref_a = ex.prefill(PROMPT, output=LOGITS, adapter="a")
+    res = ex.unified_decode([UnifiedItem(tuple(PROMPT), output=LOGITS), UnifiedItem(tuple(PROMPT), adapter="x"),
+                             UnifiedItem(tuple(PROMPT), output=LOGITS, adapter="a")])
+    assert rel_err(res[0].output.logits[0], ref.output.logits[0]) < 1e-5, "base item poisoned"
+    assert rel_err(res[2].output.logits[0], ref_a.output.logits[0]) < 1e-5, "adapter a's item poisoned"
+    return [r.cache.cache_id for r in (ref, ref_a, *res)]
+
+
 def test_nan_weights_rejected_or_harmless(ex, env):
     """NaN in an adapter: refusing it (INVALID_ARGUMENT) is best; if it loads, the base model and other
     adapters sharing a batch with it must not be poisoned."""
@@ -402,12 +414,7 @@ def test_nan_weights_rejected_or_harmless(ex, env):
     except TandemError as e:
         assert status_for(e) == Code.INVALID_ARGUMENT
         return
-    ref = ex.prefill(PROMPT, output=LOGITS)
-    ref_a = ex.prefill(PROMPT, output=LOGITS, adapter="a")
-    res = ex.unified_decode([UnifiedItem(tuple(PROMPT), output=LOGITS), UnifiedItem(tuple(PROMPT), adapter="x"),
-                             UnifiedItem(tuple(PROMPT), output=LOGITS, adapter="a")])
-    assert rel_err(res[0].output.logits[0], ref.output.logits[0]) < 1e-5
-    assert rel_err(res[2].output.logits[0], ref_a.output.logits[0]) < 1e-5
+    _assert_x_poisons_no_neighbour(ex)
 
 
 def test_huge_adapter_does_not_poison_its_batch(ex, env):
@@ -424,13 +431,7 @@ def test_huge_adapter_does_not_poison_its_batch(ex, env):
     except TandemError as e:  # refusing it is fine too
         assert status_for(e) == Code.INVALID_ARGUMENT
         return
-    ref = ex.prefill(PROMPT, output=LOGITS)
-    ref_a = ex.prefill(PROMPT, output=LOGITS, adapter="a")
-    res = ex.unified_decode([UnifiedItem(tuple(PROMPT), output=LOGITS), UnifiedItem(tuple(PROMPT), adapter="x"),
-                             UnifiedItem(tuple(PROMPT), output=LOGITS, adapter="a")])
-    assert rel_err(res[0].output.logits[0], ref.output.logits[0]) < 1e-5, "base item poisoned"
-    assert rel_err(res[2].output.logits[0], ref_a.output.logits[0]) < 1e-5, "adapter a's item poisoned"
-    ex.release_cache([r.cache.cache_id for r in (ref, ref_a, *res)])
+    ex.release_cache(_assert_x_poisons_no_neighbour(ex))
     assert kv_all_free(ex)
 
 

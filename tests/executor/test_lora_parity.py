@@ -11,7 +11,7 @@ import torch
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import AdapterNotFound, TandemError
-from tests.executor_driver import LOGITS, greedy_run, make_executor
+from tests.executor_driver import LOGITS, greedy_run, make_executor, mixed_batch_run
 from tests.lora_fixtures import ALL_MODULES, HfReference, PeftReference, make_peft_adapter, rel_err
 
 TOL = 1e-4
@@ -156,39 +156,18 @@ def test_mixed_batch_base_and_adapters(llama):
     ex = llama.executor(preload=("qv4", "mlp16", "rs8"))
     seqs = [("", 9), ("qv4", 17), ("mlp16", 5), ("rs8", 26), ("qv4", 3), ("", 12)]
     prompts = [prompt_of(n, seed=20 + i) for i, (_, n) in enumerate(seqs)]
-    cache: list[str | None] = [None] * len(seqs)
-    fed = [0] * len(seqs)
-    gen: list[list[int]] = [[] for _ in seqs]
-    logits: list[list[torch.Tensor]] = [[] for _ in seqs]
-    sizes = set()
-    for _ in range(50):
-        active = [i for i in range(len(seqs)) if len(gen[i]) < STEPS]
-        if not active:
-            break
-        items = []
-        for i in active:
-            adapter = seqs[i][0]
-            if fed[i] < len(prompts[i]):
-                part = prompts[i][fed[i]:fed[i] + 8]
-                items.append(UnifiedItem(tuple(part), cache[i], fed[i], fed[i] + len(part) == len(prompts[i]),
-                                         output=LOGITS, adapter=adapter))
-            else:
-                items.append(UnifiedItem((gen[i][-1],), cache[i], len(prompts[i]) + len(gen[i]) - 1, True,
-                                         output=LOGITS, adapter=adapter))
+    sizes, caches = set(), set()
+
+    def seen(items, results):
         sizes.add(len({it.adapter for it in items}))
-        for i, item, res in zip(active, items, ex.unified_decode(items)):
-            cache[i] = res.cache.cache_id
-            if fed[i] < len(prompts[i]):
-                fed[i] += len(item.token_ids)
-            if res.output is not None:
-                gen[i].append(res.output.tokens[0].token_id)
-                logits[i].append(res.output.logits[0])
+        caches.update(r.cache.cache_id for r in results)
+    gen, logits = mixed_batch_run(ex, prompts, STEPS, adapters=[a for a, _ in seqs], release=False, on_step=seen)
     assert 4 in sizes, "some forward should carry base + all three adapters"
     for i, (adapter, _) in enumerate(seqs):
         assert_matches((gen[i], logits[i]), llama.greedy(adapter, prompts[i]), f"sequence {i} ({adapter or 'base'})")
     listed = adapters_by_name(ex)
     assert listed["qv4"].active_caches == 2 and listed["mlp16"].active_caches == 1
-    ex.release_cache([c for c in cache if c])
+    ex.release_cache(sorted(caches))
     assert kv_all_free(ex)
     assert all(a.active_caches == 0 for a in ex.list_adapters())
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.tokenizer import ChatMessage, ModelTokenizer
+from scheduler.tokenizer import ChatMessage
 
 REPLACEMENT = "\ufffd"
 IM_END = 2  # <|im_end|> in SmolLM2

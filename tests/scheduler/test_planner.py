@@ -8,7 +8,6 @@ from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 from scheduler.request import GenerateRequest, StoppingCriteria
 from scheduler.sequence import Sequence, Status
-from scheduler.tokenizer import ModelTokenizer
 
 BS = 4  # tokens per KV block in these tests
 

@@ -14,7 +14,7 @@ from scheduler.codec import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRI
                              delta_to_pb, request_from_pb, sampling_params_from_pb)
 from tandem.codec import sampling_to_pb
 from scheduler.request import Delta, FinishReason, StoppingCriteria, TokenLogprob, Usage
-from scheduler.tokenizer import ChatMessage, ModelTokenizer
+from scheduler.tokenizer import ChatMessage
 
 MAX_SEQ_LEN = 64
 DEFAULT_MAX_NEW = 16

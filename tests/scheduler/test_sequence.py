@@ -10,7 +10,6 @@ from tandem.errors import Unavailable
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob, Usage
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Sequence, Status
-from scheduler.tokenizer import ModelTokenizer
 
 EOS = 2  # <|im_end|>
 ENDOFTEXT = 0  # <|endoftext|>, another special token

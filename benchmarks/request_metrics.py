@@ -1,0 +1,107 @@
+"""Streamed generation requests as a client sees them: one Record of raw timings per request, and the
+vLLM-style serving metrics of a side's records (throughputs, TTFT, TPOT, ITL, end-to-end latency)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from benchmarks.measure import summarize
+
+
+@dataclass
+class Record:
+    """One request's raw timings, seconds on one perf_counter clock."""
+    index: int
+    prompt_len: int
+    start: float = 0.0  # sent (Tandem) / its generate call began (baselines)
+    arrival: float | None = None  # open loop: when it was due (it may wait for a --concurrency slot)
+    end: float = 0.0
+    messages: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of token-carrying messages
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: dict[str, int] | None = None
+    error: str | None = None
+
+    @property
+    def output_len(self) -> int:
+        return sum(n for _, n in self.messages)
+
+    def metrics(self) -> dict[str, Any]:
+        """ttft / latency / tpot (s), itl (one per token after the first), itl_messages (raw gaps)."""
+        out: dict[str, Any] = {"ttft": None, "latency": self.end - self.start, "tpot": None, "itl": [],
+                               "itl_messages": []}
+        if not self.messages:
+            return out
+        t_first, n_first = self.messages[0]
+        out["ttft"] = t_first - self.start
+        itl = [0.0] * (n_first - 1)
+        prev = t_first
+        for t, n in self.messages[1:]:
+            gap = t - prev
+            out["itl_messages"].append(gap)
+            itl += [gap / n] * n
+            prev = t
+        out["itl"] = itl
+        if self.output_len > 1:
+            out["tpot"] = (out["latency"] - out["ttft"]) / (self.output_len - 1)
+        return out
+
+    def as_json(self, t0: float) -> dict[str, Any]:
+        m = self.metrics()
+        return {"index": self.index, "prompt_len": self.prompt_len, "output_len": self.output_len,
+                "start_s": self.start - t0, "arrival_s": None if self.arrival is None else self.arrival - t0,
+                "end_s": self.end - t0, "ttft_ms": _ms(m["ttft"]), "latency_ms": _ms(m["latency"]),
+                "tpot_ms": _ms(m["tpot"]), "message_times_s": [t - t0 for t, _ in self.messages],
+                "message_tokens": [n for _, n in self.messages], "finish_reason": self.finish_reason,
+                "usage": self.usage, "error": self.error, "output_ids": self.output_ids}
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1e3
+
+
+def aggregate(name: str, records: list[Record], t0: float, duration: float, flops_per_request: float | None,
+              peak_gflops: float | None, expected_output: int) -> dict[str, Any]:
+    """vLLM-style serving metrics of one side."""
+    ok = [r for r in records if r.error is None]
+    ms = [r.metrics() for r in ok]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    gflops = flops_per_request * len(ok) / duration / 1e9 if flops_per_request and duration > 0 else None
+    return {
+        "name": name,
+        "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "exact_output_len": sum(r.output_len == len(r.output_ids) == expected_output for r in ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "ttft_ms": summarize([m["ttft"] for m in ms if m["ttft"] is not None], 1e3),
+        "tpot_ms": summarize([m["tpot"] for m in ms if m["tpot"] is not None], 1e3),
+        "itl_ms": summarize([g for m in ms for g in m["itl"]], 1e3),
+        "itl_messages_ms": summarize([g for m in ms for g in m["itl_messages"]], 1e3),
+        "e2el_ms": summarize([m["latency"] for m in ms], 1e3),
+        "gflops": gflops,
+        "pct_peak": 100.0 * gflops / peak_gflops if gflops and peak_gflops else None,
+        "per_request": [r.as_json(t0) for r in records],
+    }
+
+
+def agreement(a: list[Record], b: list[Record]) -> dict[str, Any] | None:
+    """How many requests two sides generated identically (greedy on both: fp32 rounding of differently
+    batched kernels can flip a near-tie, after which the continuations differ), and the mean common prefix."""
+    by = {r.index: r for r in b}
+    pairs = [(r.output_ids, by[r.index].output_ids) for r in a if r.index in by and r.error is None]
+    if not pairs:
+        return None
+    prefixes = []
+    for x, y in pairs:
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefixes.append(n)
+    return {"compared": len(pairs), "identical": sum(x == y for x, y in pairs),
+            "mean_common_prefix": float(np.mean(prefixes))}
