@@ -83,7 +83,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,9 @@ class GetInfoResponse(_message.Message):
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -126,21 +129,26 @@ class GetInfoResponse(_message.Message):
     num_experts: int
     num_experts_per_tok: int
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    instance_id: str
+    max_adapters_on_device: int
+    session_ttl_ms: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "cache_id", "sampling", "output", "adapter")
+    __slots__ = ("token_ids", "cache_id", "sampling", "output", "adapter", "session_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_id: str
     sampling: _common_pb2.SamplingParams
     output: OutputOptions
     adapter: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("cache", "output", "cached_tokens", "kv")
@@ -171,20 +179,24 @@ class DecodeItem(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("items", "num_steps")
+    __slots__ = ("items", "num_steps", "session_id")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
     num_steps: int
-    def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("cache", "output")
+    __slots__ = ("cache", "output", "status")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     output: SequenceOutput
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ...) -> None: ...
+    status: ItemStatus
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("results", "kv")
@@ -215,18 +227,22 @@ class UnifiedItem(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "session_id")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[UnifiedItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[UnifiedItem, _Mapping]]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, items: _Optional[_Iterable[_Union[UnifiedItem, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class UnifiedResult(_message.Message):
-    __slots__ = ("cache", "output")
+    __slots__ = ("cache", "output", "status")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     output: SequenceOutput
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ...) -> None: ...
+    status: ItemStatus
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
 
 class UnifiedDecodeResponse(_message.Message):
     __slots__ = ("results", "kv")
@@ -237,16 +253,18 @@ class UnifiedDecodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[UnifiedResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
 
 class ForwardVerifyRequest(_message.Message):
-    __slots__ = ("cache", "token_ids", "output", "adapter")
+    __slots__ = ("cache", "token_ids", "output", "adapter", "session_id")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     output: OutputOptions
     adapter: str
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ForwardVerifyResponse(_message.Message):
     __slots__ = ("cache", "positions", "kv")
@@ -259,12 +277,14 @@ class ForwardVerifyResponse(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., positions: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
 
 class TruncateCacheRequest(_message.Message):
-    __slots__ = ("cache_id", "new_len")
+    __slots__ = ("cache_id", "new_len", "session_id")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_LEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     new_len: int
-    def __init__(self, cache_id: _Optional[str] = ..., new_len: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, cache_id: _Optional[str] = ..., new_len: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class TruncateCacheResponse(_message.Message):
     __slots__ = ("cache", "kv")
@@ -275,10 +295,12 @@ class TruncateCacheResponse(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
 
 class ReleaseCacheRequest(_message.Message):
-    __slots__ = ("cache_ids",)
+    __slots__ = ("cache_ids", "session_id")
     CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     cache_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseCacheResponse(_message.Message):
     __slots__ = ("released", "unknown_cache_ids", "kv")
@@ -409,3 +431,95 @@ class ListAdaptersResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class ItemStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name",)
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "lease_ttl_ms", "instance_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_ttl_ms: int
+    instance_id: str
+    def __init__(self, session_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_ttl_ms", "caches")
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_ms: int
+    caches: int
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., caches: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("released", "kv")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    kv: KvUsage
+    def __init__(self, released: _Optional[int] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class ListCachesRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListCachesResponse(_message.Message):
+    __slots__ = ("sessions", "kv")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    kv: KvUsage
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "client_name", "expires_in_ms", "caches")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    client_name: str
+    expires_in_ms: int
+    caches: _containers.RepeatedCompositeFieldContainer[CacheInfo]
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., caches: _Optional[_Iterable[_Union[CacheInfo, _Mapping]]] = ...) -> None: ...
+
+class CacheInfo(_message.Message):
+    __slots__ = ("cache_id", "seq_len", "adapter", "age_ms", "blocks")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    seq_len: int
+    adapter: str
+    age_ms: int
+    blocks: int
+    def __init__(self, cache_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., adapter: _Optional[str] = ..., age_ms: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...

@@ -93,6 +93,26 @@ class ExecutorServiceStub:
                 request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/OpenSession',
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/KeepAlive',
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/CloseSession',
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+        self.ListCaches = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/ListCaches',
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -182,6 +202,38 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """Opens a client session. Caches created by calls that name its session_id belong to it and live while
+        its lease does: every call naming the session renews the lease (KeepAlive renews it with no other
+        work); a session closed, or not renewed within lease_ttl_ms, loses all its caches. Calls without a
+        session_id use the executor's anonymous session, under the same lease rule.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Renews a session's lease. NOT_FOUND if the session is unknown or expired (open a new one: its caches
+        are gone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Closes a session and releases every cache it holds. Idempotent: an unknown session releases nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCaches(self, request, context):
+        """The caches the executor holds, per session (ids, lengths, adapter, age).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -239,6 +291,26 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.FromString,
                     response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.OpenSessionRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.KeepAliveRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.CloseSessionRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'ListCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCaches,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -542,6 +614,114 @@ class ExecutorService:
             '/tandem.executor.v1.ExecutorService/ListAdapters',
             tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
             tandem_dot_executor_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/OpenSession',
+            tandem_dot_executor_dot_v1_dot_executor__pb2.OpenSessionRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/KeepAlive',
+            tandem_dot_executor_dot_v1_dot_executor__pb2.KeepAliveRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/CloseSession',
+            tandem_dot_executor_dot_v1_dot_executor__pb2.CloseSessionRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/ListCaches',
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.FromString,
             options,
             channel_credentials,
             insecure,
