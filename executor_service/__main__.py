@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="adapters whose weights stay on the device; the least recently used others wait in host "
                          "memory (default 8)")
     ap.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
+    ap.add_argument("--session-ttl", type=float, default=30.0, metavar="SECONDS",
+                    help="lease of a client session and of the anonymous session: caches of a session that no call "
+                         "named for this long are released (default 30; reaped within 1.25x this)")
+    ap.add_argument("--max-queued-calls", type=int, default=64,
+                    help="model calls that may wait behind the one running; more are refused at once with "
+                         "RESOURCE_EXHAUSTED (default 64). Info, listing, release and session calls never queue")
     ap.add_argument("--no-cpu-packed-weights", action="store_true",
                     help="CPU float32: do not keep oneDNN-packed copies of the linear weights (saves their memory, "
                          "~1.1-1.3x slower decode steps)")
@@ -77,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                                   progress=True, cpu_packed_weights=not args.no_cpu_packed_weights,
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,
-                                  max_lora_rank=args.max_lora_rank)
+                                  max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
-                              threads=args.threads)
+                              threads=args.threads, max_queued_calls=args.max_queued_calls)
     try:
         return serve(executor_cfg, server_cfg)
     except (TandemError, ValueError, OSError) as exc:

@@ -1,9 +1,15 @@
 """The executor's LoRA adapters: loading confined to --adapter-root, validation against the base model, and
 an LRU of at most --max-adapters-on-device adapters whose weights sit on the device (the rest wait in host
-memory and move back on first use)."""
+memory and move back on first use).
+
+Error messages name an adapter directory as the client gave it (relative to the root when it lies under
+it), never resolved: the resolved path would tell a client where the root and its links lead on the host.
+The registry's own lock guards its table of adapters, so listings never wait for a model call; loading,
+unloading and moving weights happen under the executor's model lock."""
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +27,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 @dataclass
 class _Adapter:
     name: str
-    path: Path
+    path: Path  # resolved (AdapterInfo.path)
+    label: str  # as the client gave it: what messages show
     host: LoraWeights  # CPU copy, always kept
     device: LoraWeights | None = None  # on the executor's device while in the LRU
     requests: int = 0
@@ -39,6 +46,7 @@ class AdapterRegistry:
         self.root = root.resolve() if root is not None else None
         self.max_on_device = max_on_device
         self.max_rank = max_rank
+        self._guard = threading.Lock()  # the membership of _adapters (listings read it from RPC threads)
         self._adapters: dict[str, _Adapter] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # names on the device, least recently used first
         self.moves = 0  # loads to + evictions from the device so far (lets callers invalidate derived copies)
@@ -50,26 +58,30 @@ class AdapterRegistry:
         if not _NAME.fullmatch(name or ""):
             raise InvalidRequest(f"adapter name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
         if name in self._adapters:
-            raise AdapterInUse(f"adapter {name!r} is already loaded (from {self._adapters[name].path}); "
+            raise AdapterInUse(f"adapter {name!r} is already loaded (from {self._adapters[name].label!r}); "
                                "unload it first or pick another name")
-        resolved = self._confine(Path(path), trusted)
-        weights = read_adapter(resolved, self._cfg, self._dtype, self.max_rank)
-        self._adapters[name] = _Adapter(name, resolved, weights)
+        label = self._label(Path(path))
+        resolved = self._confine(Path(path), label, trusted)
+        weights = read_adapter(resolved, self._cfg, self._dtype, self.max_rank, label=label)
+        with self._guard:
+            self._adapters[name] = _Adapter(name, resolved, label, weights)
 
     def unload(self, name: str) -> None:
         self.get(name)
-        del self._adapters[name]
+        with self._guard:
+            del self._adapters[name]
         self._lru.pop(name, None)
 
     def get(self, name: str) -> _Adapter:
         adapter = self._adapters.get(name)
         if adapter is None:
-            loaded = ", ".join(sorted(self._adapters)) or "none"
+            loaded = ", ".join(self.names()) or "none"
             raise AdapterNotFound(f"adapter {name!r} is not loaded (loaded: {loaded}); LoadAdapter it first")
         return adapter
 
     def names(self) -> tuple[str, ...]:
-        return tuple(sorted(self._adapters))
+        with self._guard:
+            return tuple(sorted(self._adapters))
 
     # ----------------------------------------------------------------- use
     def on_device(self, names: set[str]) -> dict[str, LoraWeights]:
@@ -92,9 +104,11 @@ class AdapterRegistry:
         self._adapters[name].requests += 1
 
     def infos(self, caches_per_adapter: dict[str, int]) -> list[AdapterInfo]:
+        with self._guard:
+            adapters = list(self._adapters.values())
         return [AdapterInfo(a.name, str(a.path), a.host.rank, a.host.targets, a.device is not None,
                             caches_per_adapter.get(a.name, 0), a.requests, a.loads, a.evictions)
-                for a in sorted(self._adapters.values(), key=lambda a: a.name)]
+                for a in sorted(adapters, key=lambda a: a.name)]
 
     # ----------------------------------------------------------------- internals
     def _evict(self, name: str) -> None:
@@ -104,7 +118,12 @@ class AdapterRegistry:
         self.moves += 1
         self._lru.pop(name)
 
-    def _confine(self, path: Path, trusted: bool) -> Path:
+    def _label(self, path: Path) -> str:
+        if self.root is not None and path.is_absolute() and path.is_relative_to(self.root):
+            return str(path.relative_to(self.root))
+        return str(path)
+
+    def _confine(self, path: Path, label: str, trusted: bool) -> Path:
         """The adapter directory, resolved; inside the root (symlinks followed) unless trusted without a root."""
         if self.root is None:
             if not trusted:
@@ -115,6 +134,7 @@ class AdapterRegistry:
         files = [resolved, resolved / CONFIG_FILE, resolved / WEIGHTS_FILE]
         for f in files:  # each file too: a symlinked weights file must not lead outside either
             if not f.resolve().is_relative_to(self.root):
-                raise PermissionDenied(f"adapter path {str(path)!r} resolves to {f.resolve()}, outside the adapter "
-                                       f"root {self.root}")
+                raise PermissionDenied(f"adapter path {label!r} leads outside the adapter root (--adapter-root), "
+                                       "through '..', an absolute path or a symbolic link; give a directory "
+                                       "inside the root")
         return resolved

@@ -1,13 +1,20 @@
-"""The executor's table of caches: cache id -> what it records per cache (blocks, tokens, prompt end, adapter).
+"""The executor's caches: cache id -> what it records per cache (blocks, tokens, prompt end, adapter, owner).
 
-Ids are handed out only once a cache's first forward succeeded, so a failed call never leaves an entry.
-Ownership (sessions, leases: issue 11) belongs here too.
+Every cache is owned by one session (executor_service/sessions.py). `CacheStore` holds them all, indexed by
+owner; a `CacheTable` is one session's view of it, the only one an operation gets: another session's cache
+is as unknown to it as an id never created (NOT_FOUND; ReleaseCache reports it unknown). Ids are handed
+out only once a cache's first forward succeeded (`CacheTable.add`), so a failed call never leaves an entry.
+
+The store's own short lock guards its index, so listings (ListCaches, GetInfo, ListAdapters) never wait for
+a model call; changes still happen only under the executor's model lock. A listing taken while a call
+extends a cache shows that cache's length before or after the call.
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from executor_service.types import CacheRef
 from models.kv_cache import BlockTable
@@ -16,13 +23,16 @@ from tandem.errors import CacheNotFound
 
 @dataclass
 class CacheState:
-    """What the executor records per cache: its blocks, every token written (for penalties) and where the
-    prompt ended (tokens after it are outputs fed back, which presence/frequency penalties count)."""
+    """What the executor records per cache: its blocks, every token written (for penalties), where the
+    prompt ended (tokens after it are outputs fed back, which presence/frequency penalties count), and who
+    owns it since when."""
 
     table: BlockTable = field(default_factory=BlockTable)
     tokens: list[int] = field(default_factory=list)
     prompt_len: int | None = None
     adapter: str = ""  # fixed at creation: the KV holds this adapter's k/v projections
+    session: str = ""  # the owning session's id ("" = the anonymous session); set by CacheTable.add
+    created: float = 0.0  # the store's clock (seconds) when it was added
 
     @classmethod
     def new(cls) -> "CacheState":
@@ -38,13 +48,85 @@ class CacheState:
             self.prompt_len = new_len
 
 
-class CacheTable:
-    def __init__(self) -> None:
+class CacheStore:
+    """Every cache the executor holds, by id and by owning session."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._guard = threading.Lock()
         self._caches: dict[str, CacheState] = {}
+        self._owned: dict[str, dict[str, None]] = {}  # session id -> its cache ids, oldest first
+
+    def view(self, session_id: str) -> "CacheTable":
+        return CacheTable(self, session_id)
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def owned(self, session_id: str) -> list[tuple[str, CacheState]]:
+        """A session's caches, oldest first (a snapshot)."""
+        with self._guard:
+            return [(cid, self._caches[cid]) for cid in self._owned.get(session_id, ())]
+
+    def counts(self) -> dict[str, int]:
+        """Session id -> caches it holds (sessions holding none are absent)."""
+        with self._guard:
+            return {sid: len(ids) for sid, ids in self._owned.items() if ids}
+
+    def pop_session(self, session_id: str) -> list[CacheState]:
+        """Removes every cache of a session and returns them (the caller frees their blocks)."""
+        with self._guard:
+            ids = self._owned.pop(session_id, {})
+            return [self._caches.pop(cid) for cid in ids]
+
+    def adapter_users(self) -> dict[str, int]:
+        """Adapter name -> live caches created with it, in every session."""
+        counts: dict[str, int] = {}
+        with self._guard:
+            for s in self._caches.values():
+                if s.adapter:
+                    counts[s.adapter] = counts.get(s.adapter, 0) + 1
+        return counts
+
+    # ----------------------------------------------------------------- for CacheTable
+    def _get(self, session_id: str, cache_id: str) -> CacheState | None:
+        state = self._caches.get(cache_id)
+        return state if state is not None and state.session == session_id else None
+
+    def _add(self, session_id: str, state: CacheState) -> str:
+        cache_id = uuid.uuid4().hex
+        state.session, state.created = session_id, self.clock()
+        with self._guard:
+            self._caches[cache_id] = state
+            self._owned.setdefault(session_id, {})[cache_id] = None
+        return cache_id
+
+    def _pop(self, session_id: str, cache_id: str) -> CacheState | None:
+        with self._guard:
+            if self._get(session_id, cache_id) is None:
+                return None
+            ids = self._owned[session_id]
+            del ids[cache_id]
+            if not ids:
+                del self._owned[session_id]
+            return self._caches.pop(cache_id)
+
+    def _ids(self, session_id: str) -> list[str]:
+        with self._guard:
+            return list(self._owned.get(session_id, ()))
+
+
+class CacheTable:
+    """One session's caches: what an operation on behalf of that session may see and change."""
+
+    def __init__(self, store: CacheStore, session_id: str) -> None:
+        self._store = store
+        self.session_id = session_id
 
     def get(self, cache_id: str | None) -> CacheState:
-        """The named cache's state; CacheNotFound when it was never created or is released."""
-        state = self._caches.get(cache_id or "")
+        """The named cache's state; CacheNotFound when it was never created, is released, or is another
+        session's."""
+        state = self._store._get(self.session_id, cache_id or "")
         if state is None:
             raise CacheNotFound(cache_id or "")
         return state
@@ -53,31 +135,21 @@ class CacheTable:
         return self.get(cache_id)
 
     def __contains__(self, cache_id: object) -> bool:
-        return cache_id in self._caches
+        return isinstance(cache_id, str) and self._store._get(self.session_id, cache_id) is not None
 
     def __len__(self) -> int:
-        return len(self._caches)
+        return len(self._store._ids(self.session_id))
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._caches)
+        return iter(self._store._ids(self.session_id))
 
     def add(self, state: CacheState) -> str:
-        """Names a cache created by a successful forward."""
-        cache_id = uuid.uuid4().hex
-        self._caches[cache_id] = state
-        return cache_id
+        """Names a cache created by a successful forward; it belongs to this table's session."""
+        return self._store._add(self.session_id, state)
 
     def pop(self, cache_id: str) -> CacheState | None:
-        return self._caches.pop(cache_id, None)
+        return self._store._pop(self.session_id, cache_id)
 
     def ref(self, cache_id: str) -> CacheRef:
-        state = self._caches.get(cache_id)
+        state = self._store._get(self.session_id, cache_id)
         return CacheRef(cache_id, state.table.length if state else 0)
-
-    def adapter_users(self) -> dict[str, int]:
-        """Adapter name -> live caches created with it."""
-        counts: dict[str, int] = {}
-        for s in self._caches.values():
-            if s.adapter:
-                counts[s.adapter] = counts.get(s.adapter, 0) + 1
-        return counts

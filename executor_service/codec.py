@@ -6,7 +6,8 @@ import torch
 
 from executor_service.metrics import LatencySummary, MetricsSnapshot
 from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, OutputMode,
-                                    OutputOptions, SequenceOutput, UnifiedItem, UnifiedResult)
+                                    OutputOptions, SequenceOutput, SessionLease, SessionListing, UnifiedItem,
+                                    UnifiedResult)
 from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported)
 from tandem.errors import InvalidRequest
 from tandem.executor.v1 import executor_pb2 as pb
@@ -109,7 +110,9 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
         device=info.device, eos_token_ids=list(info.eos_token_ids), kv=kv_usage_to_pb(info.kv),
         capabilities=list(info.capabilities), adapters=list(info.adapters), model_dir=info.model_dir,
         max_batch_tokens=info.max_batch_tokens, num_experts=info.num_experts,
-        num_experts_per_tok=info.num_experts_per_tok, moe_layers=list(info.moe_layers))
+        num_experts_per_tok=info.num_experts_per_tok, moe_layers=list(info.moe_layers),
+        instance_id=info.instance_id, max_adapters_on_device=info.max_adapters_on_device,
+        session_ttl_ms=ms(info.session_ttl_s))
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     return msg
@@ -133,3 +136,21 @@ def adapter_to_pb(a: AdapterInfo) -> pb.AdapterInfo:
     return pb.AdapterInfo(name=a.name, path=a.path, rank=a.rank, target_modules=list(a.target_modules),
                           on_device=a.on_device, active_caches=a.active_caches, requests=a.requests, loads=a.loads,
                           evictions=a.evictions)
+
+
+def ms(seconds: float) -> int:
+    """Seconds -> whole milliseconds (leases are capped at a day, so they fit the uint32 fields)."""
+    return max(0, round(seconds * 1000))
+
+
+def session_lease_to_pb(lease: SessionLease) -> pb.OpenSessionResponse:
+    return pb.OpenSessionResponse(session_id=lease.session_id, lease_ttl_ms=ms(lease.ttl_s),
+                                  instance_id=lease.instance_id)
+
+
+def list_caches_to_pb(sessions: list[SessionListing], kv: KvUsage) -> pb.ListCachesResponse:
+    return pb.ListCachesResponse(kv=kv_usage_to_pb(kv), sessions=[
+        pb.SessionInfo(session_id=s.session_id, client_name=s.client_name, expires_in_ms=ms(s.expires_in_s),
+                       caches=[pb.CacheInfo(cache_id=c.cache_id, seq_len=c.seq_len, adapter=c.adapter,
+                                            age_ms=ms(c.age_s), blocks=c.blocks) for c in s.caches])
+        for s in sessions])

@@ -31,6 +31,9 @@ class ExecutorConfig:
     adapters: tuple[tuple[str, Path], ...] = ()
     max_adapters_on_device: int = 8
     max_lora_rank: int = 64
+    # Lease of every client session (and of the anonymous one): its caches are released once no call named
+    # it for this long (executor_service/sessions.py).
+    session_ttl_s: float = 30.0
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

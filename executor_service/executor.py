@@ -4,26 +4,35 @@ Its operations descend from the reference `ModelExecutor` trait (prefill, decode
 unified_decode, forward_verify, truncate_kv, release_cache). Every operation validates its whole
 request before touching state, runs under one model lock, and leaves the cache table as it found it
 on any error.
+
+Every cache belongs to a session (sessions.py); an operation sees only its session's caches (`session=""`,
+the default, is the anonymous session, so direct callers need no sessions). Locking: operations that
+change caches or run the model hold the model lock (op_lock.py), control operations (release, truncate,
+close, reap, unload) ahead of queued model calls; reads (info, kv_usage, list_caches, list_adapters,
+metrics, keep_alive, open_session) take only the short locks of what they read and never wait for a
+model call.
 """
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager
+import uuid
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 
 from executor_service.adapters import AdapterRegistry
 from executor_service.batch import BatchItem, BatchRunner
-from executor_service.cache_table import CacheState, CacheTable
+from executor_service.cache_table import CacheState, CacheStore, CacheTable
 from executor_service.config import ExecutorConfig, kv_block_count
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
+from executor_service.op_lock import OpLock
 from executor_service.request_validation import PlannedItem, RequestValidator
-from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
-                                    OutputOptions, PrefillResult, SequenceOutput, UnifiedItem, UnifiedResult,
-                                    VerifyResult)
+from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
+from executor_service.types import (AdapterInfo, CacheListing, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
+                                    OutputOptions, PrefillResult, SequenceOutput, SessionLease, SessionListing,
+                                    UnifiedItem, UnifiedResult, VerifyResult)
 from models.config import read_generation_defaults
 from tandem.errors import AdapterInUse, CacheStateConflict, InvalidRequest, KvCapacityExceeded, PositionMismatch
 from models.kv_cache import PagedKvCache
@@ -42,8 +51,10 @@ class Executor:
     (request_validation.py), the cache table (cache_table.py), the batch run (batch.py), adapters
     (adapters.py), metrics (metrics.py)."""
 
-    def __init__(self, config: ExecutorConfig) -> None:
+    def __init__(self, config: ExecutorConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        """clock: monotonic seconds for leases and cache ages (tests pass a fake one)."""
         self.config = config
+        self.instance_id = uuid.uuid4().hex  # a restart is visible to clients as a new id
         self.device = config.resolve_device()
         self.model = load_model(config.model_dir, self.device, config.dtype, progress=config.progress)
         # CPU float32: oneDNN-packed copies of the linear weights for decode-sized calls. Before the KV pool
@@ -65,17 +76,19 @@ class Executor:
         for name, path in config.adapters:  # the operator's preloads (allowed without a root)
             self.adapters.load(name, path, trusted=True)
         self.metrics = ExecutorMetrics()
-        self._caches = CacheTable()
+        self.sessions = SessionRegistry(config.session_ttl_s, clock)
+        self._store = CacheStore(clock)
+        self._scope: CacheTable | None = None  # the session view of the operation in progress
         self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters)
-        self._lock = threading.Lock()
+        self._lock = OpLock()
 
     # ----------------------------------------------------------------- operations
     def prefill(self, token_ids: Sequence[int], cache_id: str | None = None,
                 sampling: SamplingParams = SamplingParams(), output: OutputOptions = OutputOptions(),
-                adapter: str = "") -> PrefillResult:
+                adapter: str = "", session: str = ANONYMOUS) -> PrefillResult:
         """Runs a prompt (or the next chunk of one, when cache_id names an existing cache) and samples the
         token that follows it. The sampled token is not written to the cache: feed it to decode."""
-        with self._op("prefill"):
+        with self._op("prefill", session):
             pos = 0
             if cache_id:
                 state = self._caches.get(cache_id)
@@ -88,16 +101,17 @@ class Executor:
             self._caches[result.cache.cache_id].prompt_len = result.cache.seq_len  # every Prefill chunk is prompt
             return PrefillResult(result.cache, result.output)
 
-    def unified_decode(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
+    def unified_decode(self, items: Sequence[UnifiedItem], session: str = ANONYMOUS) -> list[UnifiedResult]:
         """One packed forward over a mix of prefill chunks and decodes; output for final chunks only."""
-        with self._op("unified_decode"):
+        with self._op("unified_decode", session):
             return self._run(items)
 
-    def decode(self, items: Sequence[DecodeItem], num_steps: int = 1) -> list[DecodeResult]:
+    def decode(self, items: Sequence[DecodeItem], num_steps: int = 1,
+               session: str = ANONYMOUS) -> list[DecodeResult]:
         """Feeds each item's token at its cache's position and samples the next, num_steps times, feeding
         each sampled token back. An item stops early at one of its stop tokens or at the model's length
         limit; if the KV pool fills after the first step, every item stops there (partial results)."""
-        with self._op("decode"):
+        with self._op("decode", session):
             steps = max(1, num_steps)
             if steps > MAX_DECODE_STEPS:
                 raise InvalidRequest(f"num_steps must be <= {MAX_DECODE_STEPS}, got {num_steps}")
@@ -137,11 +151,11 @@ class Executor:
             return [DecodeResult(self._caches.ref(it.cache.cache_id), out) for it, out in zip(items, outputs)]
 
     def forward_verify(self, cache: CacheRef, token_ids: Sequence[int], output: OutputOptions = OutputOptions(),
-                       adapter: str = "") -> VerifyResult:
+                       adapter: str = "", session: str = ANONYMOUS) -> VerifyResult:
         """Writes N+1 tokens at the cache's position in one forward and returns, for every one of them, the
         greedy prediction of the token after it (and/or its logits). Truncate afterwards to keep only the
         accepted prefix."""
-        with self._op("forward_verify"):
+        with self._op("forward_verify", session):
             item = UnifiedItem(tuple(token_ids), cache.cache_id, cache.seq_len, True, SamplingParams(), output,
                                adapter)
             (planned,) = self._validator.batch([item], self._caches)
@@ -152,9 +166,9 @@ class Executor:
             positions = outputs[0] or []
             return VerifyResult(self._caches.ref(cache.cache_id), positions)
 
-    def truncate_cache(self, cache_id: str, new_len: int) -> CacheRef:
+    def truncate_cache(self, cache_id: str, new_len: int, session: str = ANONYMOUS) -> CacheRef:
         """Rolls a cache back to its first new_len tokens (speculative decoding rejects), freeing whole blocks."""
-        with self._op("truncate_cache"):
+        with self._op("truncate_cache", session, control=True):
             state = self._caches.get(cache_id)
             if new_len < 0 or new_len > state.table.length:
                 raise PositionMismatch(
@@ -163,9 +177,10 @@ class Executor:
             state.truncate(new_len)
             return self._caches.ref(cache_id)
 
-    def release_cache(self, cache_ids: Sequence[str]) -> tuple[int, list[str]]:
-        """Frees every named cache. Idempotent: unknown ids are returned, not an error."""
-        with self._op("release_cache"):
+    def release_cache(self, cache_ids: Sequence[str], session: str = ANONYMOUS) -> tuple[int, list[str]]:
+        """Frees every named cache of the session. Idempotent: unknown ids (another session's included) are
+        returned, not an error."""
+        with self._op("release_cache", session, control=True):
             released, unknown = 0, []
             for cid in cache_ids:
                 state = self._caches.pop(cid)
@@ -184,9 +199,9 @@ class Executor:
             return self._adapter_info(name)
 
     def unload_adapter(self, name: str) -> None:
-        with self._op("unload_adapter"):
+        with self._op("unload_adapter", control=True):
             self.adapters.get(name)
-            users = self._caches.adapter_users().get(name, 0)
+            users = self._store.adapter_users().get(name, 0)
             if users:
                 raise AdapterInUse(f"adapter {name!r} is used by {users} live caches; release them first "
                                    "(unloading never cuts a sequence short)")
@@ -194,11 +209,55 @@ class Executor:
             self.runner.lora_stacks.clear()
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return self.adapters.infos(self._caches.adapter_users())
+        """Under the adapter registry's and the cache store's own locks: never waits for a model call."""
+        return self.adapters.infos(self._store.adapter_users())
 
     def kv_usage(self) -> KvUsage:
         u = self.kv.usage()
-        return KvUsage(u.block_size, u.total_blocks, u.free_blocks, len(self._caches))
+        return KvUsage(u.block_size, u.total_blocks, u.free_blocks, len(self._store))
+
+    # ----------------------------------------------------------------- sessions
+    def open_session(self, client_name: str = "") -> SessionLease:
+        session = self.sessions.open(client_name)
+        return SessionLease(session.session_id, self.sessions.ttl_s, self.instance_id)
+
+    def keep_alive(self, session_id: str) -> tuple[float, int]:
+        """Renews the lease; returns (seconds until it ends unless renewed, caches the session holds)."""
+        self.sessions.renew(session_id)
+        return self.sessions.ttl_s, len(self._store.owned(session_id))
+
+    def close_session(self, session_id: str) -> int:
+        """Forgets the session and releases its caches (after the call in progress, which may be creating
+        some); returns how many. Idempotent: an unknown session releases nothing."""
+        with self._op("close_session", control=True):
+            session = self.sessions.close(session_id)
+            return self._release_session(session) if session is not None else 0
+
+    def reap_lapsed(self) -> int:
+        """Releases the caches of every session whose lease lapsed (the server's reaper calls this every
+        TTL/4; in-process users call it when they want leases enforced). Returns the caches released."""
+        with self._op("reap_sessions", control=True):
+            return sum(self._release_session(s) for s in self.sessions.take_lapsed())
+
+    def hold_session(self, session_id: str) -> ContextManager[Session]:
+        """Keeps a session from lapsing while a call of it waits for the model thread (the servicer's)."""
+        return self.sessions.pinned(session_id)
+
+    def list_caches(self, session_id: str | None = None) -> list[SessionListing]:
+        """Sessions (oldest first) with their caches (oldest first); one session, or every session (None:
+        the anonymous one only when it holds caches). Renews nothing."""
+        if session_id is not None:
+            self.sessions.find(session_id)  # SessionNotFound
+        now = self.sessions.clock()
+        listing = []
+        for s, expires_in in self.sessions.listing():
+            if session_id is not None and s.session_id != session_id:
+                continue
+            caches = [CacheListing(cid, st.table.length, st.adapter, max(0.0, now - st.created), len(st.table.blocks))
+                      for cid, st in self._store.owned(s.session_id)]
+            if caches or s.session_id != ANONYMOUS or session_id is not None:
+                listing.append(SessionListing(s.session_id, s.client_name, expires_in, caches))
+        return listing
 
     def info(self) -> ExecutorInfo:
         cfg = self.model_config
@@ -208,7 +267,8 @@ class Executor:
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             max_seq_len=cfg.max_position_embeddings, dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
             device=str(self.device), eos_token_ids=self.generation.eos_token_ids,
-            bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(),
+            bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(), instance_id=self.instance_id,
+            max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
             max_batch_tokens=self.config.max_batch_tokens, capabilities=CAPABILITIES, adapters=self.adapters.names(),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)))
@@ -220,20 +280,39 @@ class Executor:
     def metrics_snapshot(self) -> MetricsSnapshot:
         return self.metrics.snapshot()
 
-    def cache_length(self, cache_id: str) -> int:
-        return self._caches.get(cache_id).table.length
+    def cache_length(self, cache_id: str, session: str = ANONYMOUS) -> int:
+        return self._store.view(session).get(cache_id).table.length
 
     # ----------------------------------------------------------------- internals
+    @property
+    def _caches(self) -> CacheTable:
+        """The caches the operation in progress may address: its session's (outside an operation, the
+        anonymous session's). Set by _op under the model lock, so exactly one operation uses it at a time."""
+        return self._scope if self._scope is not None else self._store.view(ANONYMOUS)
+
     @contextmanager
-    def _op(self, name: str) -> Iterator[None]:
+    def _op(self, name: str, session: str | None = None, control: bool = False) -> Iterator[None]:
+        """Holds the model lock for one operation (control ones ahead of queued model calls). With a session:
+        SessionNotFound unless it is live; the operation sees only its caches, and the lease is held for the
+        operation's duration and renewed at its end."""
         start = time.perf_counter()
-        self._lock.acquire()
-        waited = time.perf_counter() - start
-        try:
-            yield
-        finally:
-            self._lock.release()
-            self.metrics.record_op(name, time.perf_counter() - start, waited)
+        with (self.sessions.pinned(session) if session is not None else nullcontext()), self._lock.hold(control):
+            waited = time.perf_counter() - start
+            try:
+                if session is not None:
+                    self.sessions.find(session)  # closed while this call waited for the lock: NOT_FOUND
+                    self._scope = self._store.view(session)
+                yield
+            finally:
+                self._scope = None
+                self.metrics.record_op(name, time.perf_counter() - start, waited)
+
+    def _release_session(self, session: Session) -> int:
+        """Frees every cache of a session (under the model lock: no call can be extending them)."""
+        states = self._store.pop_session(session.session_id)
+        for state in states:
+            self.kv.release(state.table)
+        return len(states)
 
     def _run(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
         planned = self._validator.batch(items, self._caches)

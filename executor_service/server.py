@@ -1,4 +1,5 @@
-"""The executor's gRPC server: ExecutorService + grpc.health.v1 + reflection, readiness, clean shutdown."""
+"""The executor's gRPC server: ExecutorService + grpc.health.v1 + reflection, readiness, the lease reaper,
+clean shutdown."""
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,9 @@ from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
 from tandem.grpc_setup import add_health_reflection_and_ports
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
-from executor_service.model_thread import ModelThread
+from executor_service.model_thread import DEFAULT_MAX_QUEUED, ModelThread
 from executor_service.servicer import ExecutorServicer
+from executor_service.sessions import LeaseReaper, check_ttl
 from tandem.executor.v1 import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("tandem.executor")
@@ -30,7 +32,11 @@ class ServerConfig:
     port: int = 50051  # 0 = any free port (printed when ready)
     uds: str | None = None  # also (or only, with port -1) listen on this Unix socket path
     max_message_mb: int = 64  # request and response size limit: logits of 64 rows x 152k vocab fit
-    workers: int = 16  # RPC threads; model calls still run one at a time (the executor's lock)
+    # RPC threads kept for calls that do not run the model (info, health, listings, release, sessions); the
+    # pool also has one thread per model call allowed in flight (running + queued), so however many model
+    # calls are waiting, these calls always find a free thread.
+    workers: int = 16
+    max_queued_calls: int = DEFAULT_MAX_QUEUED  # model calls that may wait behind the running one
     grace_s: float = 30.0  # on SIGTERM/SIGINT: time in-flight RPCs get to finish
     threads: int | None = None  # torch CPU threads of the model thread (None: torch's default)
 
@@ -39,7 +45,7 @@ def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetr
                  health_servicer: health.HealthServicer) -> tuple[grpc.Server, list[str]]:
     limit = cfg.max_message_mb * 1024 * 1024
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=cfg.workers + cfg.max_queued_calls + 1, thread_name_prefix="rpc"),
         interceptors=[ErrorMappingInterceptor(metrics)],
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                  ("grpc.so_reuseport", 0)])
@@ -57,8 +63,9 @@ def _load_and_warm(executor_cfg: ExecutorConfig) -> Executor:
 def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     """Listens at once (health NOT_SERVING, RPCs UNAVAILABLE), loads and warms up the model, then turns
     SERVING. Blocks until SIGTERM/SIGINT, then drains in-flight RPCs and returns 0."""
+    check_ttl(executor_cfg.session_ttl_s)
     metrics = RpcMetrics()
-    thread = ModelThread()
+    thread = ModelThread(cfg.max_queued_calls)
     servicer = ExecutorServicer(metrics, thread)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
@@ -75,12 +82,14 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
         thread.call(torch.set_num_threads, cfg.threads)
     executor = thread.call(_load_and_warm, executor_cfg)
     servicer.attach(executor)
+    reaper = LeaseReaper(executor.reap_lapsed, executor_cfg.session_ttl_s / 4)
+    reaper.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     info = executor.info()
-    log.info("ready in %.1fs: %s (%s, %s on %s), KV %d blocks x %d tokens; serving on %s",
-             time.perf_counter() - start, info.model_id, info.architecture, info.dtype, info.device,
-             info.kv.total_blocks, info.kv.block_size, ", ".join(addresses))
+    log.info("ready in %.1fs: %s (%s, %s on %s), KV %d blocks x %d tokens, session lease %.1fs; instance %s "
+             "serving on %s", time.perf_counter() - start, info.model_id, info.architecture, info.dtype, info.device,
+             info.kv.total_blocks, info.kv.block_size, info.session_ttl_s, info.instance_id, ", ".join(addresses))
     print(f"READY {' '.join(addresses)}", flush=True)  # a line scripts can wait for
 
     stop.wait()
@@ -88,6 +97,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     servicer.drain()
     health_servicer.enter_graceful_shutdown()
     server.stop(cfg.grace_s).wait()
+    reaper.stop()
     thread.shutdown()
     log.info("stopped")
     return 0

@@ -21,10 +21,16 @@ from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 def _on_model_thread(handler: Callable) -> Callable:
     """Runs the whole handler (proto conversion included: logits encoding touches torch) on the model
     thread; see executor_service/model_thread.py for why. Only RPCs that run the model use it: info,
-    metrics, truncate and release do no tensor math and must not queue behind a long Decode."""
+    metrics, listings, sessions, truncate and release do no tensor math and must not queue behind a long
+    Decode. The call's session (if the request names one) is held from arrival: it cannot lapse while the
+    call waits in the queue (and an unknown session is NOT_FOUND before queueing)."""
     @functools.wraps(handler)
     def wrapper(self: "ExecutorServicer", request, context):
-        return self._thread.call(handler, self, request, context)
+        session_id = getattr(request, "session_id", None)  # LoadAdapter has none
+        if session_id is None:
+            return self._thread.call(handler, self, request, context)
+        with self.ex.hold_session(session_id):
+            return self._thread.call(handler, self, request, context)
     return wrapper
 
 
@@ -58,7 +64,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         ex = self.ex  # once per RPC: a drain that starts mid-call must not fail the work already done
         output, dtype = codec.output_from_pb(request.output)
         res = ex.prefill(list(request.token_ids), request.cache_id or None,
-                         codec.sampling_from_pb(request.sampling), output, request.adapter)
+                         codec.sampling_from_pb(request.sampling), output, request.adapter, request.session_id)
         return pb.PrefillResponse(cache=codec.cache_to_pb(res.cache),
                                   output=codec.sequence_output_to_pb(res.output, dtype),
                                   cached_tokens=res.cached_tokens, kv=codec.kv_usage_to_pb(ex.kv_usage()))
@@ -67,14 +73,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def Decode(self, request, context):
         ex = self.ex
         items = [codec.decode_item_from_pb(i) for i in request.items]
-        results = ex.decode([item for item, _ in items], request.num_steps)
+        results = ex.decode([item for item, _ in items], request.num_steps, request.session_id)
         return codec.decode_response_to_pb(results, [dtype for _, dtype in items], ex.kv_usage())
 
     @_on_model_thread
     def UnifiedDecode(self, request, context):
         ex = self.ex
         items = [codec.unified_item_from_pb(i) for i in request.items]
-        results = ex.unified_decode([item for item, _ in items])
+        results = ex.unified_decode([item for item, _ in items], request.session_id)
         return codec.unified_response_to_pb(results, [dtype for _, dtype in items], ex.kv_usage())
 
     @_on_model_thread
@@ -84,19 +90,19 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         ex = self.ex
         output, dtype = codec.output_from_pb(request.output)
         res = ex.forward_verify(CacheRef(request.cache.cache_id, request.cache.seq_len),
-                                list(request.token_ids), output, request.adapter)
+                                list(request.token_ids), output, request.adapter, request.session_id)
         return pb.ForwardVerifyResponse(cache=codec.cache_to_pb(res.cache),
                                         positions=[codec.sequence_output_to_pb(p, dtype) for p in res.positions],
                                         kv=codec.kv_usage_to_pb(ex.kv_usage()))
 
     def TruncateCache(self, request, context):
         ex = self.ex
-        ref = ex.truncate_cache(request.cache_id, request.new_len)
+        ref = ex.truncate_cache(request.cache_id, request.new_len, request.session_id)
         return pb.TruncateCacheResponse(cache=codec.cache_to_pb(ref), kv=codec.kv_usage_to_pb(ex.kv_usage()))
 
     def ReleaseCache(self, request, context):
         ex = self.ex
-        released, unknown = ex.release_cache(list(request.cache_ids))
+        released, unknown = ex.release_cache(list(request.cache_ids), request.session_id)
         return codec.release_response_to_pb(released, unknown, ex.kv_usage())
 
     def GetMetrics(self, request, context):
@@ -114,3 +120,19 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     def ListAdapters(self, request, context):
         return pb.ListAdaptersResponse(adapters=[codec.adapter_to_pb(a) for a in self.ex.list_adapters()])
+
+    def OpenSession(self, request, context):
+        return codec.session_lease_to_pb(self.ex.open_session(request.client_name))
+
+    def KeepAlive(self, request, context):
+        ttl_s, caches = self.ex.keep_alive(request.session_id)
+        return pb.KeepAliveResponse(lease_ttl_ms=codec.ms(ttl_s), caches=caches)
+
+    def CloseSession(self, request, context):
+        ex = self.ex
+        released = ex.close_session(request.session_id)
+        return pb.CloseSessionResponse(released=released, kv=codec.kv_usage_to_pb(ex.kv_usage()))
+
+    def ListCaches(self, request, context):
+        ex = self.ex
+        return codec.list_caches_to_pb(ex.list_caches(request.session_id or None), ex.kv_usage())

@@ -129,6 +129,35 @@ class ExecutorInfo:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_layers: tuple[int, ...] = ()
+    instance_id: str = ""  # random per executor process: a change means a restart (every cache is gone)
+    max_adapters_on_device: int = 0
+    session_ttl_s: float = 0.0  # the lease of every session
+
+
+@dataclass(frozen=True)
+class SessionLease:
+    """A session just opened."""
+
+    session_id: str
+    ttl_s: float
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class CacheListing:
+    cache_id: str
+    seq_len: int
+    adapter: str
+    age_s: float  # since it was created
+    blocks: int
+
+
+@dataclass(frozen=True)
+class SessionListing:
+    session_id: str  # "" = the anonymous session
+    client_name: str
+    expires_in_s: float  # until its lease ends unless renewed (0: lapsed, about to be reaped)
+    caches: list[CacheListing]  # oldest first
 
 
 @dataclass(frozen=True)

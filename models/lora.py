@@ -55,75 +55,83 @@ def _pattern_value(patterns: dict[str, float], module: str, default: float) -> f
     return default
 
 
-def _patterns(conf: dict, name: str, cfg_path: Path) -> dict[str, float]:
+def _patterns(conf: dict, name: str, cfg_name: str) -> dict[str, float]:
     patterns = conf.get(name) or {}
     if not isinstance(patterns, dict):
-        raise InvalidRequest(f"{cfg_path}: {name} must be an object of module pattern -> number")
+        raise InvalidRequest(f"{cfg_name}: {name} must be an object of module pattern -> number")
     for key, value in patterns.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise InvalidRequest(f"{cfg_path}: {name}[{key!r}] must be a positive number, got {value!r}")
+            raise InvalidRequest(f"{cfg_name}: {name}[{key!r}] must be a positive number, got {value!r}")
         try:
             re.compile(key)
         except re.error as exc:
-            raise InvalidRequest(f"{cfg_path}: {name} key {key!r} is not a valid regex: {exc}") from exc
+            raise InvalidRequest(f"{cfg_name}: {name} key {key!r} is not a valid regex: {exc}") from exc
     return patterns
 
 
-def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int) -> LoraWeights:
+def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int,
+                 label: str | None = None) -> LoraWeights:
     """Loads and validates a PEFT adapter directory against the base model; raises InvalidRequest naming the
-    file and the problem. Returns host (CPU) tensors in dtype."""
+    file and the problem. Returns host (CPU) tensors in dtype. label: how messages name the directory (the
+    path as the client gave it; default: path), so that a server never echoes resolved host paths."""
     cfg_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+    shown = str(path) if label is None else label
+    cfg_name, weights_name = f"{shown}/{CONFIG_FILE}", f"{shown}/{WEIGHTS_FILE}"
     if not cfg_path.is_file() or not weights_path.is_file():
-        raise InvalidRequest(f"{path} is not a PEFT adapter directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise InvalidRequest(f"{shown} is not a PEFT adapter directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
     try:
         conf = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"{cfg_path}: cannot read it as JSON: {exc}") from exc
+    except OSError as exc:
+        raise InvalidRequest(f"{cfg_name}: cannot read it: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{cfg_name}: cannot read it as JSON: {exc}") from exc
     if not isinstance(conf, dict):
-        raise InvalidRequest(f"{cfg_path}: expected a JSON object, got {type(conf).__name__}")
+        raise InvalidRequest(f"{cfg_name}: expected a JSON object, got {type(conf).__name__}")
     if str(conf.get("peft_type", "LORA")).upper() != "LORA":
-        raise InvalidRequest(f"{cfg_path}: peft_type {conf.get('peft_type')!r} is not LORA")
+        raise InvalidRequest(f"{cfg_name}: peft_type {conf.get('peft_type')!r} is not LORA")
     for key, why in (("modules_to_save", "trains whole extra modules"), ("use_dora", "needs DoRA magnitudes")):
         if conf.get(key):
-            raise InvalidRequest(f"{cfg_path}: {key} is set ({why}); Tandem serves plain LoRA adapters only")
+            raise InvalidRequest(f"{cfg_name}: {key} is set ({why}); Tandem serves plain LoRA adapters only")
     if conf.get("bias", "none") != "none":
-        raise InvalidRequest(f"{cfg_path}: bias={conf['bias']!r} (trained biases) is not supported; use bias='none'")
+        raise InvalidRequest(f"{cfg_name}: bias={conf['bias']!r} (trained biases) is not supported; use bias='none'")
     targets_conf = conf.get("target_modules")
     if isinstance(targets_conf, list):  # (a string is a regex over module names: checked by the tensors below)
         unknown = sorted(set(targets_conf) - set(PROJECTIONS))
         if unknown:
-            raise InvalidRequest(f"{cfg_path}: target_modules {unknown} are not supported; LoRA may target "
+            raise InvalidRequest(f"{cfg_name}: target_modules {unknown} are not supported; LoRA may target "
                                  f"{', '.join(PROJECTIONS)}")
     r_default = conf.get("r", 8)
     if not isinstance(r_default, int) or isinstance(r_default, bool) or r_default < 1:
-        raise InvalidRequest(f"{cfg_path}: r must be a positive integer, got {r_default!r}")
+        raise InvalidRequest(f"{cfg_name}: r must be a positive integer, got {r_default!r}")
     try:
         alpha = float(conf.get("lora_alpha", 8))
     except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"{cfg_path}: lora_alpha must be a number, got {conf.get('lora_alpha')!r}") from exc
+        raise InvalidRequest(f"{cfg_name}: lora_alpha must be a number, got {conf.get('lora_alpha')!r}") from exc
     rslora = bool(conf.get("use_rslora", False))
-    rank_pattern, alpha_pattern = _patterns(conf, "rank_pattern", cfg_path), _patterns(conf, "alpha_pattern", cfg_path)
+    rank_pattern, alpha_pattern = _patterns(conf, "rank_pattern", cfg_name), _patterns(conf, "alpha_pattern", cfg_name)
     raw: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             for key in f.keys():
                 m = _KEY.match(key)
                 if ".mlp.experts." in key or ".mlp.gate." in key:
-                    raise InvalidRequest(f"{weights_path}: tensor {key!r} adapts a mixture-of-experts layer (its "
+                    raise InvalidRequest(f"{weights_name}: tensor {key!r} adapts a mixture-of-experts layer (its "
                                          "experts or router); LoRA on experts is not supported: adapt the "
                                          "attention projections only")
                 if m is None or m.group(3) not in PROJECTIONS:
-                    raise InvalidRequest(f"{weights_path}: tensor {key!r} is not a LoRA A/B weight of "
+                    raise InvalidRequest(f"{weights_name}: tensor {key!r} is not a LoRA A/B weight of "
                                          f"{'/'.join(PROJECTIONS)} (embedding or LM-head adapters are not supported)")
                 raw.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = f.get_tensor(key)
-    except (SafetensorError, OSError) as exc:
-        raise InvalidRequest(f"{weights_path}: cannot read it as safetensors: {exc}") from exc
+    except OSError as exc:  # its str() names the resolved file
+        raise InvalidRequest(f"{weights_name}: cannot read it: {exc.strerror}") from exc
+    except SafetensorError as exc:
+        raise InvalidRequest(f"{weights_name}: cannot read it as safetensors: {exc}") from exc
     if not raw:
-        raise InvalidRequest(f"{weights_path}: holds no LoRA weights")
+        raise InvalidRequest(f"{weights_name}: holds no LoRA weights")
     scaled: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     rank = 0
     for (layer, proj), ab in sorted(raw.items()):
-        where = f"{weights_path}: layer {layer} {proj}"
+        where = f"{weights_name}: layer {layer} {proj}"
         if layer >= cfg.num_layers:
             raise InvalidRequest(f"{where}: the base model has only {cfg.num_layers} layers")
         if cfg.is_moe_layer(layer) and SLOT_OF[proj] in ("gate", "up", "down"):

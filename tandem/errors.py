@@ -18,8 +18,18 @@ class CacheNotFound(TandemError):
     """A cache id that the executor does not hold (never created, or already released)."""
 
     def __init__(self, cache_id: str) -> None:
-        super().__init__(f"unknown cache id {cache_id!r}: it was never created or has been released")
+        super().__init__(f"unknown cache id {cache_id!r}: it was never created or has been released (a cache "
+                         "is visible only to its own session, and goes when that session closes or its lease lapses)")
         self.cache_id = cache_id
+
+
+class SessionNotFound(TandemError):
+    """A session id the executor does not hold (never opened, closed, or reaped after its lease lapsed)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} is unknown or expired; open a new one (OpenSession): the caches "
+                         "of an expired session are gone")
+        self.session_id = session_id
 
 
 class PositionMismatch(TandemError):
@@ -49,6 +59,10 @@ class KvCapacityExceeded(CapacityExceeded):
         self.needed_blocks = needed_blocks
         self.free_blocks = free_blocks
         self.total_blocks = total_blocks
+
+
+class QueueFull(CapacityExceeded):
+    """Too many calls are already waiting for the model; nothing was done. Retry later."""
 
 
 class Unavailable(TandemError):

@@ -6,12 +6,13 @@ import grpc
 
 from tandem.errors import (AdapterInUse, AdapterNotFound, CacheNotFound, CacheStateConflict, CapacityExceeded,
                            CheckpointError, InvalidRequest, PermissionDenied, PositionMismatch, RemoteError,
-                           SequenceTooLong, TandemError, Unavailable, Unsupported)
+                           SequenceTooLong, SessionNotFound, TandemError, Unavailable, Unsupported)
 
 STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     CacheNotFound: grpc.StatusCode.NOT_FOUND,
     AdapterNotFound: grpc.StatusCode.NOT_FOUND,
+    SessionNotFound: grpc.StatusCode.NOT_FOUND,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     AdapterInUse: grpc.StatusCode.FAILED_PRECONDITION,
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,

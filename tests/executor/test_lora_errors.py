@@ -3,6 +3,7 @@ state raise typed errors with the right gRPC code, leave the executor exactly as
 counters, KV) and it keeps serving. Plus the same codes over a real gRPC server."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from contextlib import contextmanager
@@ -282,6 +283,41 @@ def test_file_symlinked_out_of_root(ex, env):
         ex.load_adapter("x", d)
 
 
+def _host_dir(env: Env) -> str:
+    """The temp directory holding the root and the outside adapter: no message may name it unless the
+    client's own path did."""
+    return os.path.commonpath([env.root.resolve(), env.outside.resolve()])
+
+
+@pytest.mark.parametrize("case", [*PATH_CASES, "symlink-abs", "symlink-rel", "file-symlink", "bad-file"])
+def test_messages_name_paths_as_given_never_resolved(ex, env, case):
+    """PERMISSION_DENIED (and INVALID_ARGUMENT for a bad file) name the path as the client gave it, relative
+    to the root when under it; never the resolved host path, nor the root's location."""
+    link = env.root / "link-out"
+    if not link.exists():
+        link.symlink_to(env.outside, target_is_directory=True)
+    half = env.root / "half-link-msg"
+    if not half.exists():
+        half.mkdir()
+        shutil.copy(env.outside / "adapter_config.json", half / "adapter_config.json")
+        (half / "adapter_model.safetensors").symlink_to(env.outside / "adapter_model.safetensors")
+    if case == "bad-file":
+        bad = env.copy_good("msg-bad")
+        _truncate_weights(bad)
+        given, cls, shown = str(bad), InvalidRequest, bad.name  # absolute under the root: shown relative
+    else:
+        given = {"symlink-abs": str(link), "symlink-rel": "link-out", "file-symlink": str(half)}.get(case) \
+            or PATH_CASES[case](env)
+        cls = PermissionDenied
+        shown = str(Path(given).relative_to(env.root)) if Path(given).is_relative_to(env.root) else given
+    with pytest.raises(cls) as err:
+        ex.load_adapter("x", given)
+    msg = str(err.value)
+    assert repr(shown) in msg or msg.startswith(shown + "/"), msg
+    assert _host_dir(env) not in msg.replace(given, ""), msg
+    assert str(env.outside.resolve()) not in msg.replace(given, ""), msg
+
+
 def test_no_root_configured(env):
     ex = make_executor(env.base, kv_blocks=12)
     assert ex.list_adapters() == []
@@ -554,6 +590,9 @@ def test_grpc_adapter_rpcs(server, env):
         == Code.PERMISSION_DENIED
     dotdot = str(Path("..") / env.outside.parent.name / env.outside.name)
     assert rpc_code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="x", path=dotdot))) == Code.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as err:
+        stub.LoadAdapter(pb.LoadAdapterRequest(name="x", path=dotdot))
+    assert repr(dotdot) in err.value.details() and _host_dir(env) not in err.value.details()
     assert rpc_code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="bad name", path="other"))) \
         == Code.INVALID_ARGUMENT
     bad = env.copy_good("grpc-bad")
