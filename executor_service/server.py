@@ -59,7 +59,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     SERVING. Blocks until SIGTERM/SIGINT, then drains in-flight RPCs and returns 0."""
     metrics = RpcMetrics()
     thread = ModelThread()
-    servicer = ExecutorServicer(metrics, thread)
+    servicer = ExecutorServicer(metrics, thread, max_reply_bytes=cfg.max_message_mb * 1024 * 1024)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
