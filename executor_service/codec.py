@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from executor_service.metrics import LatencySummary, MetricsSnapshot
+from executor_service.request_validation import name_item, renumber_item
 from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, OutputMode,
                                     OutputOptions, SequenceOutput, UnifiedItem, UnifiedResult)
 from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported)
@@ -17,7 +18,7 @@ from tandem.kv_usage import KvUsage
 from tandem.status_map import status_for
 
 T = TypeVar("T")
-R = TypeVar("R")
+R = TypeVar("R", UnifiedResult, DecodeResult)
 M = TypeVar("M")
 
 _MODES = {
@@ -96,7 +97,16 @@ class ParsedItems(Generic[M, T]):
         those that did not convert. When none converted, call is not made (unless the request had no items:
         the call's own error then)."""
         results = iter(call(self.items) if self.items or not self.messages else [])
-        return [next(results) if e is None else failed(m, e) for m, e in zip(self.messages, self.errors)]
+        out = []
+        for n, (m, e) in enumerate(zip(self.messages, self.errors)):
+            if e is not None:
+                out.append(failed(m, e))
+                continue
+            r = next(results)
+            if r.error is not None:  # the executor numbered the converted items only: name the request's
+                renumber_item(r.error, n)
+            out.append(r)
+        return out
 
 
 def items_from_pb(messages: Sequence[M], convert: Callable[[M], tuple[T, int]]) -> ParsedItems[M, T]:
@@ -105,7 +115,7 @@ def items_from_pb(messages: Sequence[M], convert: Callable[[M], tuple[T, int]]) 
         try:
             item, dtype = convert(m)
         except TandemError as exc:
-            exc.args = (f"item {n}: {exc}",) + exc.args[1:]
+            name_item(exc, n)
             parsed.dtypes.append(pb.LOGITS_DTYPE_FLOAT32)
             parsed.errors.append(exc)
             continue

@@ -21,7 +21,7 @@ from executor_service.batch import BatchItem, BatchRunner
 from executor_service.cache_table import CacheState, CacheTable
 from executor_service.config import ExecutorConfig, kv_block_count
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
-from executor_service.request_validation import PlannedItem, RequestValidator
+from executor_service.request_validation import PlannedItem, RequestValidator, name_item
 from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
                                     OutputOptions, PrefillResult, SequenceOutput, UnifiedItem, UnifiedResult,
                                     VerifyResult)
@@ -117,8 +117,8 @@ class Executor:
             errors: list[TandemError | None] = [None] * len(items)
             for n, it in enumerate(items):
                 if steps > 1 and not it.output.wants_tokens:
-                    errors[n] = InvalidRequest(f"item {n}: num_steps > 1 feeds sampled tokens back: output mode "
-                                               "must include tokens")
+                    errors[n] = name_item(InvalidRequest("num_steps > 1 feeds sampled tokens back: output mode "
+                                                         "must include tokens"), n, it.cache.cache_id)
             # Before the first step: what to put back if a later step fails.
             before = {n: self._caches[it.cache.cache_id].snapshot() for n, it in enumerate(items)
                       if it.cache.cache_id in self._caches}

@@ -53,5 +53,5 @@ def check_reply_size(method: str, request: Message, vocab_size: int, limit_bytes
     if size > limit_bytes:
         raise ReplyTooLarge(
             f"the reply to this {method} could take {size / 2**20:.1f} MiB, over this executor's "
-            f"{limit_bytes / 2**20:.0f} MiB message limit (--max-message-mb); nothing was run: send fewer items, "
+            f"{limit_bytes / 2**20:g} MiB message limit (--max-message-mb); nothing was run: send fewer items, "
             "steps (num_steps) or logits rows per call, or ask for bfloat16 logits (output.logits_dtype)")

@@ -54,7 +54,7 @@ class RequestValidator:
                     adapters.append(it.adapter)
                 planned.append(p)
             except TandemError as exc:
-                planned.append(_naming(exc, f"item {n}" + (f" (cache {it.cache_id!r})" if it.cache_id else "")))
+                planned.append(name_item(exc, n, it.cache_id))
         return planned
 
     def check_call(self, items: Sequence[UnifiedItem]) -> None:
@@ -105,7 +105,19 @@ class RequestValidator:
         return PlannedItem(it, state, sampling)
 
 
-def _naming(exc: TandemError, where: str) -> TandemError:
-    """The same error, its message prefixed with the item it belongs to (the type, hence the status, kept)."""
-    exc.args = (f"{where}: {exc}",) + exc.args[1:]
+def name_item(exc: TandemError, n: int, cache_id: str | None = None) -> TandemError:
+    """The same error (type, hence status, kept), its message prefixed with the item it belongs to. A caller
+    that numbers items differently (the gRPC codec, which leaves out items that failed to convert) renames it
+    with renumber_item."""
+    exc.item_detail = (cache_id, str(exc))  # type: ignore[attr-defined]
+    exc.args = (f"item {n}" + (f" (cache {cache_id!r})" if cache_id else "") + f": {exc}",) + exc.args[1:]
+    return exc
+
+
+def renumber_item(exc: TandemError, n: int) -> TandemError:
+    """An error named by name_item, named item n instead (others unchanged)."""
+    detail = getattr(exc, "item_detail", None)
+    if detail is not None:
+        cache_id, message = detail
+        exc.args = (f"item {n}" + (f" (cache {cache_id!r})" if cache_id else "") + f": {message}",) + exc.args[1:]
     return exc
