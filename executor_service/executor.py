@@ -116,7 +116,10 @@ class Executor:
             self._validator.check_call([UnifiedItem((it.token_id,)) for it in items])
             errors: list[TandemError | None] = [None] * len(items)
             for n, it in enumerate(items):
-                if steps > 1 and not it.output.wants_tokens:
+                if not it.cache.cache_id:  # a Decode extends caches; it never creates one
+                    errors[n] = name_item(InvalidRequest("a decode item needs the cache_id of an existing cache "
+                                                         "(prefill first)"), n)
+                elif steps > 1 and not it.output.wants_tokens:
                     errors[n] = name_item(InvalidRequest("num_steps > 1 feeds sampled tokens back: output mode "
                                                          "must include tokens"), n, it.cache.cache_id)
             # Before the first step: what to put back if a later step fails.
