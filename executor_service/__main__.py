@@ -35,8 +35,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     ap.add_argument("--max-batch-tokens", type=int, default=8192,
                     help="most tokens one call may carry, all items together (default 8192)")
+    ap.add_argument("--max-attention-elements", type=int,
+                    help="bound on one call's attention workspace, per query head: rows x padded query length x "
+                         "longest context of a bucket; a batch over it is split into buckets of similar context "
+                         "lengths (same results). Default: 64 x --max-batch-tokens; 0 = no bound")
     ap.add_argument("--max-message-mb", type=int, default=64,
-                    help="gRPC request/response size limit in MiB (default 64)")
+                    help="gRPC request/response size limit in MiB (default 64); a model call whose reply would "
+                         "exceed it is refused before it runs (RESOURCE_EXHAUSTED)")
     ap.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                     help="preload a PEFT LoRA adapter directory under NAME (repeatable; inside --adapter-root when "
                          "one is given)")
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     executor_cfg = ExecutorConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                                   kv_blocks=args.kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
                                   block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+                                  max_attention_elements=args.max_attention_elements,
                                   progress=True, cpu_packed_weights=not args.no_cpu_packed_weights,
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,

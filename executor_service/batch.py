@@ -1,4 +1,5 @@
-"""One packed forward for a validated batch: reserve KV, run the model, sample, update the caches."""
+"""One packed forward for a validated batch: reserve KV, run the model, record the tokens, sample. A failure at
+any point after the reservation (model, sampler, device out of memory) puts every cache back as it was."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from executor_service.cache_table import CacheState
+from executor_service.cache_table import CacheSnapshot, CacheState
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention import AttentionMetadata, ItemLayout
 from models.kv_cache import PagedKvCache
@@ -14,44 +15,65 @@ from models.lora import LoraWeights
 from models.lora_batch import LoraBatch, LoraStacks
 from models.sampler import Sampler, SamplingRow
 from models.transformer import DecoderModel
+from tandem.errors import DeviceOutOfMemory
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass
 class BatchItem:
     item: UnifiedItem
     state: CacheState
+    sampling: SamplingParams  # what the item samples with: its own, else the cache's registered ones
 
 
 class BatchRunner:
-    def __init__(self, model: DecoderModel, kv: PagedKvCache) -> None:
+    def __init__(self, model: DecoderModel, kv: PagedKvCache, max_attention_elements: int | None = None) -> None:
         self.model = model
         self.kv = kv
         self.device = model.lm_head.weight.device
         self.group = model.config.num_heads // model.config.num_kv_heads
         self.sampler = Sampler(model.config.vocab_size)
         self.lora_stacks = LoraStacks()  # the executor clears it whenever adapters load, unload or move
+        self.max_attention_elements = max_attention_elements  # see models/attention.py (None: no split)
 
     def run(self, batch: list[BatchItem], all_positions: bool = False,
             adapters: Callable[[], dict[str, LoraWeights]] | None = None) -> list[list[SequenceOutput] | None]:
         """Per item: None for a non-final chunk, else one SequenceOutput per position asked for (the last
         position, or every position of the item when all_positions). adapters: called once the KV is
-        reserved (a refused batch moves no adapter), returns the device weights of the items' adapters."""
-        tables = [b.state.table for b in batch]
-        old_lengths = [t.length for t in tables]
-        self.kv.reserve([(t, t.length + len(b.item.token_ids)) for t, b in zip(tables, batch)])
+        reserved (a refused batch moves no adapter), returns the device weights of the items' adapters.
+        Raises KvCapacityExceeded before touching anything, DeviceOutOfMemory for a device OOM; on that or
+        any other error every cache is as it was (blocks, length, tokens, prompt end)."""
+        snapshots = [b.state.snapshot() for b in batch]
+        self.kv.reserve([(b.state.table, b.state.table.length + len(b.item.token_ids)) for b in batch])
         try:
             logits, rows_per_item = self._forward(batch, all_positions, adapters() if adapters else {})
+            self._commit(batch)  # before sampling: penalties and the RNG key read the new tokens
+            return self._outputs(batch, logits, rows_per_item)
+        except torch.cuda.OutOfMemoryError as exc:  # = torch.OutOfMemoryError (torch >= 2.5), on any device
+            self._restore(snapshots)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the failed call's cached blocks back before the next call
+            tokens = sum(len(b.item.token_ids) for b in batch)
+            raise DeviceOutOfMemory(
+                f"the device ran out of memory running a call of {len(batch)} items and {tokens} tokens; nothing "
+                "was written: send fewer items or tokens per call (or start the executor with a lower "
+                "--max-batch-tokens or --max-attention-elements)") from exc
         except BaseException:
-            for t, n in zip(tables, old_lengths):  # give back what reserve took; the cache is unchanged
-                self.kv.truncate(t, n)
+            self._restore(snapshots)
             raise
+
+    def _restore(self, snapshots: list[CacheSnapshot]) -> None:
+        for snap in snapshots:  # gives back what reserve took; each cache is as it was
+            snap.restore(self.kv)
+
+    @staticmethod
+    def _commit(batch: list[BatchItem]) -> None:
         for b in batch:
             b.state.table.length += len(b.item.token_ids)
             b.state.tokens.extend(b.item.token_ids)
             if b.item.is_final_chunk and b.state.prompt_len is None:
                 given = b.item.prompt_len
                 b.state.prompt_len = b.state.table.length if given is None else given
-        return self._outputs(batch, logits, rows_per_item)
 
     @torch.inference_mode()
     def _forward(self, batch: list[BatchItem], all_positions: bool,
@@ -74,7 +96,8 @@ class BatchRunner:
                 logit_rows.append(start + n - 1)
                 rows_per_item.append(1)
             start += n
-        meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype)
+        meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype,
+                                 self.max_attention_elements)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         lora = LoraBatch.build(spans, adapters, len(ids), self.device, self.lora_stacks)
@@ -92,7 +115,7 @@ class BatchRunner:
                 for k in range(count):
                     # Position of the token being predicted: after the k-th of this item's new tokens.
                     step = state.table.length - count + k + 1
-                    sampling.append(SamplingRow(b.item.sampling, state.tokens, state.num_output_tokens, step,
+                    sampling.append(SamplingRow(b.sampling, state.tokens, state.num_output_tokens, step,
                                                 b.item.output.top_logprobs))
                     sample_rows.append(row + k)
             row += count

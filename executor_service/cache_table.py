@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from executor_service.types import CacheRef
-from models.kv_cache import BlockTable
+from models.kv_cache import BlockTable, PagedKvCache
 from tandem.errors import CacheNotFound
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass
@@ -33,6 +34,9 @@ class CacheState:
     adapter: str = ""  # fixed at creation: the KV holds this adapter's k/v projections
     session: str = ""  # the owning session's id ("" = the anonymous session); set by CacheTable.add
     created: float = 0.0  # the store's clock (seconds) when it was added
+    # Registered with the cache: used by items that send no sampling parameters (set at creation, replaced
+    # by every item that sends some).
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     @classmethod
     def new(cls) -> "CacheState":
@@ -42,10 +46,30 @@ class CacheState:
     def num_output_tokens(self) -> int:
         return 0 if self.prompt_len is None else len(self.tokens) - self.prompt_len
 
+    def snapshot(self) -> "CacheSnapshot":
+        """What a call may change, to put back if it fails after changing it."""
+        return CacheSnapshot(self, self.table.length, len(self.tokens), self.prompt_len, self.sampling)
+
     def truncate(self, new_len: int) -> None:
         del self.tokens[new_len:]
         if self.prompt_len is not None and self.prompt_len > new_len:
             self.prompt_len = new_len
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    state: CacheState
+    length: int
+    num_tokens: int
+    prompt_len: int | None
+    sampling: SamplingParams
+
+    def restore(self, kv: PagedKvCache) -> None:
+        """Puts the cache back as it was: blocks past the old length freed, tokens, prompt end and sampling."""
+        kv.truncate(self.state.table, self.length)
+        del self.state.tokens[self.num_tokens:]
+        self.state.prompt_len = self.prompt_len
+        self.state.sampling = self.sampling
 
 
 class CacheStore:

@@ -1,17 +1,26 @@
 """Conversions between tandem.executor.v1 messages and the executor's domain objects."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Generic, Sequence, TypeVar
+
 import numpy as np
 import torch
 
 from executor_service.metrics import LatencySummary, MetricsSnapshot
+from executor_service.request_validation import name_item, renumber_item
 from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, OutputMode,
                                     OutputOptions, SequenceOutput, SessionLease, SessionListing, UnifiedItem,
                                     UnifiedResult)
 from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported)
-from tandem.errors import InvalidRequest
+from tandem.errors import InvalidRequest, TandemError
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.kv_usage import KvUsage
+from tandem.status_map import status_for
+
+T = TypeVar("T")
+R = TypeVar("R", UnifiedResult, DecodeResult)
+M = TypeVar("M")
 
 _MODES = {
     pb.OUTPUT_MODE_UNSPECIFIED: OutputMode.TOKENS,
@@ -67,10 +76,79 @@ def cache_to_pb(c: CacheRef) -> pb.CacheRef:
     return pb.CacheRef(cache_id=c.cache_id, seq_len=c.seq_len)
 
 
+def item_status_to_pb(error: TandemError | None) -> pb.ItemStatus:
+    """OK (code 0) for None, else the code the call would have had for this error alone, and its message."""
+    if error is None:
+        return pb.ItemStatus()
+    return pb.ItemStatus(code=status_for(error).value[0], message=str(error))
+
+
+@dataclass
+class ParsedItems(Generic[M, T]):
+    """The items of a batch request: those that convert, and per request item its wire dtype for logits and
+    the error it failed to convert with (a bad enum or sampling value is that item's own failure)."""
+
+    messages: Sequence[M]
+    items: list[T]
+    dtypes: list[int]
+    errors: list[TandemError | None]
+
+    def run(self, call: Callable[[list[T]], list[R]], failed: Callable[[M, TandemError], R]) -> list[R]:
+        """call(the converted items), then one result per request item in order: failed(message, error) for
+        those that did not convert. When none converted, call is not made (unless the request had no items:
+        the call's own error then)."""
+        results = iter(call(self.items) if self.items or not self.messages else [])
+        out = []
+        for n, (m, e) in enumerate(zip(self.messages, self.errors)):
+            if e is not None:
+                out.append(failed(m, e))
+                continue
+            r = next(results)
+            if r.error is not None:  # the executor numbered the converted items only: name the request's
+                renumber_item(r.error, n)
+            out.append(r)
+        return out
+
+
+def items_from_pb(messages: Sequence[M], convert: Callable[[M], tuple[T, int]]) -> ParsedItems[M, T]:
+    parsed: ParsedItems[M, T] = ParsedItems(messages, [], [], [])
+    for n, m in enumerate(messages):
+        try:
+            item, dtype = convert(m)
+        except TandemError as exc:
+            name_item(exc, n)
+            parsed.dtypes.append(pb.LOGITS_DTYPE_FLOAT32)
+            parsed.errors.append(exc)
+            continue
+        parsed.items.append(item)
+        parsed.dtypes.append(dtype)
+        parsed.errors.append(None)
+    return parsed
+
+
+def run_unified(messages: Sequence[pb.UnifiedItem], unified_decode: Callable[[list[UnifiedItem]], list[UnifiedResult]],
+                cache_ref: Callable[[str], CacheRef]) -> tuple[list[UnifiedResult], list[int]]:
+    """A UnifiedDecode's items -> the executor call -> one result per item (those that did not convert carry
+    their error and their cache as it is), with each item's logits dtype."""
+    parsed = items_from_pb(messages, unified_item_from_pb)
+    return parsed.run(unified_decode, lambda m, e: UnifiedResult(cache_ref(m.cache_id), None, e)), parsed.dtypes
+
+
+def run_decode(messages: Sequence[pb.DecodeItem], decode: Callable[[list[DecodeItem]], list[DecodeResult]],
+               cache_ref: Callable[[str], CacheRef]) -> tuple[list[DecodeResult], list[int]]:
+    """As run_unified, for a Decode's items."""
+    def failed(m: pb.DecodeItem, error: TandemError) -> DecodeResult:
+        return DecodeResult(cache_ref(m.cache.cache_id), SequenceOutput(), error)
+
+    parsed = items_from_pb(messages, decode_item_from_pb)
+    return parsed.run(decode, failed), parsed.dtypes
+
+
 def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
+    """sampling unset -> None: the parameters registered with the cache (greedy for a new one)."""
     output, dtype = output_from_pb(m.output)
     return UnifiedItem(tuple(m.token_ids), m.cache_id or None, m.pos_offset, m.is_final_chunk,
-                       sampling_from_pb(m.sampling), output, m.adapter,
+                       sampling_from_pb(m.sampling) if m.HasField("sampling") else None, output, m.adapter,
                        m.prompt_len if m.HasField("prompt_len") else None), dtype
 
 
@@ -78,7 +156,7 @@ def unified_response_to_pb(results: list[UnifiedResult], logits_dtypes: list[int
                            kv: KvUsage) -> pb.UnifiedDecodeResponse:
     out = pb.UnifiedDecodeResponse(kv=kv_usage_to_pb(kv))
     for r, dtype in zip(results, logits_dtypes):
-        res = out.results.add(cache=cache_to_pb(r.cache))
+        res = out.results.add(cache=cache_to_pb(r.cache), status=item_status_to_pb(r.error))
         if r.output is not None:
             res.output.CopyFrom(sequence_output_to_pb(r.output, dtype))
     return out
@@ -86,7 +164,8 @@ def unified_response_to_pb(results: list[UnifiedResult], logits_dtypes: list[int
 
 def decode_response_to_pb(results: list[DecodeResult], logits_dtypes: list[int], kv: KvUsage) -> pb.DecodeResponse:
     return pb.DecodeResponse(
-        results=[pb.DecodeResult(cache=cache_to_pb(r.cache), output=sequence_output_to_pb(r.output, d))
+        results=[pb.DecodeResult(cache=cache_to_pb(r.cache), output=sequence_output_to_pb(r.output, d),
+                                 status=item_status_to_pb(r.error))
                  for r, d in zip(results, logits_dtypes)], kv=kv_usage_to_pb(kv))
 
 

@@ -10,6 +10,9 @@ from models.kv_cache import DEFAULT_BLOCK_SIZE
 
 DEFAULT_KV_FRACTION_CUDA = 0.85  # of the device memory left free after the weights
 DEFAULT_KV_FRACTION_CPU = 0.25  # of MemAvailable: the host also runs the scheduler, tokenizer, clients
+# Default attention workspace bound per call, per token of --max-batch-tokens (models/attention.py): 8192 x 64
+# = 524k elements, i.e. 256 decode rows at a 2k context in one bucket; larger buckets are split.
+ATTENTION_ELEMENTS_PER_BATCH_TOKEN = 64
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,9 @@ class ExecutorConfig:
     kv_memory_fraction: float | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     max_batch_tokens: int = 8192  # most tokens one forward may carry (all items together)
+    # Attention workspace bound of one call (rows x padded queries x longest context per bucket, see
+    # models/attention.py): buckets over it are split. None: max_batch_tokens x 64; 0: no bound.
+    max_attention_elements: int | None = None
     progress: bool = True  # progress bar while loading weights
     # CPU float32: a oneDNN-packed copy of every linear weight for decode-sized calls (~1.1-1.3x per decode
     # step on 2 cores; costs a second copy of the linear weights in memory). Off: plain F.linear only.
@@ -34,6 +40,15 @@ class ExecutorConfig:
     # Lease of every client session (and of the anonymous one): its caches are released once no call named
     # it for this long (executor_service/sessions.py).
     session_ttl_s: float = 30.0
+
+    def attention_bound(self) -> int | None:
+        """The attention workspace limit to split buckets at; None = never split."""
+        if self.max_attention_elements is None:
+            return self.max_batch_tokens * ATTENTION_ELEMENTS_PER_BATCH_TOKEN
+        if self.max_attention_elements < 0:
+            raise ValueError(f"--max-attention-elements must be >= 0 (0 = no bound), got "
+                             f"{self.max_attention_elements}")
+        return self.max_attention_elements or None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,9 +1,10 @@
 """The in-process Executor: owns the model, the paged KV cache and the sampler; usable without a network.
 
 Its operations descend from the reference `ModelExecutor` trait (prefill, decode, batch decode,
-unified_decode, forward_verify, truncate_kv, release_cache). Every operation validates its whole
-request before touching state, runs under one model lock, and leaves the cache table as it found it
-on any error.
+unified_decode, forward_verify, truncate_kv, release_cache). Every operation validates its request before
+touching state and runs under one model lock. A batch item that is wrong on its own fails alone (its result
+carries the error; nothing of it is written); any other error leaves every cache as it found it (blocks,
+lengths, tokens, registered sampling), whatever step it happens at.
 
 Every cache belongs to a session (sessions.py); an operation sees only its session's caches (`session=""`,
 the default, is the anonymous session, so direct callers need no sessions). Locking: operations that
@@ -28,13 +29,14 @@ from executor_service.cache_table import CacheState, CacheStore, CacheTable
 from executor_service.config import ExecutorConfig, kv_block_count
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
 from executor_service.op_lock import OpLock
-from executor_service.request_validation import PlannedItem, RequestValidator
+from executor_service.request_validation import PlannedItem, RequestValidator, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
 from executor_service.types import (AdapterInfo, CacheListing, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
                                     OutputOptions, PrefillResult, SequenceOutput, SessionLease, SessionListing,
                                     UnifiedItem, UnifiedResult, VerifyResult)
 from models.config import read_generation_defaults
-from tandem.errors import AdapterInUse, CacheStateConflict, InvalidRequest, KvCapacityExceeded, PositionMismatch
+from tandem.errors import (AdapterInUse, CacheStateConflict, InvalidRequest, KvCapacityExceeded, PositionMismatch,
+                           TandemError)
 from models.kv_cache import PagedKvCache
 from tandem.kv_usage import KvUsage
 from models.loader import load_model
@@ -42,7 +44,9 @@ from models.moe import SparseMoeBlock
 from tandem.sampling_params import SamplingParams
 
 CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
-                "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling")
+                "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling",
+                # issue 11: sessions with leases, per-item statuses, sampling registered with the cache
+                "sessions", "item_status", "registered_sampling")
 MAX_DECODE_STEPS = 256
 
 
@@ -70,7 +74,7 @@ class Executor:
         blocks = kv_block_count(config, self.device, per_block)
         self.kv = PagedKvCache(cfg.num_layers, blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
                                self.device)
-        self.runner = BatchRunner(self.model, self.kv)
+        self.runner = BatchRunner(self.model, self.kv, config.attention_bound())
         self.adapters = AdapterRegistry(cfg, self.device, dtype, config.adapter_root, config.max_adapters_on_device,
                                         config.max_lora_rank)
         for name, path in config.adapters:  # the operator's preloads (allowed without a root)
@@ -87,7 +91,8 @@ class Executor:
                 sampling: SamplingParams = SamplingParams(), output: OutputOptions = OutputOptions(),
                 adapter: str = "", session: str = ANONYMOUS) -> PrefillResult:
         """Runs a prompt (or the next chunk of one, when cache_id names an existing cache) and samples the
-        token that follows it. The sampled token is not written to the cache: feed it to decode."""
+        token that follows it. The sampled token is not written to the cache: feed it to decode. `sampling`
+        is registered with the cache (items that later send none use it)."""
         with self._op("prefill", session):
             pos = 0
             if cache_id:
@@ -98,11 +103,16 @@ class Executor:
                 pos = state.table.length
             item = UnifiedItem(tuple(token_ids), cache_id, pos, True, sampling, output, adapter)
             (result,) = self._run([item])
+            if result.error is not None:  # a single-item call: the item's error is the call's
+                raise result.error
             self._caches[result.cache.cache_id].prompt_len = result.cache.seq_len  # every Prefill chunk is prompt
             return PrefillResult(result.cache, result.output)
 
     def unified_decode(self, items: Sequence[UnifiedItem], session: str = ANONYMOUS) -> list[UnifiedResult]:
-        """One packed forward over a mix of prefill chunks and decodes; output for final chunks only."""
+        """One packed forward over a mix of prefill chunks and decodes; output for final chunks only. An item
+        that is wrong on its own gets its error in its result (and writes nothing); the others run. Raises
+        only for the call as a whole (no items, over max_batch_tokens, KV pool full, device out of memory),
+        and then nothing was written."""
         with self._op("unified_decode", session):
             return self._run(items)
 
@@ -110,21 +120,34 @@ class Executor:
                session: str = ANONYMOUS) -> list[DecodeResult]:
         """Feeds each item's token at its cache's position and samples the next, num_steps times, feeding
         each sampled token back. An item stops early at one of its stop tokens or at the model's length
-        limit; if the KV pool fills after the first step, every item stops there (partial results)."""
+        limit; if the KV pool fills after the first step, every item stops there (partial results). An item
+        wrong on its own fails alone (its result's error). Any other failure, at any step, raises with every
+        cache as it was before the call."""
         with self._op("decode", session):
             steps = max(1, num_steps)
             if steps > MAX_DECODE_STEPS:
                 raise InvalidRequest(f"num_steps must be <= {MAX_DECODE_STEPS}, got {num_steps}")
             if not items:
                 raise InvalidRequest("decode needs at least one item")
-            for it in items:
-                if steps > 1 and not it.output.wants_tokens:
-                    raise InvalidRequest("num_steps > 1 feeds sampled tokens back: output mode must include tokens")
+            self._validator.check_call([UnifiedItem((it.token_id,)) for it in items])
+            errors: list[TandemError | None] = [None] * len(items)
+            for n, it in enumerate(items):
+                if not it.cache.cache_id:  # a Decode extends caches; it never creates one
+                    errors[n] = name_item(InvalidRequest("a decode item needs the cache_id of an existing cache "
+                                                         "(prefill first)"), n)
+                elif steps > 1 and not it.output.wants_tokens:
+                    errors[n] = name_item(InvalidRequest("num_steps > 1 feeds sampled tokens back: output mode "
+                                                         "must include tokens"), n, it.cache.cache_id)
+            # Before the first step: what to put back if a later step fails.
+            before = {n: self._caches[it.cache.cache_id].snapshot() for n, it in enumerate(items)
+                      if it.cache.cache_id in self._caches}
             outputs = [SequenceOutput() for _ in items]
-            active = list(range(len(items)))
+            active = [n for n in range(len(items)) if errors[n] is None]
             tokens = [it.token_id for it in items]
             max_len = self.model_config.max_position_embeddings
             for step in range(steps):
+                if not active:
+                    break
                 batch = [UnifiedItem((tokens[i],), items[i].cache.cache_id,
                                      items[i].cache.seq_len if step == 0 else self._caches[items[i].cache.cache_id]
                                      .table.length, True, items[i].sampling, items[i].output, items[i].adapter)
@@ -134,9 +157,19 @@ class Executor:
                 except KvCapacityExceeded:
                     if step == 0:
                         raise
-                    break
+                    break  # the pool filled: the steps taken stand (partial results)
+                except BaseException:
+                    for snap in before.values():  # earlier steps wrote: take them back (a no-op for the others)
+                        snap.restore(self.kv)
+                    raise
                 still = []
                 for i, res in zip(active, results):
+                    if res.error is not None:  # an item's own error: it fails alone, with nothing written
+                        if step:
+                            before[i].restore(self.kv)
+                            outputs[i] = SequenceOutput()
+                        errors[i] = res.error
+                        continue
                     outputs[i].tokens.extend(res.output.tokens)
                     if res.output.logits is not None:
                         prev = outputs[i].logits
@@ -146,9 +179,8 @@ class Executor:
                         tokens[i] = sampled
                         still.append(i)
                 active = still
-                if not active:
-                    break
-            return [DecodeResult(self._caches.ref(it.cache.cache_id), out) for it, out in zip(items, outputs)]
+            return [DecodeResult(self._caches.ref(it.cache.cache_id), SequenceOutput() if err else out, err)
+                    for it, out, err in zip(items, outputs, errors)]
 
     def forward_verify(self, cache: CacheRef, token_ids: Sequence[int], output: OutputOptions = OutputOptions(),
                        adapter: str = "", session: str = ANONYMOUS) -> VerifyResult:
@@ -156,10 +188,14 @@ class Executor:
         greedy prediction of the token after it (and/or its logits). Truncate afterwards to keep only the
         accepted prefix."""
         with self._op("forward_verify", session):
-            item = UnifiedItem(tuple(token_ids), cache.cache_id, cache.seq_len, True, SamplingParams(), output,
-                               adapter)
+            if not cache.cache_id:
+                raise InvalidRequest("forward_verify needs the cache_id of an existing cache (prefill first)")
+            item = UnifiedItem(tuple(token_ids), cache.cache_id, cache.seq_len, True, None, output, adapter)
             (planned,) = self._validator.batch([item], self._caches)
-            batch = [BatchItem(item, planned.state)]
+            if isinstance(planned, TandemError):
+                raise planned
+            # Predictions are greedy, whatever sampling the cache has registered (which stays registered).
+            batch = [BatchItem(item, planned.state, SamplingParams())]
             outputs = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
             self._count(outputs)
             self.metrics.tokens_processed += len(token_ids)
@@ -283,6 +319,10 @@ class Executor:
     def cache_length(self, cache_id: str, session: str = ANONYMOUS) -> int:
         return self._store.view(session).get(cache_id).table.length
 
+    def cache_ref(self, cache_id: str, session: str = ANONYMOUS) -> CacheRef:
+        """The cache as it is now; length 0 when the session does not hold it (for failed items' results)."""
+        return self._store.view(session).ref(cache_id)
+
     # ----------------------------------------------------------------- internals
     @property
     def _caches(self) -> CacheTable:
@@ -316,14 +356,25 @@ class Executor:
 
     def _run(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
         planned = self._validator.batch(items, self._caches)
-        batch = [BatchItem(p.item, p.state or CacheState.new()) for p in planned]
-        for b in batch:
-            b.state.adapter = b.item.adapter  # new caches take their item's (validated: equal for old ones)
-        # reserves KV first; on any error gives it back and re-raises
-        outputs = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
-        self._count(outputs)
-        return [UnifiedResult(self._register(p, b.state), outs[0] if outs else None)
-                for p, b, outs in zip(planned, batch, outputs)]
+        ok = [p for p in planned if isinstance(p, PlannedItem)]
+        # A new cache takes its item's adapter and sampling (an existing one's adapter is validated equal).
+        batch = [BatchItem(p.item, p.state or CacheState(adapter=p.item.adapter, sampling=p.sampling), p.sampling)
+                 for p in ok]
+        outputs: list[list[SequenceOutput] | None] = []
+        if batch:  # reserves KV first; on any error puts every cache back and re-raises
+            outputs = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
+            self._count(outputs)
+        ran = iter(zip(batch, outputs))
+        results = []
+        for item, p in zip(items, planned):
+            if not isinstance(p, PlannedItem):
+                results.append(UnifiedResult(self._caches.ref(item.cache_id or ""), None, p))
+                continue
+            b, outs = next(ran)
+            if item.sampling is not None:
+                b.state.sampling = item.sampling  # registered once the item succeeded
+            results.append(UnifiedResult(self._register(p, b.state), outs[0] if outs else None))
+        return results
 
     def _adapter_weights(self, batch: list[BatchItem]) -> dict:
         names = {b.item.adapter for b in batch if b.item.adapter}

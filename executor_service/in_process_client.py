@@ -30,10 +30,10 @@ class InProcessExecutorClient:
         return self._relay(lambda: codec.info_to_pb(self.executor.info()))
 
     def unified_decode_now(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse:
-        def run() -> epb.UnifiedDecodeResponse:
-            decoded = [codec.unified_item_from_pb(i) for i in items]
-            results = self.executor.unified_decode([item for item, _ in decoded])
-            return codec.unified_response_to_pb(results, [dtype for _, dtype in decoded], self.executor.kv_usage())
+        def run() -> epb.UnifiedDecodeResponse:  # per-item statuses, exactly as the gRPC servicer builds them
+            ex = self.executor
+            results, dtypes = codec.run_unified(items, ex.unified_decode, ex.cache_ref)
+            return codec.unified_response_to_pb(results, dtypes, ex.kv_usage())
         return self._relay(run)
 
     def release_now(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse:

@@ -1,6 +1,10 @@
 """Every check a batch of items must pass before the executor touches any state: request rules (tokens,
 vocabulary, sampling, output options, length, per-call limits) and the cache table (ids, positions,
-adapters). It mutates nothing; a batch that passes may still meet a full KV pool (checked when reserving)."""
+adapters). It mutates nothing; a batch that passes may still meet a full KV pool (checked when reserving).
+
+Checks of the call as a whole (no items, too many tokens) raise. Every other check is the item's own: an item
+that fails one gets its domain error (its message naming the item) and the others go on without it, as the
+contract's per-item statuses promise."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +14,8 @@ from executor_service.adapters import AdapterRegistry
 from executor_service.cache_table import CacheState, CacheTable
 from executor_service.types import UnifiedItem
 from models.config import ModelConfig
-from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong
+from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong, TandemError
+from tandem.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 
@@ -19,6 +24,7 @@ MAX_TOP_LOGPROBS = 20
 class PlannedItem:
     item: UnifiedItem
     state: CacheState | None  # None: a new cache
+    sampling: SamplingParams  # the item's own, else those registered with its cache (greedy for a new cache)
 
 
 class RequestValidator:
@@ -28,56 +34,90 @@ class RequestValidator:
         self.max_batch_tokens = max_batch_tokens
         self.adapters = adapters
 
-    def batch(self, items: Sequence[UnifiedItem], caches: CacheTable) -> list[PlannedItem]:
-        """Checks the whole batch; raises the first error (a domain error naming the item), else returns each
-        item with its cache's state."""
+    def batch(self, items: Sequence[UnifiedItem], caches: CacheTable) -> list[PlannedItem | TandemError]:
+        """Raises the call's errors; else returns, in order, each item planned (with its cache's state) or the
+        error it fails with alone. Items of adapters beyond the first max_on_device distinct ones (among the
+        items that pass their own checks) fail with InvalidRequest."""
+        self.check_call(items)
+        seen: set[str] = set()
+        adapters: list[str] = []  # distinct adapters of the planned items, in order
+        planned: list[PlannedItem | TandemError] = []
+        for n, it in enumerate(items):
+            try:
+                p = self._item(it, caches, seen)
+                if it.adapter and it.adapter not in adapters:
+                    if len(adapters) >= self.adapters.max_on_device:
+                        raise InvalidRequest(
+                            f"adapter {it.adapter!r} is one more than the {self.adapters.max_on_device} distinct "
+                            f"adapters ({', '.join(adapters)}) one call may use (--max-adapters-on-device): send "
+                            "it in another call")
+                    adapters.append(it.adapter)
+                planned.append(p)
+            except TandemError as exc:
+                planned.append(name_item(exc, n, it.cache_id))
+        return planned
+
+    def check_call(self, items: Sequence[UnifiedItem]) -> None:
         if not items:
             raise InvalidRequest("the batch has no items")
         total = sum(len(it.token_ids) for it in items)
         if total > self.max_batch_tokens:
             raise InvalidRequest(f"the batch carries {total} tokens; this executor takes at most "
                                  f"{self.max_batch_tokens} per call (--max-batch-tokens): split it into chunks")
-        seen: set[str] = set()
-        planned = [self._item(n, it, caches, seen) for n, it in enumerate(items)]
-        used = {it.adapter for it in items if it.adapter}
-        if len(used) > self.adapters.max_on_device:
-            raise InvalidRequest(f"the batch uses {len(used)} adapters but at most {self.adapters.max_on_device} fit "
-                                 "on the device at once (--max-adapters-on-device): split the batch")
-        return planned
 
-    def _item(self, n: int, it: UnifiedItem, caches: CacheTable, seen: set[str]) -> PlannedItem:
-        where = f"item {n}" + (f" (cache {it.cache_id!r})" if it.cache_id else "")
+    def _item(self, it: UnifiedItem, caches: CacheTable, seen: set[str]) -> PlannedItem:
+        if it.cache_id:  # first: the first occurrence of a cache claims it, whatever else is wrong with it
+            if it.cache_id in seen:
+                raise InvalidRequest(f"cache {it.cache_id!r} appears twice in one batch: send one item per cache")
+            seen.add(it.cache_id)
         if not it.token_ids:
-            raise InvalidRequest(f"{where}: token_ids is empty")
+            raise InvalidRequest("token_ids is empty")
         bad = next((t for t in it.token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if it.adapter:
             self.adapters.get(it.adapter)  # AdapterNotFound
-        it.sampling.validate(self.vocab_size)
+        if it.sampling is not None:  # registered parameters were checked when they were sent
+            it.sampling.validate(self.vocab_size)
         if not 0 <= it.output.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"{where}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         state = None
         if it.cache_id:
-            if it.cache_id in seen:
-                raise InvalidRequest(f"cache {it.cache_id!r} appears twice in one batch")
-            seen.add(it.cache_id)
             state = caches.get(it.cache_id)
             if state.adapter != it.adapter:
-                raise CacheStateConflict(f"{where}: the cache was created with adapter {state.adapter or '(base)'!r};"
-                                         f" it cannot continue with {it.adapter or '(base)'!r} (its KV depends "
-                                         "on the adapter)")
+                raise CacheStateConflict(f"the cache was created with adapter {state.adapter or '(base)'!r}; it "
+                                         f"cannot continue with {it.adapter or '(base)'!r} (its KV depends on the "
+                                         "adapter)")
             if it.pos_offset != state.table.length:
-                raise PositionMismatch(f"{where}: position {it.pos_offset} (pos_offset / cache.seq_len) but the "
-                                       f"cache holds {state.table.length} tokens; send the tokens for position "
+                raise PositionMismatch(f"position {it.pos_offset} (pos_offset / cache.seq_len) but the cache holds "
+                                       f"{state.table.length} tokens; send the tokens for position "
                                        f"{state.table.length} next")
         elif it.pos_offset != 0:
-            raise InvalidRequest(f"{where}: a new cache (empty cache_id) starts at pos_offset 0, got {it.pos_offset}")
+            raise InvalidRequest(f"a new cache (empty cache_id) starts at pos_offset 0, got {it.pos_offset}")
         end = it.pos_offset + len(it.token_ids)
         if it.is_final_chunk and it.prompt_len is not None and it.prompt_len > end:
-            raise InvalidRequest(f"{where}: prompt_len {it.prompt_len} exceeds the {end} tokens the cache will hold "
-                                 "after this item")
+            raise InvalidRequest(f"prompt_len {it.prompt_len} exceeds the {end} tokens the cache will hold after "
+                                 "this item")
         if end > self.max_len:
-            raise SequenceTooLong(f"{where}: {it.pos_offset} + {len(it.token_ids)} tokens exceed the model's "
-                                  f"maximum length of {self.max_len}")
-        return PlannedItem(it, state)
+            raise SequenceTooLong(f"{it.pos_offset} + {len(it.token_ids)} tokens exceed the model's maximum length "
+                                  f"of {self.max_len}")
+        sampling = it.sampling if it.sampling is not None else state.sampling if state else SamplingParams()
+        return PlannedItem(it, state, sampling)
+
+
+def name_item(exc: TandemError, n: int, cache_id: str | None = None) -> TandemError:
+    """The same error (type, hence status, kept), its message prefixed with the item it belongs to. A caller
+    that numbers items differently (the gRPC codec, which leaves out items that failed to convert) renames it
+    with renumber_item."""
+    exc.item_detail = (cache_id, str(exc))  # type: ignore[attr-defined]
+    exc.args = (f"item {n}" + (f" (cache {cache_id!r})" if cache_id else "") + f": {exc}",) + exc.args[1:]
+    return exc
+
+
+def renumber_item(exc: TandemError, n: int) -> TandemError:
+    """An error named by name_item, named item n instead (others unchanged)."""
+    detail = getattr(exc, "item_detail", None)
+    if detail is not None:
+        cache_id, message = detail
+        exc.args = (f"item {n}" + (f" (cache {cache_id!r})" if cache_id else "") + f": {message}",) + exc.args[1:]
+    return exc

@@ -66,7 +66,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     check_ttl(executor_cfg.session_ttl_s)
     metrics = RpcMetrics()
     thread = ModelThread(cfg.max_queued_calls)
-    servicer = ExecutorServicer(metrics, thread)
+    servicer = ExecutorServicer(metrics, thread, max_reply_bytes=cfg.max_message_mb * 1024 * 1024)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

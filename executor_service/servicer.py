@@ -12,8 +12,9 @@ from executor_service import codec
 from executor_service.executor import Executor
 from executor_service.interceptor import RpcMetrics
 from executor_service.model_thread import ModelThread
+from executor_service.reply_size import check_reply_size
 from executor_service.types import CacheRef
-from tandem.errors import InvalidRequest, Unavailable
+from tandem.errors import DeadlineExceeded, InvalidRequest, Unavailable
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -23,23 +24,31 @@ def _on_model_thread(handler: Callable) -> Callable:
     thread; see executor_service/model_thread.py for why. Only RPCs that run the model use it: info,
     metrics, listings, sessions, truncate and release do no tensor math and must not queue behind a long
     Decode. The call's session (if the request names one) is held from arrival: it cannot lapse while the
-    call waits in the queue (and an unknown session is NOT_FOUND before queueing)."""
+    call waits in the queue (and an unknown session is NOT_FOUND before queueing).
+
+    Once the call reaches the model thread, and before it runs, it is refused when its reply could not
+    reach the caller: the caller's deadline has passed (while it queued), or the reply would be over the
+    message size limit. A refused call changes nothing."""
     @functools.wraps(handler)
     def wrapper(self: "ExecutorServicer", request, context):
+        def guarded(request, context):
+            self._check_reply_possible(handler.__name__, request, context)
+            return handler(self, request, context)
         session_id = getattr(request, "session_id", None)  # LoadAdapter has none
         if session_id is None:
-            return self._thread.call(handler, self, request, context)
+            return self._thread.call(guarded, request, context)
         with self.ex.hold_session(session_id):
-            return self._thread.call(handler, self, request, context)
+            return self._thread.call(guarded, request, context)
     return wrapper
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, rpc_metrics: RpcMetrics, thread: ModelThread) -> None:
+    def __init__(self, rpc_metrics: RpcMetrics, thread: ModelThread, max_reply_bytes: int | None = None) -> None:
         self._executor: Executor | None = None
         self._draining = False
         self._rpc_metrics = rpc_metrics
         self._thread = thread
+        self._max_reply_bytes = max_reply_bytes  # the server's send limit (--max-message-mb); None: no check
 
     def attach(self, executor: Executor) -> None:
         """Called once the model is loaded and warmed up; until then every RPC is UNAVAILABLE."""
@@ -55,6 +64,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         if self._executor is None:
             raise Unavailable("the executor is still loading its model; wait for health SERVING")
         return self._executor
+
+    def _check_reply_possible(self, method: str, request, context) -> None:
+        remaining = context.time_remaining()  # None: the caller set no deadline
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded(f"the caller's deadline passed while this {method} waited for the model "
+                                   "(other model calls ran first); it was not run: retry with a longer deadline")
+        if self._max_reply_bytes is not None:
+            check_reply_size(method, request, self.ex.model_config.vocab_size, self._max_reply_bytes)
 
     def GetInfo(self, request, context):
         return codec.info_to_pb(self.ex.info())
@@ -72,16 +89,18 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     @_on_model_thread
     def Decode(self, request, context):
         ex = self.ex
-        items = [codec.decode_item_from_pb(i) for i in request.items]
-        results = ex.decode([item for item, _ in items], request.num_steps, request.session_id)
-        return codec.decode_response_to_pb(results, [dtype for _, dtype in items], ex.kv_usage())
+        session = request.session_id
+        results, dtypes = codec.run_decode(request.items, lambda items: ex.decode(items, request.num_steps, session),
+                                           lambda cache_id: ex.cache_ref(cache_id, session))
+        return codec.decode_response_to_pb(results, dtypes, ex.kv_usage())
 
     @_on_model_thread
     def UnifiedDecode(self, request, context):
         ex = self.ex
-        items = [codec.unified_item_from_pb(i) for i in request.items]
-        results = ex.unified_decode([item for item, _ in items], request.session_id)
-        return codec.unified_response_to_pb(results, [dtype for _, dtype in items], ex.kv_usage())
+        session = request.session_id
+        results, dtypes = codec.run_unified(request.items, lambda items: ex.unified_decode(items, session),
+                                            lambda cache_id: ex.cache_ref(cache_id, session))
+        return codec.unified_response_to_pb(results, dtypes, ex.kv_usage())
 
     @_on_model_thread
     def ForwardVerify(self, request, context):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.errors import TandemError
 from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
 
@@ -56,13 +57,16 @@ class UnifiedItem:
     """One item of a mixed batch: a prefill chunk (several tokens) or a decode (one token).
 
     cache_id None (or "") starts a new cache, at pos_offset 0. Output is produced only for final chunks.
+    sampling None: the parameters registered with the cache (greedy for a new cache); set: they are used and,
+    once the item succeeds, registered with the cache for later items that send none (so a large logit_bias
+    travels and is validated once).
     """
 
     token_ids: tuple[int, ...]
     cache_id: str | None = None
     pos_offset: int = 0
     is_final_chunk: bool = True
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams | None = None
     output: OutputOptions = OutputOptions()
     adapter: str = ""
     # How many of the cache's tokens are prompt (presence/frequency penalties count only the rest), fixed
@@ -73,8 +77,11 @@ class UnifiedItem:
 
 @dataclass
 class UnifiedResult:
-    cache: CacheRef
-    output: SequenceOutput | None  # None for non-final chunks
+    cache: CacheRef  # a failed item: its cache as it was (id "" and length 0 for an unknown or new one)
+    output: SequenceOutput | None  # None for non-final chunks and failed items
+    # This item's own failure (the domain error it would raise alone); None = it ran. A failed item wrote
+    # nothing; the other items of the call ran.
+    error: TandemError | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class DecodeItem:
 class DecodeResult:
     cache: CacheRef
     output: SequenceOutput  # one TokenOutput per step taken
+    error: TandemError | None = None  # as UnifiedResult.error: this item failed alone and wrote nothing
 
 
 @dataclass

@@ -12,6 +12,13 @@ Per bucket and layer: gather the K/V blocks of every item through its block tabl
 one `scaled_dot_product_attention` call with an additive mask (causal within the chunk, and hiding padding
 and other sequences' garbage), and a scatter back to packed order. Grouped-query attention is handled by
 folding the query heads that share a KV head into the query-length axis, so K/V are never repeated.
+
+A bucket pads every item to its longest context (and a prefill bucket to its longest chunk), so its
+workspace is rows x padded queries x longest context ("attention elements"; the gathered K/V and the scores
+grow with it): one long sequence among many short ones would make every row as long as it. With a limit
+(`max_elements`, the executor's --max-attention-elements) a bucket over it is split into sub-buckets of
+items of similar context length (sorted, longest first), each within the limit unless a single item alone
+exceeds it. Each item's attention is computed the same way in any bucket, so splitting changes no result.
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ class AttentionMetadata:
     """Everything attention needs for one packed batch, built once and shared by all layers."""
 
     def __init__(self, items: Sequence[ItemLayout], block_size: int, group: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, max_elements: int | None = None) -> None:
         positions, slots = [], []
         for it in items:
             pos = np.arange(it.past, it.past + it.n_new, dtype=np.int64)
@@ -64,10 +71,11 @@ class AttentionMetadata:
         starts = np.cumsum([0] + [it.n_new for it in items])[:-1]
         decode = [i for i, it in enumerate(items) if it.n_new == 1]
         prefill = [i for i, it in enumerate(items) if it.n_new > 1]
+        parts = [part for idx in (decode, prefill) if idx for part in split_bucket(items, idx, max_elements)]
         self.buckets = [
-            self._bucket([items[i] for i in idx], starts[idx], block_size, group, device, dtype,
-                         len(idx) == len(items))
-            for idx in (decode, prefill) if idx
+            self._bucket([items[i] for i in part], starts[part], block_size, group, device, dtype,
+                         len(part) == len(items))  # only an unsplit bucket holds them all (in packed order)
+            for part in parts
         ]
 
     @staticmethod
@@ -103,6 +111,31 @@ class AttentionMetadata:
                        bool(max_q > 1 and not past.any() and (n_new == max_q).all()))
 
 
+def attention_elements(items: Sequence[ItemLayout]) -> int:
+    """The workspace of one bucket of these items, per query head: rows x padded queries x longest context."""
+    return len(items) * max(it.n_new for it in items) * max(it.past + it.n_new for it in items)
+
+
+def split_bucket(items: Sequence[ItemLayout], idx: list[int], max_elements: int | None) -> list[list[int]]:
+    """The item indices `idx` of one bucket, as they are when within max_elements (or no limit), else as
+    sub-buckets each within it (a single item over it forms its own): items sorted by context, longest first,
+    and packed greedily, so each sub-bucket pads to a context close to its items' own."""
+    if max_elements is None or attention_elements([items[i] for i in idx]) <= max_elements:
+        return [idx]
+    parts: list[list[int]] = []
+    rows = max_q = longest = 0
+    for i in sorted(idx, key=lambda i: items[i].past + items[i].n_new, reverse=True):
+        it = items[i]
+        q, ctx = max(max_q, it.n_new), max(longest, it.past + it.n_new)
+        if parts and (rows + 1) * q * ctx <= max_elements:
+            parts[-1].append(i)
+            rows, max_q, longest = rows + 1, q, ctx
+        else:
+            parts.append([i])
+            rows, max_q, longest = 1, it.n_new, it.past + it.n_new
+    return parts
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for the packed batch. Writes k/v into the cache slots, then
@@ -115,7 +148,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     k_pool.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
     v_pool.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(total, heads, d)
-    for b in meta.buckets:  # at most two: decode, prefill
+    for b in meta.buckets:  # decode, prefill: one each, or sub-buckets of them under max_elements
         rows, max_q = b.block_tables.shape[0], b.max_q
         if b.fresh:
             # Whole prompts from position 0: their keys are this step's k/v, and the mask is plain causal,

@@ -8,7 +8,9 @@ bias or penalty costs an argmax and a log_softmax):
 3. presence/frequency penalties (OpenAI) over the output tokens only (the last num_output_tokens of
    token_ids): logit -= frequency_penalty * count + presence_penalty * (count > 0).
    `Sampler.process_logits` returns the logits at this point.
-4. temperature 0 (greedy): the token is the argmax here; no filter or randomness applies.
+4. temperature 0 (greedy): the token is the argmax here; no filter or randomness applies. A temperature
+   below tandem.sampling_params.GREEDY_TEMPERATURE (1e-5) is greedy too: dividing by a subnormal one
+   overflows the logits to inf, and the race would pick the lowest id among them.
 5. temperature > 0 divides the logits; then top-k, top-p and min-p each filter what the previous one left
    (set to -inf), as transformers' TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper with
    min_tokens_to_keep=1: top-k keeps every token >= the k-th largest logit (ties with it stay); top-p keeps
@@ -134,7 +136,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         raw = logits[:, : self.vocab_size].float()  # [B, V]; no copy when already float32: never mutated
         x = self._penalise(raw, rows)  # [B, V]; `raw` itself when no row has bias or penalties
-        greedy = [row.params.temperature <= 0.0 for row in rows]
+        greedy = [row.params.is_greedy for row in rows]  # temperature 0, or below GREEDY_TEMPERATURE
         wanted = [max(0, row.num_top_logprobs) for row in rows]
         if all(greedy) and x is raw and not any(wanted):
             # The hot path (plain greedy, no alternatives): one max pass yields both the token and the
@@ -209,7 +211,7 @@ class Sampler:
         """Step 5 on every row with per-row parameters; returns a fresh [B, V] tensor in vocab order. Each
         filter becomes a per-row threshold, so no row needs its own code path."""
         dev, v, neg_inf = x.device, x.shape[1], float("-inf")
-        ps = [row.params if row.params.temperature > 0 else SamplingParams(temperature=1.0) for row in rows]
+        ps = [SamplingParams(temperature=1.0) if row.params.is_greedy else row.params for row in rows]
         s = x / _column([p.temperature for p in ps], dev)  # [B, V]; greedy rows at 1 (their result is unused)
         if any(p.top_k > 0 for p in ps):
             k = [min(p.top_k, v) if p.top_k > 0 else 0 for p in ps]

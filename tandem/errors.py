@@ -97,3 +97,16 @@ class PermissionDenied(TandemError):
 
 class AdapterInUse(TandemError):
     """The adapter's state forbids the operation: its name is already loaded, or caches still use it."""
+
+
+class DeviceOutOfMemory(CapacityExceeded):
+    """The device ran out of memory during a model call (CUDA OOM); the call changed nothing. A smaller batch
+    (fewer items or tokens) or a lower --max-attention-elements fits; retrying the same call may fail again."""
+
+
+class ReplyTooLarge(CapacityExceeded):
+    """The reply a call would produce is over the server's message size limit; refused before running."""
+
+
+class DeadlineExceeded(TandemError):
+    """The caller's deadline had passed before the call could run; it was not run (nothing changed)."""

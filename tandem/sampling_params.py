@@ -10,13 +10,18 @@ from tandem.errors import InvalidRequest
 _PENALTY_RANGE = (-2.0, 2.0)
 # Logit biases follow the OpenAI range: +-100 is already "always"/"never".
 _BIAS_RANGE = (-100.0, 100.0)
+# Temperatures below this are greedy: dividing logits by a subnormal temperature (1e-45) overflows them to
+# inf, and the draw would then pick the lowest id of the tied infinities instead of the most likely token.
+# At 1e-5 logits of magnitude <= 1e3 (+ a bias of 100) stay below 1e8: finite, and the draw is an argmax.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token. Every field's zero value means "off", as in the proto.
 
-    temperature: 0 = greedy (argmax of the penalised, biased logits); > 0 divides the logits.
+    temperature: 0 = greedy (argmax of the penalised, biased logits); > 0 divides the logits. Below
+        GREEDY_TEMPERATURE (1e-5) it is greedy too (a tinier one would overflow the logits).
     top_k: keep the k most likely tokens; 0 = off.
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p; 0 or 1 = off.
     min_p: drop tokens whose probability is below min_p * max probability; 0 = off.
@@ -42,7 +47,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

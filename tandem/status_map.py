@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 
 from tandem.errors import (AdapterInUse, AdapterNotFound, CacheNotFound, CacheStateConflict, CapacityExceeded,
-                           CheckpointError, InvalidRequest, PermissionDenied, PositionMismatch, RemoteError,
-                           SequenceTooLong, SessionNotFound, TandemError, Unavailable, Unsupported)
+                           CheckpointError, DeadlineExceeded, InvalidRequest, PermissionDenied, PositionMismatch,
+                           RemoteError, SequenceTooLong, SessionNotFound, TandemError, Unavailable, Unsupported)
 
 STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -22,6 +22,7 @@ STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     Unsupported: grpc.StatusCode.FAILED_PRECONDITION,
     CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 

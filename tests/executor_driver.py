@@ -8,10 +8,20 @@ import torch
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
-from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem, UnifiedResult
+from executor_service.types import (CacheRef, DecodeItem, DecodeResult, OutputMode, OutputOptions, UnifiedItem,
+                                    UnifiedResult)
 from tests.hf_reference import rel_err
 
 LOGITS = OutputOptions(OutputMode.TOKENS_AND_LOGITS)
+
+
+def raising(results: list[UnifiedResult] | list[DecodeResult]) -> list:
+    """The results of a batch call, or the first failed item's error raised: a per-item failure seen as the
+    single-item call would raise it (for tests of one item's error)."""
+    for r in results:
+        if r.error is not None:
+            raise r.error
+    return results
 
 
 def make_executor(model_dir: Path, kv_blocks: int = 256, **kwargs) -> Executor:

@@ -8,7 +8,7 @@ from tandem.errors import (AdapterNotFound, CacheNotFound, CacheStateConflict, I
                            PositionMismatch,
                            SequenceTooLong)
 from tandem.sampling_params import SamplingParams
-from tests.executor_driver import LOGITS, make_executor
+from tests.executor_driver import LOGITS, make_executor, raising
 from tests.hf_reference import rel_err
 
 
@@ -24,7 +24,7 @@ def blocks_in_use(ex) -> int:
 
 def test_unknown_cache_id(ex):
     with pytest.raises(CacheNotFound, match="nope"):
-        ex.decode([DecodeItem(CacheRef("nope", 3), 5)])
+        raising(ex.decode([DecodeItem(CacheRef("nope", 3), 5)]))
     with pytest.raises(CacheNotFound):
         ex.truncate_cache("nope", 0)
     with pytest.raises(CacheNotFound):
@@ -38,7 +38,7 @@ def test_decode_at_wrong_position_changes_nothing(ex):
     used = blocks_in_use(ex)
     for wrong in (3, 5, 0):
         with pytest.raises(PositionMismatch, match="holds 4 tokens"):
-            ex.decode([DecodeItem(CacheRef(cid, wrong), 9)])
+            raising(ex.decode([DecodeItem(CacheRef(cid, wrong), 9)]))
     assert ex.cache_length(cid) == 4 and blocks_in_use(ex) == used
     (good,) = ex.decode([DecodeItem(CacheRef(cid, 4), 9)], )
     fresh = ex.prefill([5, 6, 7, 8, 9], output=LOGITS)
@@ -60,7 +60,7 @@ def test_past_max_position(ex, model_dir):
     big = make_executor(model_dir, kv_blocks=max_len // 16 + 1)
     res = big.prefill([3] * max_len)
     with pytest.raises(SequenceTooLong):
-        big.decode([DecodeItem(CacheRef(res.cache.cache_id, max_len), 4)])
+        raising(big.decode([DecodeItem(CacheRef(res.cache.cache_id, max_len), 4)]))
     assert big.cache_length(res.cache.cache_id) == max_len
 
 
@@ -73,23 +73,38 @@ def test_kv_capacity_is_all_or_nothing(ex):
     assert blocks_in_use(ex) == 0
 
 
-def test_one_bad_item_rejects_the_whole_batch(ex):
-    a = ex.prefill([3, 4, 5])
+def test_one_bad_item_fails_alone(ex):
+    """Each bad item gets its own typed error naming it and writes nothing; the good item beside it runs and
+    answers as it would alone. Only an empty batch is an error of the call."""
+    seq = [3, 4, 5]  # the tokens the cache holds
+    a = ex.prefill(seq)
     cid = a.cache.cache_id
-    bad_batches = [
-        [UnifiedItem((6,), cid, 3), UnifiedItem((7,), cid, 4)],  # same cache twice
-        [UnifiedItem((6,), cid, 3), UnifiedItem((1, 2), None, 2)],  # new cache not at 0
-        [UnifiedItem((6,), cid, 3), UnifiedItem((1,), None, 0, adapter="x")],  # unknown adapter
-        [UnifiedItem((6,), cid, 3), UnifiedItem((1,), None, 0, sampling=SamplingParams(temperature=-1))],
-        [UnifiedItem((6,), cid, 3), UnifiedItem((1,), None, 0, output=OutputOptions(top_logprobs=999))],
-        [],
+    tok = a.output.tokens[0].token_id
+    bad_items = [
+        (lambda n: UnifiedItem((7,), cid, n + 1), InvalidRequest, "appears twice"),  # same cache twice
+        (lambda n: UnifiedItem((1, 2), None, 2), InvalidRequest, "starts at pos_offset 0"),
+        (lambda n: UnifiedItem((1,), None, 0, adapter="x"), AdapterNotFound, "adapter 'x'"),
+        (lambda n: UnifiedItem((1,), None, 0, sampling=SamplingParams(temperature=-1)), InvalidRequest,
+         "temperature"),
+        (lambda n: UnifiedItem((1,), None, 0, output=OutputOptions(top_logprobs=999)), InvalidRequest,
+         "top_logprobs"),
+        (lambda n: UnifiedItem((1, 10**6), None, 0), InvalidRequest, "outside the vocabulary"),
     ]
-    errors = (InvalidRequest, AdapterNotFound)
-    for batch in bad_batches:
-        with pytest.raises(errors):
-            ex.unified_decode(batch)
-        assert ex.cache_length(cid) == 3 and ex.kv_usage().active_caches == 1
-    assert blocks_in_use(ex) == 1
+    for make_bad, error, match in bad_items:
+        n = ex.cache_length(cid)
+        good, bad = ex.unified_decode([UnifiedItem((tok,), cid, n), make_bad(n)])
+        assert good.error is None and good.cache == CacheRef(cid, n + 1)
+        assert isinstance(bad.error, error) and match in str(bad.error) and str(bad.error).startswith("item 1")
+        assert bad.output is None
+        assert ex.kv_usage().active_caches == 1  # no cache was created for the bad item
+        seq.append(tok)
+        alone = ex.prefill(seq)  # the same tokens as one prompt
+        assert good.output.tokens[0].token_id == alone.output.tokens[0].token_id
+        ex.release_cache([alone.cache.cache_id])
+        tok = good.output.tokens[0].token_id
+    with pytest.raises(InvalidRequest, match="no items"):
+        ex.unified_decode([])
+    assert blocks_in_use(ex) == 1 and ex.kv_usage().active_caches == 1
 
 
 def test_batch_token_limit(model_dir):

@@ -7,7 +7,7 @@ import pytest
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from models.block_allocator import BlockAllocator
-from tandem.errors import KvCapacityExceeded, TandemError
+from tandem.errors import KvCapacityExceeded, PositionMismatch, TandemError
 from tests.executor_driver import make_executor
 
 
@@ -42,14 +42,18 @@ def test_random_operation_mix_returns_every_block(tiny_checkpoint):
                 cids = rng.sample(sorted(live), k=min(len(live), 3))
                 steps = rng.randrange(1, 4)
                 for d in ex.decode([DecodeItem(CacheRef(c, live[c]), 5) for c in cids], num_steps=steps):
-                    live[d.cache.cache_id] = d.cache.seq_len
+                    if d.error is None:  # an item's own error (past the model's length) leaves it as it was
+                        live[d.cache.cache_id] = d.cache.seq_len
+                    errors += d.error is not None
             elif op == "unified":
                 c = rng.choice(sorted(live))
                 results = ex.unified_decode([UnifiedItem((7,) * rng.randrange(1, 20), c, live[c],
                                                          rng.random() < 0.5),
                                              UnifiedItem((8,) * rng.randrange(1, 20), None, 0, False)])
                 for r in results:
-                    live[r.cache.cache_id] = r.cache.seq_len
+                    if r.error is None:
+                        live[r.cache.cache_id] = r.cache.seq_len
+                    errors += r.error is not None
             elif op == "truncate":
                 c = rng.choice(sorted(live))
                 live[c] = ex.truncate_cache(c, rng.randrange(0, live[c] + 1)).seq_len
@@ -62,7 +66,9 @@ def test_random_operation_mix_returns_every_block(tiny_checkpoint):
                 live[c] = ex.forward_verify(CacheRef(c, live[c]), [9] * rng.randrange(1, 6)).cache.seq_len
             else:
                 c = rng.choice(sorted(live))
-                ex.decode([DecodeItem(CacheRef(c, live[c] + 1), 5)])  # wrong position
+                (bad,) = ex.decode([DecodeItem(CacheRef(c, live[c] + 1), 5)])  # wrong position: fails alone
+                assert isinstance(bad.error, PositionMismatch) and bad.cache.seq_len == live[c]
+                errors += 1
         except TandemError:
             errors += 1
         # Invariant after every operation: blocks held by live caches + free blocks == pool size.
@@ -72,6 +78,6 @@ def test_random_operation_mix_returns_every_block(tiny_checkpoint):
         for c, n in live.items():
             assert ex.cache_length(c) == n
             assert len(ex._caches[c].table.blocks) == -(-n // 16)
-    assert errors > 0  # the mix did hit full pools and bad positions
+    assert errors > 0  # the mix did hit full pools and bad positions (call errors and item errors)
     ex.release_cache(list(live))
     assert ex.kv_usage().free_blocks == total and ex.kv_usage().active_caches == 0

@@ -19,7 +19,7 @@ from tandem.status_map import status_for
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import AdapterNotFound, CacheStateConflict, InvalidRequest, PermissionDenied, TandemError
 from tandem.executor.v1 import executor_pb2 as pb
-from tests.executor_driver import LOGITS, make_executor
+from tests.executor_driver import LOGITS, make_executor, raising
 from tests.grpc_harness import start_for
 from tests.lora_fixtures import (ALL_MODULES, HfReference, PeftReference, edit_adapter_config, edit_adapter_tensors,
                                  make_peft_adapter, rel_err)
@@ -103,13 +103,18 @@ def test_unknown_adapter_on_requests(ex):
     with rejected(ex, Code.NOT_FOUND, AdapterNotFound, "nope"):
         ex.prefill(PROMPT, adapter="nope")
     assert kv_all_free(ex)
-    # The unknown item comes last: the base and "a" items before it must not run or count either.
-    with rejected(ex, Code.NOT_FOUND, AdapterNotFound, "nope"):
-        ex.unified_decode([UnifiedItem(tuple(PROMPT)), UnifiedItem(tuple(PROMPT), adapter="a"),
-                           UnifiedItem((3, 4), adapter="nope")])
-    assert kv_all_free(ex)
     with rejected(ex, Code.NOT_FOUND, AdapterNotFound):
-        ex.unified_decode([UnifiedItem(tuple(PROMPT[:3]), is_final_chunk=False, adapter="A")])  # names are exact
+        raising(ex.unified_decode([UnifiedItem(tuple(PROMPT[:3]), is_final_chunk=False, adapter="A")]))  # exact
+    assert kv_all_free(ex)
+    # Beside good items the unknown one fails alone (the item status), and the base and "a" items run.
+    served = {a.name: a.requests for a in ex.list_adapters()}["a"]
+    base, on_a, unknown = ex.unified_decode([UnifiedItem(tuple(PROMPT)), UnifiedItem(tuple(PROMPT), adapter="a"),
+                                             UnifiedItem((3, 4), adapter="nope")])
+    assert isinstance(unknown.error, AdapterNotFound) and "item 2" in str(unknown.error)
+    assert unknown.cache.cache_id == "" and unknown.output is None
+    assert base.error is None and on_a.error is None and ex.kv_usage().active_caches == 2
+    assert {a.name: a.requests for a in ex.list_adapters()} == {"a": served + 1}
+    ex.release_cache([base.cache.cache_id, on_a.cache.cache_id])
     assert kv_all_free(ex)
 
 
@@ -118,7 +123,7 @@ def test_unknown_adapter_on_existing_cache(ex):
     cid, tok = res.cache.cache_id, res.output.tokens[0].token_id
     # Unknown name and a name differing from the cache's: either NOT_FOUND or FAILED_PRECONDITION is fine.
     with rejected(ex, (Code.NOT_FOUND, Code.FAILED_PRECONDITION)):
-        ex.decode([DecodeItem(CacheRef(cid, len(PROMPT)), tok, adapter="nope")])
+        raising(ex.decode([DecodeItem(CacheRef(cid, len(PROMPT)), tok, adapter="nope")]))
     assert ex.cache_length(cid) == len(PROMPT)
     (d,) = ex.decode([DecodeItem(CacheRef(cid, len(PROMPT)), tok, adapter="a")])
     assert d.cache.seq_len == len(PROMPT) + 1
@@ -152,18 +157,16 @@ def test_cache_keeps_its_adapter(ex, env):
     (chunk,) = ex.unified_decode([UnifiedItem(tuple(PROMPT), is_final_chunk=False, adapter="a")])
     chunk_id = chunk.cache.cache_id
     n = len(PROMPT)
-    cases = [
-        lambda: ex.decode([DecodeItem(CacheRef(a_id, n), a_tok, adapter="b")]),
-        lambda: ex.decode([DecodeItem(CacheRef(a_id, n), a_tok)]),  # the base model
-        lambda: ex.decode([DecodeItem(CacheRef(base_id, n), base_tok, adapter="a")]),
-        lambda: ex.unified_decode([UnifiedItem((a_tok,), a_id, n, adapter="b")]),
-        # The good item first: it must not run when the batch is refused.
-        lambda: ex.unified_decode([UnifiedItem((base_tok,), base_id, n),
-                                   UnifiedItem((a_tok,), a_id, n, adapter="")]),
+    cases = [  # batch calls fail per item (raising: that item's error)
+        lambda: raising(ex.decode([DecodeItem(CacheRef(a_id, n), a_tok, adapter="b")])),
+        lambda: raising(ex.decode([DecodeItem(CacheRef(a_id, n), a_tok)])),  # the base model
+        lambda: raising(ex.decode([DecodeItem(CacheRef(base_id, n), base_tok, adapter="a")])),
+        lambda: raising(ex.unified_decode([UnifiedItem((a_tok,), a_id, n, adapter="b")])),
+        lambda: raising(ex.unified_decode([UnifiedItem((a_tok,), a_id, n, adapter="")])),
         lambda: ex.prefill([3, 4], cache_id=chunk_id, adapter="b"),
         lambda: ex.forward_verify(CacheRef(a_id, n), [a_tok, 3], adapter="b"),
         lambda: ex.forward_verify(CacheRef(base_id, n), [base_tok, 3], adapter="a"),
-        lambda: ex.unified_decode([UnifiedItem((3, 4), chunk_id, n, adapter="")]),
+        lambda: raising(ex.unified_decode([UnifiedItem((3, 4), chunk_id, n, adapter="")])),
     ]
     for i, call in enumerate(cases):
         with rejected(ex, Code.FAILED_PRECONDITION):
@@ -181,8 +184,9 @@ def test_conflict_error_class(ex, env):
     """The issue names CacheStateConflict for a cache continued with another adapter."""
     ex.load_adapter("b", env.other)
     a = ex.prefill(PROMPT, adapter="a")
-    with pytest.raises(CacheStateConflict):
-        ex.decode([DecodeItem(CacheRef(a.cache.cache_id, len(PROMPT)), a.output.tokens[0].token_id, adapter="b")])
+    (d,) = ex.decode([DecodeItem(CacheRef(a.cache.cache_id, len(PROMPT)), a.output.tokens[0].token_id,
+                                 adapter="b")])
+    assert isinstance(d.error, CacheStateConflict)
     ex.release_cache([a.cache.cache_id])
 
 
@@ -578,10 +582,12 @@ def test_grpc_adapter_rpcs(server, env):
 
     # Errors and their codes.
     assert rpc_code(lambda: stub.Prefill(pb.PrefillRequest(token_ids=PROMPT, adapter="nope"))) == Code.NOT_FOUND
-    assert rpc_code(lambda: stub.UnifiedDecode(pb.UnifiedDecodeRequest(items=[
-        pb.UnifiedItem(token_ids=PROMPT, is_final_chunk=True, adapter="nope")]))) == Code.NOT_FOUND
-    assert rpc_code(lambda: stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
-        cache=d.results[0].cache, token_id=5, adapter="")]))) == Code.FAILED_PRECONDITION
+    (u,) = stub.UnifiedDecode(pb.UnifiedDecodeRequest(items=[
+        pb.UnifiedItem(token_ids=PROMPT, is_final_chunk=True, adapter="nope")])).results
+    assert u.status.code == Code.NOT_FOUND.value[0] and "adapter 'nope'" in u.status.message
+    (w,) = stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(cache=d.results[0].cache, token_id=5,
+                                                             adapter="")])).results
+    assert w.status.code == Code.FAILED_PRECONDITION.value[0]
     assert rpc_code(lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a"))) == Code.FAILED_PRECONDITION
     assert rpc_code(lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="nope"))) == Code.NOT_FOUND
     assert rpc_code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="a", path=str(env.other)))) \

@@ -17,6 +17,7 @@ from executor_service.op_lock import OpLock
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import CacheNotFound, InvalidRequest, QueueFull, SessionNotFound
 from tandem.status_map import status_for
+from tests.executor_driver import raising
 
 TTL = 10.0
 KV_BLOCKS = 32
@@ -170,11 +171,11 @@ def test_another_sessions_cache_is_not_found(ex):
     used = free(ex)
     for session in (b, ""):  # another named session, and the anonymous one
         with pytest.raises(CacheNotFound, match="never created or has been released"):
-            ex.decode([DecodeItem(CacheRef(cid, len(PROMPT)), tok)], session=session)
+            raising(ex.decode([DecodeItem(CacheRef(cid, len(PROMPT)), tok)], session=session))
         with pytest.raises(CacheNotFound):
             ex.prefill([3], cache_id=cid, session=session)
         with pytest.raises(CacheNotFound):
-            ex.unified_decode([UnifiedItem((tok,), cid, len(PROMPT))], session=session)
+            raising(ex.unified_decode([UnifiedItem((tok,), cid, len(PROMPT))], session=session))
         with pytest.raises(CacheNotFound):
             ex.forward_verify(CacheRef(cid, len(PROMPT)), [tok, 3], session=session)
         with pytest.raises(CacheNotFound):

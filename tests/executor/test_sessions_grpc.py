@@ -152,9 +152,8 @@ def test_anonymous_caches_expire(server):
     res = prefill(stub)  # no session: the anonymous one
     assert free_blocks(stub) == KV_BLOCKS - 1
     wait_all_free(stub)
-    code, _ = code_and_message(lambda: stub.Decode(pb.DecodeRequest(items=[
-        pb.DecodeItem(cache=res.cache, token_id=3)])))
-    assert code == Code.NOT_FOUND
+    (gone,) = stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(cache=res.cache, token_id=3)])).results
+    assert gone.status.code == Code.NOT_FOUND.value[0]  # the item fails alone
     assert prefill(stub).cache.seq_len == len(PROMPT)  # the anonymous session itself still works
     wait_all_free(stub)
 
@@ -166,9 +165,9 @@ def test_another_sessions_cache_is_unknown(server):
     res = prefill(stub, a)
     cid = res.cache.cache_id
     for other in (b, ""):
-        code, msg = code_and_message(lambda: stub.Decode(pb.DecodeRequest(
-            items=[pb.DecodeItem(cache=res.cache, token_id=3)], session_id=other)))
-        assert code == Code.NOT_FOUND and f"unknown cache id {cid!r}" in msg
+        (item,) = stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(cache=res.cache, token_id=3)],
+                                               session_id=other)).results
+        assert item.status.code == Code.NOT_FOUND.value[0] and f"unknown cache id {cid!r}" in item.status.message
         code, _ = code_and_message(lambda: stub.TruncateCache(pb.TruncateCacheRequest(
             cache_id=cid, new_len=1, session_id=other)))
         assert code == Code.NOT_FOUND

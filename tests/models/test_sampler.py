@@ -334,3 +334,19 @@ def test_min_p_boundary(device):
     mine = torch.isfinite(Sampler(4).filtered_logits(logits.to(device), [row(p)])[0].cpu())
     assert mine.tolist() == [True, True, False, False]
     assert torch.equal(mine, torch.isfinite(hf_filtered(logits, p)[0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30, 9e-6])
+def test_tiny_temperature_is_greedy(device, temperature):
+    """A subnormal (or tiny) temperature used to overflow the scaled logits to inf and pick the lowest id of
+    the tied infinities; below GREEDY_TEMPERATURE it is greedy, with filters, seeds and bias as greedy has
+    them (bias and penalties apply; filters and the draw do not)."""
+    logits = rand_logits(4, 300, seed=3, scale=20.0).to(device)
+    logits[:, 0] = -5.0  # the lowest id is never the argmax
+    s = Sampler(300)
+    params = SP(temperature=temperature, top_k=50, top_p=0.9, seed=11, logit_bias={7: 3.0})
+    got = s.sample(logits, [row(params, step_key=k) for k in range(4)]).token_ids.tolist()
+    want = s.sample(logits, [row(SP(logit_bias={7: 3.0}), step_key=k) for k in range(4)]).token_ids.tolist()
+    assert got == want == s.process_logits(logits, [row(SP(logit_bias={7: 3.0}))] * 4).argmax(-1).tolist()
+    assert SP(temperature=temperature).is_greedy and not SP(temperature=1e-5).is_greedy
