@@ -6,9 +6,14 @@ tell it from the real thing except by speed.
 Calls run the model on the caller's thread: inside an event loop each call blocks the loop for its
 duration (fine for tests and benchmarks; a server uses the gRPC client). The *_now methods are the same
 calls without asyncio, for the synchronous scheduling-policy tests.
+
+Sessions: the in-process Executor has none yet, so open_session hands out a fixed dummy id with no lease
+(lease_ttl_ms 0: nothing to renew), session ids on calls are ignored, and keep_alive / close_session do
+nothing. Replace these with the Executor's own sessions once it has them.
 """
 from __future__ import annotations
 
+import uuid
 from typing import Callable, Sequence, TypeVar
 
 from executor_service import codec
@@ -24,19 +29,20 @@ class InProcessExecutorClient:
     def __init__(self, executor: Executor, address: str = "in-process") -> None:
         self.executor = executor
         self.address = address
+        self._session_id = uuid.uuid4().hex  # the dummy session (see the module docstring)
 
     # ----------------------------------------------------------------- synchronous
     def info_now(self) -> epb.GetInfoResponse:
         return self._relay(lambda: codec.info_to_pb(self.executor.info()))
 
-    def unified_decode_now(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse:
+    def unified_decode_now(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
         def run() -> epb.UnifiedDecodeResponse:
             decoded = [codec.unified_item_from_pb(i) for i in items]
             results = self.executor.unified_decode([item for item, _ in decoded])
             return codec.unified_response_to_pb(results, [dtype for _, dtype in decoded], self.executor.kv_usage())
         return self._relay(run)
 
-    def release_now(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse:
+    def release_now(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
         def run() -> epb.ReleaseCacheResponse:
             released, unknown = self.executor.release_cache(list(cache_ids))
             return codec.release_response_to_pb(released, unknown, self.executor.kv_usage())
@@ -50,14 +56,24 @@ class InProcessExecutorClient:
     async def info(self) -> epb.GetInfoResponse:
         return self.info_now()
 
-    async def unified_decode(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse:
-        return self.unified_decode_now(items)
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
+        return self.unified_decode_now(items, session_id)
 
-    async def release(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse:
-        return self.release_now(cache_ids)
+    async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
+        return self.release_now(cache_ids, session_id)
 
     async def list_adapters(self) -> epb.ListAdaptersResponse:
         return self.list_adapters_now()
+
+    async def open_session(self, client_name: str) -> epb.OpenSessionResponse:
+        return epb.OpenSessionResponse(session_id=self._session_id, lease_ttl_ms=0,
+                                       instance_id=self.info_now().instance_id)
+
+    async def keep_alive(self, session_id: str) -> epb.KeepAliveResponse:
+        return epb.KeepAliveResponse(lease_ttl_ms=0, caches=self.executor.kv_usage().active_caches)
+
+    async def close_session(self, session_id: str) -> epb.CloseSessionResponse:
+        return epb.CloseSessionResponse(released=0, kv=self.info_now().kv)
 
     async def healthy(self) -> bool:
         return True  # constructed only around a loaded executor
