@@ -5,13 +5,12 @@ Everything runs on the server's asyncio loop (no locks): gRPC handlers submit an
 task asks the policy for a step, awaits the executor, hands the step's results back to the policy, streams
 the deltas and releases the caches the policy retired.
 
-The executor's loss (no answer: the transport failed, or a step got no answer in time), its restart (a new
-instance id) and the loss of our session (NOT_FOUND on a call naming it) are one event: every running
-request is requeued for recompute and a reconnect task polls GetInfo. When an executor serves again — and
-still fits what the scheduler relies on (model, vocabulary, EOS ids, maximum length; the token budget,
-adapter slots and adapters adapt) — a new session is opened and the queue runs again; clients saw a pause.
-Past cfg.executor_retry_s the queued requests end UNAVAILABLE. A slow answer (DEADLINE_EXCEEDED of a control
-call) is only retried.
+What the loop concludes from the executor's answers: the transport failed, a step got no answer in time,
+the instance id changed, or the executor forgot our session (NOT_FOUND on a call naming it) — the executor
+is lost, and scheduler/recovery.py requeues everything for recompute until one serves again. A slow control
+call (DEADLINE_EXCEEDED of GetInfo, KeepAlive, ReleaseCache) or any other error of one is only retried; it
+never ends the loop. An item that failed alone ends its request; a step answered with an error ends the
+step's requests, unless it is KV exhaustion (preempt, plan again).
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from scheduler import codec
 from scheduler.config import SchedulerConfig
 from scheduler.executor_client import ExecutorClient, ExecutorUnreachable, is_kv_exhaustion
 from scheduler.policy import Failure, SchedulingPolicy
+from scheduler.recovery import Recovery
 from scheduler.request import GenerateRequest
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Sequence
@@ -54,17 +54,13 @@ class Engine:
         self.session = ExecutorSession(client, client_name, clock)
         self.outputs: dict[Sequence, RequestOutput] = {}
         self.up = True  # the executor answers, and our session on it is open
+        self.closed = False  # drained: the loop and the reconnect task end
+        self.recovery = Recovery(self, on_health)
         self.steps = 0
-        self._down_since = 0.0  # while not up: when the executor was lost
-        self._gave_up = ""  # while not up: why new requests fail at once (the retry window passed, or unfit)
-        self._lost_session = ""  # the session of a lost executor: closed if that executor answers again
         self._wake = asyncio.Event()
         self._stall_poll_s = _STALL_POLL_S[0]
         self._stepping = False
         self._stopping = False
-        self._closed = False
-        self._reconnecting: asyncio.Task | None = None
-        self._on_health = on_health
         self._stats = (time.monotonic(), 0)
 
     @property
@@ -77,8 +73,8 @@ class Engine:
         when it is back; once the window has passed, or the executor came back unfit, it fails at once."""
         if self._stopping:
             raise Unavailable("the scheduler is shutting down; retry on another one")
-        if not self.up and self._gave_up:
-            raise ExecutorUnreachable(self._gave_up)
+        if not self.up and self.recovery.refusal:
+            raise ExecutorUnreachable(self.recovery.refusal)
         self.policy.check_admissible(len(request.prompt_ids), request.stopping.max_new_tokens)
         seq = Sequence(request, self.policy.next_arrival(), self.info.eos_token_ids, self.info.max_seq_len,
                        codec.executor_sampling(request, self.info.eos_token_ids))
@@ -104,13 +100,13 @@ class Engine:
         try:
             info = await self.client.info()
         except ExecutorUnreachable as exc:
-            self._executor_lost(str(exc))
+            self.recovery.lost(str(exc))
             return
         except RemoteError as exc:
             log.warning("GetInfo answered %s; keeping the executor's last info", exc)
             return
         if info.instance_id != self.info.instance_id:
-            self._executor_lost(f"executor {self.client.address} restarted (instance {self.info.instance_id!r} is "
+            self.recovery.lost(f"executor {self.client.address} restarted (instance {self.info.instance_id!r} is "
                                 f"now {info.instance_id!r}): its caches are gone")
             return
         self.info = info
@@ -120,20 +116,20 @@ class Engine:
     async def start(self) -> None:
         """Opens the scheduler's session on the executor (before run())."""
         try:
-            await self.session.open()
+            await self.session.open(self.info.session_ttl_ms)
         except ExecutorUnreachable as exc:
-            self._executor_lost(f"cannot open a session on executor {self.client.address}: {exc}")
+            self.recovery.lost(f"cannot open a session on executor {self.client.address}: {exc}")
             return
         if self.session.id:
             log.info("session %s on executor %s (lease %.0f s)", self.session.id, self.client.address,
                      self.session.ttl_s)
 
     async def run(self) -> None:
-        while not self._closed:
+        while not self.closed:
             if not self.up:  # the reconnect task wakes us once the executor is back
                 await self._sleep(None)
                 continue
-            self._fail(self.policy.expire_waiting())
+            self.fail(self.policy.expire_waiting())
             await self._release_pending()
             await self._keep_alive_if_due()
             if not self.up:
@@ -164,9 +160,8 @@ class Engine:
         step_deadline = max(deadline, time.monotonic() + 1.0)
         while self._stepping and time.monotonic() < step_deadline:
             await asyncio.sleep(0.01)
-        self._closed = True
-        if self._reconnecting is not None:
-            self._reconnecting.cancel()
+        self.closed = True
+        self.recovery.stop()
         if self.up:
             await self._release_pending()
             try:
@@ -193,21 +188,26 @@ class Engine:
         if not plan.items:
             await self._stalled()
             return
-        started = self.clock()
+        started, losses = self.clock(), self.recovery.losses
         try:
             resp = await self.client.unified_decode(codec.step_to_pb(plan, self._registered_sampling),
                                                     self.session.id)
         except ExecutorUnreachable as exc:
-            self._executor_lost(str(exc))
+            if losses == self.recovery.losses:
+                self.recovery.lost(str(exc))
             return
         except RemoteError as exc:
-            await self._step_error(plan, exc)
+            if losses == self.recovery.losses:
+                await self._step_error(plan, exc)
+            return
+        if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
+            self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
             return
         self.session.renewed(started)
         self.steps += 1
         self._stall_poll_s = _STALL_POLL_S[0]
         outcome = policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv))
-        self._fail(outcome.failed)
+        self.fail(outcome.failed)
         for e in outcome.emitted:
             output = self.outputs.get(e.seq)
             if output is None:
@@ -220,18 +220,18 @@ class Engine:
 
     async def _step_error(self, plan, exc: RemoteError) -> None:
         if exc.status_name == "DEADLINE_EXCEEDED":  # no answer in time: whether the step ran is unknown
-            self._executor_lost(f"a step got no answer from executor {self.client.address} in time ({exc})")
+            self.recovery.lost(f"a step got no answer from executor {self.client.address} in time ({exc})")
             return
         if exc.status_name == "NOT_FOUND":
             if self.session.id:  # the whole call NOT_FOUND names the session: the executor forgot it
-                self._executor_lost(f"executor {self.client.address} no longer knows this scheduler's session "
+                self.recovery.lost(f"executor {self.client.address} no longer knows this scheduler's session "
                                     f"(expired, or the executor restarted): {exc}")
                 return
             await self.refresh_info()  # no sessions: unknown caches may mean a restart (a new instance id)
             if not self.up:
                 return
         kv_full = is_kv_exhaustion(exc)
-        self._fail(self.policy.step_failed(plan, exc, kv_full))
+        self.fail(self.policy.step_failed(plan, exc, kv_full))
         if kv_full:  # someone else took blocks: make room (done), look at the pool, plan again
             await self.refresh_info()
             if not self.policy.running:
@@ -249,9 +249,9 @@ class Engine:
             return
         head = self.policy.drop_unfittable_head()
         if head is not None:
-            self._fail([head])
+            self.fail([head])
             return
-        await self._sleep(self._stall_poll_s)
+        await asyncio.sleep(self._stall_poll_s)
         self._stall_poll_s = min(self._stall_poll_s * 2, _STALL_POLL_S[1])
 
     async def _release_pending(self) -> None:
@@ -263,12 +263,12 @@ class Engine:
             resp = await self.client.release(ids, self.session.id)
         except ExecutorUnreachable as exc:
             self.policy.release_failed(ids)  # stale now: released (or their session closed) once it is back
-            self._executor_lost(str(exc))
+            self.recovery.lost(str(exc))
             return
         except RemoteError as exc:
             if exc.status_name == "NOT_FOUND" and self.session.id:
                 self.policy.release_failed(ids)
-                self._executor_lost(f"executor {self.client.address} no longer knows this scheduler's session: "
+                self.recovery.lost(f"executor {self.client.address} no longer knows this scheduler's session: "
                                     f"{exc}")
             elif exc.status_name == "DEADLINE_EXCEEDED":
                 self.policy.release_failed(ids)  # retried (ReleaseCache is idempotent)
@@ -285,99 +285,26 @@ class Engine:
         try:
             await self.session.keep_alive()
         except ExecutorUnreachable as exc:
-            self._executor_lost(str(exc))
+            self.recovery.lost(str(exc))
         except RemoteError as exc:
             if exc.status_name == "NOT_FOUND":
-                self._executor_lost(f"executor {self.client.address} no longer knows this scheduler's session: "
+                self.recovery.lost(f"executor {self.client.address} no longer knows this scheduler's session: "
                                     f"{exc}")
             else:
                 log.warning("KeepAlive answered %s; retrying", exc)
                 self.session.retry_keep_alive_in(_KEEP_ALIVE_RETRY_S)
 
-    # ----------------------------------------------------------------- failures and recovery
-    def _fail(self, failures: list[Failure]) -> None:
+    # ----------------------------------------------------------------- failures
+    def wake(self) -> None:
+        """Ends the loop's wait (a request, an abort, the executor's return)."""
+        self._wake.set()
+
+    def fail(self, failures: list[Failure]) -> None:
+        """Ends these requests' streams with their errors."""
         for f in failures:
             output = self.outputs.get(f.seq)
             if output is not None:
                 output.fail(f.error)
-
-    def _executor_lost(self, reason: str) -> None:
-        """The executor's caches (and our session) are gone or unknowable: requeue everything for recompute
-        and poll until an executor serves again."""
-        if not self.up:
-            return
-        requeued = self.policy.executor_lost()
-        self.up = False
-        self._down_since = self.clock()
-        self._gave_up = ""
-        self._lost_session, self.session.id = self.session.id, ""
-        log.error("%s; %d running and %d queued requests wait up to %g s (--executor-retry-s) for it to serve "
-                  "again, then are recomputed", reason, requeued, len(self.policy.waiting) - requeued,
-                  self.cfg.executor_retry_s)
-        self._on_health(False)
-        if self._reconnecting is None or self._reconnecting.done():
-            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect(), name="reconnect")
-
-    def _check_retry_window(self) -> None:
-        if self._gave_up or self.clock() - self._down_since < self.cfg.executor_retry_s:
-            return
-        self._gave_up = (f"executor {self.client.address} did not serve again within {self.cfg.executor_retry_s:g} s "
-                         "(--executor-retry-s); the scheduler serves again once it is back")
-        failed = self.policy.fail_all(ExecutorUnreachable(self._gave_up))
-        log.error("%s: %d requests end UNAVAILABLE", self._gave_up, len(failed))
-        self._fail(failed)
-
-    async def _reconnect(self) -> None:
-        first = True
-        while not self._closed:
-            if not first:
-                wait = self.cfg.reconnect_interval_s
-                if not self._gave_up:
-                    wait = min(wait, max(0.0, self._down_since + self.cfg.executor_retry_s - self.clock()))
-                await asyncio.sleep(wait)
-            first = False
-            self._check_retry_window()
-            try:
-                info = await self.client.info()
-            except (ExecutorUnreachable, RemoteError):
-                continue
-            if await self._back(info):
-                return
-
-    async def _back(self, info: epb.GetInfoResponse) -> bool:
-        """An executor answers again: check that it fits, free what the lost one may still hold, open a new
-        session, adapt the limits. False: not usable (yet); keep polling."""
-        unfit = _unfit_reason(self.info, info, self.client.address)
-        if unfit:
-            if unfit != self._gave_up:
-                log.error("%s", unfit)
-            self._gave_up = unfit
-            self._fail(self.policy.fail_all(Unavailable(unfit)))
-            return False
-        stale = self.policy.take_stale()
-        same_instance = info.instance_id == self.info.instance_id  # ("" == "": unknown, so assume it may be)
-        try:
-            if same_instance and self._lost_session:
-                await self.client.close_session(self._lost_session)  # frees every cache the old session held
-            elif same_instance and stale:
-                await self.client.release(stale)  # unknown ids are no error
-            self._lost_session = ""
-            await self.session.open()
-        except (ExecutorUnreachable, RemoteError) as exc:
-            self.policy.keep_stale(stale)
-            log.warning("executor %s answers but cannot be used yet: %s", self.client.address, exc)
-            return False
-        self.info = info
-        self.policy.reconfigure(kv_usage_from_pb(info.kv), info.max_batch_tokens, info.max_adapters_on_device)
-        self._fail(self.policy.drop_missing_adapters(set(info.adapters)))
-        self.policy.restart_queue_clocks()
-        self.up, self._gave_up = True, ""
-        self._on_health(True)
-        log.info("executor %s serves again (%d KV blocks free, session %s); %d requests to recompute or run",
-                 self.client.address, self.policy.kv.free_blocks, self.session.id or "(none)",
-                 len(self.policy.waiting))
-        self._wake.set()
-        return True
 
     def _log_stats(self, tokens: int) -> None:
         since, count = self._stats
@@ -392,16 +319,3 @@ class Engine:
             since, count = now, 0
         self._stats = (since, count)
 
-
-def _unfit_reason(was: epb.GetInfoResponse, now: epb.GetInfoResponse, address: str) -> str:
-    """Why an executor that answers again cannot continue the scheduler's requests ("" = it can): the
-    tokenizer and every queued sequence were built for the old model."""
-    for what, old, new in (("model", was.model_id, now.model_id), ("model directory", was.model_dir, now.model_dir),
-                           ("vocabulary size", was.vocab_size, now.vocab_size),
-                           ("EOS token ids", list(was.eos_token_ids), list(now.eos_token_ids)),
-                           ("maximum sequence length", was.max_seq_len, now.max_seq_len)):
-        if old != new:
-            shown = "" if what == "model directory" else f" ({new} instead of {old})"  # no host paths
-            return (f"executor {address} came back with another {what}{shown}; restart the scheduler to serve "
-                    "it")
-    return ""

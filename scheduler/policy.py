@@ -9,6 +9,13 @@ executor client and the client streams, in the shape of vLLM V1's `schedule()` /
     outcome = policy.update(plan, results, kv) # tokens appended, finished and failed sequences retired
     ids = policy.take_releases()               # caches the loop must release on the executor
 
+Admission (the planner's rules, scheduler/planner.py): oldest first, never skipping the head; a request is
+admitted when its whole prompt fits the free KV blocks of the executor's last answer (not the pool size) and,
+with an executor that reports max_adapters_on_device, when its adapter is one the running requests already
+use or a slot is free — so running requests never use more adapters than the executor has slots, every
+step stays within the limit, and no running sequence is ever left out of a step for its adapter. A request
+whose adapter has no slot waits (and everyone behind it) until a running adapter's last request ends.
+
 Failure rules (each returns the requests that end, with their error, for the loop to report):
 - an item the executor failed alone (its result's status) ends that request only; the step's others go on;
 - a step answered with an error: KV exhaustion preempts the youngest running sequence and the step is planned

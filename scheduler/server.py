@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from tandem.grpc_setup import add_health_reflection_and_ports
-from tandem.errors import CheckpointError
+from tandem.errors import CheckpointError, RemoteError
 from tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
@@ -26,21 +26,26 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_
 
 
 async def _wait_for_executor(client: GrpcExecutorClient, cfg: SchedulerConfig):
-    """GetInfo until the executor serves (it may still be loading its model)."""
+    """GetInfo until the executor serves (it may still be loading its model, or be slow to answer)."""
     deadline = time.monotonic() + cfg.connect_timeout_s
     last_note = 0.0
     while True:
         try:
             return await client.info()
+        except RemoteError as exc:
+            if exc.status_name != "DEADLINE_EXCEEDED":  # an answer: not an executor we can use
+                raise
+            error: Exception = exc
         except ExecutorUnreachable as exc:
-            now = time.monotonic()
-            if now >= deadline:
-                raise ExecutorUnreachable(f"executor {cfg.executor} did not serve within "
-                                          f"{cfg.connect_timeout_s:.0f}s: {exc}") from exc
-            if now - last_note >= 10:
-                log.info("waiting for executor %s to serve...", cfg.executor)
-                last_note = now
-            await asyncio.sleep(min(cfg.reconnect_interval_s, 0.5))
+            error = exc
+        now = time.monotonic()
+        if now >= deadline:
+            raise ExecutorUnreachable(f"executor {cfg.executor} did not serve within "
+                                      f"{cfg.connect_timeout_s:.0f}s: {error}") from error
+        if now - last_note >= 10:
+            log.info("waiting for executor %s to serve...", cfg.executor)
+            last_note = now
+        await asyncio.sleep(min(cfg.reconnect_interval_s, 0.5))
 
 
 async def serve_async(cfg: SchedulerConfig) -> int:

@@ -29,9 +29,10 @@ class ExecutorSession:
         self._clock = clock
         self._renewed_at = 0.0
 
-    async def open(self) -> None:
+    async def open(self, default_ttl_ms: int = 0) -> None:
         """Opens a new session (the old id, if any, is forgotten: close it first if it may still exist).
-        Raises ExecutorUnreachable; an error answer leaves the id "" (the anonymous session)."""
+        default_ttl_ms: the lease GetInfo reports (session_ttl_ms), if OpenSession does not say. Raises
+        ExecutorUnreachable; an error answer leaves the id "" (the anonymous session)."""
         self.id, self.ttl_s = "", 0.0
         started = self._clock()
         try:
@@ -41,7 +42,7 @@ class ExecutorSession:
             log.log(level, "no session on executor %s (OpenSession: %s %s); using its anonymous session",
                     self.client.address, exc.status_name, exc)
             return
-        self.id, self.ttl_s = resp.session_id, resp.lease_ttl_ms / 1000.0
+        self.id, self.ttl_s = resp.session_id, (resp.lease_ttl_ms or default_ttl_ms) / 1000.0
         self._renewed_at = started
 
     def renewed(self, at: float) -> None:

@@ -53,6 +53,8 @@ class FaultyExecutorClient:
     session_ttl_ms: int = 0
     registered_sampling: bool = False  # advertise and play "registered_sampling"
     max_adapters_on_device: int = 0
+    max_batch_tokens: int = 0  # 0 = the inner executor's
+    hidden_adapters: set[str] = field(default_factory=set)  # GetInfo leaves these out (as if not loaded)
     instance_id: str = ""
     sent: list[Sent] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)  # every method called, in order
@@ -103,6 +105,10 @@ class FaultyExecutorClient:
         out.instance_id = self.instance_id
         out.max_adapters_on_device = self.max_adapters_on_device
         out.session_ttl_ms = self.session_ttl_ms
+        out.max_batch_tokens = self.max_batch_tokens or out.max_batch_tokens
+        kept = [a for a in out.adapters if a not in self.hidden_adapters]
+        del out.adapters[:]
+        out.adapters.extend(kept)
         if self.registered_sampling:
             out.capabilities.append("registered_sampling")
         return out
@@ -115,6 +121,9 @@ class FaultyExecutorClient:
         adapters = {i.adapter for i in items if i.adapter}
         if self.max_adapters_on_device and len(adapters) > self.max_adapters_on_device:
             raise RemoteError("INVALID_ARGUMENT", f"executor {self.address}: {len(adapters)} adapters in one call")
+        total = sum(len(i.token_ids) for i in items)
+        if self.max_batch_tokens and total > self.max_batch_tokens:
+            raise RemoteError("INVALID_ARGUMENT", f"executor {self.address}: {total} tokens in one call")
         failing = {n: name for (s, n), name in self.item_faults.items() if s == step}
         run = []
         for n, item in enumerate(items):

@@ -5,20 +5,18 @@ slow control calls; sessions (open, renew, close) and executors without them."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
 
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
 from scheduler.executor_client import ExecutorUnreachable
-from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
+from scheduler.request import FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.tokenizer import ModelTokenizer
-from tandem.errors import RemoteError, TandemError
+from tandem.errors import RemoteError
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import Fault, FaultyExecutorClient
+from tests.scheduler.engine_harness import Running, collect, tokens, until
 
 NEW = 10
 PROMPTS = {"a": [5, 17, 33, 8, 91, 120, 7, 64, 3, 250, 11, 42], "b": [1, 300, 22, 9, 41],
@@ -38,52 +36,6 @@ def client(model_dir):
 
 def request(rid: str, sampling: SamplingParams = SamplingParams(), new: int = NEW, **stop) -> GenerateRequest:
     return GenerateRequest(rid, tuple(PROMPTS[rid[0]]), StoppingCriteria(new, ignore_eos=True, **stop), sampling)
-
-
-class Running:
-    """An Engine over `client` with its loop running: `async with Running(...) as engine`. Health changes are
-    recorded; on exit the engine drains and every KV block must be free again."""
-
-    def __init__(self, client, tokenizer, **cfg) -> None:
-        self.client = client
-        self.health: list[bool] = []
-        cfg.setdefault("reconnect_interval_s", 0.01)
-        self.engine = Engine(SchedulerConfig("faulty", **cfg), client, tokenizer, client.info_now(),
-                             on_health=self.health.append, client_name="tandem-scheduler test")
-
-    async def __aenter__(self) -> Engine:
-        await self.engine.start()
-        self.task = asyncio.create_task(self.engine.run())
-        return self.engine
-
-    async def __aexit__(self, *exc) -> None:
-        await self.engine.drain(0)
-        self.task.cancel()
-        if exc[0] is None:
-            kv = self.client.info_now().kv
-            assert (kv.active_caches, kv.free_blocks) == (0, kv.total_blocks), "KV blocks leaked"
-
-
-async def collect(output) -> list[Delta | TandemError]:
-    events = []
-    while True:
-        event = await asyncio.wait_for(output.events.get(), 30)
-        events.append(event)
-        if isinstance(event, TandemError) or event.finish_reason is not None:
-            return events
-
-
-def tokens(events) -> list[int]:
-    return [t.token_id for e in events if isinstance(e, Delta) for t in e.tokens]
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    """Polls condition (a deadline, not a timing assert: it fails only if the engine never gets there)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        await asyncio.sleep(0.005)
 
 
 async def clean_run(client, tokenizer, requests: list[GenerateRequest]) -> dict[str, list[int]]:
@@ -155,6 +107,24 @@ def test_a_restart_without_sessions_is_seen_by_the_instance_id(client, tokenizer
             seq, out = engine.submit(request("a"))
             assert tokens(await collect(out)) == want["a"]
             assert engine.info.instance_id == faulty.instance_id and seq.preemptions == 1
+    scenario(run())
+
+
+def test_a_step_answering_after_the_executor_was_declared_lost_is_not_applied(client, tokenizer):
+    """A handler's GetInfo sees a new instance id while a step is in flight: the plan is requeued at once, and
+    the step's late answer must not add a token (it would be a duplicate after the recompute)."""
+    async def run():
+        want = await clean_run(client, tokenizer, [request("a")])
+        faulty = FaultyExecutorClient(client, step_faults={3: Fault("late", delay_s=0.3)}, instance_id="first")
+        async with Running(faulty, tokenizer) as engine:
+            _, out = engine.submit(request("a"))
+            await until(lambda: faulty.steps >= 4, "the late step in flight")
+            faulty.instance_id = "second"
+            await engine.refresh_info()  # as GetModelInfo does
+            assert not engine.up
+            got = tokens(await collect(out))
+            faulty.restart()  # the first instance's caches go with it
+        assert got == want["a"]
     scenario(run())
 
 
