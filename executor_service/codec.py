@@ -227,6 +227,14 @@ def session_lease_to_pb(lease: SessionLease) -> pb.OpenSessionResponse:
                                   instance_id=lease.instance_id)
 
 
+def keep_alive_to_pb(ttl_s: float, caches: int) -> pb.KeepAliveResponse:
+    return pb.KeepAliveResponse(lease_ttl_ms=ms(ttl_s), caches=caches)
+
+
+def close_session_to_pb(released: int, kv: KvUsage) -> pb.CloseSessionResponse:
+    return pb.CloseSessionResponse(released=released, kv=kv_usage_to_pb(kv))
+
+
 def list_caches_to_pb(sessions: list[SessionListing], kv: KvUsage) -> pb.ListCachesResponse:
     return pb.ListCachesResponse(kv=kv_usage_to_pb(kv), sessions=[
         pb.SessionInfo(session_id=s.session_id, client_name=s.client_name, expires_in_ms=ms(s.expires_in_s),

@@ -6,6 +6,9 @@ tell it from the real thing except by speed.
 Calls run the model on the caller's thread: inside an event loop each call blocks the loop for its
 duration (fine for tests and benchmarks; a server uses the gRPC client). The *_now methods are the same
 calls without asyncio, for the synchronous scheduling-policy tests.
+
+Sessions are the Executor's own (leases are reaped only where something calls Executor.reap_lapsed: the
+gRPC server's reaper thread; in process nothing expires unless a test does).
 """
 from __future__ import annotations
 
@@ -29,16 +32,17 @@ class InProcessExecutorClient:
     def info_now(self) -> epb.GetInfoResponse:
         return self._relay(lambda: codec.info_to_pb(self.executor.info()))
 
-    def unified_decode_now(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse:
+    def unified_decode_now(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
         def run() -> epb.UnifiedDecodeResponse:  # per-item statuses, exactly as the gRPC servicer builds them
             ex = self.executor
-            results, dtypes = codec.run_unified(items, ex.unified_decode, ex.cache_ref)
+            results, dtypes = codec.run_unified(items, lambda decoded: ex.unified_decode(decoded, session_id),
+                                                lambda cache_id: ex.cache_ref(cache_id, session_id))
             return codec.unified_response_to_pb(results, dtypes, ex.kv_usage())
         return self._relay(run)
 
-    def release_now(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse:
+    def release_now(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
         def run() -> epb.ReleaseCacheResponse:
-            released, unknown = self.executor.release_cache(list(cache_ids))
+            released, unknown = self.executor.release_cache(list(cache_ids), session_id)
             return codec.release_response_to_pb(released, unknown, self.executor.kv_usage())
         return self._relay(run)
 
@@ -50,14 +54,24 @@ class InProcessExecutorClient:
     async def info(self) -> epb.GetInfoResponse:
         return self.info_now()
 
-    async def unified_decode(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse:
-        return self.unified_decode_now(items)
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
+        return self.unified_decode_now(items, session_id)
 
-    async def release(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse:
-        return self.release_now(cache_ids)
+    async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
+        return self.release_now(cache_ids, session_id)
 
     async def list_adapters(self) -> epb.ListAdaptersResponse:
         return self.list_adapters_now()
+
+    async def open_session(self, client_name: str) -> epb.OpenSessionResponse:
+        return self._relay(lambda: codec.session_lease_to_pb(self.executor.open_session(client_name)))
+
+    async def keep_alive(self, session_id: str) -> epb.KeepAliveResponse:
+        return self._relay(lambda: codec.keep_alive_to_pb(*self.executor.keep_alive(session_id)))
+
+    async def close_session(self, session_id: str) -> epb.CloseSessionResponse:
+        ex = self.executor
+        return self._relay(lambda: codec.close_session_to_pb(ex.close_session(session_id), ex.kv_usage()))
 
     async def healthy(self) -> bool:
         return True  # constructed only around a loaded executor

@@ -144,13 +144,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return codec.session_lease_to_pb(self.ex.open_session(request.client_name))
 
     def KeepAlive(self, request, context):
-        ttl_s, caches = self.ex.keep_alive(request.session_id)
-        return pb.KeepAliveResponse(lease_ttl_ms=codec.ms(ttl_s), caches=caches)
+        return codec.keep_alive_to_pb(*self.ex.keep_alive(request.session_id))
 
     def CloseSession(self, request, context):
         ex = self.ex
-        released = ex.close_session(request.session_id)
-        return pb.CloseSessionResponse(released=released, kv=codec.kv_usage_to_pb(ex.kv_usage()))
+        return codec.close_session_to_pb(ex.close_session(request.session_id), ex.kv_usage())
 
     def ListCaches(self, request, context):
         ex = self.ex

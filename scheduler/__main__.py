@@ -19,6 +19,9 @@ _LIMITS = (  # (SchedulerConfig field, help with {} for the default)
     ("default_max_new_tokens", "max_new_tokens of requests that leave it unset (default {})"),
     ("max_waiting", "queued requests beyond which Generate is RESOURCE_EXHAUSTED (default {})"),
     ("max_message_mb", "request size limit in MiB (default {})"),
+    ("max_prompt_chars", "characters of a text prompt, or of all chat messages together, beyond which Generate and "
+                         "Tokenize are INVALID_ARGUMENT before tokenizing (default {})"),
+    ("tokenizer_threads", "worker threads that tokenize and render chat templates off the event loop (default {})"),
 )
 
 
@@ -39,6 +42,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, what in _LIMITS:  # integer limits: --max-batch-tokens N sets SchedulerConfig.max_batch_tokens
         default = getattr(_D, name)
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=what.format(default))
+    ap.add_argument("--max-queue-time", type=float, default=_D.max_queue_time_s,
+                    help="seconds a request may wait to be admitted (to get KV blocks on the executor) before it ends "
+                         f"RESOURCE_EXHAUSTED with the reason (default {_D.max_queue_time_s:.0f})")
+    ap.add_argument("--executor-retry-s", type=float, default=_D.executor_retry_s,
+                    help="when the executor is lost or restarts: seconds queued and in-flight requests wait for it to "
+                         "serve again (they are then recomputed, clients see a pause); past it they end UNAVAILABLE "
+                         f"(default {_D.executor_retry_s:.0f}; 0 = at once)")
     ap.add_argument("--connect-timeout", type=float, default=_D.connect_timeout_s,
                     help=f"seconds to wait at startup for the executor to serve (default {_D.connect_timeout_s:.0f})")
     ap.add_argument("--grace", type=float, default=_D.grace_s,
@@ -55,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                           tokenizer=args.tokenizer, max_batch_tokens=args.max_batch_tokens,
                           max_running=args.max_running, prefill_chunk=args.prefill_chunk,
                           default_max_new_tokens=args.default_max_new_tokens, max_waiting=args.max_waiting,
-                          max_message_mb=args.max_message_mb, connect_timeout_s=args.connect_timeout,
+                          max_message_mb=args.max_message_mb, max_prompt_chars=args.max_prompt_chars,
+                          tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
+                          executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
                           grace_s=args.grace)
     try:
         cfg.validate()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import uuid
 
+import grpc
+
 from tandem.codec import sampling_from_pb, sampling_to_pb
-from tandem.errors import AdapterNotFound, InvalidRequest, SequenceTooLong
+from tandem.errors import AdapterNotFound, InvalidRequest, RemoteError, SequenceTooLong
 from tandem.sampling_params import SamplingParams
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
@@ -19,9 +21,27 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
+MAX_CHAT_MESSAGES = 4096
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # ItemStatus.code -> "NOT_FOUND"
 
 _FINISH = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORTED: pb.FINISH_REASON_ABORTED}
+
+
+def check_input_size(m: pb.GenerateRequest | pb.TokenizeRequest, max_chars: int) -> None:
+    """The size limits of a text or chat input, checked before it is tokenized (cheap: lengths only)."""
+    kind = m.WhichOneof("input")
+    if kind == "text" and len(m.text) > max_chars:
+        raise InvalidRequest(f"input text has {len(m.text)} characters; this scheduler takes at most {max_chars} "
+                             "(--max-prompt-chars)")
+    if kind == "messages":
+        messages = m.messages.messages
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise InvalidRequest(f"input has {len(messages)} chat messages; at most {MAX_CHAT_MESSAGES}")
+        chars = sum(len(x.role) + len(x.content) for x in messages)
+        if chars > max_chars:
+            raise InvalidRequest(f"input messages have {chars} characters in all; this scheduler takes at most "
+                                 f"{max_chars} (--max-prompt-chars)")
 
 
 def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTokenizer, vocab_size: int) -> list[int]:
@@ -62,18 +82,22 @@ def executor_sampling(request: GenerateRequest, eos_token_ids) -> tuple[cpb.Samp
     return sampling, with_banned_tokens(sampling, set(eos) | stop.stop_token_ids)
 
 
-def step_to_pb(plan: StepPlan) -> list[epb.UnifiedItem]:
-    """The UnifiedDecode items of a planned step."""
-    return [_item_to_pb(item) for item in plan.items]
+def step_to_pb(plan: StepPlan, registered_sampling: bool = False) -> list[epb.UnifiedItem]:
+    """The UnifiedDecode items of a planned step. registered_sampling: the executor registers sampling with
+    the cache (capability "registered_sampling"), so an item sends it only when the cache has none yet or it
+    changes; otherwise every final item carries it. Prompt chunks that sample nothing never carry it."""
+    return [_item_to_pb(item, registered_sampling) for item in plan.items]
 
 
-def _item_to_pb(item: StepItem) -> epb.UnifiedItem:
+def _item_to_pb(item: StepItem, registered_sampling: bool) -> epb.UnifiedItem:
     seq, req = item.seq, item.seq.request
+    final = item.is_final
     return epb.UnifiedItem(cache_id=seq.cache_id, token_ids=seq.token_slice(item.start, item.start + item.count),
-                           pos_offset=item.start, is_final_chunk=item.is_final, sampling=seq.sampling_for_next_token(),
+                           pos_offset=item.start, is_final_chunk=final,
+                           sampling=seq.sampling_to_send(registered_sampling) if final else None,
                            output=_output_options(req.top_logprobs), adapter=req.adapter,
                            # read by the executor at the first final chunk only
-                           prompt_len=len(req.prompt_ids) if item.is_final else None)
+                           prompt_len=len(req.prompt_ids) if final else None)
 
 
 _OUTPUT_OPTIONS: dict[int, epb.OutputOptions] = {}  # by top_logprobs: built once, never mutated
@@ -87,8 +111,15 @@ def _output_options(top_logprobs: int) -> epb.OutputOptions:
 
 
 def item_results_from_pb(resp: epb.UnifiedDecodeResponse) -> list[ItemResult]:
+    """Per item: its cache and token, or the error it failed with alone (an unset status is OK: an executor
+    without per-item statuses fails the whole call instead)."""
     results = []
     for r in resp.results:
+        if r.status.code:
+            name = _STATUS_NAMES.get(r.status.code, "UNKNOWN")
+            results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, None,
+                                      RemoteError(name, f"executor: {r.status.message or name}")))
+            continue
         token = None
         if r.HasField("output") and r.output.tokens:
             t = r.output.tokens[0]

@@ -17,15 +17,29 @@ class SchedulerConfig:
     default_max_new_tokens: int = 256  # when a request leaves max_new_tokens unset
     max_waiting: int = 1024  # queued requests beyond which Generate answers RESOURCE_EXHAUSTED
     max_message_mb: int = 16  # request size limit (prompts), and the executor channel's
+    # Characters of a text prompt, or of all chat messages together (roles and contents), checked before
+    # tokenizing: a larger input is INVALID_ARGUMENT without costing a tokenizer worker any time.
+    max_prompt_chars: int = 1_000_000
+    tokenizer_threads: int = 2  # workers that tokenize and render chat templates off the event loop
+    # A request not admitted (given KV blocks) within this time ends RESOURCE_EXHAUSTED, naming why.
+    max_queue_time_s: float = 60.0
+    # After the executor is lost (or restarts), queued and in-flight requests wait this long for it to serve
+    # again (then they are recomputed); past it they end UNAVAILABLE. 0 = they end UNAVAILABLE at once.
+    executor_retry_s: float = 60.0
     connect_timeout_s: float = 300.0  # at startup: how long to wait for the executor to serve
     reconnect_interval_s: float = 1.0  # while the executor is unreachable: how often to try it
     grace_s: float = 30.0  # on SIGTERM: time running requests get to finish before they are aborted
 
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_running", "prefill_chunk", "default_max_new_tokens", "max_waiting",
-                     "max_message_mb"):
+                     "max_message_mb", "max_prompt_chars", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.max_queue_time_s > 0:  # also rejects NaN
+            raise ValueError(f"--max-queue-time must be > 0 seconds, got {self.max_queue_time_s}")
+        for flag, value in (("--executor-retry-s", self.executor_retry_s), ("--grace", self.grace_s)):
+            if not value >= 0:
+                raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
         if self.max_running > self.max_batch_tokens:
             raise ValueError(f"--max-running ({self.max_running}) cannot exceed --max-batch-tokens "
                              f"({self.max_batch_tokens}): every running sequence needs a token per step")

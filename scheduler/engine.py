@@ -4,6 +4,13 @@ the executor client (scheduler/executor_client.py) and each request's output str
 Everything runs on the server's asyncio loop (no locks): gRPC handlers submit and abort requests; the loop
 task asks the policy for a step, awaits the executor, hands the step's results back to the policy, streams
 the deltas and releases the caches the policy retired.
+
+What the loop concludes from the executor's answers: the transport failed, a step got no answer in time,
+the instance id changed, or the executor forgot our session (NOT_FOUND on a call naming it) — the executor
+is lost, and scheduler/recovery.py requeues everything for recompute until one serves again. A slow control
+call (DEADLINE_EXCEEDED of GetInfo, KeepAlive, ReleaseCache) or any other error of one is only retried; it
+never ends the loop. An item that failed alone ends its request; a step answered with an error ends the
+step's requests, unless it is KV exhaustion (preempt, plan again).
 """
 from __future__ import annotations
 
@@ -14,46 +21,60 @@ from typing import Callable
 
 from scheduler import codec
 from scheduler.config import SchedulerConfig
-from scheduler.executor_client import ExecutorClient, ExecutorUnreachable
-from scheduler.policy import SchedulingPolicy
+from scheduler.executor_client import ExecutorClient, ExecutorUnreachable, is_kv_exhaustion
+from scheduler.policy import Failure, SchedulingPolicy
+from scheduler.recovery import Recovery
 from scheduler.request import GenerateRequest
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Sequence
+from scheduler.session import ExecutorSession
 from tandem.codec import kv_usage_from_pb
-from tandem.errors import CapacityExceeded, RemoteError, TandemError, Unavailable
+from tandem.errors import RemoteError, Unavailable
 from tandem.executor.v1 import executor_pb2 as epb
 
 log = logging.getLogger("tandem.scheduler")
-_STALL_POLL_S = 0.05  # KV held by another client of the executor: how often to look again
+_STALL_POLL_S = (0.02, 0.5)  # KV held by another client of the executor: look again, backing off to 0.5 s
+_KEEP_ALIVE_RETRY_S = 1.0
 _STATS_EVERY_S = 10.0
+REGISTERED_SAMPLING = "registered_sampling"  # GetInfo capability: sampling is registered with the cache
 
 
 class Engine:
-    def __init__(self, cfg: SchedulerConfig, client: ExecutorClient, tokenizer,
-                 info: epb.GetInfoResponse, on_health: Callable[[bool], None] = lambda up: None) -> None:
+    def __init__(self, cfg: SchedulerConfig, client: ExecutorClient, tokenizer, info: epb.GetInfoResponse,
+                 on_health: Callable[[bool], None] = lambda up: None, clock: Callable[[], float] = time.monotonic,
+                 client_name: str = "tandem-scheduler") -> None:
         self.cfg = cfg
         self.client = client
         self.tokenizer = tokenizer
         self.info = info
-        self.policy = SchedulingPolicy(cfg, kv_usage_from_pb(info.kv), info.max_batch_tokens)
+        self.clock = clock
+        self.policy = SchedulingPolicy(cfg, kv_usage_from_pb(info.kv), info.max_batch_tokens,
+                                       info.max_adapters_on_device, clock)
         self.planner = self.policy.planner
+        self.session = ExecutorSession(client, client_name, clock)
         self.outputs: dict[Sequence, RequestOutput] = {}
-        self.up = True  # the executor answers
+        self.up = True  # the executor answers, and our session on it is open
+        self.closed = False  # drained: the loop and the reconnect task end
+        self.recovery = Recovery(self, on_health)
         self.steps = 0
         self._wake = asyncio.Event()
+        self._stall_poll_s = _STALL_POLL_S[0]
         self._stepping = False
         self._stopping = False
-        self._closed = False
-        self._on_health = on_health
         self._stats = (time.monotonic(), 0)
+
+    @property
+    def _registered_sampling(self) -> bool:
+        return REGISTERED_SAMPLING in self.info.capabilities
 
     # ----------------------------------------------------------------- requests (called by the servicer)
     def submit(self, request: GenerateRequest) -> tuple[Sequence, RequestOutput]:
+        """Queues a request. While the executor is away (within the retry window) it is queued too, and runs
+        when it is back; once the window has passed, or the executor came back unfit, it fails at once."""
         if self._stopping:
             raise Unavailable("the scheduler is shutting down; retry on another one")
-        if not self.up:
-            raise ExecutorUnreachable(f"executor {self.client.address} is unreachable; the scheduler reconnects "
-                                      "and serves again when it is back")
+        if not self.up and self.recovery.refusal:
+            raise ExecutorUnreachable(self.recovery.refusal)
         self.policy.check_admissible(len(request.prompt_ids), request.stopping.max_new_tokens)
         seq = Sequence(request, self.policy.next_arrival(), self.info.eos_token_ids, self.info.max_seq_len,
                        codec.executor_sampling(request, self.info.eos_token_ids))
@@ -72,25 +93,50 @@ class Engine:
         self._wake.set()
 
     async def refresh_info(self) -> None:
-        """Re-reads the executor's info (adapters loaded since, KV)."""
+        """Re-reads the executor's info (adapters loaded since, KV). A slow or failed answer keeps what the
+        scheduler knew; no answer, or another instance, is the executor's loss."""
+        if not self.up:
+            return
         try:
-            self.info = await self.client.info()
-            self.policy.kv = kv_usage_from_pb(self.info.kv)
+            info = await self.client.info()
         except ExecutorUnreachable as exc:
-            self._executor_lost(exc)
+            self.recovery.lost(str(exc))
+            return
+        except RemoteError as exc:
+            log.warning("GetInfo answered %s; keeping the executor's last info", exc)
+            return
+        if info.instance_id != self.info.instance_id:
+            self.recovery.lost(f"executor {self.client.address} restarted (instance {self.info.instance_id!r} is "
+                                f"now {info.instance_id!r}): its caches are gone")
+            return
+        self.info = info
+        self.policy.kv = kv_usage_from_pb(info.kv)
 
     # ----------------------------------------------------------------- the loop
+    async def start(self) -> None:
+        """Opens the scheduler's session on the executor (before run())."""
+        try:
+            await self.session.open(self.info.session_ttl_ms)
+        except ExecutorUnreachable as exc:
+            self.recovery.lost(f"cannot open a session on executor {self.client.address}: {exc}")
+            return
+        if self.session.id:
+            log.info("session %s on executor %s (lease %.0f s)", self.session.id, self.client.address,
+                     self.session.ttl_s)
+
     async def run(self) -> None:
-        while not self._closed:
-            if not self.up:  # _reconnect() wakes us once the executor is back
-                self._wake.clear()
-                await self._wake.wait()
+        while not self.closed:
+            if not self.up:  # the reconnect task wakes us once the executor is back
+                await self._sleep(None)
                 continue
+            self.fail(self.policy.expire_waiting())
             await self._release_pending()
+            await self._keep_alive_if_due()
+            if not self.up:
+                continue
             if not self.policy.has_work:
-                self._wake.clear()
                 if not self.policy.has_releases:
-                    await self._wake.wait()
+                    await self._sleep(self.session.keep_alive_in())
                 continue
             self._stepping = True
             try:
@@ -99,20 +145,38 @@ class Engine:
                 self._stepping = False
 
     async def drain(self, grace_s: float) -> None:
-        """Stops taking requests, lets running ones finish for up to grace_s, aborts the rest."""
+        """Stops taking requests, lets running ones finish for up to grace_s, aborts the rest, releases what
+        it can and closes the session (the executor frees whatever the session still holds)."""
         self._stopping = True
         deadline = time.monotonic() + grace_s
-        while self.policy.has_work and time.monotonic() < deadline and self.up:
+        while self.policy.has_work and self.up and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for seq in self.policy.abort_all():
             output = self.outputs.get(seq)
             if output is not None:
                 output.abort(seq.preemptions)
-        while self._stepping:  # the step in progress must return before its caches can be released
+        # The step in progress must return before its caches can be released; never wait past the grace
+        # (at least a second, so a step about to return still gets its caches freed).
+        step_deadline = max(deadline, time.monotonic() + 1.0)
+        while self._stepping and time.monotonic() < step_deadline:
             await asyncio.sleep(0.01)
-        await self._release_pending()
-        self._closed = True
+        self.closed = True
+        self.recovery.stop()
+        if self.up:
+            await self._release_pending()
+            try:
+                await self.session.close()
+            except (ExecutorUnreachable, RemoteError) as exc:
+                log.warning("closing the session failed (%s); the executor frees its caches after the lease", exc)
         self._wake.set()
+
+    async def _sleep(self, timeout_s: float | None) -> None:
+        """Waits for a wake-up (a request, an abort, the executor's return) or the timeout."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), None if timeout_s is None else max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            pass
 
     async def _step(self) -> None:
         policy = self.policy
@@ -124,21 +188,27 @@ class Engine:
         if not plan.items:
             await self._stalled()
             return
+        started, losses = self.clock(), self.recovery.losses
         try:
-            resp = await self.client.unified_decode(codec.step_to_pb(plan))
+            resp = await self.client.unified_decode(codec.step_to_pb(plan, self._registered_sampling),
+                                                    self.session.id)
         except ExecutorUnreachable as exc:
-            self._executor_lost(exc)
+            if losses == self.recovery.losses:
+                self.recovery.lost(str(exc))
             return
         except RemoteError as exc:
-            failed = policy.step_failed(plan, exc, exc.status_name)
-            if exc.status_name == "RESOURCE_EXHAUSTED":  # someone else took blocks: make room, plan again
-                await self.refresh_info()
-                if not policy.running:
-                    await asyncio.sleep(_STALL_POLL_S)
-            self._fail(failed, exc)
+            if losses == self.recovery.losses:
+                await self._step_error(plan, exc)
             return
+        if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
+            self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
+            return
+        self.session.renewed(started)
         self.steps += 1
-        for e in policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv)):
+        self._stall_poll_s = _STALL_POLL_S[0]
+        outcome = policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv))
+        self.fail(outcome.failed)
+        for e in outcome.emitted:
             output = self.outputs.get(e.seq)
             if output is None:
                 continue
@@ -148,72 +218,93 @@ class Engine:
             output.publish()
         self._log_stats(sum(item.count for item in plan.items))
 
+    async def _step_error(self, plan, exc: RemoteError) -> None:
+        if exc.status_name == "DEADLINE_EXCEEDED":  # no answer in time: whether the step ran is unknown
+            self.recovery.lost(f"a step got no answer from executor {self.client.address} in time ({exc})")
+            return
+        if exc.status_name == "NOT_FOUND":
+            if self.session.id:  # the whole call NOT_FOUND names the session: the executor forgot it
+                self.recovery.lost(f"executor {self.client.address} no longer knows this scheduler's session "
+                                    f"(expired, or the executor restarted): {exc}")
+                return
+            await self.refresh_info()  # no sessions: unknown caches may mean a restart (a new instance id)
+            if not self.up:
+                return
+        kv_full = is_kv_exhaustion(exc)
+        self.fail(self.policy.step_failed(plan, exc, kv_full))
+        if kv_full:  # someone else took blocks: make room (done), look at the pool, plan again
+            await self.refresh_info()
+            if not self.policy.running:
+                await asyncio.sleep(_STALL_POLL_S[0])
+
     async def _stalled(self) -> None:
         """No item fits this step. Preempt if our own sequences hold the blocks; fail a request that cannot
-        fit even an empty cache; otherwise the blocks are held elsewhere: look again shortly."""
+        fit even an empty cache; otherwise the blocks are held elsewhere: look again after a pause that
+        grows to _STALL_POLL_S[1] (the head's wait ends at cfg.max_queue_time_s in any case)."""
         if self.policy.preempt_for_stall():
             return
         await self._release_pending()
         await self.refresh_info()
+        if not self.up:
+            return
         head = self.policy.drop_unfittable_head()
         if head is not None:
-            self._fail([head], CapacityExceeded(
-                f"request {head.request.request_id} ({head.num_tokens} tokens) does not fit the executor's KV "
-                f"cache ({self.policy.kv.total_blocks} blocks of {self.policy.kv.block_size} tokens)"))
+            self.fail([head])
             return
-        await asyncio.sleep(_STALL_POLL_S)
+        await asyncio.sleep(self._stall_poll_s)
+        self._stall_poll_s = min(self._stall_poll_s * 2, _STALL_POLL_S[1])
 
     async def _release_pending(self) -> None:
         if not self.policy.has_releases or not self.up:
             return
         ids = self.policy.take_releases()
+        started = self.clock()
         try:
-            resp = await self.client.release(ids)
-            self.policy.kv = kv_usage_from_pb(resp.kv)
+            resp = await self.client.release(ids, self.session.id)
         except ExecutorUnreachable as exc:
-            self.policy.release_failed(ids)  # retried after reconnecting (unknown ids are no error)
-            self._executor_lost(exc)
+            self.policy.release_failed(ids)  # stale now: released (or their session closed) once it is back
+            self.recovery.lost(str(exc))
+            return
         except RemoteError as exc:
-            log.error("ReleaseCache of %d caches failed: %s", len(ids), exc)
+            if exc.status_name == "NOT_FOUND" and self.session.id:
+                self.policy.release_failed(ids)
+                self.recovery.lost(f"executor {self.client.address} no longer knows this scheduler's session: "
+                                    f"{exc}")
+            elif exc.status_name == "DEADLINE_EXCEEDED":
+                self.policy.release_failed(ids)  # retried (ReleaseCache is idempotent)
+            else:
+                log.error("ReleaseCache of %d caches failed: %s", len(ids), exc)
+            return
+        self.session.renewed(started)
+        self.policy.kv = kv_usage_from_pb(resp.kv)
+
+    async def _keep_alive_if_due(self) -> None:
+        due = self.session.keep_alive_in()
+        if due is None or due > 0:
+            return
+        try:
+            await self.session.keep_alive()
+        except ExecutorUnreachable as exc:
+            self.recovery.lost(str(exc))
+        except RemoteError as exc:
+            if exc.status_name == "NOT_FOUND":
+                self.recovery.lost(f"executor {self.client.address} no longer knows this scheduler's session: "
+                                    f"{exc}")
+            else:
+                log.warning("KeepAlive answered %s; retrying", exc)
+                self.session.retry_keep_alive_in(_KEEP_ALIVE_RETRY_S)
 
     # ----------------------------------------------------------------- failures
-    def _fail(self, seqs: list[Sequence], error: TandemError) -> None:
-        for seq in seqs:
-            output = self.outputs.get(seq)
+    def wake(self) -> None:
+        """Ends the loop's wait (a request, an abort, the executor's return)."""
+        self._wake.set()
+
+    def fail(self, failures: list[Failure]) -> None:
+        """Ends these requests' streams with their errors."""
+        for f in failures:
+            output = self.outputs.get(f.seq)
             if output is not None:
-                output.fail(error)
-
-    def _executor_lost(self, exc: Unavailable) -> None:
-        if not self.up:
-            return
-        lost = self.policy.executor_lost()
-        log.error("%s; failing %d in-flight requests", exc, len(lost))
-        self.up = False
-        self._on_health(False)
-        self._fail(lost, exc)
-        asyncio.get_running_loop().create_task(self._reconnect())
-
-    async def _reconnect(self) -> None:
-        while not self._closed:
-            await asyncio.sleep(self.cfg.reconnect_interval_s)
-            try:
-                info = await self.client.info()
-            except ExecutorUnreachable:
-                continue
-            except RemoteError as exc:
-                log.warning("executor answered GetInfo with %s; retrying", exc)
-                continue
-            if (info.model_dir, info.vocab_size) != (self.info.model_dir, self.info.vocab_size):
-                log.error("executor %s came back serving %s (was %s): restart the scheduler to use it",
-                          self.client.address, info.model_dir, self.info.model_dir)
-                continue
-            self.info, self.up = info, True
-            self.policy.kv = kv_usage_from_pb(info.kv)
-            self._on_health(True)
-            log.info("executor %s is back (%d KV blocks free); serving again", self.client.address,
-                     self.policy.kv.free_blocks)
-            self._wake.set()
-            return
+                output.fail(f.error)
 
     def _log_stats(self, tokens: int) -> None:
         since, count = self._stats
@@ -227,3 +318,4 @@ class Engine:
                      self.policy.preemptions)
             since, count = now, 0
         self._stats = (since, count)
+

@@ -3,8 +3,8 @@
 The protocol speaks the contract's messages (tandem.executor.v1), so every implementation — gRPC here, the
 in-process one over an Executor (executor_service/in_process_client.py), the fault-injecting fakes of the
 tests — answers exactly what a remote executor would. Failures are domain errors: ExecutorUnreachable when
-there was no answer (down, restarting, network), RemoteError with the status name when the executor
-answered with an error (nothing of that call was written).
+the transport failed (no answer: down, restarting, network), RemoteError with the status name when the
+executor answered with an error, or answered too late (DEADLINE_EXCEEDED: a slow executor is not a lost one).
 """
 from __future__ import annotations
 
@@ -17,28 +17,47 @@ from tandem.errors import RemoteError, Unavailable
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
 
-# Codes that mean "the executor is not there (now)", not "the request was wrong".
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.UNKNOWN)
+# Codes that mean the transport failed: the executor is not there (now). UNKNOWN is what gRPC reports for a
+# stream cut mid-call (e.g. "Stream removed"); the executor itself never answers UNKNOWN (its interceptor
+# maps every error to a specific code or INTERNAL). DEADLINE_EXCEEDED is not here: an executor under load
+# answers late, and that must not fail every stream.
+_TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 
 
 class ExecutorUnreachable(Unavailable):
-    """The executor did not answer (down, restarting, network); in-flight requests cannot continue."""
+    """The transport to the executor failed (down, restarting, network): the outcome of the call is unknown."""
+
+
+def is_kv_exhaustion(error: RemoteError) -> bool:
+    """Whether an error answer means "not enough free KV blocks now" (the executor's KvCapacityExceeded,
+    tandem/errors.py, whose message starts "KV cache full"). Any other RESOURCE_EXHAUSTED — a message over the
+    size limit, a bounded workspace, device memory — is not: preempting for it would loop."""
+    return error.status_name == "RESOURCE_EXHAUSTED" and "KV cache full" in str(error)
 
 
 class ExecutorClient(Protocol):
-    """What the scheduler asks of one executor."""
+    """What the scheduler asks of one executor. session_id "" = the executor's anonymous session (and the
+    only choice with an executor that has no sessions)."""
 
     address: str  # for logs and messages: where the executor is
 
     async def info(self) -> epb.GetInfoResponse: ...
 
-    async def unified_decode(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse: ...
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem],
+                             session_id: str = "") -> epb.UnifiedDecodeResponse: ...
 
-    async def release(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse: ...
+    async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse: ...
 
     async def list_adapters(self) -> epb.ListAdaptersResponse: ...
+
+    async def open_session(self, client_name: str) -> epb.OpenSessionResponse:
+        """RemoteError UNIMPLEMENTED from an executor without sessions."""
+        ...
+
+    async def keep_alive(self, session_id: str) -> epb.KeepAliveResponse: ...
+
+    async def close_session(self, session_id: str) -> epb.CloseSessionResponse: ...
 
     async def healthy(self) -> bool:
         """Whether the executor reports SERVING (False while it loads or drains, or when unreachable)."""
@@ -50,7 +69,8 @@ class ExecutorClient(Protocol):
 class GrpcExecutorClient:
     """ExecutorClient over a grpc.aio channel."""
 
-    def __init__(self, address: str, max_message_mb: int = 64, step_timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, max_message_mb: int = 64, step_timeout_s: float = 600.0,
+                 control_timeout_s: float = 5.0) -> None:
         self.address = address
         limit = max_message_mb * 1024 * 1024
         self._channel = grpc.aio.insecure_channel(address, options=[
@@ -60,22 +80,38 @@ class GrpcExecutorClient:
         self._stub = epb_grpc.ExecutorServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._step_timeout_s = step_timeout_s
+        self._control_timeout_s = control_timeout_s  # info, sessions, adapters, health
 
-    async def info(self, timeout_s: float = 5.0) -> epb.GetInfoResponse:
-        return await self._call(self._stub.GetInfo, epb.GetInfoRequest(), timeout_s)
+    async def info(self) -> epb.GetInfoResponse:
+        return await self._call(self._stub.GetInfo, epb.GetInfoRequest(), self._control_timeout_s)
 
-    async def unified_decode(self, items: Sequence[epb.UnifiedItem]) -> epb.UnifiedDecodeResponse:
-        return await self._call(self._stub.UnifiedDecode, epb.UnifiedDecodeRequest(items=items), self._step_timeout_s)
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem],
+                             session_id: str = "") -> epb.UnifiedDecodeResponse:
+        return await self._call(self._stub.UnifiedDecode, epb.UnifiedDecodeRequest(items=items, session_id=session_id),
+                                self._step_timeout_s)
 
-    async def release(self, cache_ids: Sequence[str]) -> epb.ReleaseCacheResponse:
-        return await self._call(self._stub.ReleaseCache, epb.ReleaseCacheRequest(cache_ids=list(cache_ids)), 30.0)
+    async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
+        return await self._call(self._stub.ReleaseCache,
+                                epb.ReleaseCacheRequest(cache_ids=list(cache_ids), session_id=session_id), 30.0)
 
     async def list_adapters(self) -> epb.ListAdaptersResponse:
-        return await self._call(self._stub.ListAdapters, epb.ListAdaptersRequest(), 5.0)
+        return await self._call(self._stub.ListAdapters, epb.ListAdaptersRequest(), self._control_timeout_s)
+
+    async def open_session(self, client_name: str) -> epb.OpenSessionResponse:
+        return await self._call(self._stub.OpenSession, epb.OpenSessionRequest(client_name=client_name),
+                                self._control_timeout_s)
+
+    async def keep_alive(self, session_id: str) -> epb.KeepAliveResponse:
+        return await self._call(self._stub.KeepAlive, epb.KeepAliveRequest(session_id=session_id),
+                                self._control_timeout_s)
+
+    async def close_session(self, session_id: str) -> epb.CloseSessionResponse:
+        return await self._call(self._stub.CloseSession, epb.CloseSessionRequest(session_id=session_id), 30.0)
 
     async def healthy(self) -> bool:
         try:
-            resp = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=SERVICE_NAME), 5.0)
+            resp = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                    self._control_timeout_s)
         except (ExecutorUnreachable, RemoteError):
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -88,7 +124,7 @@ class GrpcExecutorClient:
             return await method(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            if code in _UNREACHABLE:
+            if code in _TRANSPORT_FAILURES:
                 raise ExecutorUnreachable(f"executor {self.address} is unreachable ({code.name}: {exc.details()}); "
                                           "the scheduler reconnects when it is back") from exc
             raise RemoteError(code.name, f"executor {self.address}: {exc.details()}") from exc

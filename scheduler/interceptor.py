@@ -55,5 +55,13 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
         log.exception("%s failed", method, exc_info=exc)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the scheduler log")
     code = status_for(exc)
-    log.info("%s -> %s: %s", method, code.name, exc)
+    log.info("%s -> %s: %s", method, code.name, loggable(str(exc)))
     await context.abort(code, str(exc))
+
+
+def loggable(text: str, limit: int = 300) -> str:
+    """text as one log line: control characters (newlines: forged log lines) escaped, cut at limit characters.
+    Error messages may quote what a client sent (a request_id, an adapter name)."""
+    cut = text[:limit]
+    safe = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
+    return safe + ("..." if len(text) > limit else "")

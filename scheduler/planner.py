@@ -6,9 +6,14 @@ Policy (one step):
 2. running sequences still in their prompt get prefill chunks, oldest first, while the token budget and
    the free blocks last;
 3. waiting (new or preempted) sequences are admitted oldest first while fewer than max_running run, the
-   budget lasts, and their whole prompt (plus one token) fits the free blocks left after what the
-   running prompts still need — so an admitted prompt never stalls for lack of blocks. The head of the
-   queue is never skipped for a smaller one behind it (no starvation).
+   budget lasts, their whole prompt (plus one token) fits the free blocks left after what the running
+   prompts still need — so an admitted prompt never stalls for lack of blocks — and their adapter has a
+   slot: the running sequences use at most max_adapters distinct adapters (the executor's
+   max_adapters_on_device; the base model takes none; 0 = no limit). Since every running sequence may be in
+   any step, this keeps every step within the limit without ever leaving a running sequence out for its
+   adapter. The head of the queue is never skipped for a smaller one, or one of an adapter already running,
+   behind it (no starvation: once the head waits, nothing new is admitted, so running requests finish and
+   free what it waits for). Why the head waits is the plan's wait_reason.
 The executor's own accounting stays the authority: a RESOURCE_EXHAUSTED answer still preempts (engine).
 """
 from __future__ import annotations
@@ -36,13 +41,15 @@ class StepPlan:
     items: list[StepItem] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # waiting -> running this step
     preempted: list[Sequence] = field(default_factory=list)  # running -> waiting (release their caches)
+    wait_reason: str = ""  # why the head of the queue was not admitted ("" = nothing left waiting)
 
 
 class Planner:
-    def __init__(self, max_batch_tokens: int, max_running: int, prefill_chunk: int) -> None:
+    def __init__(self, max_batch_tokens: int, max_running: int, prefill_chunk: int, max_adapters: int = 0) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
+        self.max_adapters = max_adapters  # distinct adapters per step; 0 = no limit
 
     def plan(self, running: list[Sequence], waiting: list[Sequence], kv: KvUsage) -> StepPlan:
         """running and waiting are ordered oldest first; neither list is modified."""
@@ -85,19 +92,42 @@ class Planner:
 
         # 3. admissions, oldest first, never skipping the head
         n_running = len(running)
+        adapters = {s.request.adapter for s in running if s.request.adapter}
         for s in waiting:
-            if n_running >= self.max_running or budget <= 0:
-                break
-            if ceil_div(s.num_tokens + 1, bs) > free - reserved - watermark:
+            plan.wait_reason = self._wait_reason(s, n_running, budget, free - reserved - watermark, adapters,
+                                                 running, kv)
+            if plan.wait_reason:
                 break
             n = min(s.remaining, self.prefill_chunk, budget)
             plan.admitted.append(s)
             plan.items.append(StepItem(s, 0, n))
             n_running += 1
+            if s.request.adapter:
+                adapters.add(s.request.adapter)
             budget -= n
             free -= ceil_div(n, bs)
             reserved += ceil_div(s.num_tokens + 1, bs) - ceil_div(n, bs)
         return plan
+
+    def _wait_reason(self, s: Sequence, n_running: int, budget: int, room: int, adapters: set[str],
+                     running: list[Sequence], kv: KvUsage) -> str:
+        """Why s cannot be admitted this step ("" = it can): room is the blocks it may take."""
+        if n_running >= self.max_running:
+            return f"{n_running} requests are running, the most this scheduler runs at once (--max-running)"
+        if budget <= 0:
+            return "running requests use the whole step's token budget (--max-batch-tokens)"
+        need = ceil_div(s.num_tokens + 1, kv.block_size)
+        if need > room:
+            ours = sum(ceil_div(r.num_cached, kv.block_size) for r in running)
+            elsewhere = max(0, kv.total_blocks - kv.free_blocks - ours)
+            return (f"it needs {need} KV blocks but only {max(room, 0)} can be given to it: of the executor's "
+                    f"{kv.total_blocks} blocks {kv.free_blocks} are free, {ours} are held by this scheduler's "
+                    f"{len(running)} running requests and {elsewhere} elsewhere (other clients of the executor)")
+        adapter = s.request.adapter
+        if adapter and adapter not in adapters and self.max_adapters and len(adapters) >= self.max_adapters:
+            return (f"its adapter {adapter!r} needs one of the executor's {self.max_adapters} adapter slots "
+                    f"(--max-adapters-on-device), all used by running requests")
+        return ""
 
     def _chunk(self, s: Sequence, budget: int, free: int, bs: int) -> int:
         """Tokens of s's prompt to write this step: limited by the chunk size, the budget and free blocks."""

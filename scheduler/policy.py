@@ -6,24 +6,42 @@ executor client and the client streams, in the shape of vLLM V1's `schedule()` /
 
     plan = policy.schedule()                   # which sequences, how many tokens (preemptions applied)
     results = <the executor runs plan.items>   # one UnifiedDecode
-    emitted = policy.update(plan, results, kv) # tokens appended, finished sequences retired
+    outcome = policy.update(plan, results, kv) # tokens appended, finished and failed sequences retired
     ids = policy.take_releases()               # caches the loop must release on the executor
 
-On a failed step the loop calls step_failed() (the executor's answer was an error) or executor_lost()
-(no answer at all); both leave the queues consistent and say which requests ended, with what error.
+Admission (the planner's rules, scheduler/planner.py): oldest first, never skipping the head; a request is
+admitted when its whole prompt fits the free KV blocks of the executor's last answer (not the pool size) and,
+with an executor that reports max_adapters_on_device, when its adapter is one the running requests already
+use or a slot is free — so running requests never use more adapters than the executor has slots, every
+step stays within the limit, and no running sequence is ever left out of a step for its adapter. A request
+whose adapter has no slot waits (and everyone behind it) until a running adapter's last request ends.
+
+Failure rules (each returns the requests that end, with their error, for the loop to report):
+- an item the executor failed alone (its result's status) ends that request only; the step's others go on;
+- a step answered with an error: KV exhaustion preempts the youngest running sequence and the step is planned
+  again; any other error (a message over the size limit included) ends the step's requests with it;
+- no answer, or an executor that restarted or forgot our session (executor_lost): nothing ends — every
+  running sequence is requeued with its cache forgotten (the old executor's caches are gone), outputs kept,
+  and recomputed once an executor serves again, exactly as after a preemption. The loop decides when that
+  has taken too long (fail_all);
+- a request waits at most max_queue_time_s (from when it entered the queue, or from the executor's return)
+  to be admitted: expire_waiting() ends it RESOURCE_EXHAUSTED with the reason the planner gave for the head.
+Time comes from an injected clock, so tests drive it by hand.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 from scheduler.config import SchedulerConfig
 from scheduler.planner import Planner, StepPlan
 from scheduler.request import Finish, TokenLogprob
 from scheduler.sequence import Sequence, Status
-from tandem.errors import CapacityExceeded, TandemError
+from tandem.errors import AdapterNotFound, CapacityExceeded, TandemError
 from tandem.kv_usage import KvUsage
 
 log = logging.getLogger("tandem.scheduler")
@@ -36,6 +54,7 @@ class ItemResult:
     cache_id: str
     seq_len: int  # tokens the cache holds after the step
     token: TokenLogprob | None = None  # sampled after a final chunk
+    error: TandemError | None = None  # the item failed alone: nothing of it was written, its cache is as it was
 
 
 @dataclass(frozen=True)
@@ -47,18 +66,45 @@ class Emitted:
     finish: Finish | None
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A request the policy ended, and the error its client gets."""
+
+    seq: Sequence
+    error: TandemError
+
+
+@dataclass
+class StepOutcome:
+    emitted: list[Emitted] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+
+
 class SchedulingPolicy:
-    def __init__(self, cfg: SchedulerConfig, kv: KvUsage, executor_max_batch_tokens: int = 0) -> None:
-        budget = min(cfg.max_batch_tokens, executor_max_batch_tokens or cfg.max_batch_tokens)
-        self.planner = Planner(budget, cfg.max_running, cfg.prefill_chunk)
-        self.max_waiting = cfg.max_waiting
+    def __init__(self, cfg: SchedulerConfig, kv: KvUsage, executor_max_batch_tokens: int = 0,
+                 max_adapters: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.planner = Planner(self._budget(executor_max_batch_tokens), cfg.max_running, cfg.prefill_chunk,
+                               max_adapters)
         self.kv = kv
+        self.clock = clock
         self.running: list[Sequence] = []  # admitted, oldest arrival first
         self.waiting: list[Sequence] = []  # new or preempted, oldest arrival first
         self.preemptions = 0
+        self.wait_reason = ""  # why the head of the queue was not admitted at the last step
         self._arrivals = itertools.count()
         self._to_release: list[str] = []
+        self._stale: list[str] = []  # caches a lost executor (or a forgotten session) may still hold
         self._in_flight: set[Sequence] = set()
+
+    def _budget(self, executor_max_batch_tokens: int) -> int:
+        return min(self.cfg.max_batch_tokens, executor_max_batch_tokens or self.cfg.max_batch_tokens)
+
+    def reconfigure(self, kv: KvUsage, executor_max_batch_tokens: int, max_adapters: int) -> None:
+        """An executor (back after a loss) with these limits: the plan adapts to them."""
+        self.kv = kv
+        self.planner.max_batch_tokens = self._budget(executor_max_batch_tokens)
+        self.planner.max_adapters = max_adapters
 
     # ----------------------------------------------------------------- requests
     def next_arrival(self) -> int:
@@ -66,8 +112,8 @@ class SchedulingPolicy:
 
     def check_admissible(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Raises CapacityExceeded when the queue is full or the request could never fit the KV pool."""
-        if len(self.waiting) >= self.max_waiting:
-            raise CapacityExceeded(f"the scheduler's queue is full ({self.max_waiting} requests waiting); "
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise CapacityExceeded(f"the scheduler's queue is full ({self.cfg.max_waiting} requests waiting); "
                                    "retry later")
         tokens = prompt_tokens + max_new_tokens
         if not Planner.fits_alone(tokens, self.kv):
@@ -78,7 +124,7 @@ class SchedulingPolicy:
 
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence (check_admissible first)."""
-        _insort(self.waiting, seq)
+        self._enqueue(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drops a sequence (client cancel, deadline, shutdown); its cache is released now, or when the step
@@ -115,17 +161,25 @@ class SchedulingPolicy:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             _insort(self.running, seq)
+        self.wait_reason = plan.wait_reason
         self._in_flight = {item.seq for item in plan.items}
         return plan
 
-    def update(self, plan: StepPlan, results: list[ItemResult], kv: KvUsage) -> list[Emitted]:
-        """Applies the executor's answer to the step: caches, sampled tokens, stops. Returns the tokens of the
-        sequences still live (aborted ones only get their caches released)."""
+    def update(self, plan: StepPlan, results: list[ItemResult], kv: KvUsage) -> StepOutcome:
+        """Applies the executor's answer to the step: caches, sampled tokens, stops, items that failed alone.
+        Tokens are returned for the sequences still live (aborted ones only get their caches released)."""
         self._in_flight = set()
         self.kv = kv
-        emitted = []
+        out = StepOutcome()
         for item, res in zip(plan.items, results):
             seq = item.seq
+            if res.error is not None:  # nothing of the item was written: its cache (if any) is as it was
+                if not seq.finished:
+                    out.failed.append(Failure(seq, res.error))
+                self._end(seq)
+                continue
+            if item.is_final:  # (read before the token is appended) the executor now holds its sampling
+                seq.registered_sampling = seq.sampling_for_next_token()
             seq.cache_id, seq.num_cached = res.cache_id, res.seq_len
             if seq.finished:  # aborted while the step ran
                 self._release(seq)
@@ -133,31 +187,28 @@ class SchedulingPolicy:
             if res.token is None:
                 continue
             finish = seq.append(res.token.token_id)
-            emitted.append(Emitted(seq, res.token, finish))
+            out.emitted.append(Emitted(seq, res.token, finish))
             if finish is not None:
                 self.running.remove(seq)
                 self._release(seq)
-        return emitted
+        if out.failed:
+            log.warning("%d of %d items of a step failed alone: %s", len(out.failed), len(plan.items),
+                        out.failed[0].error)
+        return out
 
-    def step_failed(self, plan: StepPlan, error: TandemError, status_name: str) -> list[Sequence]:
-        """The executor answered the step with an error; nothing of the step was written. RESOURCE_EXHAUSTED
+    def step_failed(self, plan: StepPlan, error: TandemError, kv_full: bool) -> list[Failure]:
+        """The executor answered the step with an error; nothing of the step was written. KV exhaustion
         (blocks taken by another client): the youngest running sequence is preempted and the step planned
-        again. Anything else ends the step's sequences; they are returned for the loop to fail with error."""
+        again. Anything else (a message over the size limit included) ends the step's requests with error."""
         self._in_flight = set()
-        if status_name == "RESOURCE_EXHAUSTED":
+        if kv_full:
             if self.running:
                 self._preempt(self.running[-1])
             return []
         log.error("UnifiedDecode failed for %d requests: %s", len(plan.items), error)
-        failed = []
+        failed = [Failure(item.seq, error) for item in plan.items if not item.seq.finished]
         for item in plan.items:
-            seq = item.seq
-            if seq in self.running:
-                self.running.remove(seq)
-            self._release(seq)
-            if not seq.finished:
-                seq.status = Status.FINISHED
-                failed.append(seq)
+            self._end(item.seq)
         return failed
 
     def preempt_for_stall(self) -> bool:
@@ -168,27 +219,78 @@ class SchedulingPolicy:
         self._preempt(self.running[-1])
         return True
 
-    def drop_unfittable_head(self) -> Sequence | None:
+    def drop_unfittable_head(self) -> Failure | None:
         """After a stall with nothing to preempt: the head of the queue if it cannot fit even an empty pool
         (removed, for the loop to fail), else None."""
         head = self.waiting[0] if self.waiting else None
-        if head is not None and not Planner.fits_alone(head.num_tokens + 1, self.kv):
-            self.waiting.remove(head)
-            head.status = Status.FINISHED
-            return head
-        return None
+        if head is None or Planner.fits_alone(head.num_tokens + 1, self.kv):
+            return None
+        self._end(head)
+        return Failure(head, CapacityExceeded(
+            f"the request ({head.num_tokens} tokens) does not fit the executor's KV cache "
+            f"({self.kv.total_blocks} blocks of {self.kv.block_size} tokens)"))
 
-    def executor_lost(self) -> list[Sequence]:
-        """The executor stopped answering: every sequence ends (returned, for the loop to fail); caches it
-        may still hold are released once it is back (unknown ids are no error there)."""
+    def expire_waiting(self) -> list[Failure]:
+        """Requests that have waited max_queue_time_s to be admitted end RESOURCE_EXHAUSTED, saying why."""
+        limit = self.cfg.max_queue_time_s
+        now = self.clock()
+        expired = [(i, s) for i, s in enumerate(self.waiting) if now - s.queued_at >= limit]
+        failed = []
+        for ahead, seq in expired:
+            why = self.wait_reason or "the executor had no room for it"
+            if ahead:
+                why = f"{ahead} requests ahead of it in the queue; the first of them waits because {why}"
+            failed.append(Failure(seq, CapacityExceeded(f"not admitted within {limit:g} s: {why}")))
+            self._end(seq)
+        return failed
+
+    # ----------------------------------------------------------------- the executor lost, back, gone
+    def executor_lost(self) -> int:
+        """No answer, or the executor restarted or forgot our session: every running sequence is requeued to
+        be recomputed (caches forgotten, outputs kept); nothing ends. Returns how many were running. The
+        forgotten caches are kept as stale: release them once an executor serves (unknown ids are no error)."""
+        stale = [s for s in self._in_flight if s.finished and s.cache_id]  # aborted during the lost step
+        self._stale += self._to_release + [s.cache_id for s in stale + self.running if s.cache_id]
+        self._to_release = []
         self._in_flight = set()
-        lost = self.running + self.waiting
-        for seq in lost:
-            self._release(seq)
-            seq.status = Status.FINISHED
+        for seq in stale:
+            seq.cache_id = ""
+        requeued = list(self.running)
         self.running.clear()
-        self.waiting.clear()
-        return lost
+        for seq in requeued:
+            seq.reset_cache()
+            self._enqueue(seq)
+        return len(requeued)
+
+    def take_stale(self) -> list[str]:
+        ids, self._stale = self._stale, []
+        return ids
+
+    def keep_stale(self, cache_ids: list[str]) -> None:
+        """Releasing the stale caches failed: keep them for the next try."""
+        self._stale.extend(cache_ids)
+
+    def fail_all(self, error: TandemError) -> list[Failure]:
+        """Every live request ends with error (the executor did not come back in time, or came back unfit)."""
+        failed = [Failure(s, error) for s in self.running + self.waiting]
+        for f in failed:
+            self._end(f.seq)
+        return failed
+
+    def drop_missing_adapters(self, loaded: set[str]) -> list[Failure]:
+        """Waiting requests whose adapter the executor (back after a loss) no longer has end NOT_FOUND."""
+        gone = [s for s in self.waiting if s.request.adapter and s.request.adapter not in loaded]
+        for seq in gone:
+            self._end(seq)
+        return [Failure(s, AdapterNotFound(
+            f"adapter {s.request.adapter!r} is no longer loaded on the executor (it restarted without it); "
+            f"loaded: {sorted(loaded) or 'none'}")) for s in gone]
+
+    def restart_queue_clocks(self) -> None:
+        """The executor is back: time spent waiting for it does not count against max_queue_time_s."""
+        now = self.clock()
+        for seq in self.waiting:
+            seq.queued_at = now
 
     def abort_all(self) -> list[Sequence]:
         """Shutdown: every live sequence ends (returned, for the loop to end their streams as ABORTED)."""
@@ -211,12 +313,25 @@ class SchedulingPolicy:
             self._to_release.append(seq.cache_id)
             seq.cache_id = ""
 
+    def _end(self, seq: Sequence) -> None:
+        """Removes seq from the queues and releases its cache: it is over."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.queued_at = self.clock()
+        _insort(self.waiting, seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Releases seq's cache and requeues it; it is recomputed (prompt + outputs so far) when admitted."""
         self.running.remove(seq)
         self._release(seq)
         seq.reset_cache()
-        _insort(self.waiting, seq)
+        self._enqueue(seq)
         self.preemptions += 1
         log.info("preempted a request (%d tokens) to free KV blocks; it will be recomputed", seq.num_tokens)
 

@@ -25,9 +25,12 @@ class Sequence:
         self.output_ids: list[int] = []
         self.cache_id = ""  # "" until the executor created one
         self.num_cached = 0  # tokens of all_ids written into the cache
-        self.preemptions = 0
+        self.preemptions = 0  # times its cache was lost (preemption, executor restart) and recomputed
+        self.queued_at = 0.0  # when it last entered the waiting queue (the policy's clock)
         # The executor's SamplingParams messages, built once: (normal, before min_new_tokens).
         self.executor_sampling = sampling or (cpb.SamplingParams(), cpb.SamplingParams())
+        # The one of them registered with the current cache (sent on a final item the executor applied).
+        self.registered_sampling: cpb.SamplingParams | None = None
         stop = request.stopping
         self.eos_token_ids = frozenset(() if stop.ignore_eos else eos_token_ids)  # the EOS ids that stop it
         self._max_len = min(len(request.prompt_ids) + stop.max_new_tokens, max_seq_len)
@@ -57,9 +60,11 @@ class Sequence:
         return self.remaining == 1 and bool(self.output_ids)
 
     def reset_cache(self) -> None:
-        """After preemption: the cache is gone; everything will be recomputed (outputs stay: they were sent)."""
+        """After preemption (or the executor's loss): the cache is gone; everything will be recomputed
+        (outputs stay: they were sent)."""
         self.cache_id = ""
         self.num_cached = 0
+        self.registered_sampling = None
         self.status = Status.WAITING
         self.preemptions += 1
 
@@ -68,6 +73,13 @@ class Sequence:
         while fewer than min_new_tokens exist."""
         normal, early = self.executor_sampling
         return early if len(self.output_ids) < self.request.stopping.min_new_tokens else normal
+
+    def sampling_to_send(self, registered: bool) -> cpb.SamplingParams | None:
+        """The sampling message a final item carries. With an executor that registers sampling with the cache
+        (registered=True), None (unset: the registered parameters) unless the cache has none yet or they
+        change (the min_new_tokens switch) — so a large logit_bias travels once per cache."""
+        want = self.sampling_for_next_token()
+        return None if registered and want is self.registered_sampling else want
 
     # ----------------------------------------------------------------- outputs
     def append(self, token_id: int) -> Finish | None:

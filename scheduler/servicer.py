@@ -1,8 +1,13 @@
 """GenerateService over gRPC (asyncio): proto -> domain -> one engine call -> proto. Status codes come from
-the interceptor (scheduler/interceptor.py); nothing here picks one."""
+the interceptor (scheduler/interceptor.py); nothing here picks one.
+
+Inputs are size-checked on the event loop (lengths only), then tokenized and chat-templated in a worker
+thread, so a large request never stalls the other streams."""
 from __future__ import annotations
 
-from typing import AsyncIterator
+import asyncio
+from concurrent.futures import Executor
+from typing import AsyncIterator, Callable, TypeVar
 
 from tandem.errors import TandemError
 from tandem.generate.v1 import generate_pb2 as pb
@@ -10,16 +15,21 @@ from tandem.generate.v1 import generate_pb2_grpc as pb_grpc
 from scheduler import codec
 from scheduler.engine import Engine
 
+T = TypeVar("T")
+
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, workers: Executor | None = None) -> None:
         self.engine = engine
+        self._workers = workers  # None: the event loop's default thread pool
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         engine = self.engine
+        codec.check_input_size(request, engine.cfg.max_prompt_chars)
         if request.adapter and request.adapter not in engine.info.adapters:
             await engine.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
-        req = codec.request_from_pb(request, engine.tokenizer, engine.info, engine.cfg.default_max_new_tokens)
+        req = await self._off_loop(codec.request_from_pb, request, engine.tokenizer, engine.info,
+                                   engine.cfg.default_max_new_tokens)
         seq, output = engine.submit(req)
         try:
             while True:
@@ -34,10 +44,18 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         tok = self.engine.tokenizer
-        ids = codec.prompt_ids_from_pb(request, tok, self.engine.info.vocab_size)
-        return pb.TokenizeResponse(token_ids=ids, pieces=tok.pieces(ids))
+        codec.check_input_size(request, self.engine.cfg.max_prompt_chars)
+
+        def tokenize() -> pb.TokenizeResponse:
+            ids = codec.prompt_ids_from_pb(request, tok, self.engine.info.vocab_size)
+            return pb.TokenizeResponse(token_ids=ids, pieces=tok.pieces(ids))
+
+        return await self._off_loop(tokenize)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         e = self.engine
         await e.refresh_info()  # adapters may have been loaded or unloaded on the executor since
         return codec.model_info_to_pb(e.info, e.tokenizer, e.planner.max_batch_tokens, e.cfg, e.client.address)
+
+    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)

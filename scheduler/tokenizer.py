@@ -74,8 +74,9 @@ class ModelTokenizer:
     # ----------------------------------------------------------------- encoding
     def encode(self, text: str) -> list[int]:
         """Token ids of text, with the special tokens the tokenizer's post-processor adds (e.g. BOS), as
-        transformers' `tokenizer(text)` does."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+        transformers' `tokenizer(text)` does. (encode_batch, not encode: only it releases the GIL while it
+        runs, so a long text tokenized in a worker thread does not stall the event loop.)"""
+        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         if self._compiled is None:
@@ -92,7 +93,7 @@ class ModelTokenizer:
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """The rendered template's ids. The template writes its own special tokens, so none are added
         (as `apply_chat_template(tokenize=True)` does)."""
-        return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self._tok.encode_batch([self.render_chat(messages)], add_special_tokens=False)[0].ids
 
     # ----------------------------------------------------------------- decoding
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

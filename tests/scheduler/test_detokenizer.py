@@ -172,3 +172,26 @@ def test_random_token_ids(tok, partial_ids, seed, skip):
     deltas, tail, detok = _stream(tok, tok.encode("Prompt text"), ids, skip=skip)
     assert "".join(deltas) + tail == full
     assert detok.text == full
+
+
+class _WindowRecorder:
+    """A decoder that records the longest window it was asked to decode, around a real tokenizer."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.longest = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.longest = max(self.longest, len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_the_window_stays_bounded_on_tokens_that_decode_to_nothing(tok):
+    """10,000 skipped special tokens (each decodes to "") neither grow the window nor lose the text after."""
+    recorder = _WindowRecorder(tok)
+    detok = IncrementalDetokenizer(recorder, tok.encode("Say:"))
+    assert all(detok.add(IM_END) == "" for _ in range(10_000))
+    assert recorder.longest <= 40  # the window, not the 10,000 tokens
+    tail = tok.encode("Hello world, déjà vu 🙂")
+    out = "".join(detok.add(t) for t in tail) + detok.flush()
+    assert out == tok.decode(tail) and REPLACEMENT not in out

@@ -18,9 +18,10 @@ def mk(tok):
     last output written). Running when anything is cached or outputs exist, else waiting."""
 
     def make(arrival: int, prompt_len: int, cached: int | None = 0, outputs: int = 0,
-             status: Status | None = None) -> Sequence:
+             status: Status | None = None, adapter: str = "") -> Sequence:
         prompt = tuple(100 + (i % 500) for i in range(prompt_len))
-        seq = Sequence(GenerateRequest(f"r{arrival}", prompt, StoppingCriteria(1000)), arrival, [2], 100_000)
+        seq = Sequence(GenerateRequest(f"r{arrival}", prompt, StoppingCriteria(1000), adapter=adapter), arrival, [2],
+                       100_000)
         seq.output_ids = [700 + i for i in range(outputs)]
         seq.num_cached = prompt_len + outputs - 1 if cached is None else cached
         running = seq.num_cached > 0 or outputs > 0
@@ -272,3 +273,57 @@ def test_readmission_needs_room_for_prompt_and_outputs(mk):
     planner = Planner(512, 8, 64)
     assert planner.plan([], [s], kv(free=6, total=100)).admitted == []  # 6 > 6 - 1
     assert planner.plan([], [s], kv(free=7, total=100)).admitted == [s]
+
+
+# ------------------------------------------------------------------ adapter slots (max_adapters_on_device)
+
+
+def test_admission_keeps_running_adapters_within_the_slots(mk):
+    running = [mk(0, 8, None, 2, adapter="x"), mk(1, 8, None, 2, adapter="y")]
+    waiting = [mk(2, 4, adapter="x"), mk(3, 4), mk(4, 4, adapter="z"), mk(5, 4, adapter="x")]
+    plan = Planner(512, 8, 64, max_adapters=2).plan(running, waiting, kv(500))
+    # x (running already) and the base model (no slot) are admitted; z would be a third adapter: it waits, and
+    # nothing behind it is admitted, not even another x (no skipping the head)
+    assert arrivals(plan.admitted) == [2, 3]
+    assert "adapter 'z'" in plan.wait_reason and "2 adapter slots" in plan.wait_reason
+    assert {i.seq.request.adapter for i in plan.items} == {"x", "y", ""}
+
+
+def test_a_waiting_adapter_gets_the_slot_its_predecessor_frees(mk):
+    planner = Planner(512, 8, 64, max_adapters=2)
+    x, y = mk(0, 8, None, 2, adapter="x"), mk(1, 8, None, 2, adapter="y")
+    z = mk(2, 4, adapter="z")
+    assert planner.plan([x, y], [z], kv(500)).admitted == []
+    plan = planner.plan([x], [z], kv(500))  # y finished: its slot is free
+    assert plan.admitted == [z] and plan.wait_reason == ""
+    assert {i.seq.request.adapter for i in plan.items} == {"x", "z"}
+
+
+def test_admissions_of_one_step_count_against_the_slots(mk):
+    waiting = [mk(0, 4, adapter="a"), mk(1, 4, adapter="b"), mk(2, 4, adapter="a"), mk(3, 4, adapter="c")]
+    plan = Planner(512, 8, 64, max_adapters=2).plan([], waiting, kv(500))
+    assert arrivals(plan.admitted) == [0, 1, 2]
+    assert len({i.seq.request.adapter for i in plan.items}) == 2
+
+
+def test_no_adapter_limit_when_the_executor_reports_none(mk):
+    waiting = [mk(a, 4, adapter=f"a{a}") for a in range(6)]
+    plan = Planner(512, 8, 64, max_adapters=0).plan([], waiting, kv(500))
+    assert arrivals(plan.admitted) == list(range(6)) and plan.wait_reason == ""
+
+
+# ------------------------------------------------------------------ why the head waits
+
+
+def test_the_wait_reason_names_kv_held_elsewhere(mk):
+    running = [mk(0, 7, None, 2)]  # 8 cached: 2 blocks of ours
+    plan = Planner(512, 8, 64).plan(running, [mk(1, 20)], KvUsage(BS, 64, 3))
+    assert plan.admitted == []
+    assert plan.wait_reason == ("it needs 6 KV blocks but only 1 can be given to it: of the executor's 64 blocks "
+                                "3 are free, 2 are held by this scheduler's 1 running requests and 59 elsewhere "
+                                "(other clients of the executor)")
+
+
+def test_the_wait_reason_names_max_running(mk):
+    plan = Planner(512, 1, 64).plan([mk(0, 7, None, 2)], [mk(1, 4)], kv(500))
+    assert plan.admitted == [] and "--max-running" in plan.wait_reason

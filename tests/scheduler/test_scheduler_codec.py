@@ -10,8 +10,9 @@ from tandem.sampling_params import SamplingParams
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
-from scheduler.codec import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
-                             delta_to_pb, request_from_pb, sampling_params_from_pb)
+from scheduler.codec import (MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                             MAX_TOP_LOGPROBS, check_input_size, delta_to_pb, item_results_from_pb, request_from_pb,
+                             sampling_params_from_pb)
 from tandem.codec import sampling_to_pb
 from scheduler.request import Delta, FinishReason, StoppingCriteria, TokenLogprob, Usage
 from scheduler.tokenizer import ChatMessage
@@ -265,3 +266,31 @@ def test_delta_to_pb():
     assert (m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.preemptions) == (7, 2, 1)
     mid = delta_to_pb("req", Delta("x", [TokenLogprob(5, -1.0)]))
     assert mid.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not mid.HasField("usage")
+
+
+def test_input_size_limits_are_checked_before_tokenizing():
+    check_input_size(pb.GenerateRequest(text="x" * 100), max_chars=100)
+    with pytest.raises(InvalidRequest, match="101 characters; this scheduler takes at most 100"):
+        check_input_size(pb.GenerateRequest(text="x" * 101), max_chars=100)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="y" * 50)] * 2)  # 2 x (4 + 50)
+    check_input_size(pb.TokenizeRequest(messages=chat), max_chars=108)
+    with pytest.raises(InvalidRequest, match="108 characters in all"):
+        check_input_size(pb.TokenizeRequest(messages=chat), max_chars=107)
+    many = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="")] * (MAX_CHAT_MESSAGES + 1))
+    with pytest.raises(InvalidRequest, match=f"at most {MAX_CHAT_MESSAGES}"):
+        check_input_size(pb.GenerateRequest(messages=many), max_chars=10**9)
+    check_input_size(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 1000)), max_chars=10)  # not text
+
+
+def test_item_results_carry_per_item_statuses():
+    resp = epb.UnifiedDecodeResponse(results=[
+        epb.UnifiedResult(cache=epb.CacheRef(cache_id="a" * 32, seq_len=5),
+                          output=epb.SequenceOutput(tokens=[cpb.TokenLogprob(token_id=7, logprob=-0.5)])),
+        epb.UnifiedResult(cache=epb.CacheRef(cache_id="b" * 32, seq_len=3),
+                          status=epb.ItemStatus(code=5, message="unknown adapter 'x'")),
+        epb.UnifiedResult(cache=epb.CacheRef(cache_id="c" * 32, seq_len=9), status=epb.ItemStatus(code=0))])
+    ok, failed, unset_ok = item_results_from_pb(resp)
+    assert ok.error is None and ok.token.token_id == 7
+    assert failed.token is None and failed.error.status_name == "NOT_FOUND"
+    assert "unknown adapter 'x'" in str(failed.error)
+    assert unset_ok.error is None and unset_ok.token is None and unset_ok.seq_len == 9

@@ -1,22 +1,21 @@
 """The scheduling policy driven step by step with no event loop and no network, against the in-process
-executor (a tiny random Llama), and the engine over fault-injecting clients at the ExecutorClient seam."""
+executor (a tiny random Llama), with faults injected at the ExecutorClient seam. (The async engine over the
+same seam: test_engine_recovery.py.)"""
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
 from scheduler import codec
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.executor_client import ExecutorUnreachable
-from scheduler.policy import SchedulingPolicy
-from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
+from scheduler.executor_client import ExecutorUnreachable, is_kv_exhaustion
+from scheduler.policy import Failure, SchedulingPolicy
+from scheduler.request import GenerateRequest, StoppingCriteria
 from scheduler.sequence import Sequence, Status
-from scheduler.tokenizer import ModelTokenizer
 from tandem.codec import kv_usage_from_pb
-from tandem.errors import RemoteError, TandemError
+from tandem.errors import CapacityExceeded, RemoteError
 from tests.executor_driver import greedy_run, make_executor
 from tests.faulty_executor_client import Fault, FaultyExecutorClient
 
@@ -40,10 +39,20 @@ def request(rid: str = "r", prompt=PROMPT, new: int = NEW) -> GenerateRequest:
     return GenerateRequest(rid, tuple(prompt), StoppingCriteria(new, ignore_eos=True))
 
 
-def new_policy(client, **cfg) -> tuple[SchedulingPolicy, object]:
+class Clock:
+    """A hand-driven clock for the policy: clock.now += seconds."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def new_policy(client, clock: Clock | None = None, **cfg) -> tuple[SchedulingPolicy, object]:
     info = client.info_now()
     return SchedulingPolicy(SchedulerConfig("in-process", **cfg), kv_usage_from_pb(info.kv),
-                            info.max_batch_tokens), info
+                            info.max_batch_tokens, clock=clock or Clock()), info
 
 
 def submit(policy: SchedulingPolicy, info, req: GenerateRequest) -> Sequence:
@@ -62,7 +71,7 @@ def step(policy: SchedulingPolicy, client):
         client.release_now(ids)
     shapes = [(i.start, i.count, i.is_final) for i in plan.items]  # is_final reads the sequence: before update
     resp = client.unified_decode_now(codec.step_to_pb(plan))
-    return shapes, policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv))
+    return shapes, policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv)).emitted
 
 
 def test_one_request_admission_chunked_prefill_decode_finish(client, reference):
@@ -91,7 +100,7 @@ def test_one_request_admission_chunked_prefill_decode_finish(client, reference):
     assert (kv.free_blocks, kv.active_caches) == (total, 0)
 
 
-def test_unavailable_executor_leaves_the_policy_consistent(client, reference):
+def test_executor_loss_requeues_for_recompute_with_the_same_tokens(client, reference):
     faulty = FaultyExecutorClient(client, step_faults={3: Fault("unavailable")})
     policy, info = new_policy(client, max_batch_tokens=64, prefill_chunk=64)
     a, b = submit(policy, info, request("a")), submit(policy, info, request("b"))
@@ -99,28 +108,31 @@ def test_unavailable_executor_leaves_the_policy_consistent(client, reference):
         step(policy, faulty)
     held = {a.cache_id, b.cache_id}
     assert len(held) == 2 and client.info_now().kv.active_caches == 2
+    before = (list(a.output_ids), list(b.output_ids))
 
     plan = policy.schedule()
     with pytest.raises(ExecutorUnreachable):
         faulty.unified_decode_now(codec.step_to_pb(plan))
-    lost = policy.executor_lost()  # what the loop does on no answer
+    assert policy.executor_lost() == 2  # what the loop does on no answer: nothing ends
 
-    assert set(lost) == {a, b} and all(s.finished for s in lost)
-    assert not policy.running and not policy.waiting and not policy.has_work
-    assert set(policy.take_releases()) == held  # still held by the executor: released once it is back
-    assert (a.cache_id, b.cache_id) == ("", "")
+    assert not policy.running and policy.waiting == [a, b] and not any(s.finished for s in (a, b))
+    assert (a.cache_id, a.num_cached, b.cache_id, b.num_cached) == ("", 0, "", 0)
+    assert (a.output_ids, b.output_ids) == before and a.preemptions == b.preemptions == 1  # outputs kept
+    assert not policy.has_releases and set(policy.take_stale()) == held  # the old executor's, if it returns
     client.release_now(list(held))
     assert client.info_now().kv.free_blocks == policy.kv.total_blocks
 
-    # the policy serves again: a new request runs to the same tokens
-    c = submit(policy, info, request("c"))
+    # the executor is back: both are recomputed (prompt + outputs so far) and end with the clean run's tokens
+    emitted = []
     while policy.has_work:
-        step(policy, client)
-    assert c.output_ids == reference
+        emitted += step(policy, client)[1]
+    assert a.output_ids == reference and b.output_ids == reference
+    assert len(emitted) == 2 * (NEW - len(before[0]))  # only the tokens not streamed before: no duplicate
 
 
 def test_resource_exhausted_preempts_the_youngest_and_replans(client, reference):
-    faulty = FaultyExecutorClient(client, step_faults={2: Fault("status", "RESOURCE_EXHAUSTED")})
+    faulty = FaultyExecutorClient(client, step_faults={2: Fault("status", "RESOURCE_EXHAUSTED",
+                                                                        message="KV cache full: injected")})
     policy, info = new_policy(client, max_batch_tokens=64, prefill_chunk=64)
     a, b = submit(policy, info, request("a")), submit(policy, info, request("b"))
     step(policy, faulty)
@@ -128,7 +140,7 @@ def test_resource_exhausted_preempts_the_youngest_and_replans(client, reference)
     plan = policy.schedule()
     with pytest.raises(RemoteError) as err:
         faulty.unified_decode_now(codec.step_to_pb(plan))
-    assert policy.step_failed(plan, err.value, err.value.status_name) == []
+    assert policy.step_failed(plan, err.value, is_kv_exhaustion(err.value)) == []
     assert policy.running == [a] and policy.waiting == [b] and b.preemptions == 1 and b.cache_id == ""
     while policy.has_work:
         step(policy, faulty)
@@ -141,56 +153,76 @@ def test_a_rejected_step_fails_its_requests_with_the_status(client):
     step(policy, client)
     held = a.cache_id
     plan = policy.schedule()
-    failed = policy.step_failed(plan, RemoteError("INVALID_ARGUMENT", "bad"), "INVALID_ARGUMENT")
-    assert failed == [a] and a.finished and not policy.has_work
+    error = RemoteError("INVALID_ARGUMENT", "bad")
+    failed = policy.step_failed(plan, error, kv_full=False)
+    assert failed == [Failure(a, error)] and a.finished and not policy.has_work
     assert policy.take_releases() == [held]  # nothing of the step was written; the cache goes
 
 
-# ------------------------------------------------------------------ the async loop over the same seam
+def test_an_item_that_failed_alone_ends_its_request_and_frees_its_cache(client, reference):
+    faulty = FaultyExecutorClient(client, item_faults={(2, 0): "NOT_FOUND"})
+    policy, info = new_policy(client)
+    a, b = submit(policy, info, request("a")), submit(policy, info, request("b"))
+    step(policy, faulty)
+    step(policy, faulty)
+    held = a.cache_id
+    plan = policy.schedule()
+    resp = faulty.unified_decode_now(codec.step_to_pb(plan))
+    outcome = policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv))
+    (failure,) = outcome.failed
+    assert failure.seq is a and failure.error.status_name == "NOT_FOUND" and a.finished
+    assert [e.seq for e in outcome.emitted] == [b] and policy.running == [b]
+    assert policy.take_releases() == [held]  # its cache is as it was: released
+    client.release_now([held])
+    while policy.has_work:
+        step(policy, client)
+    assert b.output_ids == reference
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return ModelTokenizer(model_dir)
+
+# ------------------------------------------------------------------ time in the queue (a hand-driven clock)
+
+def test_a_request_not_admitted_in_time_ends_resource_exhausted_saying_why(client):
+    clock = Clock()
+    policy, info = new_policy(client, clock, max_queue_time_s=60)
+    total = policy.kv.total_blocks
+    policy.kv = dataclasses.replace(policy.kv, free_blocks=1)  # another client of the executor holds the rest
+    a, b = submit(policy, info, request("a")), submit(policy, info, request("b"))
+    plan = policy.schedule()
+    assert plan.items == [] and "elsewhere" in policy.wait_reason and f"{total - 1} elsewhere" in policy.wait_reason
+    clock.now += 59.9
+    assert policy.expire_waiting() == []
+    clock.now += 0.1
+    expired = policy.expire_waiting()
+    assert [f.seq for f in expired] == [a, b] and all(isinstance(f.error, CapacityExceeded) for f in expired)
+    assert str(expired[0].error).startswith("not admitted within 60 s: it needs 1 KV blocks but only 0 can be "
+                                            f"given to it: of the executor's {total} blocks 1 are free")
+    assert str(expired[1].error).startswith("not admitted within 60 s: 1 requests ahead of it in the queue; the "
+                                            "first of them waits because it needs 1 KV blocks")
+    assert a.finished and b.finished and not policy.has_work and not policy.has_releases
 
 
-async def _collect(output) -> list[Delta | TandemError]:
-    events = []
-    while True:
-        event = await asyncio.wait_for(output.events.get(), 30)
-        events.append(event)
-        if isinstance(event, TandemError) or event.finish_reason is not None:
-            return events
+def test_queue_time_restarts_after_a_preemption_and_after_the_executor_returns(client):
+    clock = Clock()
+    policy, info = new_policy(client, clock, max_queue_time_s=10)
+    a = submit(policy, info, request("a"))
+    step(policy, client)  # admitted
+    clock.now += 30
+    policy.executor_lost()  # requeued at now: a fresh wait
+    assert policy.waiting == [a] and policy.expire_waiting() == []
+    clock.now += 9
+    policy.restart_queue_clocks()  # the executor is back: the outage does not count
+    clock.now += 9
+    assert policy.expire_waiting() == []
+    clock.now += 1
+    assert [f.seq for f in policy.expire_waiting()] == [a]
+    client.release_now(policy.take_stale())
 
 
-def _tokens(events) -> list[int]:
-    return [t.token_id for e in events if isinstance(e, Delta) for t in e.tokens]
-
-
-def test_engine_survives_an_executor_that_goes_away_and_comes_back(client, tokenizer, reference):
-    async def scenario():
-        faulty = FaultyExecutorClient(client, step_faults={2: Fault("unavailable"), 5: Fault("late", delay_s=0.05)})
-        cfg = SchedulerConfig("faulty", reconnect_interval_s=0.01)
-        engine = Engine(cfg, faulty, tokenizer, client.info_now())
-        loop_task = asyncio.create_task(engine.run())
-        try:
-            _, out_a = engine.submit(request("a"))
-            events = await _collect(out_a)
-            assert isinstance(events[-1], ExecutorUnreachable)  # lost mid-stream: an UNAVAILABLE status
-            assert not engine.up and not engine.policy.has_work
-            faulty.down = False  # the executor is back
-            while not engine.up:
-                await asyncio.sleep(0.01)
-            _, out_b = engine.submit(request("b"))
-            events = await _collect(out_b)  # its step 5 answers late: a pause, the same tokens
-            assert events[-1].finish_reason is FinishReason.LENGTH and _tokens(events) == reference
-            for _ in range(100):  # a's cache was released after the reconnect, b's after its finish
-                if client.info_now().kv.active_caches == 0:
-                    break
-                await asyncio.sleep(0.01)
-            kv = client.info_now().kv
-            assert (kv.active_caches, kv.free_blocks) == (0, kv.total_blocks)
-        finally:
-            await engine.drain(0)
-            loop_task.cancel()
-
-    asyncio.run(scenario())
+def test_requests_whose_adapter_is_gone_after_a_restart_end_not_found(client):
+    policy, info = new_policy(client)
+    base = submit(policy, info, request("base"))
+    gone = Sequence(dataclasses.replace(request("gone"), adapter="alpha"), policy.next_arrival(), (), 1000)
+    policy.add(gone)
+    (failure,) = policy.drop_missing_adapters({"beta"})
+    assert failure.seq is gone and failure.error.__class__.__name__ == "AdapterNotFound"
+    assert "'alpha' is no longer loaded" in str(failure.error) and policy.waiting == [base]
