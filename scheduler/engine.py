@@ -19,6 +19,9 @@ import logging
 import time
 from typing import Callable
 
+
+import grpc
+
 from scheduler import codec
 from scheduler.config import SchedulerConfig
 from scheduler.executor_client import ExecutorClient, ExecutorUnreachable, is_kv_exhaustion
@@ -203,6 +206,11 @@ class Engine:
         if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
             self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
             return
+        if not self.session.id and _names_unknown_cache(plan, resp):  # no sessions: a restart shows as unknown
+            await self.refresh_info()  # caches; a new instance id says so (refresh_info then starts recovery)
+            if not self.up:
+                self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
+                return
         self.session.renewed(started)
         self.steps += 1
         self._stall_poll_s = _STALL_POLL_S[0]
@@ -319,3 +327,8 @@ class Engine:
             since, count = now, 0
         self._stats = (since, count)
 
+
+def _names_unknown_cache(plan, resp) -> bool:
+    """Whether an item that named an existing cache failed NOT_FOUND (the executor no longer holds it)."""
+    return any(r.status.code == grpc.StatusCode.NOT_FOUND.value[0] and item.seq.cache_id
+               for item, r in zip(plan.items, resp.results))

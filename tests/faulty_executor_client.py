@@ -109,8 +109,10 @@ class FaultyExecutorClient:
         kept = [a for a in out.adapters if a not in self.hidden_adapters]
         del out.adapters[:]
         out.adapters.extend(kept)
-        if self.registered_sampling:
-            out.capabilities.append("registered_sampling")
+        # The capabilities of the contract this fake plays are its own, whatever the inner executor has.
+        caps = [c for c in out.capabilities if c not in ("registered_sampling", "sessions")]
+        del out.capabilities[:]
+        out.capabilities.extend(caps + (["registered_sampling"] if self.registered_sampling else []))
         return out
 
     def _unified(self, items: Sequence[epb.UnifiedItem], session_id: str) -> epb.UnifiedDecodeResponse:
