@@ -1,15 +1,19 @@
 """Recovery with real processes: the executor SIGKILLed mid-stream and restarted on the same address — the
 streams pause and finish with exactly the tokens of a clean run (greedy and seeded sampling), none repeated;
-and no silent waits: a request whose KV is held by another client of the executor ends RESOURCE_EXHAUSTED
-within --max-queue-time, saying why."""
+no silent waits: a request whose KV is held by another client of the executor ends RESOURCE_EXHAUSTED
+within --max-queue-time, saying why; and a scheduling loop that dies of a bug still shuts down in order."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import socket
 
 import grpc
 import pytest
 
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.server import serve_async
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
@@ -73,4 +77,15 @@ def test_a_request_whose_kv_is_held_elsewhere_ends_resource_exhausted_in_time(re
 
     executor.stub.ReleaseCache(epb.ReleaseCacheRequest(cache_ids=[held]))  # the other client is done
     assert collect(scheduler.stub, wants_3_blocks).usage.completion_tokens == 20
+    wait_kv_free(executor.stub)
+
+
+def test_a_scheduling_loop_that_fails_drains_and_exits_non_zero(request, model_dir, monkeypatch):
+    executor = start_for(request, model_dir, "--kv-blocks", "16")
+
+    async def broken_run(self) -> None:
+        raise RuntimeError("a bug in the loop")
+
+    monkeypatch.setattr(Engine, "run", broken_run)
+    assert asyncio.run(serve_async(SchedulerConfig(executor.address, port=0, grace_s=5))) == 1
     wait_kv_free(executor.stub)

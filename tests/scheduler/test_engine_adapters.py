@@ -69,9 +69,10 @@ def test_an_executor_back_with_other_limits_and_without_an_adapter(client, model
             await until(lambda: not engine.up, "the executor's loss")
             faulty.restart()
             faulty.hidden_adapters, faulty.max_batch_tokens = {"alpha"}, 8  # back without alpha, 8 tokens a call
+            faulty.max_adapters_on_device = 1
             faulty.down = False
             a, b = tokens(await collect(outs["a"])), (await collect(outs["b"]))[-1]
-            assert engine.planner.max_batch_tokens == 8
+            assert (engine.planner.max_batch_tokens, engine.planner.max_adapters) == (8, 1)
         assert a == references[""]  # recomputed in chunks of at most 8 tokens
         assert isinstance(b, AdapterNotFound) and "'alpha' is no longer loaded" in str(b)
         after = faulty.sent[2:]
