@@ -28,8 +28,10 @@ if _version_not_supported:
 class ExecutorServiceStub:
     """The model process: it runs forwards over the paged KV caches it holds and samples tokens. Caches are
     named by ids the executor hands out; a client creates them (Prefill, UnifiedDecode), extends them
-    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and must free them
-    (ReleaseCache): the executor never frees a cache on its own. Calls that run the model are serialised.
+    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and frees them (ReleaseCache).
+    Every cache belongs to a session with a lease (OpenSession; calls without a session_id use the anonymous
+    session): the executor frees a session's caches itself only when it is closed or its lease lapses.
+    Calls that run the model are serialised.
     """
 
     def __init__(self, channel):
@@ -118,8 +120,10 @@ class ExecutorServiceStub:
 class ExecutorServiceServicer:
     """The model process: it runs forwards over the paged KV caches it holds and samples tokens. Caches are
     named by ids the executor hands out; a client creates them (Prefill, UnifiedDecode), extends them
-    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and must free them
-    (ReleaseCache): the executor never frees a cache on its own. Calls that run the model are serialised.
+    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and frees them (ReleaseCache).
+    Every cache belongs to a session with a lease (OpenSession; calls without a session_id use the anonymous
+    session): the executor frees a session's caches itself only when it is closed or its lease lapses.
+    Calls that run the model are serialised.
     """
 
     def GetInfo(self, request, context):
@@ -323,8 +327,10 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
 class ExecutorService:
     """The model process: it runs forwards over the paged KV caches it holds and samples tokens. Caches are
     named by ids the executor hands out; a client creates them (Prefill, UnifiedDecode), extends them
-    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and must free them
-    (ReleaseCache): the executor never frees a cache on its own. Calls that run the model are serialised.
+    (Decode, UnifiedDecode, ForwardVerify), rolls them back (TruncateCache) and frees them (ReleaseCache).
+    Every cache belongs to a session with a lease (OpenSession; calls without a session_id use the anonymous
+    session): the executor frees a session's caches itself only when it is closed or its lease lapses.
+    Calls that run the model are serialised.
     """
 
     @staticmethod
