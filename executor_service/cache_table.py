@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from executor_service.types import CacheRef
+from executor_service.sessions import ANONYMOUS, SessionRegistry
+from executor_service.types import CacheListing, CacheRef, SessionListing
 from models.kv_cache import BlockTable, PagedKvCache
 from tandem.errors import CacheNotFound
 from tandem.sampling_params import SamplingParams
@@ -102,6 +103,21 @@ class CacheStore:
         with self._guard:
             ids = self._owned.pop(session_id, {})
             return [self._caches.pop(cid) for cid in ids]
+
+    def listings(self, sessions: SessionRegistry, session_id: str | None) -> list[SessionListing]:
+        """The sessions (one, or all: the anonymous one only when it holds caches) with their caches."""
+        if session_id is not None:
+            sessions.find(session_id)  # SessionNotFound
+        now = sessions.clock()
+        listing = []
+        for s, expires_in in sessions.listing():
+            if session_id is not None and s.session_id != session_id:
+                continue
+            caches = [CacheListing(cid, st.table.length, st.adapter, max(0.0, now - st.created), len(st.table.blocks))
+                      for cid, st in self.owned(s.session_id)]
+            if caches or s.session_id != ANONYMOUS or session_id is not None:
+                listing.append(SessionListing(s.session_id, s.client_name, expires_in, caches))
+        return listing
 
     def adapter_users(self) -> dict[str, int]:
         """Adapter name -> live caches created with it, in every session."""

@@ -31,7 +31,7 @@ from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
 from executor_service.op_lock import OpLock
 from executor_service.request_validation import PlannedItem, RequestValidator, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
-from executor_service.types import (AdapterInfo, CacheListing, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
+from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
                                     OutputOptions, PrefillResult, SequenceOutput, SessionLease, SessionListing,
                                     UnifiedItem, UnifiedResult, VerifyResult)
 from models.config import read_generation_defaults
@@ -282,18 +282,7 @@ class Executor:
     def list_caches(self, session_id: str | None = None) -> list[SessionListing]:
         """Sessions (oldest first) with their caches (oldest first); one session, or every session (None:
         the anonymous one only when it holds caches). Renews nothing."""
-        if session_id is not None:
-            self.sessions.find(session_id)  # SessionNotFound
-        now = self.sessions.clock()
-        listing = []
-        for s, expires_in in self.sessions.listing():
-            if session_id is not None and s.session_id != session_id:
-                continue
-            caches = [CacheListing(cid, st.table.length, st.adapter, max(0.0, now - st.created), len(st.table.blocks))
-                      for cid, st in self._store.owned(s.session_id)]
-            if caches or s.session_id != ANONYMOUS or session_id is not None:
-                listing.append(SessionListing(s.session_id, s.client_name, expires_in, caches))
-        return listing
+        return self._store.listings(self.sessions, session_id)
 
     def info(self) -> ExecutorInfo:
         cfg = self.model_config
