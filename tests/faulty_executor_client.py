@@ -22,7 +22,7 @@ from tandem.executor.v1 import executor_pb2 as epb
 
 @dataclass
 class Fault:
-    kind: str  # "unavailable" | "late" | "status"
+    kind: str  # "unavailable" | "late" | "status" | "late-status" (the error status after delay_s)
     status: str = "INTERNAL"  # for "status": the gRPC status name the executor answers with
     delay_s: float = 0.0  # for "late"
     message: str = ""  # for "status": the error message (default: "injected <status>")
@@ -194,7 +194,9 @@ class FaultyExecutorClient:
     async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
         fault = self._fault()
         # a network client yields to the event loop while the step runs; so does this one (once, at least)
-        await asyncio.sleep(fault.delay_s if fault is not None and fault.kind == "late" else 0)
+        await asyncio.sleep(fault.delay_s if fault is not None and fault.kind in ("late", "late-status") else 0)
+        if fault is not None and fault.kind == "late-status":  # the step fails after a while: nothing written
+            raise RemoteError(fault.status, f"executor {self.address}: {fault.message or 'injected ' + fault.status}")
         return self._unified(items, session_id)
 
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:

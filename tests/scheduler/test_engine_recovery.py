@@ -197,6 +197,24 @@ def test_an_item_that_fails_alone_ends_only_its_request(client, tokenizer):
     scenario(run())
 
 
+def test_a_cancel_during_a_step_that_then_fails_leaks_nothing(client, tokenizer):
+    """The client of a goes away while a step runs, and that step then fails: a's cache is released, the
+    failure ends only the requests still there, and the next request is served normally."""
+    async def run():
+        want = await clean_run(client, tokenizer, [request("b")])
+        faulty = FaultyExecutorClient(client, step_faults={2: Fault("late-status", "INTERNAL", delay_s=0.2)})
+        async with Running(faulty, tokenizer) as engine:
+            seq_a, _ = engine.submit(request("a"))
+            await until(lambda: faulty.steps >= 3, "the failing step in flight")
+            engine.abort(seq_a)  # the client cancels mid-step
+            await until(lambda: client.info_now().kv.active_caches == 0, "a's cache released")
+            _, out_b = engine.submit(request("b"))
+            assert tokens(await collect(out_b)) == want["b"]
+        kv = client.info_now().kv
+        assert (kv.free_blocks, kv.active_caches) == (kv.total_blocks, 0)
+    scenario(run())
+
+
 def test_a_message_size_error_is_not_taken_for_kv_exhaustion(client, tokenizer):
     async def run():
         faulty = FaultyExecutorClient(client, step_faults={1: Fault(
