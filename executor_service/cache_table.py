@@ -39,10 +39,6 @@ class CacheState:
     # by every item that sends some).
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
-    @classmethod
-    def new(cls) -> "CacheState":
-        return cls()
-
     @property
     def num_output_tokens(self) -> int:
         return 0 if self.prompt_len is None else len(self.tokens) - self.prompt_len

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from google.protobuf.message import Message
 
-from executor_service.request_validation import MAX_TOP_LOGPROBS
 from tandem.errors import ReplyTooLarge
 from tandem.executor.v1 import executor_pb2 as pb
+from tandem.sampling_params import MAX_TOP_LOGPROBS
 
 _TOKEN_BYTES = 16  # TokenLogprob: tag + length, token id varint (<= 5), logprob fixed32 (5)
 _TOP_BYTES = 16  # one TopLogprob, likewise

@@ -15,9 +15,7 @@ from executor_service.cache_table import CacheState, CacheTable
 from executor_service.types import UnifiedItem
 from models.config import ModelConfig
 from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong, TandemError
-from tandem.sampling_params import SamplingParams
-
-MAX_TOP_LOGPROBS = 20
+from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import grpc
 
 from tandem.codec import sampling_from_pb, sampling_to_pb
 from tandem.errors import AdapterNotFound, InvalidRequest, RemoteError, SequenceTooLong
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
@@ -17,7 +17,6 @@ from scheduler.policy import ItemResult
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob
 from scheduler.tokenizer import ChatMessage, ModelTokenizer
 
-MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256

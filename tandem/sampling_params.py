@@ -10,6 +10,8 @@ from tandem.errors import InvalidRequest
 _PENALTY_RANGE = (-2.0, 2.0)
 # Logit biases follow the OpenAI range: +-100 is already "always"/"never".
 _BIAS_RANGE = (-100.0, 100.0)
+# Alternatives reported per sampled token (top_logprobs), the same bound for both services (OpenAI's 20).
+MAX_TOP_LOGPROBS = 20
 # Temperatures below this are greedy: dividing logits by a subnormal temperature (1e-45) overflows them to
 # inf, and the draw would then pick the lowest id of the tied infinities instead of the most likely token.
 # At 1e-5 logits of magnitude <= 1e3 (+ a bias of 100) stay below 1e8: finite, and the draw is an argmax.
