@@ -26,7 +26,9 @@ import torch
 from executor_service.adapters import AdapterRegistry
 from executor_service.batch import BatchItem, BatchRunner
 from executor_service.cache_table import CacheState, CacheStore, CacheTable
-from executor_service.config import ExecutorConfig, kv_block_count
+from executor_service.config import ExecutorConfig
+from executor_service.kv_sizing import build_kv_pool
+from executor_service.memory_probe import resident_memory_bytes
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
 from executor_service.op_lock import OpLock
 from executor_service.request_validation import PlannedItem, RequestValidator, name_item
@@ -37,7 +39,6 @@ from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeRes
 from models.config import read_generation_defaults
 from tandem.errors import (AdapterInUse, CacheStateConflict, InvalidRequest, KvCapacityExceeded, PositionMismatch,
                            TandemError)
-from models.kv_cache import PagedKvCache
 from tandem.kv_usage import KvUsage
 from models.loader import load_model
 from models.moe import SparseMoeBlock
@@ -69,11 +70,7 @@ class Executor:
         self.model_config = cfg
         self.generation = read_generation_defaults(config.model_dir, cfg)
         dtype = self.model.lm_head.weight.dtype
-        per_block = PagedKvCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                                 dtype)
-        blocks = kv_block_count(config, self.device, per_block)
-        self.kv = PagedKvCache(cfg.num_layers, blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                               self.device)
+        self.kv, self.kv_pool = build_kv_pool(config, self.device, cfg, dtype)  # sized and logged there
         self.runner = BatchRunner(self.model, self.kv, config.attention_bound())
         self.adapters = AdapterRegistry(cfg, self.device, dtype, config.adapter_root, config.max_adapters_on_device,
                                         config.max_lora_rank)
@@ -296,7 +293,8 @@ class Executor:
             max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
             max_batch_tokens=self.config.max_batch_tokens, capabilities=CAPABILITIES, adapters=self.adapters.names(),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-            moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)))
+            moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
+            resident_memory_bytes=resident_memory_bytes())
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""
