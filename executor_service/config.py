@@ -57,4 +57,3 @@ class ExecutorConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
         return dev
-

@@ -33,7 +33,7 @@ DEFAULT_MAX_SEQUENCES = 64
 log = logging.getLogger("tandem.executor")
 
 
-def gib(n: int | float) -> str:
+def gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 

@@ -75,10 +75,10 @@ def test_cuda_default_is_unchanged(free_memory):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(kv_blocks=0), "--kv-blocks must be positive"),
-    (dict(kv_memory_fraction=0.0), "--kv-memory-fraction must be in (0, 1]"),
-    (dict(kv_memory_fraction=1.5), "--kv-memory-fraction must be in (0, 1]"),
-    (dict(), "not enough free memory for a single KV block"),
+    ({"kv_blocks": 0}, "--kv-blocks must be positive"),
+    ({"kv_memory_fraction": 0.0}, "--kv-memory-fraction must be in (0, 1]"),
+    ({"kv_memory_fraction": 1.5}, "--kv-memory-fraction must be in (0, 1]"),
+    ({}, "not enough free memory for a single KV block"),
 ])
 def test_bad_flags_and_no_room_are_errors(free_memory, kw, message):
     free_memory(PER_BLOCK)  # half of it: less than one block
