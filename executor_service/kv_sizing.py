@@ -6,9 +6,10 @@
 - CUDA default: 0.85 of the device's free memory (the device serves the model alone).
 - CPU default: a fixed budget, CPU_KV_BUDGET_BYTES (4 GiB, like vLLM's CPU backend, whose
   VLLM_CPU_KVCACHE_SPACE defaults to 4 GiB), lowered to what DEFAULT_MAX_SEQUENCES full-length sequences need
-  (a bigger pool could never fill under a default scheduler) and to half of MemAvailable (a laptop keeps
+  (a default scheduler's running sequences never hold more) and to half of MemAvailable (a laptop keeps
   room for everything else). The host pool is committed as blocks are first written (models/zero_pool.py),
-  so the budget bounds memory under full load; it costs nothing at start.
+  so it costs nothing at start; the budget bounds memory under full load, and over a long-running server's
+  life (the free list hands blocks out in turn, so traffic gradually touches all of them).
 """
 from __future__ import annotations
 
