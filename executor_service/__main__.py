@@ -28,10 +28,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="weights and KV dtype (auto: float32 on CPU, the checkpoint's dtype on CUDA)")
     kv = ap.add_mutually_exclusive_group()
-    kv.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")
+    kv.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: see --kv-memory-fraction)")
     kv.add_argument("--kv-memory-fraction", type=float,
-                    help="KV pool as a fraction of free memory (default 0.85 on CUDA after the weights, "
-                         "0.25 of MemAvailable on CPU)")
+                    help="KV pool as a fraction of the free memory after the weights (CUDA: the device's; CPU: "
+                         "MemAvailable). Default on CUDA 0.85; on CPU a fixed 4 GiB, less when 64 sequences of the "
+                         "model's max length need less or when it exceeds half of MemAvailable. The CPU pool is "
+                         "committed as blocks are first used. The startup log and GetInfo say the size and why")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     ap.add_argument("--max-batch-tokens", type=int, default=8192,
                     help="most tokens one call may carry, all items together (default 8192)")

@@ -194,9 +194,12 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
         max_batch_tokens=info.max_batch_tokens, num_experts=info.num_experts,
         num_experts_per_tok=info.num_experts_per_tok, moe_layers=list(info.moe_layers),
         instance_id=info.instance_id, max_adapters_on_device=info.max_adapters_on_device,
-        session_ttl_ms=ms(info.session_ttl_s))
+        session_ttl_ms=ms(info.session_ttl_s), resident_memory_bytes=info.resident_memory_bytes)
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
+    if info.kv_pool is not None:
+        p = info.kv_pool
+        msg.kv_pool.CopyFrom(pb.KvPoolSizing(blocks=p.blocks, tokens=p.tokens, bytes=p.bytes, reason=p.reason))
     return msg
 
 
@@ -213,7 +216,7 @@ def metrics_to_pb(m: MetricsSnapshot, kv: KvUsage, rpcs: dict[str, LatencySummar
         tokens_sampled=m.tokens_sampled, caches_created=m.caches_created, caches_released=m.caches_released,
         rpcs={k: latency_to_pb(v) for k, v in rpcs.items()}, adapters=[adapter_to_pb(a) for a in adapters],
         expert_load=[pb.ExpertLoad(layer=layer, tokens=t) for layer, t in sorted(expert_load.items())],
-        prefix_cache=prefix_stats_to_pb(prefix))
+        prefix_cache=prefix_stats_to_pb(prefix), resident_memory_bytes=m.resident_memory_bytes)
 
 
 def prefix_stats_to_pb(p: PrefixCacheStats) -> pb.PrefixCacheStats:

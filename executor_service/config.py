@@ -8,8 +8,6 @@ import torch
 
 from models.kv_cache import DEFAULT_BLOCK_SIZE
 
-DEFAULT_KV_FRACTION_CUDA = 0.85  # of the device memory left free after the weights
-DEFAULT_KV_FRACTION_CPU = 0.25  # of MemAvailable: the host also runs the scheduler, tokenizer, clients
 # Default attention workspace bound per call, per token of --max-batch-tokens (models/attention.py): 8192 x 64
 # = 524k elements, i.e. 256 decode rows at a 2k context in one bucket; larger buckets are split.
 ATTENTION_ELEMENTS_PER_BATCH_TOKEN = 64
@@ -20,7 +18,9 @@ class ExecutorConfig:
     model_dir: Path
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    kv_blocks: int | None = None  # explicit pool size; else sized by kv_memory_fraction
+    # KV pool: exactly kv_blocks blocks, or kv_memory_fraction of the free memory, or (both None) the
+    # device's default sizing (executor_service/kv_sizing.py).
+    kv_blocks: int | None = None
     kv_memory_fraction: float | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     max_batch_tokens: int = 8192  # most tokens one forward may carry (all items together)
@@ -62,34 +62,3 @@ class ExecutorConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
         return dev
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory on the device now: CUDA's free bytes, or the host's MemAvailable."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30  # no /proc (not Linux): assume a modest 4 GiB
-
-
-def kv_block_count(cfg: ExecutorConfig, device: torch.device, bytes_per_block: int) -> int:
-    if cfg.kv_blocks is not None:
-        if cfg.kv_blocks <= 0:
-            raise ValueError(f"--kv-blocks must be positive, got {cfg.kv_blocks}")
-        return cfg.kv_blocks
-    fraction = cfg.kv_memory_fraction
-    if fraction is None:
-        fraction = DEFAULT_KV_FRACTION_CUDA if device.type == "cuda" else DEFAULT_KV_FRACTION_CPU
-    if not 0 < fraction <= 1:
-        raise ValueError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
-    blocks = int(available_memory_bytes(device) * fraction) // bytes_per_block
-    if blocks < 1:
-        raise ValueError("not enough free memory for a single KV block; lower the model size or pass --kv-blocks")
-    return blocks

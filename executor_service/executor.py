@@ -25,9 +25,11 @@ from typing import Callable, ContextManager, Iterator, Sequence
 from executor_service.adapters import AdapterRegistry
 from executor_service.batch import BatchItem, BatchRunner
 from executor_service.cache_table import CacheState, CacheStore, CacheTable
-from executor_service.config import ExecutorConfig, kv_block_count
+from executor_service.config import ExecutorConfig
 from executor_service.decode_steps import MAX_DECODE_STEPS, run_decode_steps  # noqa: F401  (re-exported)
 from executor_service.kv_events import KvEventHub, Subscription
+from executor_service.kv_sizing import build_kv_pool
+from executor_service.memory_probe import resident_memory_bytes
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
 from executor_service.op_lock import OpLock
 from executor_service.prefix_cache import PrefixCache, PrefixCacheStats
@@ -40,7 +42,6 @@ from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, Crea
 from models.config import read_generation_defaults
 from tandem.errors import (AdapterInUse, CacheStateConflict, InvalidRequest, PositionMismatch,
                            TandemError)
-from models.kv_cache import PagedKvCache
 from tandem.kv_usage import KvUsage
 from models.loader import load_model
 from models.moe import SparseMoeBlock
@@ -73,11 +74,7 @@ class Executor:
         self.model_config = cfg
         self.generation = read_generation_defaults(config.model_dir, cfg)
         dtype = self.model.lm_head.weight.dtype
-        per_block = PagedKvCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                                 dtype)
-        blocks = kv_block_count(config, self.device, per_block)
-        self.kv = PagedKvCache(cfg.num_layers, blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                               self.device)
+        self.kv, self.kv_pool = build_kv_pool(config, self.device, cfg, dtype)  # sized and logged there
         self.runner = BatchRunner(self.model, self.kv, config.attention_bound())
         self.events = KvEventHub(config.max_kv_subscribers, config.kv_events_buffer)
         self.prefix = PrefixCache(self.kv, config.prefix_caching, self.events)
@@ -278,7 +275,8 @@ class Executor:
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
             capabilities=CAPABILITIES + (("prefix_caching",) if self.prefix.enabled else ()),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-            moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)))
+            moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
+            resident_memory_bytes=resident_memory_bytes())
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""

@@ -6,6 +6,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from executor_service.memory_probe import resident_memory_bytes
+
 _WINDOW = 4096  # recent samples kept for percentiles
 
 
@@ -45,6 +47,7 @@ class MetricsSnapshot:
     tokens_sampled: int
     caches_created: int
     caches_released: int
+    resident_memory_bytes: int = 0  # the process's RSS when the snapshot was taken (0: not known)
 
 
 class ExecutorMetrics:
@@ -67,4 +70,4 @@ class ExecutorMetrics:
         with self._guard:
             return MetricsSnapshot({k: v.summary() for k, v in self._ops.items()}, self._lock_wait.summary(),
                                    self.forward_passes, self.tokens_processed, self.tokens_sampled,
-                                   self.caches_created, self.caches_released)
+                                   self.caches_created, self.caches_released, resident_memory_bytes())

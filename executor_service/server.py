@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
+from executor_service.kv_sizing import describe
 from tandem.grpc_setup import add_health_reflection_and_ports
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
 from executor_service.model_thread import DEFAULT_MAX_QUEUED, ModelThread
@@ -57,7 +58,9 @@ def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetr
 
 def _load_and_warm(executor_cfg: ExecutorConfig) -> Executor:
     executor = Executor(executor_cfg)
-    warm = executor.prefill([executor.info().bos_token_id or 0] * 4)  # compiles kernels, touches the KV pool
+    # Runs the forward's code paths once (kernels chosen, lazy inits done); writes one KV block, the only part
+    # of the pool touched before READY (the rest is committed as requests first use it).
+    warm = executor.prefill([executor.info().bos_token_id or 0] * 4)
     executor.release_cache([warm.cache.cache_id])
     return executor
 
@@ -91,9 +94,10 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     info = executor.info()
-    log.info("ready in %.1fs: %s (%s, %s on %s), KV %d blocks x %d tokens, session lease %.1fs; instance %s "
-             "serving on %s", time.perf_counter() - start, info.model_id, info.architecture, info.dtype, info.device,
-             info.kv.total_blocks, info.kv.block_size, info.session_ttl_s, info.instance_id, ", ".join(addresses))
+    log.info("ready in %.2fs: %s (%s, %s on %s), KV pool %s, resident memory %.0f MiB, session lease %.1fs; "
+             "instance %s serving on %s", time.perf_counter() - start, info.model_id, info.architecture, info.dtype,
+             info.device, describe(info.kv_pool), info.resident_memory_bytes / 2**20, info.session_ttl_s,
+             info.instance_id, ", ".join(addresses))
     print(f"READY {' '.join(addresses)}", flush=True)  # a line scripts can wait for
 
     stop.wait()

@@ -131,6 +131,16 @@ class VerifyResult:
 
 
 @dataclass(frozen=True)
+class KvPoolSizing:
+    """The KV pool's size and why (executor_service/kv_sizing.py decides it at start)."""
+
+    blocks: int
+    tokens: int  # blocks x block_size
+    bytes: int  # K and V, every layer and block; on CPU committed only as blocks are first written
+    reason: str  # the flag, or the default and the bound that applied; for people
+
+
+@dataclass(frozen=True)
 class ExecutorInfo:
     model_id: str
     model_dir: str
@@ -156,6 +166,8 @@ class ExecutorInfo:
     instance_id: str = ""  # random per executor process: a change means a restart (every cache is gone)
     max_adapters_on_device: int = 0
     session_ttl_s: float = 0.0  # the lease of every session
+    kv_pool: KvPoolSizing | None = None
+    resident_memory_bytes: int = 0  # the process's RSS when the info was taken (0: not known)
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class BlockAllocator:
                 if self._hash[b] is not None:
                     self._cached[b] = None  # most recently used end
                 else:
-                    self._free.append(b)
+                    self._free.appendleft(b)  # reused first: already-touched memory (the CPU pool is lazy)
 
     # ----------------------------------------------------------------- the hash index
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.block_allocator import BlockAllocator
+from models.zero_pool import lazy_zeros
 from tandem.ceil_div import ceil_div
 from tandem.errors import KvCapacityExceeded
 from tandem.kv_usage import KvUsage
@@ -41,8 +42,8 @@ class PagedKvCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = lazy_zeros(shape, dtype, device)  # zero unwritten; on CPU committed as used (zero_pool.py)
+        self.v = lazy_zeros(shape, dtype, device)
         self.allocator = BlockAllocator(num_blocks)
         self.copied_blocks = 0  # indexed blocks copied before a write (see reserve)
 

@@ -85,7 +85,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,8 @@ class GetInfoResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_ADAPTERS_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -134,7 +136,21 @@ class GetInfoResponse(_message.Message):
     instance_id: str
     max_adapters_on_device: int
     session_ttl_ms: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ...) -> None: ...
+    kv_pool: KvPoolSizing
+    resident_memory_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class KvPoolSizing(_message.Message):
+    __slots__ = ("blocks", "tokens", "bytes", "reason")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    tokens: int
+    bytes: int
+    reason: str
+    def __init__(self, blocks: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("token_ids", "cache_id", "sampling", "output", "adapter", "session_id")
@@ -331,7 +347,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class GetMetricsResponse(_message.Message):
-    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs", "adapters", "expert_load", "prefix_cache")
+    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs", "adapters", "expert_load", "prefix_cache", "resident_memory_bytes")
     class OperationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +374,7 @@ class GetMetricsResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     operations: _containers.MessageMap[str, LatencySummary]
     lock_wait: LatencySummary
     kv: KvUsage
@@ -370,7 +387,8 @@ class GetMetricsResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
     prefix_cache: PrefixCacheStats
-    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+    resident_memory_bytes: int
+    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("enabled", "query_tokens", "hit_tokens", "stored_blocks", "evicted_blocks", "indexed_blocks", "copied_blocks")
