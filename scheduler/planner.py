@@ -6,8 +6,8 @@ Policy (one step):
 2. running sequences still in their prompt get prefill chunks, oldest first, while the token budget and
    the free blocks last;
 3. waiting (new or preempted) sequences are admitted oldest first while fewer than max_running run, the
-   budget lasts, their whole prompt (plus one token) fits the free blocks left after what the running
-   prompts still need — so an admitted prompt never stalls for lack of blocks — and their adapter has a
+   budget lasts, the blocks their prompt (plus one token) still needs — beyond a reused prefix they already
+   hold (CreateCache, prefix caching) — fit the free blocks left after what the running prompts still need — so an admitted prompt never stalls for lack of blocks — and their adapter has a
    slot: the running sequences use at most max_adapters distinct adapters (the executor's
    max_adapters_on_device; the base model takes none; 0 = no limit). Since every running sequence may be in
    any step, this keeps every step within the limit without ever leaving a running sequence out for its

@@ -45,6 +45,7 @@ from tandem.errors import AdapterNotFound, CapacityExceeded, TandemError
 from tandem.kv_usage import KvUsage
 
 log = logging.getLogger("tandem.scheduler")
+MAX_MATCH_PER_STEP = 256  # CreateCache items per call (the executor's limit)
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ class SchedulingPolicy:
         schedule(): those without a cache among the first ones that could be admitted (as many as free
         running slots; only the head while the head waits for KV blocks)."""
         slots = 1 if self.head_needs_blocks else self.cfg.max_running - len(self.running)
-        return [s for s in self.waiting[:max(0, slots)] if not s.cache_id]
+        return [s for s in self.waiting[:max(0, slots)] if not s.cache_id][:MAX_MATCH_PER_STEP]
 
     def attach_prefixes(self, seqs: list[Sequence], results: list[tuple[str, int] | None]) -> None:
         """CreateCache's answer, per sequence: (cache id, tokens reused), or None where its item failed (the
