@@ -8,8 +8,8 @@ import torch
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
-from executor_service.types import (CacheRef, DecodeItem, DecodeResult, OutputMode, OutputOptions, UnifiedItem,
-                                    UnifiedResult)
+from executor_service.types import (CacheRef, CreateCacheItem, DecodeItem, DecodeResult, OutputMode, OutputOptions,
+                                    SequenceOutput, UnifiedItem, UnifiedResult)
 from tests.hf_reference import rel_err
 
 LOGITS = OutputOptions(OutputMode.TOKENS_AND_LOGITS)
@@ -24,26 +24,54 @@ def raising(results: list[UnifiedResult] | list[DecodeResult]) -> list:
     return results
 
 
-def make_executor(model_dir: Path, kv_blocks: int = 256, **kwargs) -> Executor:
-    return Executor(ExecutorConfig(Path(model_dir), device="cpu", kv_blocks=kv_blocks, progress=False, **kwargs))
+def make_executor(model_dir: Path, kv_blocks: int = 256, prefix_caching: bool = True, **kwargs) -> Executor:
+    """prefix_caching=False: the executor of --no-prefix-caching (nothing hashed, CreateCache reuses nothing)."""
+    return Executor(ExecutorConfig(Path(model_dir), device="cpu", kv_blocks=kv_blocks, progress=False,
+                                   prefix_caching=prefix_caching, **kwargs))
 
 
-def greedy_run(ex: Executor, prompt: list[int], steps: int, chunk: int | None = None, adapter: str = ""
-               ) -> tuple[str, list[int], list[torch.Tensor]]:
-    """Prefill (whole, or as chunks through unified_decode) then greedy decode one step at a time, all with
-    `adapter` (empty = the base model). Returns (cache id, tokens, logits before each token)."""
+def create_cache(ex: Executor, prompt: Sequence[int], adapter: str = "", salt: str = "") -> tuple[str, int]:
+    """create_caches for one prompt: (cache id, tokens reused from the prefix cache); raises the item's error."""
+    (res,) = raising(ex.create_caches([CreateCacheItem(tuple(prompt), adapter, salt)]))
+    assert res.cache.seq_len == res.cached_tokens
+    return res.cache.cache_id, res.cached_tokens
+
+
+def warm_prefixes(ex: Executor, prompts: Sequence[Sequence[int]], adapters: Sequence[str] = ()) -> None:
+    """Computes the prompts in one forward and releases their caches: their full blocks stay cached, so a
+    later create_caches of the same prompts reuses them (prefix caching)."""
+    adapter = list(adapters) or [""] * len(prompts)
+    results = raising(ex.unified_decode([UnifiedItem(tuple(p), adapter=a) for p, a in zip(prompts, adapter)]))
+    ex.release_cache([r.cache.cache_id for r in results])
+
+
+def prefill_prompt(ex: Executor, prompt: list[int], chunk: int | None = None, adapter: str = "",
+                   create: bool = False, salt: str = "") -> tuple[str, int, SequenceOutput]:
+    """Writes a prompt: whole (prefill) or as chunks through unified_decode; with create, first through
+    create_caches (only the part past the reused prefix is then computed). Returns (cache id, tokens reused,
+    the output after the prompt, with logits)."""
+    cache_id, pos = create_cache(ex, prompt, adapter, salt) if create else (None, 0)
+    cached = pos
     if chunk is None:
-        res = ex.prefill(prompt, output=LOGITS, adapter=adapter)
-        cache_id, out = res.cache.cache_id, res.output
-    else:
-        cache_id, pos = None, 0
-        while pos < len(prompt):
-            part = prompt[pos:pos + chunk]
-            final = pos + len(part) == len(prompt)
-            (res,) = ex.unified_decode([UnifiedItem(tuple(part), cache_id, pos, final, output=LOGITS,
-                                                    adapter=adapter)])
-            assert (res.output is not None) == final
-            cache_id, pos, out = res.cache.cache_id, pos + len(part), res.output
+        res = ex.prefill(prompt[pos:], cache_id, output=LOGITS, adapter=adapter)
+        assert res.cached_tokens == cached
+        return res.cache.cache_id, cached, res.output
+    while pos < len(prompt):
+        part = prompt[pos:pos + chunk]
+        final = pos + len(part) == len(prompt)
+        (res,) = raising(ex.unified_decode([UnifiedItem(tuple(part), cache_id, pos, final, output=LOGITS,
+                                                        adapter=adapter)]))
+        assert (res.output is not None) == final
+        cache_id, pos, out = res.cache.cache_id, pos + len(part), res.output
+    return cache_id, cached, out
+
+
+def greedy_run(ex: Executor, prompt: list[int], steps: int, chunk: int | None = None, adapter: str = "",
+               create: bool = False) -> tuple[str, list[int], list[torch.Tensor]]:
+    """Prefill (whole, or as chunks through unified_decode; with create, through create_caches first) then
+    greedy decode one step at a time, all with `adapter` (empty = the base model). Returns (cache id,
+    tokens, logits before each token)."""
+    cache_id, _, out = prefill_prompt(ex, prompt, chunk, adapter, create)
     tokens = [out.tokens[0].token_id]
     logits = [out.logits[0]]
     for _ in range(steps - 1):
@@ -57,16 +85,22 @@ def greedy_run(ex: Executor, prompt: list[int], steps: int, chunk: int | None = 
 def mixed_batch_run(ex: Executor, prompts: list[list[int]], steps: int, release_after: dict[int, int] | None = None,
                     chunk: int = 8, adapters: Sequence[str] = (), release: bool = True,
                     on_step: Callable[[list[UnifiedItem], list[UnifiedResult]], None] | None = None,
-                    ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+                    create: Sequence[int] = ()) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Runs every sequence through shared unified_decode calls: prompt chunks of `chunk` tokens beside
     single-token decodes, greedy, sequence i with adapters[i] (default: the base model); sequence i is released
-    after release_after.get(i, steps) tokens (kept, with release=False). on_step sees each call's items and
-    results. Returns per sequence (tokens, logits before each token)."""
+    after release_after.get(i, steps) tokens (kept, with release=False). The sequences listed in `create` start
+    from one create_caches call (their prompts' cached prefixes reused; the others start as new caches in
+    the first call). on_step sees each call's items and results. Returns per sequence (tokens, logits before
+    each token)."""
     n = len(prompts)
     release_after = release_after or {}
     adapter = list(adapters) or [""] * n
     cache: list[str | None] = [None] * n
     fed = [0] * n  # prompt tokens written so far
+    if create:
+        made = raising(ex.create_caches([CreateCacheItem(tuple(prompts[i]), adapter[i]) for i in create]))
+        for i, res in zip(create, made):
+            cache[i], fed[i] = res.cache.cache_id, res.cached_tokens
     gen: list[list[int]] = [[] for _ in range(n)]
     logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
     active = set(range(n))
@@ -101,10 +135,17 @@ def mixed_batch_run(ex: Executor, prompts: list[list[int]], steps: int, release_
 
 
 def assert_greedy_matches(ex: Executor, prompt: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor],
-                          steps: int, tol: float, chunk: int | None = None) -> None:
+                          steps: int, tol: float, chunk: int | None = None, create: bool = False) -> None:
     """greedy_run equals a reference (logits within tol relative at every step, identical tokens), the cache
-    holds what was written, and releasing it frees the whole pool."""
-    cache_id, tokens, logits = greedy_run(ex, prompt, steps, chunk=chunk)
+    holds what was written, and releasing it frees the whole pool. With create, the prompt's prefix is
+    cached first (warm_prefixes) and the run reuses it through create_caches."""
+    if create:
+        hits = ex.prefix_stats().hit_tokens
+        warm_prefixes(ex, [prompt])
+    cache_id, tokens, logits = greedy_run(ex, prompt, steps, chunk=chunk, create=create)
+    if create:
+        bs = ex.kv_usage().block_size
+        assert ex.prefix_stats().hit_tokens - hits == (len(prompt) - 1) // bs * bs > 0
     errors = [rel_err(o, r) for o, r in zip(logits, ref_logits)]
     assert max(errors) < tol, f"worst step {errors.index(max(errors))}: {max(errors):.2e}"
     assert tokens == ref_tokens

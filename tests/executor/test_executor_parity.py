@@ -1,4 +1,7 @@
-"""Parity of the in-process Executor with transformers on tiny random checkpoints (fp32)."""
+"""Parity of the in-process Executor with transformers on tiny random checkpoints (fp32).
+
+The greedy, mixed-batch and truncation tests run both ways: prefix caching off (--no-prefix-caching), and on
+with the prompts' prefixes cached first and reused through create_caches (only the rest is computed)."""
 from __future__ import annotations
 
 import random
@@ -6,7 +9,8 @@ import random
 import pytest
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
-from tests.executor_driver import LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run
+from tests.executor_driver import (LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run,
+                                   warm_prefixes)
 from tests.hf_reference import HfReference, rel_err
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -19,30 +23,41 @@ def prompt_of(length: int, seed: int = 0, low: int = 3, high: int = 300) -> list
     return [rng.randrange(low, high) for _ in range(length)]
 
 
+# prefix caching off; on, with the prompts' cached prefixes reused (create_caches)
+PREFIX = pytest.mark.parametrize("prefix", [False, True], ids=["prefix-off", "prefix-on"])
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_setup(request, tiny_checkpoint):
     model_dir = tiny_checkpoint(request.param)
     return request.param, model_dir, HfReference(model_dir)
 
 
+@PREFIX
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunks-of-7"])
-def test_greedy_32_matches_transformers(arch_setup, chunk):
+def test_greedy_32_matches_transformers(arch_setup, chunk, prefix):
     _, model_dir, hf = arch_setup
-    ex = make_executor(model_dir)
+    ex = make_executor(model_dir, prefix_caching=prefix)
     prompt = prompt_of(21, seed=1)
     ref_tokens, ref_logits = hf.greedy(prompt, STEPS)
-    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL, chunk)
+    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL, chunk, create=prefix)
 
 
-def test_mixed_batch_of_five_with_releases(arch_setup):
+@PREFIX
+def test_mixed_batch_of_five_with_releases(arch_setup, prefix):
     """5 sequences of different lengths share every forward: prefill chunks of 8 beside decodes; two are
-    released mid-way. Each must still match its own transformers reference token for token."""
+    released mid-way. Each must still match its own transformers reference token for token. prefix-on: the
+    three longer prompts start from their cached prefixes (create_caches), beside new caches."""
     _, model_dir, hf = arch_setup
-    ex = make_executor(model_dir)
+    ex = make_executor(model_dir, prefix_caching=prefix)
     prompts = [prompt_of(n, seed=10 + n) for n in (3, 9, 17, 30, 41)]
     release_after = {1: 10, 3: 5}  # sequence -> tokens generated before it is released
     refs = [hf.greedy(p, STEPS) for p in prompts]
-    gen, logits = mixed_batch_run(ex, prompts, STEPS, release_after)
+    if prefix:
+        warm_prefixes(ex, prompts)
+    gen, logits = mixed_batch_run(ex, prompts, STEPS, release_after, create=(2, 3, 4) if prefix else ())
+    if prefix:
+        assert ex.prefix_stats().hit_tokens == 16 + 16 + 32
     for i in range(5):
         limit = release_after.get(i, STEPS)
         ref_tokens, ref_logits = refs[i]
@@ -52,13 +67,18 @@ def test_mixed_batch_of_five_with_releases(arch_setup):
     assert usage.free_blocks == usage.total_blocks and usage.active_caches == 0
 
 
-def test_truncate_then_decode_equals_fresh_sequence(arch_setup):
+@PREFIX
+def test_truncate_then_decode_equals_fresh_sequence(arch_setup, prefix):
+    """prefix-on: the first block is shared with the cached prefix, and truncating into it (9) makes the
+    cache write into a private copy of it."""
     _, model_dir, hf = arch_setup
-    ex = make_executor(model_dir)
+    ex = make_executor(model_dir, prefix_caching=prefix)
     prompt = prompt_of(20, seed=3)
-    cache_id, tokens, _ = greedy_run(ex, prompt, 12)
+    if prefix:
+        warm_prefixes(ex, [prompt])
+    cache_id, tokens, _ = greedy_run(ex, prompt, 12, create=prefix)
     full = prompt + tokens  # the cache holds all but the last token
-    for new_len in (23, 17, 16):  # inside a block, and right at a block boundary (block size 16)
+    for new_len in (23, 17, 16, 9):  # inside a block, right at a block boundary (block size 16), in block 0
         ref = ex.truncate_cache(cache_id, new_len)
         assert ref.seq_len == new_len
         (d,) = ex.decode([DecodeItem(CacheRef(cache_id, new_len), full[new_len], output=LOGITS)])
@@ -69,6 +89,7 @@ def test_truncate_then_decode_equals_fresh_sequence(arch_setup):
         ex.truncate_cache(cache_id, new_len)
     ex.release_cache([cache_id])
     assert ex.kv_usage().free_blocks == ex.kv_usage().total_blocks
+    assert (ex.prefix_stats().copied_blocks > 0) == prefix  # only a shared block is copied before a write
 
 
 def test_forward_verify_returns_every_position(arch_setup):

@@ -11,7 +11,7 @@ import torch
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import AdapterNotFound, InvalidRequest
-from tests.executor_driver import LOGITS, greedy_run, make_executor, mixed_batch_run
+from tests.executor_driver import LOGITS, greedy_run, make_executor, mixed_batch_run, warm_prefixes
 from tests.lora_fixtures import ALL_MODULES, HfReference, PeftReference, make_peft_adapter, rel_err
 
 TOL = 1e-4
@@ -150,10 +150,12 @@ def test_qwen2_adapter(tiny_checkpoint, tmp_path_factory):
     ex.release_cache([cid])
 
 
-def test_mixed_batch_base_and_adapters(llama):
+@pytest.mark.parametrize("prefix", [False, True], ids=["prefix-off", "prefix-on"])
+def test_mixed_batch_base_and_adapters(llama, prefix):
     """One unified_decode per step over base + three adapters (+ a second sequence of one of them):
-    prefill chunks of 8 beside decodes, different prompt lengths; each sequence matches its own reference."""
-    ex = llama.executor(preload=("qv4", "mlp16", "rs8"))
+    prefill chunks of 8 beside decodes, different prompt lengths; each sequence matches its own reference.
+    prefix-on: the adapters' prompts of 17 and 26 tokens reuse their cached first block (create_caches)."""
+    ex = llama.executor(preload=("qv4", "mlp16", "rs8"), prefix_caching=prefix)
     seqs = [("", 9), ("qv4", 17), ("mlp16", 5), ("rs8", 26), ("qv4", 3), ("", 12)]
     prompts = [prompt_of(n, seed=20 + i) for i, (_, n) in enumerate(seqs)]
     sizes, caches = set(), set()
@@ -161,7 +163,11 @@ def test_mixed_batch_base_and_adapters(llama):
     def seen(items, results):
         sizes.add(len({it.adapter for it in items}))
         caches.update(r.cache.cache_id for r in results)
-    gen, logits = mixed_batch_run(ex, prompts, STEPS, adapters=[a for a, _ in seqs], release=False, on_step=seen)
+    if prefix:
+        warm_prefixes(ex, prompts, [a for a, _ in seqs])
+    gen, logits = mixed_batch_run(ex, prompts, STEPS, adapters=[a for a, _ in seqs], release=False, on_step=seen,
+                                  create=(1, 3, 5) if prefix else ())
+    assert ex.prefix_stats().hit_tokens == (32 if prefix else 0)
     assert 4 in sizes, "some forward should carry base + all three adapters"
     for i, (adapter, _) in enumerate(seqs):
         assert_matches((gen[i], logits[i]), llama.greedy(adapter, prompts[i]), f"sequence {i} ({adapter or 'base'})")

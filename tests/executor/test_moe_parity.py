@@ -76,12 +76,14 @@ def test_checkpoint_shape(moe):
         assert moe.moe_layers == [3]
 
 
-@pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunks-of-7"])
-def test_greedy_32_matches_transformers(moe, chunk):
-    ex = make_executor(moe.model_dir)
+@pytest.mark.parametrize("chunk,prefix", [(None, False), (7, False), (7, True)],
+                         ids=["whole-prefix-off", "chunks-of-7-prefix-off", "chunks-of-7-prefix-on"])
+def test_greedy_32_matches_transformers(moe, chunk, prefix):
+    """prefix-on: the prompt's cached first block is reused (create_caches), the rest goes in chunks of 7."""
+    ex = make_executor(moe.model_dir, prefix_caching=prefix)
     prompt = prompt_of(21, seed=1)
     ref_tokens, ref_logits = moe.greedy(prompt)
-    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL, chunk)
+    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL, chunk, create=prefix)
 
 
 def test_mixed_batch_of_five_with_releases(moe):

@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from executor_service.types import UnifiedItem
-from tests.executor_driver import LOGITS, greedy_run, make_executor
+from tests.executor_driver import LOGITS, create_cache, greedy_run, make_executor, warm_prefixes
 from tests.hf_reference import HfReference, rel_err
 
 pytestmark = pytest.mark.slow
@@ -33,12 +33,19 @@ def test_greedy_32_matches_transformers(setup, chunk):
     ex.release_cache([cache_id])
 
 
-def test_mixed_batch_with_another_sequence(setup):
-    """The chat prompt's first token computed beside a decode of another sequence in one forward."""
+@pytest.mark.parametrize("create", [False, True], ids=["new-cache", "prefix-reused"])
+def test_mixed_batch_with_another_sequence(setup, create):
+    """The chat prompt's first token computed beside a decode of another sequence in one forward.
+    prefix-reused: the chat prompt's cached prefix is reused (create_caches), only the rest is computed."""
     ex, hf, prompt, (ref_tokens, ref_logits), _ = setup
     other = ex.prefill(prompt[:10])
+    cache_id, cached = None, 0
+    if create:
+        warm_prefixes(ex, [prompt])
+        cache_id, cached = create_cache(ex, prompt)
+        assert cached == (len(prompt) - 1) // 16 * 16 > 0
     (res_other, res) = ex.unified_decode([UnifiedItem((prompt[10],), other.cache.cache_id, 10, output=LOGITS),
-                                          UnifiedItem(tuple(prompt), output=LOGITS)])
+                                          UnifiedItem(tuple(prompt[cached:]), cache_id, cached, output=LOGITS)])
     assert rel_err(res.output.logits[0], ref_logits[0]) < 1e-4
     assert res.output.tokens[0].token_id == ref_tokens[0]
     assert rel_err(res_other.output.logits[0], hf.last_logits(prompt[:11])) < 1e-4
