@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="the executor's KV pool in blocks, both modes (default: each workload's in-flight "
                          "requests plus every distinct block it writes, so that nothing is evicted for lack of room)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of the executor (default: every usable core)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of the executor (default: every usable core)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     ap.add_argument("--executor-args", default="",
                     help="extra arguments for `python -m executor_service` in both modes, one shell-quoted string "
@@ -188,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             side = summarize_run(workload, mode, run, args.output_len)
             side["servers"] = servers
             runs[workload][mode], records[workload][mode] = side, run.records
+            enabled = side["prefix"]["executor_prefix_caching"]
+            if enabled is not None and enabled != (mode == "on"):
+                log(f"WARNING: {workload}, cache {mode}: the executor reports prefix caching "
+                    f"{'on' if enabled else 'off'} (see MODE_EXECUTOR_ARGS and --executor-args)")
             wrong = bad_records(run.records, args.output_len)
             for r in wrong[:5]:
                 log(f"{workload}/{mode} request {r.index}: error {r.error}, {r.output_len} streamed tokens, "

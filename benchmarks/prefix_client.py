@@ -14,14 +14,15 @@ from benchmarks.cpu import CpuMeter
 from benchmarks.prefix_workloads import Prompts, question_prompts, turn_prompt
 from benchmarks.request_metrics import Record
 from benchmarks.serving_client import closed_loop, send_one
+from benchmarks.serving_tandem import executor_totals
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
 from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 _F = epb.KvUsage.DESCRIPTOR.fields[0]
-NUMERIC = {_F.CPPTYPE_INT32, _F.CPPTYPE_INT64, _F.CPPTYPE_UINT32, _F.CPPTYPE_UINT64, _F.CPPTYPE_FLOAT,
-           _F.CPPTYPE_DOUBLE}
+SCALAR = {_F.CPPTYPE_INT32, _F.CPPTYPE_INT64, _F.CPPTYPE_UINT32, _F.CPPTYPE_UINT64, _F.CPPTYPE_FLOAT,
+          _F.CPPTYPE_DOUBLE, _F.CPPTYPE_BOOL}
 SKIPPED = "not sent: an earlier turn of its conversation failed"
 
 
@@ -74,15 +75,15 @@ async def run_conversations(stub: gpb_grpc.GenerateServiceStub, system: list[int
 
 
 def scalars(msg: Any) -> dict[str, int | float]:
-    """The numeric scalar fields of a message (by descriptor, so fields added later are picked up)."""
+    """The numeric and bool scalar fields of a message (by descriptor, so fields added later are picked up)."""
     return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
-            if not f.is_repeated and f.cpp_type in NUMERIC}
+            if not f.is_repeated and f.cpp_type in SCALAR}
 
 
 def executor_snapshot(m: epb.GetMetricsResponse) -> dict[str, Any]:
-    """The executor's counters: forwards and tokens processed / sampled, KV usage, and GetMetricsResponse
-    .prefix_cache (None on an executor whose contract has no such field)."""
-    snap: dict[str, Any] = {k: getattr(m, k) for k in ("forward_passes", "tokens_processed", "tokens_sampled")}
+    """The executor's counters: forwards, tokens processed / sampled, calls and total ms per operation and RPC,
+    KV usage, and GetMetricsResponse.prefix_cache (None on an executor whose contract has no such field)."""
+    snap: dict[str, Any] = executor_totals(m)
     snap["kv"] = scalars(m.kv)
     snap["prefix_cache"] = scalars(m.prefix_cache) if "prefix_cache" in m.DESCRIPTOR.fields_by_name else None
     return snap

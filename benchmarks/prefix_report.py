@@ -10,15 +10,17 @@ from benchmarks.measure import summarize
 from benchmarks.prefix_client import TimedRun, TurnRecord
 from benchmarks.report import format_table
 from benchmarks.request_metrics import Record, aggregate
+from benchmarks.serving_tandem import executor_delta
 
 LATE_TURN = 3  # multi-turn: TTFT is compared over the turns from this one on (the issue's "turns >= 3")
 
 
 def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
-    """after - before of every counter (gauges such as cached blocks give their change)."""
+    """after - before of every counter (gauges such as cached blocks give their change; flags: their value
+    after)."""
     if before is None or after is None:
         return None
-    return {k: v - before.get(k, 0) for k, v in after.items()}
+    return {k: v if isinstance(v, bool) else v - before.get(k, 0) for k, v in after.items()}
 
 
 def hit_query_names(counters: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -50,6 +52,7 @@ def prefix_stats(records: list[Record], before: dict[str, Any], after: dict[str,
         "computed_fraction": (sent - cached) / sent if sent else None,
         "usage_hit_rate": cached / sent if sent else None,
         "executor_prefix_cache": ex, "executor_hit_rate": ex_rate,
+        "executor_prefix_caching": (ex or {}).get("enabled"),  # None: the executor does not say
         "hit_rate": ex_rate if ex_rate is not None else (cached / sent if sent else None),
         "hit_rate_source": "executor" if ex_rate is not None else "usage",
         "executor_tokens_processed": processed,
@@ -63,7 +66,8 @@ def summarize_run(workload: str, mode: str, run: TimedRun, output_len: int) -> d
     side = aggregate(f"{workload}/{mode}", run.records, run.t0, run.duration, None, None, output_len)
     side.update(workload=workload, mode=mode, cpu=run.cpu,
                 prefix=prefix_stats(run.records, run.executor_before, run.executor_after),
-                executor={"before": run.executor_before, "after": run.executor_after})
+                executor={"before": run.executor_before, "after": run.executor_after},
+                executor_work=executor_delta(run.executor_before, run.executor_after, run.duration))
     late = [r.metrics()["ttft"] for r in run.records
             if isinstance(r, TurnRecord) and r.turn >= LATE_TURN and r.error is None and r.messages]
     side["ttft_late_turns_ms"] = summarize(late, 1e3) if workload == "multi-turn" else None
@@ -164,6 +168,13 @@ def print_report(header: str, workload_lines: list[str], runs: dict[str, dict[st
         print(format_table([{**c, "met_text": {True: "met", False: "NOT met", None: "-"}[c["met"]]}
                             for c in comparisons], COMPARE_COLUMNS))
         print()
+    for modes in runs.values():
+        for s in modes.values():
+            work = s["executor_work"]
+            op = work["ops"].get("unified_decode")
+            if op:
+                print(f"{s['name']}: executor {op['calls']} steps, {op['mean_ms']:.1f} ms of model work per step, busy "
+                      f"{100 * op['busy_share']:.0f}% of the run; {work['tokens_processed']} tokens processed")
     for workload, agree in agreement.items():
         if agree:
             print(f"{workload}: {agree['identical']}/{agree['compared']} requests generated the same tokens with the "

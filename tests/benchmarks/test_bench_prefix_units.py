@@ -78,7 +78,8 @@ def test_a_failed_turn_ends_its_conversation_only():
 
 
 def snapshot(processed: int, prefix: dict | None) -> dict:
-    return {"forward_passes": 0, "tokens_processed": processed, "tokens_sampled": 0, "kv": {}, "prefix_cache": prefix}
+    return {"ops": {}, "rpcs": {}, "forward_passes": 0, "tokens_processed": processed, "tokens_sampled": 0, "kv": {},
+            "prefix_cache": prefix}
 
 
 def record(prompt_len: int, cached: int, out: int = 3) -> Record:
@@ -96,11 +97,15 @@ def test_prefix_stats_from_usage_and_from_the_executor_counters():
     assert p["hit_rate_source"] == "usage" and p["executor_prefix_cache"] is None
     assert p["executor_prompt_tokens_processed"] == 106
 
-    before = {"query_tokens": 500, "hit_tokens": 100, "evictions": 1, "cached_blocks": 3}
-    after = {"query_tokens": 750, "hit_tokens": 250, "evictions": 1, "cached_blocks": 9}
+    assert p["executor_prefix_caching"] is None
+
+    before = {"enabled": True, "query_tokens": 500, "hit_tokens": 100, "evicted_blocks": 1, "indexed_blocks": 3}
+    after = {"enabled": True, "query_tokens": 750, "hit_tokens": 250, "evicted_blocks": 1, "indexed_blocks": 9}
     p = prefix_stats(recs, snapshot(0, before), snapshot(0, after))
-    assert p["executor_prefix_cache"] == {"query_tokens": 250, "hit_tokens": 150, "evictions": 0, "cached_blocks": 6}
+    assert p["executor_prefix_cache"] == {"enabled": True, "query_tokens": 250, "hit_tokens": 150,
+                                          "evicted_blocks": 0, "indexed_blocks": 6}
     assert p["hit_rate"] == p["executor_hit_rate"] == 150 / 250 and p["hit_rate_source"] == "executor"
+    assert p["executor_prefix_caching"] is True
 
 
 def side(ttft_s: float, duration: float, cached: int, turns: bool = False) -> dict:
