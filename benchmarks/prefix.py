@@ -162,6 +162,19 @@ def run_mode(args, model_dir: Path, workload: str, mode: str, shape: Shape, prom
                 s.stop()
 
 
+def workload_lines(args, runs: dict[str, Any]) -> list[str]:
+    lines = []
+    if "system-prompt" in runs:
+        lines.append(f"system-prompt: {args.system_tokens}-token system prompt + {args.questions} questions of "
+                     f"{args.question_tokens} tokens, {args.output_len} out each, "
+                     f"{min(args.concurrency, args.questions)} in flight")
+    if "multi-turn" in runs:
+        lines.append(f"multi-turn: {args.conversations} conversations x {args.turns} turns ({args.system_tokens}-token "
+                     f"system prompt, user messages of {args.question_tokens}, answers of {args.output_len}), "
+                     f"{min(args.concurrency, args.conversations)} conversations in flight")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runtime.exit_on_sigterm()
@@ -201,16 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     agree = {w: agreement(r["on"], r["off"]) if {"on", "off"} <= set(r) else None for w, r in records.items()}
     comparisons = compare(runs)
 
-    header = (f"model: {model_dir.name}  ({cfg.architecture}, fp32 on cpu)  threads: {threads}  "
-              f"KV block {DEFAULT_BLOCK_SIZE} tokens")
-    lines = []
-    if "system-prompt" in runs:
-        lines.append(f"system-prompt: {args.system_tokens}-token system prompt + {args.questions} questions of "
-                     f"{args.question_tokens} tokens, {args.output_len} out each, {args.concurrency} in flight")
-    if "multi-turn" in runs:
-        lines.append(f"multi-turn: {args.conversations} conversations x {args.turns} turns ({args.system_tokens}-token "
-                     f"system prompt, user messages of {args.question_tokens}, answers of {args.output_len}), "
-                     f"{args.concurrency} conversations in flight")
+    info = next(s["model_info"] for modes in runs.values() for s in modes.values())
+    header = (f"model: {model_dir.name}  ({cfg.architecture}, {info.get('dtype', '?')} on {info.get('device', '?')})"
+              f"  threads: {threads}  KV block {DEFAULT_BLOCK_SIZE} tokens")
+    lines = workload_lines(args, runs)
     print_report(header, lines, runs, comparisons, agree, bad)
 
     config = {k: getattr(args, k) for k in ("system_tokens", "questions", "question_tokens", "conversations",

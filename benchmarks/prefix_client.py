@@ -14,7 +14,7 @@ from benchmarks.cpu import CpuMeter
 from benchmarks.prefix_workloads import Prompts, question_prompts, turn_prompt
 from benchmarks.request_metrics import Record
 from benchmarks.serving_client import closed_loop, send_one
-from benchmarks.serving_tandem import executor_totals
+from benchmarks.serving_tandem import executor_totals, model_info_dict
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
 from tandem.generate.v1 import generate_pb2 as gpb
@@ -45,6 +45,7 @@ class TimedRun:
     executor_after: dict[str, Any]
     t0: float  # the first request's start (perf_counter)
     duration: float  # first start to last end, s
+    model_info: dict[str, Any]  # GetModelInfo (dtype, device, ...)
 
 
 async def run_conversations(stub: gpb_grpc.GenerateServiceStub, system: list[int], users: list[list[list[int]]],
@@ -97,7 +98,7 @@ async def timed_run(address: str, executor_address: str, workload: str, prompts:
         await asyncio.wait_for(channel.channel_ready(), timeout=60)
         stub = gpb_grpc.GenerateServiceStub(channel)
         ex_stub = epb_grpc.ExecutorServiceStub(ex_channel)
-        await stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=30)
+        info = model_info_dict(await stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=30))
         if prompts.warmup:
             warm = await closed_loop(stub, prompts.warmup, output_len, concurrency, "warmup", timeout)
             bad = [r.error for r in warm if r.error]
@@ -115,4 +116,4 @@ async def timed_run(address: str, executor_address: str, workload: str, prompts:
     sent = [r for r in records if r.start]
     t0 = min((r.start for r in sent), default=time.perf_counter())
     duration = max((r.end for r in sent), default=t0) - t0
-    return TimedRun(records, cpu, before, after, t0, duration)
+    return TimedRun(records, cpu, before, after, t0, duration, info)

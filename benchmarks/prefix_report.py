@@ -64,7 +64,7 @@ def prefix_stats(records: list[Record], before: dict[str, Any], after: dict[str,
 def summarize_run(workload: str, mode: str, run: TimedRun, output_len: int) -> dict[str, Any]:
     """aggregate()'s serving metrics + prefix_stats + (multi-turn) the TTFT of turns >= LATE_TURN."""
     side = aggregate(f"{workload}/{mode}", run.records, run.t0, run.duration, None, None, output_len)
-    side.update(workload=workload, mode=mode, cpu=run.cpu,
+    side.update(workload=workload, mode=mode, cpu=run.cpu, model_info=run.model_info,
                 prefix=prefix_stats(run.records, run.executor_before, run.executor_after),
                 executor={"before": run.executor_before, "after": run.executor_after},
                 executor_work=executor_delta(run.executor_before, run.executor_after, run.duration))

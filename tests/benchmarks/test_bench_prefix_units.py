@@ -117,7 +117,7 @@ def side(ttft_s: float, duration: float, cached: int, turns: bool = False) -> di
         r.usage = {"prompt_tokens": 100, "completion_tokens": 3, "cached_tokens": cached, "preemptions": 0}
         recs.append(r)
     run = TimedRun(recs, {"wall_s": duration, "cpu_s": {}, "cores": {}, "other_cores": None},
-                   snapshot(0, None), snapshot(0, None), 0.0, duration)
+                   snapshot(0, None), snapshot(0, None), 0.0, duration, {})
     return summarize_run("multi-turn" if turns else "system-prompt", "x", run, 3)
 
 
