@@ -58,6 +58,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-queued-calls", type=int, default=64,
                     help="model calls that may wait behind the one running; more are refused at once with "
                          "RESOURCE_EXHAUSTED (default 64). Info, listing, release and session calls never queue")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="do not index full KV blocks for reuse: CreateCache then creates empty caches and every "
+                         "prompt is computed whole (for comparison; prefix caching is on by default)")
+    ap.add_argument("--max-kv-subscribers", type=int, default=8,
+                    help="SubscribeKvEvents streams served at once; more are refused RESOURCE_EXHAUSTED (default 8)")
+    ap.add_argument("--kv-events-buffer", type=int, default=10_000,
+                    help="KV events a subscriber may leave unread; one further behind is dropped (its stream ends "
+                         "RESOURCE_EXHAUSTED) so that it never slows the model (default 10000)")
     ap.add_argument("--no-cpu-packed-weights", action="store_true",
                     help="CPU float32: do not keep oneDNN-packed copies of the linear weights (saves their memory, "
                          "~1.1-1.3x slower decode steps)")
@@ -89,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                                   progress=True, cpu_packed_weights=not args.no_cpu_packed_weights,
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,
-                                  max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl)
+                                  max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,
+                                  prefix_caching=not args.no_prefix_caching,
+                                  max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
                               threads=args.threads, max_queued_calls=args.max_queued_calls)
     try:

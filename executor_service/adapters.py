@@ -8,6 +8,7 @@ The registry's own lock guards its table of adapters, so listings never wait for
 unloading and moving weights happen under the executor's model lock."""
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from collections import OrderedDict
@@ -30,6 +31,7 @@ class _Adapter:
     path: Path  # resolved (AdapterInfo.path)
     label: str  # as the client gave it: what messages show
     host: LoraWeights  # CPU copy, always kept
+    digest: str  # of its config and weights files: the prefix cache keys its KV blocks by it
     device: LoraWeights | None = None  # on the executor's device while in the LRU
     requests: int = 0
     loads: int = 0
@@ -63,8 +65,9 @@ class AdapterRegistry:
         label = self._label(Path(path))
         resolved = self._confine(Path(path), label, trusted)
         weights = read_adapter(resolved, self._cfg, self._dtype, self.max_rank, label=label)
+        digest = _files_digest(resolved / CONFIG_FILE, resolved / WEIGHTS_FILE)
         with self._guard:
-            self._adapters[name] = _Adapter(name, resolved, label, weights)
+            self._adapters[name] = _Adapter(name, resolved, label, weights, digest)
 
     def unload(self, name: str) -> None:
         self.get(name)
@@ -78,6 +81,10 @@ class AdapterRegistry:
             loaded = ", ".join(self.names()) or "none"
             raise AdapterNotFound(f"adapter {name!r} is not loaded (loaded: {loaded}); LoadAdapter it first")
         return adapter
+
+    def digest(self, name: str) -> str:
+        """The adapter's files digest ("" for the base model)."""
+        return self.get(name).digest if name else ""
 
     def names(self) -> tuple[str, ...]:
         with self._guard:
@@ -107,7 +114,7 @@ class AdapterRegistry:
         with self._guard:
             adapters = list(self._adapters.values())
         return [AdapterInfo(a.name, str(a.path), a.host.rank, a.host.targets, a.device is not None,
-                            caches_per_adapter.get(a.name, 0), a.requests, a.loads, a.evictions)
+                            caches_per_adapter.get(a.name, 0), a.requests, a.loads, a.evictions, a.digest)
                 for a in sorted(adapters, key=lambda a: a.name)]
 
     # ----------------------------------------------------------------- internals
@@ -138,3 +145,14 @@ class AdapterRegistry:
                                        "through '..', an absolute path or a symbolic link; give a directory "
                                        "inside the root")
         return resolved
+
+
+def _files_digest(*files: Path) -> str:
+    """blake2b of the files' contents, 16 hex characters: the same adapter files give the same digest on any
+    executor (so routers can compute block hashes), other weights another one."""
+    h = hashlib.blake2b(digest_size=8)
+    for f in files:
+        data = f.read_bytes()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()

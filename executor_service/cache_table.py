@@ -38,6 +38,10 @@ class CacheState:
     # Registered with the cache: used by items that send no sampling parameters (set at creation, replaced
     # by every item that sends some).
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Prefix caching: the parent hash of its first block (adapter, weights digest, cache salt), and the
+    # tokens reused when CreateCache created it.
+    root: bytes = b""
+    cached_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:

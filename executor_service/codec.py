@@ -7,9 +7,12 @@ from typing import Callable, Generic, Sequence, TypeVar
 import numpy as np
 import torch
 
+from executor_service.kv_events import BlocksStored, KvEvent
 from executor_service.metrics import LatencySummary, MetricsSnapshot
+from executor_service.prefix_cache import PrefixCacheStats
 from executor_service.request_validation import name_item, renumber_item
-from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo, OutputMode,
+from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
+                                    DecodeResult, ExecutorInfo, OutputMode,
                                     OutputOptions, SequenceOutput, SessionLease, SessionListing, UnifiedItem,
                                     UnifiedResult)
 from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported)
@@ -202,19 +205,45 @@ def latency_to_pb(s: LatencySummary) -> pb.LatencySummary:
 
 
 def metrics_to_pb(m: MetricsSnapshot, kv: KvUsage, rpcs: dict[str, LatencySummary],
-                  adapters: list[AdapterInfo], expert_load: dict[int, list[int]]) -> pb.GetMetricsResponse:
+                  adapters: list[AdapterInfo], expert_load: dict[int, list[int]],
+                  prefix: PrefixCacheStats) -> pb.GetMetricsResponse:
     return pb.GetMetricsResponse(
         operations={k: latency_to_pb(v) for k, v in m.ops.items()}, lock_wait=latency_to_pb(m.lock_wait),
         kv=kv_usage_to_pb(kv), forward_passes=m.forward_passes, tokens_processed=m.tokens_processed,
         tokens_sampled=m.tokens_sampled, caches_created=m.caches_created, caches_released=m.caches_released,
         rpcs={k: latency_to_pb(v) for k, v in rpcs.items()}, adapters=[adapter_to_pb(a) for a in adapters],
-        expert_load=[pb.ExpertLoad(layer=layer, tokens=t) for layer, t in sorted(expert_load.items())])
+        expert_load=[pb.ExpertLoad(layer=layer, tokens=t) for layer, t in sorted(expert_load.items())],
+        prefix_cache=prefix_stats_to_pb(prefix))
+
+
+def prefix_stats_to_pb(p: PrefixCacheStats) -> pb.PrefixCacheStats:
+    return pb.PrefixCacheStats(enabled=p.enabled, query_tokens=p.query_tokens, hit_tokens=p.hit_tokens,
+                               stored_blocks=p.stored_blocks, evicted_blocks=p.evicted_blocks,
+                               indexed_blocks=p.indexed_blocks, copied_blocks=p.copied_blocks)
+
+
+def create_cache_items_from_pb(items) -> list[CreateCacheItem]:
+    return [CreateCacheItem(tuple(it.token_ids), it.adapter, it.cache_salt) for it in items]
+
+
+def create_cache_response_to_pb(results: list[CreateCacheResult], kv: KvUsage) -> pb.CreateCacheResponse:
+    return pb.CreateCacheResponse(
+        results=[pb.CreateCacheResult(cache=cache_to_pb(r.cache), cached_tokens=r.cached_tokens,
+                                      status=item_status_to_pb(r.error)) for r in results],
+        kv=kv_usage_to_pb(kv))
+
+
+def kv_event_to_pb(event: KvEvent) -> pb.KvEvent:
+    if isinstance(event, BlocksStored):
+        return pb.KvEvent(stored=pb.BlocksStored(block_hashes=list(event.hashes), parent_hash=event.parent,
+                                                 adapter=event.adapter, token_count=event.token_count))
+    return pb.KvEvent(removed=pb.BlocksRemoved(block_hashes=list(event.hashes)))
 
 
 def adapter_to_pb(a: AdapterInfo) -> pb.AdapterInfo:
     return pb.AdapterInfo(name=a.name, path=a.path, rank=a.rank, target_modules=list(a.target_modules),
                           on_device=a.on_device, active_caches=a.active_caches, requests=a.requests, loads=a.loads,
-                          evictions=a.evictions)
+                          evictions=a.evictions, weights_digest=a.weights_digest)
 
 
 def ms(seconds: float) -> int:

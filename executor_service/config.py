@@ -40,6 +40,11 @@ class ExecutorConfig:
     # Lease of every client session (and of the anonymous one): its caches are released once no call named
     # it for this long (executor_service/sessions.py).
     session_ttl_s: float = 30.0
+    # Automatic prefix caching (executor_service/prefix_cache.py): full blocks are indexed by content hash
+    # and reused by CreateCache. Off: nothing is hashed, CreateCache creates empty caches.
+    prefix_caching: bool = True
+    max_kv_subscribers: int = 8  # concurrent SubscribeKvEvents streams
+    kv_events_buffer: int = 10_000  # events a subscriber may have unread before it is dropped
 
     def attention_bound(self) -> int | None:
         """The attention workspace limit to split buckets at; None = never split."""

@@ -21,21 +21,24 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Sequence
 
-import torch
 
 from executor_service.adapters import AdapterRegistry
 from executor_service.batch import BatchItem, BatchRunner
 from executor_service.cache_table import CacheState, CacheStore, CacheTable
 from executor_service.config import ExecutorConfig, kv_block_count
+from executor_service.decode_steps import MAX_DECODE_STEPS, run_decode_steps  # noqa: F401  (re-exported)
+from executor_service.kv_events import KvEventHub, Subscription
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
 from executor_service.op_lock import OpLock
+from executor_service.prefix_cache import PrefixCache, PrefixCacheStats
 from executor_service.request_validation import PlannedItem, RequestValidator, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
-from executor_service.types import (AdapterInfo, CacheRef, DecodeItem, DecodeResult, ExecutorInfo,
+from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
+                                    DecodeResult, ExecutorInfo,
                                     OutputOptions, PrefillResult, SequenceOutput, SessionLease, SessionListing,
                                     UnifiedItem, UnifiedResult, VerifyResult)
 from models.config import read_generation_defaults
-from tandem.errors import (AdapterInUse, CacheStateConflict, InvalidRequest, KvCapacityExceeded, PositionMismatch,
+from tandem.errors import (AdapterInUse, CacheStateConflict, InvalidRequest, PositionMismatch,
                            TandemError)
 from models.kv_cache import PagedKvCache
 from tandem.kv_usage import KvUsage
@@ -46,8 +49,9 @@ from tandem.sampling_params import SamplingParams
 CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
                 "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling",
                 # issue 11: sessions with leases, per-item statuses, sampling registered with the cache
-                "sessions", "item_status", "registered_sampling")
-MAX_DECODE_STEPS = 256
+                "sessions", "item_status", "registered_sampling",
+                # issue 12: CreateCache (reuses cached prefixes when "prefix_caching" is listed too), KV events
+                "create_cache", "kv_events")
 
 
 class Executor:
@@ -75,6 +79,8 @@ class Executor:
         self.kv = PagedKvCache(cfg.num_layers, blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
                                self.device)
         self.runner = BatchRunner(self.model, self.kv, config.attention_bound())
+        self.events = KvEventHub(config.max_kv_subscribers, config.kv_events_buffer)
+        self.prefix = PrefixCache(self.kv, config.prefix_caching, self.events)
         self.adapters = AdapterRegistry(cfg, self.device, dtype, config.adapter_root, config.max_adapters_on_device,
                                         config.max_lora_rank)
         for name, path in config.adapters:  # the operator's preloads (allowed without a root)
@@ -105,8 +111,9 @@ class Executor:
             (result,) = self._run([item])
             if result.error is not None:  # a single-item call: the item's error is the call's
                 raise result.error
-            self._caches[result.cache.cache_id].prompt_len = result.cache.seq_len  # every Prefill chunk is prompt
-            return PrefillResult(result.cache, result.output)
+            state = self._caches[result.cache.cache_id]
+            state.prompt_len = result.cache.seq_len  # every Prefill chunk is prompt
+            return PrefillResult(result.cache, result.output, state.cached_tokens)
 
     def unified_decode(self, items: Sequence[UnifiedItem], session: str = ANONYMOUS) -> list[UnifiedResult]:
         """One packed forward over a mix of prefill chunks and decodes; output for final chunks only. An item
@@ -124,63 +131,8 @@ class Executor:
         wrong on its own fails alone (its result's error). Any other failure, at any step, raises with every
         cache as it was before the call."""
         with self._op("decode", session):
-            steps = max(1, num_steps)
-            if steps > MAX_DECODE_STEPS:
-                raise InvalidRequest(f"num_steps must be <= {MAX_DECODE_STEPS}, got {num_steps}")
-            if not items:
-                raise InvalidRequest("decode needs at least one item")
-            self._validator.check_call([UnifiedItem((it.token_id,)) for it in items])
-            errors: list[TandemError | None] = [None] * len(items)
-            for n, it in enumerate(items):
-                if not it.cache.cache_id:  # a Decode extends caches; it never creates one
-                    errors[n] = name_item(InvalidRequest("a decode item needs the cache_id of an existing cache "
-                                                         "(prefill first)"), n)
-                elif steps > 1 and not it.output.wants_tokens:
-                    errors[n] = name_item(InvalidRequest("num_steps > 1 feeds sampled tokens back: output mode "
-                                                         "must include tokens"), n, it.cache.cache_id)
-            # Before the first step: what to put back if a later step fails.
-            before = {n: self._caches[it.cache.cache_id].snapshot() for n, it in enumerate(items)
-                      if it.cache.cache_id in self._caches}
-            outputs = [SequenceOutput() for _ in items]
-            active = [n for n in range(len(items)) if errors[n] is None]
-            tokens = [it.token_id for it in items]
-            max_len = self.model_config.max_position_embeddings
-            for step in range(steps):
-                if not active:
-                    break
-                batch = [UnifiedItem((tokens[i],), items[i].cache.cache_id,
-                                     items[i].cache.seq_len if step == 0 else self._caches[items[i].cache.cache_id]
-                                     .table.length, True, items[i].sampling, items[i].output, items[i].adapter)
-                         for i in active]
-                try:
-                    results = self._run(batch)
-                except KvCapacityExceeded:
-                    if step == 0:
-                        raise
-                    break  # the pool filled: the steps taken stand (partial results)
-                except BaseException:
-                    for snap in before.values():  # earlier steps wrote: take them back (a no-op for the others)
-                        snap.restore(self.kv)
-                    raise
-                still = []
-                for i, res in zip(active, results):
-                    if res.error is not None:  # an item's own error: it fails alone, with nothing written
-                        if step:
-                            before[i].restore(self.kv)
-                            outputs[i] = SequenceOutput()
-                        errors[i] = res.error
-                        continue
-                    outputs[i].tokens.extend(res.output.tokens)
-                    if res.output.logits is not None:
-                        prev = outputs[i].logits
-                        outputs[i].logits = res.output.logits if prev is None else torch.cat([prev, res.output.logits])
-                    sampled = res.output.tokens[0].token_id if res.output.tokens else None
-                    if sampled is not None and sampled not in items[i].stop_token_ids and res.cache.seq_len < max_len:
-                        tokens[i] = sampled
-                        still.append(i)
-                active = still
-            return [DecodeResult(self._caches.ref(it.cache.cache_id), SequenceOutput() if err else out, err)
-                    for it, out, err in zip(items, outputs, errors)]
+            return run_decode_steps(items, num_steps, self._caches, self.kv, self._validator, self._run,
+                                    self.model_config.max_position_embeddings)
 
     def forward_verify(self, cache: CacheRef, token_ids: Sequence[int], output: OutputOptions = OutputOptions(),
                        adapter: str = "", session: str = ANONYMOUS) -> VerifyResult:
@@ -197,7 +149,7 @@ class Executor:
             # Predictions are greedy, whatever sampling the cache has registered (which stays registered).
             batch = [BatchItem(item, planned.state, SamplingParams())]
             outputs = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
-            self._count(outputs)
+            self._count(outputs, batch)
             self.metrics.tokens_processed += len(token_ids)
             positions = outputs[0] or []
             return VerifyResult(self._caches.ref(cache.cache_id), positions)
@@ -228,6 +180,35 @@ class Executor:
             self.metrics.caches_released += released
             return released, unknown
 
+    def create_caches(self, items: Sequence[CreateCacheItem], session: str = ANONYMOUS) -> list[CreateCacheResult]:
+        """Creates a cache per prompt, holding the longest cached prefix of it (whole blocks, never the whole
+        prompt; nothing with prefix caching off), pinned at once. An item wrong on its own fails alone."""
+        with self._op("create_cache", session, control=True):
+            self._validator.check_create_call(items)
+            results = []
+            for n, it in enumerate(items):
+                try:
+                    self._validator.create_item(it)
+                except TandemError as exc:
+                    results.append(CreateCacheResult(CacheRef("", 0), 0, name_item(exc, n)))
+                    continue
+                state = self._new_state(it.adapter, it.cache_salt)
+                state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root)
+                state.tokens = list(it.token_ids[:state.cached_tokens])
+                self.metrics.caches_created += 1
+                results.append(CreateCacheResult(CacheRef(self._caches.add(state), state.cached_tokens),
+                                                 state.cached_tokens))
+            return results
+
+    def subscribe_kv_events(self) -> Subscription:
+        """A KV event subscription, starting with a snapshot of the indexed blocks (taken under the model lock:
+        no event falls between the snapshot and the first queued event)."""
+        with self._op("subscribe_kv_events", control=True):
+            return self.events.subscribe(self.prefix.snapshot())
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        return self.prefix.stats()
+
     def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
         """Loads a PEFT LoRA directory from inside the adapter root; nothing changes on any error."""
         with self._op("load_adapter"):
@@ -250,7 +231,7 @@ class Executor:
 
     def kv_usage(self) -> KvUsage:
         u = self.kv.usage()
-        return KvUsage(u.block_size, u.total_blocks, u.free_blocks, len(self._store))
+        return KvUsage(u.block_size, u.total_blocks, u.free_blocks, len(self._store), u.cached_blocks)
 
     # ----------------------------------------------------------------- sessions
     def open_session(self, client_name: str = "") -> SessionLease:
@@ -294,7 +275,8 @@ class Executor:
             device=str(self.device), eos_token_ids=self.generation.eos_token_ids,
             bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(), instance_id=self.instance_id,
             max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
-            max_batch_tokens=self.config.max_batch_tokens, capabilities=CAPABILITIES, adapters=self.adapters.names(),
+            max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
+            capabilities=CAPABILITIES + (("prefix_caching",) if self.prefix.enabled else ()),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)))
 
@@ -347,12 +329,12 @@ class Executor:
         planned = self._validator.batch(items, self._caches)
         ok = [p for p in planned if isinstance(p, PlannedItem)]
         # A new cache takes its item's adapter and sampling (an existing one's adapter is validated equal).
-        batch = [BatchItem(p.item, p.state or CacheState(adapter=p.item.adapter, sampling=p.sampling), p.sampling)
+        batch = [BatchItem(p.item, p.state or self._new_state(p.item.adapter, sampling=p.sampling), p.sampling)
                  for p in ok]
         outputs: list[list[SequenceOutput] | None] = []
         if batch:  # reserves KV first; on any error puts every cache back and re-raises
             outputs = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
-            self._count(outputs)
+            self._count(outputs, batch)
         ran = iter(zip(batch, outputs))
         results = []
         for item, p in zip(items, planned):
@@ -381,7 +363,14 @@ class Executor:
     def _adapter_info(self, name: str) -> AdapterInfo:
         return next(a for a in self.list_adapters() if a.name == name)
 
-    def _count(self, outputs: list[list[SequenceOutput] | None]) -> None:
+    def _new_state(self, adapter: str, cache_salt: str = "", sampling: SamplingParams = SamplingParams()) -> CacheState:
+        root = self.prefix.root(adapter, self.adapters.digest(adapter), cache_salt)
+        return CacheState(adapter=adapter, sampling=sampling, root=root)
+
+    def _count(self, outputs: list[list[SequenceOutput] | None], batch: list[BatchItem]) -> None:
+        """After a successful forward: counters, and the blocks it filled join the prefix cache."""
+        for b in batch:
+            self.prefix.seal(b.state.table, b.state.tokens, b.state.root, b.state.adapter)
         self.metrics.forward_passes += 1
         self.metrics.tokens_sampled += sum(len(o.tokens) for outs in outputs if outs for o in outs)
 

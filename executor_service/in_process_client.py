@@ -46,6 +46,11 @@ class InProcessExecutorClient:
             return codec.release_response_to_pb(released, unknown, self.executor.kv_usage())
         return self._relay(run)
 
+    def create_caches_now(self, items: Sequence[epb.CreateCacheItem], session_id: str = "") -> epb.CreateCacheResponse:
+        ex = self.executor
+        return self._relay(lambda: codec.create_cache_response_to_pb(
+            ex.create_caches(codec.create_cache_items_from_pb(items), session_id), ex.kv_usage()))
+
     def list_adapters_now(self) -> epb.ListAdaptersResponse:
         return self._relay(lambda: epb.ListAdaptersResponse(
             adapters=[codec.adapter_to_pb(a) for a in self.executor.list_adapters()]))
@@ -62,6 +67,9 @@ class InProcessExecutorClient:
 
     async def list_adapters(self) -> epb.ListAdaptersResponse:
         return self.list_adapters_now()
+
+    async def create_caches(self, items: Sequence[epb.CreateCacheItem], session_id: str = "") -> epb.CreateCacheResponse:
+        return self.create_caches_now(items, session_id)
 
     async def open_session(self, client_name: str) -> epb.OpenSessionResponse:
         return self._relay(lambda: codec.session_lease_to_pb(self.executor.open_session(client_name)))

@@ -13,6 +13,7 @@ from tandem.status_map import status_for
 from tandem.errors import TandemError
 
 log = logging.getLogger("tandem.executor")
+_OUR_PACKAGE = "tandem.executor.v1"
 
 
 class RpcMetrics:
@@ -35,24 +36,41 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler  # health, reflection (streams) pass through untouched
+        if handler is None:
+            return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
-        inner = handler.unary_unary
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
 
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(request, context)
-            except TandemError as exc:
-                code = status_for(exc)
-                log.info("%s -> %s: %s", method, code.name, exc)
-                context.abort(code, str(exc))
-            except Exception:  # a bug, not the caller's fault: log it whole, keep serving
-                log.exception("%s failed", method)
-                context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the executor log")
-            finally:
-                self._metrics.add(method, time.perf_counter() - start)
+            def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+                start = time.perf_counter()
+                try:
+                    return inner(request, context)
+                except Exception as exc:
+                    self._abort(method, exc, context)
+                finally:
+                    self._metrics.add(method, time.perf_counter() - start)
 
-        return grpc.unary_unary_rpc_method_handler(wrapped, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(wrapped, request_deserializer=handler.request_deserializer,
+                                                       response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None and handler_call_details.method.startswith(f"/{_OUR_PACKAGE}."):
+            inner_stream = handler.unary_stream  # our server streams (KV events); health's Watch passes through
+
+            def streamed(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    yield from inner_stream(request, context)
+                except Exception as exc:
+                    self._abort(method, exc, context)
+
+            return grpc.unary_stream_rpc_method_handler(streamed, request_deserializer=handler.request_deserializer,
+                                                        response_serializer=handler.response_serializer)
+        return handler  # health, reflection pass through untouched
+
+    @staticmethod
+    def _abort(method: str, exc: Exception, context: grpc.ServicerContext) -> None:
+        if isinstance(exc, TandemError):
+            code = status_for(exc)
+            log.info("%s -> %s: %s", method, code.name, exc)
+            context.abort(code, str(exc))
+        log.exception("%s failed", method)  # a bug, not the caller's fault: log it whole, keep serving
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the executor log")

@@ -12,10 +12,13 @@ from typing import Sequence
 
 from executor_service.adapters import AdapterRegistry
 from executor_service.cache_table import CacheState, CacheTable
-from executor_service.types import UnifiedItem
+from executor_service.types import CreateCacheItem, UnifiedItem
 from models.config import ModelConfig
 from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong, TandemError
 from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_CREATE_ITEMS = 256  # caches one CreateCache may create
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,26 @@ class RequestValidator:
             raise InvalidRequest(f"the batch carries {total} tokens; this executor takes at most "
                                  f"{self.max_batch_tokens} per call (--max-batch-tokens): split it into chunks")
 
+    def check_create_call(self, items: Sequence[CreateCacheItem]) -> None:
+        if not 1 <= len(items) <= MAX_CREATE_ITEMS:
+            raise InvalidRequest(f"CreateCache takes 1 to {MAX_CREATE_ITEMS} items, got {len(items)}")
+
+    def create_item(self, it: CreateCacheItem) -> None:
+        """The checks of one CreateCache item (raises its error)."""
+        self._check_ids(it.token_ids)
+        if len(it.token_ids) > self.max_len:
+            raise SequenceTooLong(f"the prompt has {len(it.token_ids)} tokens; the model's maximum length is "
+                                  f"{self.max_len}")
+        if len(it.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequest(f"cache_salt has {len(it.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+        if it.adapter:
+            self.adapters.get(it.adapter)  # AdapterNotFound
+
+    def _check_ids(self, token_ids: Sequence[int]) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
     def _item(self, it: UnifiedItem, caches: CacheTable, seen: set[str]) -> PlannedItem:
         if it.cache_id:  # first: the first occurrence of a cache claims it, whatever else is wrong with it
             if it.cache_id in seen:
@@ -70,9 +93,7 @@ class RequestValidator:
             seen.add(it.cache_id)
         if not it.token_ids:
             raise InvalidRequest("token_ids is empty")
-        bad = next((t for t in it.token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_ids(it.token_ids)
         if it.adapter:
             self.adapters.get(it.adapter)  # AdapterNotFound
         if it.sampling is not None:  # registered parameters were checked when they were sent

@@ -42,10 +42,12 @@ class ServerConfig:
 
 
 def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetrics,
-                 health_servicer: health.HealthServicer) -> tuple[grpc.Server, list[str]]:
+                 health_servicer: health.HealthServicer, streams: int = 0) -> tuple[grpc.Server, list[str]]:
+    """streams: long-lived server streams (KV event subscriptions), each holding a thread of its own."""
     limit = cfg.max_message_mb * 1024 * 1024
+    threads = cfg.workers + cfg.max_queued_calls + 1 + streams
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=cfg.workers + cfg.max_queued_calls + 1, thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
         interceptors=[ErrorMappingInterceptor(metrics)],
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                  ("grpc.so_reuseport", 0)])
@@ -70,7 +72,9 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server, addresses = build_server(cfg, servicer, metrics, health_servicer)
+    if executor_cfg.max_kv_subscribers < 0 or executor_cfg.kv_events_buffer < 1:
+        raise ValueError("--max-kv-subscribers must be >= 0 and --kv-events-buffer >= 1")
+    server, addresses = build_server(cfg, servicer, metrics, health_servicer, executor_cfg.max_kv_subscribers)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

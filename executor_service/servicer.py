@@ -11,6 +11,7 @@ from typing import Callable
 from executor_service import codec
 from executor_service.executor import Executor
 from executor_service.interceptor import RpcMetrics
+from executor_service.kv_event_stream import DEFAULT_SUMMARY_MS, MIN_SUMMARY_MS, kv_event_stream
 from executor_service.model_thread import ModelThread
 from executor_service.reply_size import check_reply_size
 from executor_service.types import CacheRef
@@ -127,7 +128,23 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def GetMetrics(self, request, context):
         ex = self.ex
         return codec.metrics_to_pb(ex.metrics_snapshot(), ex.kv_usage(), self._rpc_metrics.snapshot(),
-                                   ex.list_adapters(), ex.expert_load())
+                                   ex.list_adapters(), ex.expert_load(), ex.prefix_stats())
+
+    def CreateCache(self, request, context):  # no tensor math: hashing and block accounting only
+        ex = self.ex
+        results = ex.create_caches(codec.create_cache_items_from_pb(request.items), request.session_id)
+        return codec.create_cache_response_to_pb(results, ex.kv_usage())
+
+    def SubscribeKvEvents(self, request, context):
+        interval_ms = request.summary_interval_ms or DEFAULT_SUMMARY_MS
+        if interval_ms < MIN_SUMMARY_MS:
+            raise InvalidRequest(f"summary_interval_ms must be >= {MIN_SUMMARY_MS}, got {interval_ms}")
+        ex = self.ex
+        sub = ex.subscribe_kv_events()
+        try:
+            yield from kv_event_stream(sub, ex, interval_ms / 1000, lambda: context.is_active() and not self._draining)
+        finally:
+            sub.close()
 
     @_on_model_thread  # moves weights to the device
     def LoadAdapter(self, request, context):

@@ -105,7 +105,23 @@ class DecodeResult:
 class PrefillResult:
     cache: CacheRef
     output: SequenceOutput
-    cached_tokens: int = 0  # prompt tokens served from a shared prefix (0 until prefix caching lands)
+    cached_tokens: int = 0  # tokens the cache reused from the prefix cache when CreateCache created it
+
+
+@dataclass(frozen=True)
+class CreateCacheItem:
+    """A prompt to create a cache for, reusing its longest cached prefix (prefix caching)."""
+
+    token_ids: tuple[int, ...]  # the whole prompt
+    adapter: str = ""
+    cache_salt: str = ""  # only blocks of caches with the same salt are reused
+
+
+@dataclass
+class CreateCacheResult:
+    cache: CacheRef  # seq_len = cached_tokens; ("", 0) for a failed item
+    cached_tokens: int = 0
+    error: TandemError | None = None  # this item failed alone: no cache was created for it
 
 
 @dataclass
@@ -179,3 +195,4 @@ class AdapterInfo:
     requests: int
     loads: int
     evictions: int
+    weights_digest: str = ""  # of its files: part of its caches' block hashes (executor_service/adapters.py)

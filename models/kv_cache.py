@@ -1,4 +1,9 @@
-"""Paged KV cache: one block pool per layer, allocated once, and per-sequence block tables."""
+"""Paged KV cache: one block pool per layer, allocated once, and per-sequence block tables.
+
+Blocks indexed for prefix caching (models/block_allocator.py) may be shared by several tables and must never
+change: `reserve` gives a table a private copy of its last block before the table writes into it when that
+block is indexed (a cache truncated into a cached block, e.g. after rejected draft tokens).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,6 +24,9 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    # Content hashes of the full blocks, in order (prefix caching; empty when it is off): hashes[i] is
+    # blocks[i]'s hash, chained from hashes[i - 1]. len(hashes) <= length // block_size.
+    hashes: list[bytes] = field(default_factory=list)
 
 
 class PagedKvCache:
@@ -36,6 +44,7 @@ class PagedKvCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
+        self.copied_blocks = 0  # indexed blocks copied before a write (see reserve)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -44,11 +53,13 @@ class PagedKvCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
     def usage(self) -> KvUsage:
-        return KvUsage(self.block_size, self.num_blocks, self.allocator.num_free)
+        return KvUsage(self.block_size, self.num_blocks, self.allocator.num_free,
+                       cached_blocks=self.allocator.num_cached)
 
     def blocks_needed(self, table: BlockTable, new_length: int) -> int:
-        """Blocks to add so `table` can hold `new_length` tokens."""
-        return max(0, ceil_div(new_length, self.block_size) - len(table.blocks))
+        """Blocks to add so `table` can hold `new_length` tokens (a private copy of an indexed last block
+        it would write into included)."""
+        return max(0, ceil_div(new_length, self.block_size) - len(table.blocks)) + self._needs_copy(table, new_length)
 
     def reserve(self, growth: list[tuple[BlockTable, int]]) -> None:
         """Grows every (table, new_length) pair, all or nothing: raises KvCapacityExceeded before touching
@@ -57,20 +68,50 @@ class PagedKvCache:
         total = sum(needs)
         if not self.allocator.can_allocate(total):
             raise KvCapacityExceeded(total, self.allocator.num_free, self.num_blocks)
-        for (table, _), n in zip(growth, needs):
+        for (table, new_length), n in zip(growth, needs):
+            if self._needs_copy(table, new_length):
+                self._copy_last_block(table)
+                n -= 1
             if n:
                 table.blocks.extend(self.allocator.allocate(n))
 
+    def adopt(self, table: BlockTable, blocks: list[int], hashes: list[bytes]) -> None:
+        """Starts an empty table with indexed full blocks (a matched prefix), pinned from now on."""
+        if table.blocks:
+            raise ValueError("adopt needs an empty table")
+        self.allocator.pin(blocks)
+        table.blocks = list(blocks)
+        table.hashes = list(hashes)
+        table.length = len(blocks) * self.block_size
+
     def truncate(self, table: BlockTable, new_length: int) -> None:
         """Keeps the first new_length tokens; frees whole blocks past them (the stale tail of the last
-        kept block is simply overwritten later)."""
+        kept block is overwritten later, in a private copy if that block is indexed)."""
         keep = ceil_div(new_length, self.block_size)
         if keep < len(table.blocks):
-            self.allocator.free(table.blocks[keep:])
+            self.allocator.free(reversed(table.blocks[keep:]))
             del table.blocks[keep:]
+        del table.hashes[new_length // self.block_size:]
         table.length = min(table.length, new_length)
 
     def release(self, table: BlockTable) -> None:
-        self.allocator.free(table.blocks)
+        self.allocator.free(reversed(table.blocks))
         table.blocks = []
+        table.hashes = []
         table.length = 0
+
+    def _needs_copy(self, table: BlockTable, new_length: int) -> int:
+        """1 when growing the table writes into its last block and that block is indexed (shared, immutable)."""
+        return int(new_length > table.length and table.length % self.block_size != 0
+                   and self.allocator.is_indexed(table.blocks[-1]))
+
+    def _copy_last_block(self, table: BlockTable) -> None:
+        """Copy-on-write: the table's indexed last block is replaced by a private copy of it (all layers)."""
+        old = table.blocks[-1]
+        (new,) = self.allocator.allocate(1)
+        with torch.inference_mode():
+            self.k[:, new].copy_(self.k[:, old])  # [layers, block_size, kv_heads, head_dim]
+            self.v[:, new].copy_(self.v[:, old])
+        table.blocks[-1] = new
+        self.allocator.free([old])
+        self.copied_blocks += 1

@@ -40,6 +40,7 @@ _STALL_POLL_S = (0.02, 0.5)  # KV held by another client of the executor: look a
 _KEEP_ALIVE_RETRY_S = 1.0
 _STATS_EVERY_S = 10.0
 REGISTERED_SAMPLING = "registered_sampling"  # GetInfo capability: sampling is registered with the cache
+PREFIX_CACHING = "prefix_caching"  # GetInfo capability: CreateCache reuses cached prompt prefixes
 
 
 class Engine:
@@ -183,6 +184,9 @@ class Engine:
 
     async def _step(self) -> None:
         policy = self.policy
+        await self._match_prefixes()
+        if not self.up:
+            return
         plan = policy.schedule()
         if plan.preempted:
             await self._release_pending()  # the plan counts on the victims' blocks being free
@@ -225,6 +229,41 @@ class Engine:
                 policy.finish(e.seq)
             output.publish()
         self._log_stats(sum(item.count for item in plan.items))
+
+    async def _match_prefixes(self) -> None:
+        """Before admission: the waiting sequences that may be admitted get caches holding the longest prefix
+        the executor has cached (CreateCache pins it at once), so admission counts only the blocks they
+        still need and the step sends only the rest of their prompts. A failed lookup only means no reuse."""
+        if PREFIX_CACHING not in self.info.capabilities:
+            return
+        seqs = self.policy.to_match()
+        if not seqs:
+            return
+        items = [epb.CreateCacheItem(token_ids=s.token_slice(0, s.num_tokens), adapter=s.request.adapter)
+                 for s in seqs]
+        losses = self.recovery.losses
+        try:
+            resp = await self.client.create_caches(items, self.session.id)
+        except ExecutorUnreachable as exc:
+            if losses == self.recovery.losses:
+                self.recovery.lost(str(exc))
+            return
+        except RemoteError as exc:
+            if exc.status_name == "NOT_FOUND" and self.session.id and losses == self.recovery.losses:
+                self.recovery.lost(f"executor {self.client.address} no longer knows this scheduler's session: {exc}")
+            else:
+                log.warning("CreateCache answered %s; these requests start without a reused prefix", exc)
+            return
+        if losses != self.recovery.losses:  # declared lost meanwhile: the caches went with it
+            self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
+            return
+        self.policy.kv = kv_usage_from_pb(resp.kv)
+        self.policy.attach_prefixes(seqs, [None if r.status.code else (r.cache.cache_id, r.cache.seq_len)
+                                           for r in resp.results])
+        for seq in seqs:
+            output = self.outputs.get(seq)
+            if output is not None and seq.prefix_hit:
+                output.cached_tokens = seq.prefix_hit
 
     async def _step_error(self, plan, exc: RemoteError) -> None:
         if exc.status_name == "DEADLINE_EXCEEDED":  # no answer in time: whether the step ran is unknown

@@ -49,6 +49,11 @@ class ExecutorClient(Protocol):
 
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse: ...
 
+    async def create_caches(self, items: Sequence[epb.CreateCacheItem],
+                            session_id: str = "") -> epb.CreateCacheResponse:
+        """Caches holding the longest cached prefix of each prompt (capability "create_cache")."""
+        ...
+
     async def list_adapters(self) -> epb.ListAdaptersResponse: ...
 
     async def open_session(self, client_name: str) -> epb.OpenSessionResponse:
@@ -93,6 +98,11 @@ class GrpcExecutorClient:
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
         return await self._call(self._stub.ReleaseCache,
                                 epb.ReleaseCacheRequest(cache_ids=list(cache_ids), session_id=session_id), 30.0)
+
+    async def create_caches(self, items: Sequence[epb.CreateCacheItem],
+                            session_id: str = "") -> epb.CreateCacheResponse:
+        return await self._call(self._stub.CreateCache, epb.CreateCacheRequest(items=items, session_id=session_id),
+                                self._control_timeout_s)
 
     async def list_adapters(self) -> epb.ListAdaptersResponse:
         return await self._call(self._stub.ListAdapters, epb.ListAdaptersRequest(), self._control_timeout_s)

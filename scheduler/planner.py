@@ -25,6 +25,9 @@ from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 
 
+_NEEDS_BLOCKS = "it needs"
+
+
 @dataclass(frozen=True)
 class StepItem:
     seq: Sequence
@@ -42,6 +45,7 @@ class StepPlan:
     admitted: list[Sequence] = field(default_factory=list)  # waiting -> running this step
     preempted: list[Sequence] = field(default_factory=list)  # running -> waiting (release their caches)
     wait_reason: str = ""  # why the head of the queue was not admitted ("" = nothing left waiting)
+    head_needs_blocks: bool = False  # the head waits for free KV blocks (not for a slot or the budget)
 
 
 class Planner:
@@ -93,20 +97,23 @@ class Planner:
         # 3. admissions, oldest first, never skipping the head
         n_running = len(running)
         adapters = {s.request.adapter for s in running if s.request.adapter}
+        # A waiting sequence may already hold a cache with a reused prefix (CreateCache): its blocks are
+        # counted as used by the executor already, so it needs only the blocks for the rest.
         for s in waiting:
             plan.wait_reason = self._wait_reason(s, n_running, budget, free - reserved - watermark, adapters,
                                                  running, kv)
             if plan.wait_reason:
+                plan.head_needs_blocks = plan.wait_reason.startswith(_NEEDS_BLOCKS)
                 break
             n = min(s.remaining, self.prefill_chunk, budget)
             plan.admitted.append(s)
-            plan.items.append(StepItem(s, 0, n))
+            plan.items.append(StepItem(s, s.num_cached, n))
             n_running += 1
             if s.request.adapter:
                 adapters.add(s.request.adapter)
             budget -= n
-            free -= ceil_div(n, bs)
-            reserved += ceil_div(s.num_tokens + 1, bs) - ceil_div(n, bs)
+            free -= grow(s, n)
+            reserved += ceil_div(s.num_tokens + 1, bs) - ceil_div(s.num_cached + n, bs)
         return plan
 
     def _wait_reason(self, s: Sequence, n_running: int, budget: int, room: int, adapters: set[str],
@@ -116,11 +123,11 @@ class Planner:
             return f"{n_running} requests are running, the most this scheduler runs at once (--max-running)"
         if budget <= 0:
             return "running requests use the whole step's token budget (--max-batch-tokens)"
-        need = ceil_div(s.num_tokens + 1, kv.block_size)
+        need = ceil_div(s.num_tokens + 1, kv.block_size) - ceil_div(s.num_cached, kv.block_size)
         if need > room:
             ours = sum(ceil_div(r.num_cached, kv.block_size) for r in running)
             elsewhere = max(0, kv.total_blocks - kv.free_blocks - ours)
-            return (f"it needs {need} KV blocks but only {max(room, 0)} can be given to it: of the executor's "
+            return (f"{_NEEDS_BLOCKS} {need} KV blocks but only {max(room, 0)} can be given to it: of the executor's "
                     f"{kv.total_blocks} blocks {kv.free_blocks} are free, {ours} are held by this scheduler's "
                     f"{len(running)} running requests and {elsewhere} elsewhere (other clients of the executor)")
         adapter = s.request.adapter

@@ -92,6 +92,7 @@ class SchedulingPolicy:
         self.waiting: list[Sequence] = []  # new or preempted, oldest arrival first
         self.preemptions = 0
         self.wait_reason = ""  # why the head of the queue was not admitted at the last step
+        self.head_needs_blocks = False  # ... and it was for KV blocks
         self._arrivals = itertools.count()
         self._to_release: list[str] = []
         self._stale: list[str] = []  # caches a lost executor (or a forgotten session) may still hold
@@ -161,7 +162,13 @@ class SchedulingPolicy:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             _insort(self.running, seq)
+        if plan.head_needs_blocks:  # the reused prefixes pinned behind the head would keep blocks from it
+            for seq in self.waiting[1:]:
+                if seq.cache_id:
+                    self._release(seq)
+                    seq.drop_cache()
         self.wait_reason = plan.wait_reason
+        self.head_needs_blocks = plan.head_needs_blocks
         self._in_flight = {item.seq for item in plan.items}
         return plan
 
@@ -244,6 +251,27 @@ class SchedulingPolicy:
             self._end(seq)
         return failed
 
+    # ----------------------------------------------------------------- prefix caching
+    def to_match(self) -> list[Sequence]:
+        """Waiting sequences to look up in the executor's prefix cache (CreateCache) before the next
+        schedule(): those without a cache among the first ones that could be admitted (as many as free
+        running slots; only the head while the head waits for KV blocks)."""
+        slots = 1 if self.head_needs_blocks else self.cfg.max_running - len(self.running)
+        return [s for s in self.waiting[:max(0, slots)] if not s.cache_id]
+
+    def attach_prefixes(self, seqs: list[Sequence], results: list[tuple[str, int] | None]) -> None:
+        """CreateCache's answer, per sequence: (cache id, tokens reused), or None where its item failed (the
+        sequence then starts without a cache, as before). A sequence that ended meanwhile gets its new cache
+        released."""
+        for seq, res in zip(seqs, results):
+            if res is None:
+                continue
+            cache_id, cached = res
+            if seq.finished or seq.cache_id or seq not in self.waiting:
+                self._to_release.append(cache_id)
+                continue
+            seq.adopt_prefix(cache_id, cached)
+
     # ----------------------------------------------------------------- the executor lost, back, gone
     def executor_lost(self) -> int:
         """No answer, or the executor restarted or forgot our session: every running sequence is requeued to
@@ -255,6 +283,10 @@ class SchedulingPolicy:
         self._in_flight = set()
         for seq in stale:
             seq.cache_id = ""
+        for seq in self.waiting:  # reused prefixes taken for sequences not admitted yet: gone too
+            if seq.cache_id:
+                self._stale.append(seq.cache_id)
+                seq.drop_cache()
         requeued = list(self.running)
         self.running.clear()
         for seq in requeued:

@@ -21,6 +21,7 @@ class RequestOutput:
         self.events: asyncio.Queue[Delta | TandemError] = asyncio.Queue()
         self.finished = False
         self._completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the executor's prefix cache served (usage.cached_tokens)
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, not request.keep_special_tokens)
         self._stops = StopStringMatcher(request.stopping.stop, request.stopping.include_stop_str_in_output)
         self._delta = Delta()
@@ -83,6 +84,7 @@ class RequestOutput:
         self.finished = True
         self._delta.finish_reason = finish.reason
         self._delta.stop_reason = finish.stop_reason
-        self._delta.usage = Usage(len(self.request.prompt_ids), self._completion_tokens, 0, preemptions)
+        self._delta.usage = Usage(len(self.request.prompt_ids), self._completion_tokens, self.cached_tokens,
+                                  preemptions)
         self.publish()
         return finish

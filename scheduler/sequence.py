@@ -24,7 +24,8 @@ class Sequence:
         self.status = Status.WAITING
         self.output_ids: list[int] = []
         self.cache_id = ""  # "" until the executor created one
-        self.num_cached = 0  # tokens of all_ids written into the cache
+        self.num_cached = 0  # tokens of all_ids written into the cache (or reused from the prefix cache)
+        self.prefix_hit = 0  # prompt tokens the executor's prefix cache served at its first admission
         self.preemptions = 0  # times its cache was lost (preemption, executor restart) and recomputed
         self.queued_at = 0.0  # when it last entered the waiting queue (the policy's clock)
         # The executor's SamplingParams messages, built once: (normal, before min_new_tokens).
@@ -62,11 +63,21 @@ class Sequence:
     def reset_cache(self) -> None:
         """After preemption (or the executor's loss): the cache is gone; everything will be recomputed
         (outputs stay: they were sent)."""
+        self.drop_cache()
+        self.status = Status.WAITING
+        self.preemptions += 1
+
+    def drop_cache(self) -> None:
+        """Forgets the cache (released, or gone with its executor)."""
         self.cache_id = ""
         self.num_cached = 0
         self.registered_sampling = None
-        self.status = Status.WAITING
-        self.preemptions += 1
+
+    def adopt_prefix(self, cache_id: str, cached_tokens: int) -> None:
+        """A waiting sequence got a cache from CreateCache holding its first cached_tokens tokens."""
+        self.cache_id, self.num_cached = cache_id, cached_tokens
+        if not self.preemptions and not self.output_ids:
+            self.prefix_hit = cached_tokens
 
     def sampling_for_next_token(self) -> cpb.SamplingParams:
         """The sampling message for the token sampled after this step: EOS and stop tokens are banned

@@ -44,8 +44,8 @@ def token_logprob_to_pb(token_id: int, logprob: float, top: Iterable[tuple[int, 
 
 def kv_usage_to_pb(kv: KvUsage) -> epb.KvUsage:
     return epb.KvUsage(block_size=kv.block_size, total_blocks=kv.total_blocks, free_blocks=kv.free_blocks,
-                       active_caches=kv.active_caches)
+                       active_caches=kv.active_caches, cached_blocks=kv.cached_blocks)
 
 
 def kv_usage_from_pb(m: epb.KvUsage) -> KvUsage:
-    return KvUsage(m.block_size, m.total_blocks, m.free_blocks, m.active_caches)
+    return KvUsage(m.block_size, m.total_blocks, m.free_blocks, m.active_caches, m.cached_blocks)

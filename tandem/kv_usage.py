@@ -12,6 +12,7 @@ class KvUsage:
     total_blocks: int
     free_blocks: int
     active_caches: int = 0  # caches held (0 where only the pool is described)
+    cached_blocks: int = 0  # of free_blocks, those holding an indexed prefix (evictable; prefix caching)
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks a cache of this many tokens occupies."""

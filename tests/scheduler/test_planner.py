@@ -327,3 +327,22 @@ def test_the_wait_reason_names_kv_held_elsewhere(mk):
 def test_the_wait_reason_names_max_running(mk):
     plan = Planner(512, 1, 64).plan([mk(0, 7, None, 2)], [mk(1, 4)], kv(500))
     assert plan.admitted == [] and "--max-running" in plan.wait_reason
+
+
+# ------------------------------------------------------------------ reused prefixes (prefix caching)
+
+
+def test_a_waiting_sequence_with_a_reused_prefix_starts_after_it_and_needs_only_the_rest(mk):
+    s = mk(0, 40, status=Status.WAITING)
+    s.cache_id, s.num_cached = "c0", 32  # CreateCache reused 8 blocks of 4 tokens
+    plan = Planner(512, 8, 64).plan([], [s], kv(free=3 + 10))  # the rest: 41 tokens -> 11 blocks - 8 held = 3
+    assert items(plan) == [(0, 32, 8)] and plan.admitted == [s]
+    whole = mk(1, 40, status=Status.WAITING)
+    plan = Planner(512, 8, 64).plan([], [whole], kv(free=3 + 10))
+    assert plan.admitted == [] and plan.head_needs_blocks  # without the prefix it needs 11 blocks
+
+
+def test_head_waiting_for_blocks_is_flagged_but_not_for_a_slot(mk):
+    running = [mk(0, 8, None, 1)]
+    plan = Planner(512, 1, 64).plan(running, [mk(1, 8)], kv(500))
+    assert plan.wait_reason and not plan.head_needs_blocks

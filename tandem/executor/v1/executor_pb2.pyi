@@ -39,16 +39,18 @@ class CacheRef(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., seq_len: _Optional[int] = ...) -> None: ...
 
 class KvUsage(_message.Message):
-    __slots__ = ("block_size", "total_blocks", "free_blocks", "active_caches")
+    __slots__ = ("block_size", "total_blocks", "free_blocks", "active_caches", "cached_blocks")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     total_blocks: int
     free_blocks: int
     active_caches: int
-    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., active_caches: _Optional[int] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., active_caches: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
     __slots__ = ("mode", "top_logprobs", "logits_dtype")
@@ -329,7 +331,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class GetMetricsResponse(_message.Message):
-    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs", "adapters", "expert_load")
+    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs", "adapters", "expert_load", "prefix_cache")
     class OperationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +357,7 @@ class GetMetricsResponse(_message.Message):
     RPCS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     operations: _containers.MessageMap[str, LatencySummary]
     lock_wait: LatencySummary
     kv: KvUsage
@@ -366,7 +369,26 @@ class GetMetricsResponse(_message.Message):
     rpcs: _containers.MessageMap[str, LatencySummary]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
-    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+    prefix_cache: PrefixCacheStats
+    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheStats(_message.Message):
+    __slots__ = ("enabled", "query_tokens", "hit_tokens", "stored_blocks", "evicted_blocks", "indexed_blocks", "copied_blocks")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    query_tokens: int
+    hit_tokens: int
+    stored_blocks: int
+    evicted_blocks: int
+    indexed_blocks: int
+    copied_blocks: int
+    def __init__(self, enabled: _Optional[bool] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., copied_blocks: _Optional[int] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
     __slots__ = ("layer", "tokens")
@@ -377,7 +399,7 @@ class ExpertLoad(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "path", "rank", "target_modules", "on_device", "active_caches", "requests", "loads", "evictions")
+    __slots__ = ("name", "path", "rank", "target_modules", "on_device", "active_caches", "requests", "loads", "evictions", "weights_digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +409,7 @@ class AdapterInfo(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     rank: int
@@ -396,7 +419,8 @@ class AdapterInfo(_message.Message):
     requests: int
     loads: int
     evictions: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., on_device: _Optional[bool] = ..., active_caches: _Optional[int] = ..., requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    weights_digest: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., on_device: _Optional[bool] = ..., active_caches: _Optional[int] = ..., requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., weights_digest: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "path")
@@ -523,3 +547,93 @@ class CacheInfo(_message.Message):
     age_ms: int
     blocks: int
     def __init__(self, cache_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., adapter: _Optional[str] = ..., age_ms: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class CreateCacheItem(_message.Message):
+    __slots__ = ("token_ids", "adapter", "cache_salt")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    adapter: str
+    cache_salt: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class CreateCacheRequest(_message.Message):
+    __slots__ = ("items", "session_id")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[CreateCacheItem]
+    session_id: str
+    def __init__(self, items: _Optional[_Iterable[_Union[CreateCacheItem, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class CreateCacheResult(_message.Message):
+    __slots__ = ("cache", "cached_tokens", "status")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    cached_tokens: int
+    status: ItemStatus
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
+
+class CreateCacheResponse(_message.Message):
+    __slots__ = ("results", "kv")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[CreateCacheResult]
+    kv: KvUsage
+    def __init__(self, results: _Optional[_Iterable[_Union[CreateCacheResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ("summary_interval_ms",)
+    SUMMARY_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    summary_interval_ms: int
+    def __init__(self, summary_interval_ms: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsResponse(_message.Message):
+    __slots__ = ("seq", "events", "summary", "snapshot", "instance_id")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    summary: KvSummary
+    snapshot: bool
+    instance_id: str
+    def __init__(self, seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., summary: _Optional[_Union[KvSummary, _Mapping]] = ..., snapshot: _Optional[bool] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlocksStored
+    removed: BlocksRemoved
+    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ...) -> None: ...
+
+class BlocksStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_hash", "adapter", "token_count")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_hash: bytes
+    adapter: str
+    token_count: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., adapter: _Optional[str] = ..., token_count: _Optional[int] = ...) -> None: ...
+
+class BlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvSummary(_message.Message):
+    __slots__ = ("kv", "prefix_cache")
+    KV_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    kv: KvUsage
+    prefix_cache: PrefixCacheStats
+    def __init__(self, kv: _Optional[_Union[KvUsage, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...

@@ -115,6 +115,16 @@ class ExecutorServiceStub:
                 request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.SerializeToString,
                 response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.FromString,
                 _registered_method=True)
+        self.CreateCache = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/CreateCache',
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.CreateCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.CreateCacheResponse.FromString,
+                _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/tandem.executor.v1.ExecutorService/SubscribeKvEvents',
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -238,6 +248,27 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateCache(self, request, context):
+        """Creates caches for prompts, each already holding the longest prefix of its prompt that this executor
+        has cached (automatic prefix caching): whole blocks, at most all but one token of the prompt. The reused
+        blocks are the new cache's from this moment (nothing can evict them); send the rest of the prompt to the
+        cache with Prefill or UnifiedDecode (pos_offset = the returned seq_len).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubscribeKvEvents(self, request, context):
+        """Streams the prefix cache's changes: blocks stored (a full block's hash became reusable) and removed
+        (evicted), after a snapshot of the blocks cached at subscription, plus a periodic summary. A router in
+        front of several executors follows it to send a prompt where its prefix is cached. A subscriber that
+        falls too far behind is dropped (RESOURCE_EXHAUSTED; subscribe again for a fresh snapshot): it never
+        slows the model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +346,16 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.ListCaches,
                     request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.FromString,
                     response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.SerializeToString,
+            ),
+            'CreateCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCache,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.CreateCacheRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.CreateCacheResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -728,6 +769,60 @@ class ExecutorService:
             '/tandem.executor.v1.ExecutorService/ListCaches',
             tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesRequest.SerializeToString,
             tandem_dot_executor_dot_v1_dot_executor__pb2.ListCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/CreateCache',
+            tandem_dot_executor_dot_v1_dot_executor__pb2.CreateCacheRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.CreateCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/SubscribeKvEvents',
+            tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

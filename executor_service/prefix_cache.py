@@ -1,0 +1,93 @@
+"""Automatic prefix caching: the executor's side of the block-hash index (models/block_allocator.py).
+
+Every full block a forward completes is hashed (tandem/block_hash.py: chained from its parent block, the
+cache's root of adapter, adapter weights digest and cache salt) and registered, so that CreateCache can
+start a new cache with the longest cached prefix of its prompt. Registering and evicting publish KV events
+(executor_service/kv_events.py) for routers. With prefix caching off nothing is hashed and nothing matches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from executor_service.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventHub
+from models.kv_cache import BlockTable, PagedKvCache
+from tandem.block_hash import block_hash, chain_hashes, root_hash
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    enabled: bool
+    query_tokens: int  # prompt tokens looked up (CreateCache)
+    hit_tokens: int  # of those, served from cached blocks
+    stored_blocks: int  # blocks registered since start
+    evicted_blocks: int
+    indexed_blocks: int  # in the index now (held or evictable)
+    copied_blocks: int  # copy-on-write copies of indexed blocks
+
+
+class PrefixCache:
+    def __init__(self, kv: PagedKvCache, enabled: bool, events: KvEventHub) -> None:
+        self.kv = kv
+        self.enabled = enabled
+        self.events = events
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.stored_blocks = 0
+        # hash -> (parent hash, adapter) of every indexed block: what a new subscriber's snapshot needs
+        self._meta: dict[bytes, tuple[bytes, str]] = {}
+        kv.allocator.on_removed = self._removed
+
+    @staticmethod
+    def root(adapter: str, adapter_digest: str, cache_salt: str) -> bytes:
+        return root_hash(adapter, adapter_digest, cache_salt)
+
+    def match(self, table: BlockTable, token_ids: Sequence[int], root: bytes) -> int:
+        """Fills the empty table with the longest indexed prefix of token_ids, in whole blocks and leaving at
+        least one token to compute; the blocks are pinned at once. Returns the tokens reused."""
+        if not self.enabled or not token_ids:
+            return 0
+        bs = self.kv.block_size
+        hashes = chain_hashes(root, token_ids, bs, max_blocks=(len(token_ids) - 1) // bs)
+        blocks = self.kv.allocator.lookup(hashes)
+        self.kv.adopt(table, blocks, hashes[:len(blocks)])
+        self.query_tokens += len(token_ids)
+        self.hit_tokens += len(blocks) * bs
+        return len(blocks) * bs
+
+    def seal(self, table: BlockTable, tokens: Sequence[int], root: bytes, adapter: str) -> None:
+        """Hashes and registers the blocks of table that became full since the last call. tokens: every
+        token the table holds (tokens[i] is at position i)."""
+        if not self.enabled:
+            return
+        bs = self.kv.block_size
+        first = len(table.hashes)
+        stored: list[bytes] = []
+        for i in range(first, table.length // bs):
+            parent = table.hashes[i - 1] if i else root
+            h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            table.hashes.append(h)
+            if self.kv.allocator.register(table.blocks[i], h):
+                self._meta[h] = (b"" if i == 0 else parent, adapter)
+                stored.append(h)
+        if stored:
+            self.stored_blocks += len(stored)
+            if self.events.active:
+                parent = self._meta[stored[0]][0]
+                self.events.publish(BlocksStored(tuple(stored), parent, adapter, len(stored) * bs))
+
+    def snapshot(self) -> list[KvEvent]:
+        """Every indexed block, as stored events (one per block: their chains may interleave)."""
+        bs = self.kv.block_size
+        return [BlocksStored((h,), *self._meta[h], bs) for h in self.kv.allocator.indexed()]
+
+    def stats(self) -> PrefixCacheStats:
+        a = self.kv.allocator
+        return PrefixCacheStats(self.enabled, self.query_tokens, self.hit_tokens, self.stored_blocks, a.evicted,
+                                a.num_indexed, self.kv.copied_blocks)
+
+    def _removed(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self._meta.pop(h, None)
+        if self.events.active:
+            self.events.publish(BlocksRemoved(tuple(hashes)))

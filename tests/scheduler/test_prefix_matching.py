@@ -1,0 +1,87 @@
+"""The scheduling policy and the engine with an executor that reuses cached prefixes (in process, tiny
+model): which waiting requests are looked up, what admission counts, what happens to reused prefixes held by
+requests that are not admitted, that end, or whose executor is lost."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from executor_service.in_process_client import InProcessExecutorClient
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.policy import SchedulingPolicy
+from scheduler.request import GenerateRequest, StoppingCriteria
+from scheduler.sequence import Sequence
+from tandem.codec import kv_usage_from_pb
+from tandem.executor.v1 import executor_pb2 as epb
+from tests.executor_driver import make_executor
+
+SYSTEM = [1] + [5 + (i * 7) % 300 for i in range(63)]  # 64 tokens: 4 blocks of 16
+
+
+def _request(n: int, suffix: list[int], max_new: int = 6) -> GenerateRequest:
+    return GenerateRequest(f"r{n}", tuple(SYSTEM + suffix), StoppingCriteria(max_new, ignore_eos=True))
+
+
+@pytest.fixture
+def client(model_dir):
+    return InProcessExecutorClient(make_executor(model_dir, kv_blocks=64))
+
+
+def _run(engine: Engine, reqs: list[GenerateRequest]) -> list:
+    async def go():
+        await engine.start()
+        outs = [engine.submit(r)[1] for r in reqs]
+        task = asyncio.create_task(engine.run())
+        results = []
+        for out in outs:
+            ids, usage = [], None
+            while True:
+                ev = await asyncio.wait_for(out.events.get(), 60)
+                assert not isinstance(ev, Exception), ev
+                ids += [t.token_id for t in ev.tokens]
+                if ev.finish_reason is not None:
+                    usage = ev.usage
+                    break
+            results.append((ids, usage))
+        await engine.drain(1.0)
+        await task
+        return results
+    return asyncio.run(go())
+
+
+def test_requests_after_the_first_reuse_the_shared_prefix_and_match_a_run_without_it(model_dir, client, tok):
+    info = client.info_now()
+    assert "prefix_caching" in info.capabilities
+    reqs = [_request(n, [400 + n, 401 + n, 402]) for n in range(4)]
+    first = _run(Engine(SchedulerConfig(executor="in-process", max_running=1), client, tok, info), reqs)
+    off = InProcessExecutorClient(make_executor(model_dir, kv_blocks=64, prefix_caching=False))
+    plain = _run(Engine(SchedulerConfig(executor="in-process", max_running=1), off, tok, off.info_now()), reqs)
+    assert [ids for ids, _ in first] == [ids for ids, _ in plain]
+    assert first[0][1].cached_tokens == 0 and all(u.cached_tokens == 64 for _, u in first[1:])
+    assert all(u.cached_tokens == 0 for _, u in plain)
+    kv = client.info_now().kv
+    assert kv.free_blocks == kv.total_blocks and kv.cached_blocks > 0 and kv.active_caches == 0
+
+
+def test_policy_looks_up_free_slots_only_and_releases_what_ends(client, tok):
+    info = client.info_now()
+    policy = SchedulingPolicy(SchedulerConfig(executor="in-process", max_running=2), kv_usage_from_pb(info.kv), info.max_batch_tokens)
+    seqs = [Sequence(_request(n, [300 + n]), policy.next_arrival(), [], 2048) for n in range(3)]
+    for s in seqs:
+        policy.add(s)
+    picked = policy.to_match()
+    assert picked == seqs[:2]  # two running slots: the third is not looked up yet
+    resp = client.create_caches_now([epb.CreateCacheItem(token_ids=s.token_slice(0, s.num_tokens)) for s in picked])
+    seqs[1].status = seqs[1].status.FINISHED  # ended (cancelled) while CreateCache ran
+    policy.waiting.remove(seqs[1])
+    policy.attach_prefixes(picked, [(r.cache.cache_id, r.cache.seq_len) for r in resp.results])
+    assert seqs[0].cache_id and not seqs[1].cache_id
+    released = policy.take_releases()
+    assert released == [resp.results[1].cache.cache_id]  # the ended request's new cache goes back at once
+    assert policy.to_match() == [seqs[2]]
+    # The executor is lost: the reused prefix held by the waiting request is stale, the request starts over.
+    policy.executor_lost()
+    assert not seqs[0].cache_id and seqs[0].num_cached == 0 and seqs[0].preemptions == 0
+    assert resp.results[0].cache.cache_id in policy.take_stale()
