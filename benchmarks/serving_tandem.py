@@ -3,7 +3,6 @@ the prompts from the served model's vocabulary, stream the warm-up and timed req
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shlex
 import time
@@ -19,8 +18,8 @@ from benchmarks.cli import make_log
 from benchmarks.cpu import CpuMeter
 from benchmarks.request_metrics import Record
 from benchmarks.serving_client import closed_loop, open_loop
-from benchmarks.workloads import kv_blocks, poisson_arrivals, prompt_vocabulary, vocabulary_prompts
-from models.config import read_generation_defaults
+from benchmarks.workloads import (kv_blocks, model_vocabulary, poisson_arrivals, prompt_vocabulary,
+                                  vocabulary_prompts)
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
 from tandem.generate.v1 import generate_pb2 as gpb
@@ -77,16 +76,11 @@ def run_tandem(args, model_dir: Path | None, cfg: Any, threads: int) -> TandemRu
 
         # prompts: the vocabulary from the model dir, or (with --target alone) from GetModelInfo
         if cfg is not None:
-            gen = read_generation_defaults(model_dir, cfg)
-            raw = json.loads((model_dir / "config.json").read_text())
-            special = [cfg.bos_token_id, gen.bos_token_id, raw.get("pad_token_id"), *cfg.eos_token_ids,
-                       *gen.eos_token_ids]
-            vocab_size = cfg.vocab_size
+            allowed = model_vocabulary(model_dir, cfg)
         else:
             with grpc.insecure_channel(address) as ch:
                 info = gpb_grpc.GenerateServiceStub(ch).GetModelInfo(gpb.GetModelInfoRequest(), timeout=30)
-            special, vocab_size = list(info.eos_token_ids), info.vocab_size
-        allowed = prompt_vocabulary(model_dir, vocab_size, special)
+            allowed = prompt_vocabulary(model_dir, info.vocab_size, list(info.eos_token_ids))
         prompts = vocabulary_prompts(args.num_requests, args.input_len, allowed, args.seed, stream=0)
         warmup_prompts = vocabulary_prompts(args.warmup, args.input_len, allowed, args.seed, stream=1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -65,6 +65,16 @@ def prompt_vocabulary(model_dir: Path | None, vocab_size: int, special_ids: Sequ
     if allowed.size == 0:
         raise SystemExit("error: no regular token ids to draw prompts from")
     return allowed
+
+
+def model_vocabulary(model_dir: Path, cfg: Any) -> np.ndarray:
+    """prompt_vocabulary of a model directory, banning its bos / eos / pad ids (config.json and
+    generation_config.json); cfg: the executor's ModelConfig of model_dir."""
+    from models.config import read_generation_defaults
+    gen = read_generation_defaults(model_dir, cfg)
+    raw = json.loads((model_dir / "config.json").read_text())
+    special = [cfg.bos_token_id, gen.bos_token_id, raw.get("pad_token_id"), *cfg.eos_token_ids, *gen.eos_token_ids]
+    return prompt_vocabulary(model_dir, cfg.vocab_size, special)
 
 
 def vocabulary_prompts(n: int, length: int, allowed: np.ndarray, seed: int, stream: int) -> list[list[int]]:
