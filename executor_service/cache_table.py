@@ -49,7 +49,8 @@ class CacheState:
 
     def snapshot(self) -> "CacheSnapshot":
         """What a call may change, to put back if it fails after changing it."""
-        return CacheSnapshot(self, self.table.length, len(self.tokens), self.prompt_len, self.sampling)
+        return CacheSnapshot(self, self.table.length, len(self.tokens), self.prompt_len, self.sampling,
+                             self.table.blocks[-1] if self.table.blocks else None)
 
     def truncate(self, new_len: int) -> None:
         del self.tokens[new_len:]
@@ -64,10 +65,13 @@ class CacheSnapshot:
     num_tokens: int
     prompt_len: int | None
     sampling: SamplingParams
+    last_block: int | None  # the table's last block (a failed call's copy-on-write of it is undone)
 
     def restore(self, kv: PagedKvCache) -> None:
-        """Puts the cache back as it was: blocks past the old length freed, tokens, prompt end and sampling."""
+        """Puts the cache back as it was: blocks past the old length freed (and the last block itself if the
+        call copied it), tokens, prompt end and sampling."""
         kv.truncate(self.state.table, self.length)
+        kv.undo_copy(self.state.table, self.last_block)
         del self.state.tokens[self.num_tokens:]
         self.state.prompt_len = self.prompt_len
         self.state.sampling = self.sampling

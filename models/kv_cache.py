@@ -101,6 +101,18 @@ class PagedKvCache:
         table.hashes = []
         table.length = 0
 
+    def undo_copy(self, table: BlockTable, last_block: int | None) -> None:
+        """Gives the table back its last block `last_block` after a failed call made a private copy of it
+        (reserve, then the call failed): the copy is freed, unless the original has since been evicted (then
+        the copy, holding the same data, stays)."""
+        if last_block is None or not table.blocks or table.blocks[-1] == last_block:
+            return
+        if self.allocator.is_indexed(last_block):  # still in the index: never evicted, so never rewritten
+            self.allocator.pin([last_block])
+            self.allocator.free([table.blocks[-1]])
+            table.blocks[-1] = last_block
+            self.copied_blocks -= 1
+
     def _needs_copy(self, table: BlockTable, new_length: int) -> int:
         """1 when growing the table writes into its last block and that block is indexed (shared, immutable)."""
         return int(new_length > table.length and table.length % self.block_size != 0

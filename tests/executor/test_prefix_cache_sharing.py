@@ -245,3 +245,37 @@ def test_random_mix_over_shared_prefixes_keeps_every_cache_right(model_dir, off)
     assert checked > 20 and stats.hit_tokens > 0 and stats.copied_blocks > 0 and stats.evicted_blocks > 0
     ex.release_cache(list(live))
     assert_all_back(ex)
+
+
+class Boom(RuntimeError):
+    """An injected fault."""
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["held-by-another-cache", "cached-only"])
+def test_a_failed_call_takes_back_its_copy_on_write(model_dir, off, monkeypatch, shared):
+    """A cache truncated into an indexed block, then a call that fails after reserving (the forward raises):
+    the cache keeps its original block (no private copy left behind), the pool is as before, and the next
+    call answers right."""
+    ex = make_executor(model_dir, kv_blocks=8)
+    p = prompt_of(40, seed=12)
+    a = ex.prefill(p)
+    if shared:
+        other, cached = create_cache(ex, p)  # holds a's 2 indexed blocks too
+        assert cached == 32
+    ex.truncate_cache(a.cache.cache_id, 20)  # into indexed block 1
+    state = ex._caches[a.cache.cache_id]
+    before = (list(state.table.blocks), list(state.table.hashes), ex.kv_usage(), ex.prefix_stats())
+    real = ex.model.forward
+    monkeypatch.setattr(ex.model, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(Boom("injected")))
+    with pytest.raises(Boom):
+        ex.decode([DecodeItem(CacheRef(a.cache.cache_id, 20), 5)], num_steps=3)
+    with pytest.raises(Boom):
+        ex.unified_decode([UnifiedItem((5, 6), a.cache.cache_id, 20), UnifiedItem(tuple(prompt_of(30, seed=13)))])
+    assert (list(state.table.blocks), list(state.table.hashes), ex.kv_usage(), ex.prefix_stats()) == before
+    monkeypatch.setattr(ex.model, "forward", real)
+    (d,) = raising(ex.decode([DecodeItem(CacheRef(a.cache.cache_id, 20), 5, output=LOGITS)]))
+    ref = off.prefill(p[:20] + [5], output=LOGITS)
+    off.release_cache([ref.cache.cache_id])
+    assert rel_err(d.output.logits[0], ref.output.logits[0]) < TOL and ex.prefix_stats().copied_blocks == 1
+    ex.release_cache([a.cache.cache_id] + ([other] if shared else []))
+    assert_all_back(ex)

@@ -251,3 +251,29 @@ def test_truncate_and_release_free_the_tail_first():
     assert usage.free_blocks == 4 and usage.cached_blocks == 4
     # eviction order: the tail of the chain first
     assert kv.allocator.allocate(4) == [blocks[3], blocks[2], blocks[1], blocks[0]]
+
+
+def test_undo_copy_gives_back_the_original_unless_it_was_evicted():
+    kv = kv_cache(num_blocks=4)
+    t = BlockTable()
+    fill(kv, t, 8)
+    kv.allocator.register(t.blocks[1], h(1))
+    kv.truncate(t, 6)
+    original = t.blocks[1]
+    kv.reserve([(t, 7)])  # a private copy; the original (held by no one else) is cached-evictable
+    assert t.blocks[1] != original and kv.usage().cached_blocks == 1
+    kv.undo_copy(t, original)  # the call failed: back to the original, the copy is free
+    assert t.blocks[1] == original and kv.copied_blocks == 0
+    assert (kv.usage().free_blocks, kv.usage().cached_blocks) == (2, 0)
+    kv.undo_copy(t, original)  # nothing to undo
+    assert t.blocks[1] == original and kv.usage().free_blocks == 2
+    # The original evicted meanwhile (taken by another allocation): the copy, holding the same data, stays.
+    kv.reserve([(t, 7)])
+    copy = t.blocks[1]
+    taken = kv.allocator.allocate(2)
+    assert original in taken and not kv.allocator.is_indexed(original)
+    kv.undo_copy(t, original)
+    assert t.blocks[1] == copy and kv.copied_blocks == 1
+    kv.allocator.free(taken)
+    kv.release(t)
+    assert kv.usage().free_blocks == 4
