@@ -188,12 +188,13 @@ class Engine:
         if not self.up:
             return
         plan = policy.schedule()
-        if plan.preempted:
+        if plan.preempted or plan.unpinned:
             await self._release_pending()  # the plan counts on the victims' blocks being free
             if not self.up:
                 return
         if not plan.items:
-            await self._stalled()
+            if not plan.unpinned:  # (else: plan again with what releasing the waiting prefixes freed)
+                await self._stalled()
             return
         started, losses = self.clock(), self.recovery.losses
         try:

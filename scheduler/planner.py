@@ -2,7 +2,11 @@
 
 Policy (one step):
 1. every running sequence that is decoding gets one token; if their KV growth does not fit the free
-   blocks, the youngest running sequences are preempted until it does;
+   blocks, the reused prefixes held for waiting sequences (CreateCache) are released first — the plan is
+   then only that release, and the next one sees what it really freed (blocks shared with running caches
+   free nothing) — and otherwise the youngest running sequences are preempted until it does. A plan that
+   preempts admits nothing: the victims' blocks are for the running sequences (and the count of what a
+   victim frees is an estimate: blocks it shares stay held);
 2. running sequences still in their prompt get prefill chunks, oldest first, while the token budget and
    the free blocks last;
 3. waiting (new or preempted) sequences are admitted oldest first while fewer than max_running run, the
@@ -44,6 +48,7 @@ class StepPlan:
     items: list[StepItem] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # waiting -> running this step
     preempted: list[Sequence] = field(default_factory=list)  # running -> waiting (release their caches)
+    unpinned: list[Sequence] = field(default_factory=list)  # waiting, their reused prefixes to release
     wait_reason: str = ""  # why the head of the queue was not admitted ("" = nothing left waiting)
     head_needs_blocks: bool = False  # the head waits for free KV blocks (not for a slot or the budget)
 
@@ -72,6 +77,9 @@ class Planner:
             need = sum(grow(s, 1) for s in decoding)
             if need <= free or not running:
                 break
+            if not plan.preempted and any(s.cache_id for s in waiting):
+                plan.unpinned = [s for s in waiting if s.cache_id]
+                return plan
             victim = running.pop()  # youngest
             plan.preempted.append(victim)
             free += ceil_div(victim.num_cached, bs)
@@ -95,6 +103,10 @@ class Planner:
                        for s in prefilling)
 
         # 3. admissions, oldest first, never skipping the head
+        if plan.preempted:
+            if waiting:
+                plan.wait_reason = "running requests were preempted for KV blocks this step"
+            return plan
         n_running = len(running)
         adapters = {s.request.adapter for s in running if s.request.adapter}
         # A waiting sequence may already hold a cache with a reused prefix (CreateCache): its blocks are

@@ -94,6 +94,9 @@ class SchedulingPolicy:
         self.preemptions = 0
         self.wait_reason = ""  # why the head of the queue was not admitted at the last step
         self.head_needs_blocks = False  # ... and it was for KV blocks
+        # The running sequences were short of KV blocks at the last plan (or step): no prefixes are reused
+        # for waiting ones until a plan fits, or pinning them would take the blocks just freed right back.
+        self.short_of_blocks = False
         self._arrivals = itertools.count()
         self._to_release: list[str] = []
         self._stale: list[str] = []  # caches a lost executor (or a forgotten session) may still hold
@@ -159,6 +162,10 @@ class SchedulingPolicy:
         plan = self.planner.plan(self.running, self.waiting, self.kv)
         for victim in plan.preempted:
             self._preempt(victim)
+        for seq in plan.unpinned:
+            self._release(seq)
+            seq.drop_cache()
+        self.short_of_blocks = bool(plan.preempted or plan.unpinned)
         for seq in plan.admitted:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
@@ -210,6 +217,7 @@ class SchedulingPolicy:
         again. Anything else (a message over the size limit included) ends the step's requests with error."""
         self._in_flight = set()
         if kv_full:
+            self.short_of_blocks = True
             if self.running:
                 self._preempt(self.running[-1])
             return []
@@ -225,6 +233,7 @@ class SchedulingPolicy:
         if not self.running:
             return False
         self._preempt(self.running[-1])
+        self.short_of_blocks = True
         return True
 
     def drop_unfittable_head(self) -> Failure | None:
@@ -256,7 +265,10 @@ class SchedulingPolicy:
     def to_match(self) -> list[Sequence]:
         """Waiting sequences to look up in the executor's prefix cache (CreateCache) before the next
         schedule(): those without a cache among the first ones that could be admitted (as many as free
-        running slots; only the head while the head waits for KV blocks)."""
+        running slots; only the head while the head waits for KV blocks; none while the running ones are
+        short of blocks)."""
+        if self.short_of_blocks:
+            return []
         slots = 1 if self.head_needs_blocks else self.cfg.max_running - len(self.running)
         return [s for s in self.waiting[:max(0, slots)] if not s.cache_id][:MAX_MATCH_PER_STEP]
 
@@ -290,6 +302,7 @@ class SchedulingPolicy:
                 seq.drop_cache()
         requeued = list(self.running)
         self.running.clear()
+        self.short_of_blocks = False
         for seq in requeued:
             seq.reset_cache()
             self._enqueue(seq)

@@ -346,3 +346,20 @@ def test_head_waiting_for_blocks_is_flagged_but_not_for_a_slot(mk):
     running = [mk(0, 8, None, 1)]
     plan = Planner(512, 1, 64).plan(running, [mk(1, 8)], kv(500))
     assert plan.wait_reason and not plan.head_needs_blocks
+
+
+def test_prefixes_held_for_waiting_sequences_go_before_any_running_sequence_is_preempted(mk):
+    running = [mk(0, 6, None, 3), mk(1, 6, None, 3)]  # 8 cached each: the next token needs a new block
+    held = mk(2, 40, status=Status.WAITING)
+    held.cache_id, held.num_cached = "c2", 32  # a reused prefix pinned by CreateCache
+    plan = Planner(512, 8, 64).plan(running, [held], kv(free=0))
+    # Only the release: blocks shared with running caches would free nothing, so the next plan counts again.
+    assert plan.unpinned == [held] and plan.preempted == [] and plan.items == []
+
+
+def test_a_plan_that_preempts_admits_nothing(mk):
+    running = [mk(0, 6, None, 3), mk(1, 6, None, 3), mk(2, 6, None, 3)]
+    small = mk(3, 2)  # would fit the victim's blocks, which are meant for the running decodes
+    plan = Planner(512, 8, 64).plan(running, [small], kv(free=1))
+    assert plan.preempted == [running[2]] and plan.admitted == []
+    assert items(plan) == [(0, 8, 1), (1, 8, 1)] and "preempted" in plan.wait_reason

@@ -85,3 +85,27 @@ def test_policy_looks_up_free_slots_only_and_releases_what_ends(client, tok):
     policy.executor_lost()
     assert not seqs[0].cache_id and seqs[0].num_cached == 0 and seqs[0].preemptions == 0
     assert resp.results[0].cache.cache_id in policy.take_stale()
+
+
+def test_no_prefix_is_reused_while_the_running_requests_are_short_of_blocks(client, tok):
+    """Pinning a preempted request's prefix right after its release would take back the blocks the
+    running requests were given (the livelock this guards against: preempt, re-pin, re-admit, repeat)."""
+    info = client.info_now()
+    policy = SchedulingPolicy(SchedulerConfig(executor="in-process"), kv_usage_from_pb(info.kv), info.max_batch_tokens)
+    waiting = Sequence(_request(0, [300]), policy.next_arrival(), [], 2048)
+    policy.add(waiting)
+    waiting.adopt_prefix("held", 48)
+    policy.short_of_blocks = False
+    decoder = Sequence(_request(1, []), policy.next_arrival(), [], 2048)  # 64 + 1 output: a new block next
+    decoder.cache_id, decoder.num_cached, decoder.output_ids = "run", 64, [7]
+    decoder.status = decoder.status.RUNNING
+    policy.running.append(decoder)
+    policy.kv = kv_usage_from_pb(epb.KvUsage(block_size=16, total_blocks=8, free_blocks=0))
+    plan = policy.schedule()
+    assert plan.unpinned == [waiting] and not plan.items
+    assert policy.take_releases() == ["held"] and not waiting.cache_id and waiting.num_cached == 0
+    assert policy.short_of_blocks and policy.to_match() == []  # not looked up again at once
+    policy.kv = kv_usage_from_pb(epb.KvUsage(block_size=16, total_blocks=8, free_blocks=1))
+    plan = policy.schedule()  # the decode fits now: the plan runs it and lookups resume
+    assert [i.seq for i in plan.items] == [decoder] and not policy.short_of_blocks
+    assert policy.to_match() == [waiting]
