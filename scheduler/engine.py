@@ -193,7 +193,8 @@ class Engine:
             if not self.up:
                 return
         if not plan.items:
-            if not plan.unpinned:  # (else: plan again with what releasing the waiting prefixes freed)
+            # (else: plan again with what releasing the waiting prefixes freed, or after the lookup)
+            if not plan.unpinned and not plan.head_needs_lookup:
                 await self._stalled()
             return
         started, losses = self.clock(), self.recovery.losses
@@ -235,7 +236,9 @@ class Engine:
         """Before admission: the waiting sequences that may be admitted get caches holding the longest prefix
         the executor has cached (CreateCache pins it at once), so admission counts only the blocks they
         still need and the step sends only the rest of their prompts. A failed lookup only means no reuse."""
-        if PREFIX_CACHING not in self.info.capabilities:
+        # (read each step: an executor back after a loss may have it on or off)
+        self.planner.reuse_prefixes = PREFIX_CACHING in self.info.capabilities
+        if not self.planner.reuse_prefixes:
             return
         seqs = self.policy.to_match()
         if not seqs:

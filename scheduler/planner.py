@@ -17,19 +17,23 @@ Policy (one step):
    any step, this keeps every step within the limit without ever leaving a running sequence out for its
    adapter. The head of the queue is never skipped for a smaller one, or one of an adapter already running,
    behind it (no starvation: once the head waits, nothing new is admitted, so running requests finish and
-   free what it waits for). Why the head waits is the plan's wait_reason.
+   free what it waits for). With prefix caching, a waiting sequence whose first blocks a running one is
+   still writing waits until they are written, to reuse them (scheduler/prefix_wait.py). Why the head
+   waits is the plan's wait_reason.
 The executor's own accounting stays the authority: a RESOURCE_EXHAUSTED answer still preempts (engine).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.prefix_wait import awaited_prefix
 from scheduler.sequence import Sequence
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 
 
 _NEEDS_BLOCKS = "it needs"
+_NOT_LOOKED_UP = "it is not looked up in the executor's prefix cache yet"
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class StepPlan:
     wait_reason: str = ""  # why the head of the queue was not admitted ("" = nothing left waiting)
     head_needs_blocks: bool = False  # the head waits for free KV blocks (not for a slot or the budget)
 
+    @property
+    def head_needs_lookup(self) -> bool:  # the head waits for the next step's prefix-cache lookup
+        return self.wait_reason.startswith(_NOT_LOOKED_UP)
+
 
 class Planner:
     def __init__(self, max_batch_tokens: int, max_running: int, prefill_chunk: int, max_adapters: int = 0) -> None:
@@ -59,6 +67,7 @@ class Planner:
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
         self.max_adapters = max_adapters  # distinct adapters per step; 0 = no limit
+        self.reuse_prefixes = False  # the executor caches prefixes: hold back what a running prefill writes
 
     def plan(self, running: list[Sequence], waiting: list[Sequence], kv: KvUsage) -> StepPlan:
         """running and waiting are ordered oldest first; neither list is modified."""
@@ -113,7 +122,7 @@ class Planner:
         # counted as used by the executor already, so it needs only the blocks for the rest.
         for s in waiting:
             plan.wait_reason = self._wait_reason(s, n_running, budget, free - reserved - watermark, adapters,
-                                                 running, kv)
+                                                 running + plan.admitted, kv)
             if plan.wait_reason:
                 plan.head_needs_blocks = plan.wait_reason.startswith(_NEEDS_BLOCKS)
                 break
@@ -135,6 +144,11 @@ class Planner:
             return f"{n_running} requests are running, the most this scheduler runs at once (--max-running)"
         if budget <= 0:
             return "running requests use the whole step's token budget (--max-batch-tokens)"
+        if self.reuse_prefixes and not s.cache_id and s.prefix_looked_up < 0:
+            return f"{_NOT_LOOKED_UP} (it arrived after this step's lookup)"
+        if self.reuse_prefixes and (shared := awaited_prefix(s, running, kv.block_size)):
+            return (f"a running request is writing the first {shared} tokens of its prompt, which it reuses once "
+                    f"they are written (prefix caching)")
         need = ceil_div(s.num_tokens + 1, kv.block_size) - ceil_div(s.num_cached, kv.block_size)
         if need > room:
             ours = sum(ceil_div(r.num_cached, kv.block_size) for r in running)

@@ -39,6 +39,7 @@ from typing import Callable
 
 from scheduler.config import SchedulerConfig
 from scheduler.planner import Planner, StepPlan
+from scheduler.prefix_wait import shared_prefix
 from scheduler.request import Finish, TokenLogprob
 from scheduler.sequence import Sequence, Status
 from tandem.errors import AdapterNotFound, CapacityExceeded, TandemError
@@ -264,13 +265,23 @@ class SchedulingPolicy:
     # ----------------------------------------------------------------- prefix caching
     def to_match(self) -> list[Sequence]:
         """Waiting sequences to look up in the executor's prefix cache (CreateCache) before the next
-        schedule(): those without a cache among the first ones that could be admitted (as many as free
-        running slots; only the head while the head waits for KV blocks; none while the running ones are
-        short of blocks)."""
+        schedule(): among the first ones that could be admitted (as many as free running slots; only the head
+        while the head waits for KV blocks; none while the running ones are short of blocks), those without a
+        cache, and those whose prompt a running request has since written further than their cache holds
+        (the new cache replaces the old). Not those waiting for a running request to write their prefix."""
         if self.short_of_blocks:
             return []
         slots = 1 if self.head_needs_blocks else self.cfg.max_running - len(self.running)
-        return [s for s in self.waiting[:max(0, slots)] if not s.cache_id][:MAX_MATCH_PER_STEP]
+        picked = []
+        for s in self.waiting[:max(0, slots)]:
+            shared = shared_prefix(s, self.running, self.kv.block_size)
+            if shared.awaited(s.num_cached):
+                continue  # being written by a running request: looked up once it is
+            # (again when more of it is cached now, by a running request: once per new written length)
+            if not s.cache_id or shared.written > max(s.num_cached, s.prefix_looked_up):
+                s.prefix_looked_up = shared.written
+                picked.append(s)
+        return picked[:MAX_MATCH_PER_STEP]
 
     def attach_prefixes(self, seqs: list[Sequence], results: list[tuple[str, int] | None]) -> None:
         """CreateCache's answer, per sequence: (cache id, tokens reused), or None where its item failed (the
@@ -280,9 +291,11 @@ class SchedulingPolicy:
             if res is None:
                 continue
             cache_id, cached = res
-            if seq.finished or seq.cache_id or seq not in self.waiting:
+            if seq.finished or seq not in self.waiting or (seq.cache_id and cached <= seq.num_cached):
                 self._to_release.append(cache_id)
                 continue
+            self._release(seq)  # (looked up again: the new cache reuses more than the one it held)
+            seq.drop_cache()
             seq.adopt_prefix(cache_id, cached)
 
     # ----------------------------------------------------------------- the executor lost, back, gone

@@ -26,6 +26,9 @@ class Sequence:
         self.cache_id = ""  # "" until the executor created one
         self.num_cached = 0  # tokens of all_ids written into the cache (or reused from the prefix cache)
         self.prefix_hit = 0  # prompt tokens the executor's prefix cache served at its first admission
+        # Looked up in the prefix cache (CreateCache) since it last lost its cache: the shared tokens running
+        # requests had written then; -1 = not yet (with prefix caching it is not admitted before).
+        self.prefix_looked_up = -1
         self.preemptions = 0  # times its cache was lost (preemption, executor restart) and recomputed
         self.queued_at = 0.0  # when it last entered the waiting queue (the policy's clock)
         # The executor's SamplingParams messages, built once: (normal, before min_new_tokens).
@@ -72,6 +75,7 @@ class Sequence:
         self.cache_id = ""
         self.num_cached = 0
         self.registered_sampling = None
+        self.prefix_looked_up = -1
 
     def adopt_prefix(self, cache_id: str, cached_tokens: int) -> None:
         """A waiting sequence got a cache from CreateCache holding its first cached_tokens tokens."""

@@ -43,7 +43,7 @@ def test_a_shared_system_prompt_is_computed_once(on, off):
         got = list(pool.map(lambda p: collect(sch_on.stub, ids_request(p, 0, stopping=STOP)), _questions(7)[1:]))
         want = list(pool.map(lambda p: collect(sch_off.stub, ids_request(p, 0, stopping=STOP)), _questions(7)[1:]))
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert all(g.usage.cached_tokens == len(SYSTEM) for g in got)  # 6 whole blocks each
+    assert all(g.usage.cached_tokens == len(SYSTEM) for g in got), [(g.usage.cached_tokens, g.usage.preemptions) for g in got]  # 6 whole blocks each
     assert all(w.usage.cached_tokens == 0 for w in want)
     after = ex_on.stub.GetMetrics(epb.GetMetricsRequest()).prefix_cache
     assert after.enabled and after.hit_tokens - before.hit_tokens == 6 * len(SYSTEM)

@@ -363,3 +363,16 @@ def test_a_plan_that_preempts_admits_nothing(mk):
     plan = Planner(512, 8, 64).plan(running, [small], kv(free=1))
     assert plan.preempted == [running[2]] and plan.admitted == []
     assert items(plan) == [(0, 8, 1), (1, 8, 1)] and "preempted" in plan.wait_reason
+
+
+def test_with_prefix_reuse_a_prompt_another_admission_is_writing_waits_for_it(mk):
+    first, second = mk(0, 40), mk(1, 40)  # the same 40-token prompt (mk's prompts depend on the length only)
+    planner = Planner(512, 8, 64)
+    planner.reuse_prefixes = True
+    plan = planner.plan([], [first, second], kv(500))
+    assert plan.admitted == [] and plan.head_needs_lookup  # admitted only once looked up in the prefix cache
+    first.prefix_looked_up = second.prefix_looked_up = 0  # looked up: nothing cached
+    plan = planner.plan([], [first, second], kv(500))
+    assert plan.admitted == [first] and "writing the first 36 tokens" in plan.wait_reason
+    planner.reuse_prefixes = False  # without prefix caching there is nothing to wait for
+    assert Planner(512, 8, 64).plan([], [first, second], kv(500)).admitted == [first, second]

@@ -109,3 +109,18 @@ def test_no_prefix_is_reused_while_the_running_requests_are_short_of_blocks(clie
     plan = policy.schedule()  # the decode fits now: the plan runs it and lookups resume
     assert [i.seq for i in plan.items] == [decoder] and not policy.short_of_blocks
     assert policy.to_match() == [waiting]
+
+
+def test_a_burst_sharing_a_prompt_computes_it_once_and_matches_a_run_without_it(model_dir, client, tok):
+    """Eight requests arrive together: the first writes the shared prompt, the others wait for it to be
+    written and reuse it (rather than all computing it side by side)."""
+    reqs = [_request(n, [410 + n, 5, 6]) for n in range(8)]
+    cfg = SchedulerConfig(executor="in-process", max_running=8, prefill_chunk=16)
+    burst = _run(Engine(cfg, client, tok, client.info_now()), reqs)
+    off = InProcessExecutorClient(make_executor(model_dir, kv_blocks=64, prefix_caching=False))
+    plain = _run(Engine(cfg, off, tok, off.info_now()), reqs)
+    assert [ids for ids, _ in burst] == [ids for ids, _ in plain]
+    assert burst[0][1].cached_tokens == 0 and all(u.cached_tokens == len(SYSTEM) for _, u in burst[1:])
+    assert client.executor.prefix_stats().hit_tokens == 7 * len(SYSTEM)
+    kv = client.info_now().kv
+    assert kv.free_blocks == kv.total_blocks and kv.active_caches == 0
