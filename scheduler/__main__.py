@@ -1,4 +1,4 @@
-"""`python -m scheduler` / `tandem-scheduler`: continuous batching over an executor, tandem.generate.v1."""
+"""`python -m scheduler` / `tandem-scheduler`: continuous batching over one or more executors, tandem.generate.v1."""
 from __future__ import annotations
 
 import argparse
@@ -29,10 +29,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="tandem-scheduler",
         description="Serve tandem.generate.v1.GenerateService (streaming Generate, Tokenize, GetModelInfo; plus "
-                    "grpc.health.v1 and server reflection) by batching requests continuously over a Tandem "
-                    "executor: each step is one UnifiedDecode with a token for every running sequence and prompt "
+                    "grpc.health.v1 and server reflection) by batching requests continuously over Tandem "
+                    "executors: each step is one UnifiedDecode with a token for every running sequence and prompt "
                     "chunks for waiting ones. Waits for the executor to serve, then prints 'READY <addresses>'.")
-    ap.add_argument("--executor", required=True, help="executor address, HOST:PORT or unix:PATH")
+    ap.add_argument("--executor", required=True, action="append",
+                    help="executor to drive: HOST:PORT, unix:PATH, or dns:///NAME:PORT for every address NAME resolves "
+                         "to (e.g. a Kubernetes headless Service; looked up again every --resolve-interval). "
+                         "Repeat it for several executors: each runs its own batch, new requests go to the best "
+                         "scored (free KV, queued tokens, cached prefix: see README), and a lost executor's requests "
+                         "are recomputed on the others. All must serve the same model")
+    ap.add_argument("--resolve-interval", type=float, default=_D.resolve_interval_s,
+                    help=f"seconds between DNS lookups of dns:/// executor targets (default {_D.resolve_interval_s:.0f})")
     ap.add_argument("--host", default=_D.host, help="address to bind (default 127.0.0.1: loopback only)")
     ap.add_argument("--port", type=int, default=_D.port,
                     help=f"TCP port (default {_D.port}; 0 = any free port; -1 = none, with --uds)")
@@ -61,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = SchedulerConfig(executor=args.executor, host=args.host, port=args.port, uds=args.uds,
+    cfg = SchedulerConfig(executor=args.executor[0], executors=tuple(args.executor),
+                          resolve_interval_s=args.resolve_interval, host=args.host, port=args.port, uds=args.uds,
                           tokenizer=args.tokenizer, max_batch_tokens=args.max_batch_tokens,
                           max_running=args.max_running, prefill_chunk=args.prefill_chunk,
                           default_max_new_tokens=args.default_max_new_tokens, max_waiting=args.max_waiting,

@@ -194,12 +194,21 @@ def delta_to_pb(request_id: str, d: Delta) -> pb.GenerateResponse:
     return out
 
 
+_EXECUTOR_STATES = {"serving": pb.ExecutorStatus.STATE_SERVING, "unreachable": pb.ExecutorStatus.STATE_UNREACHABLE,
+                    "refused": pb.ExecutorStatus.STATE_REFUSED}
+
+
 def model_info_to_pb(info: epb.GetInfoResponse, tok: ModelTokenizer, planner_budget: int, cfg,
-                     executor: str) -> pb.GetModelInfoResponse:
+                     executors: list) -> pb.GetModelInfoResponse:
+    """executors: scheduler.fleet.ExecutorView of each executor."""
     return pb.GetModelInfoResponse(
         model_id=info.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
         max_seq_len=info.max_seq_len, eos_token_ids=list(info.eos_token_ids), adapters=list(info.adapters),
         dtype=info.dtype, device=info.device, has_chat_template=tok.chat_template is not None,
         max_batch_tokens=planner_budget, max_running=cfg.max_running, prefill_chunk=cfg.prefill_chunk,
         default_max_new_tokens=cfg.default_max_new_tokens, kv_block_size=info.kv.block_size,
-        kv_total_blocks=info.kv.total_blocks, executor=executor)
+        kv_total_blocks=info.kv.total_blocks, executor=",".join(v.address for v in executors),
+        executors=[pb.ExecutorStatus(
+            address=v.address, state=_EXECUTOR_STATES[v.state], reason=v.reason, running=v.running,
+            waiting=v.waiting, kv_free_blocks=v.kv_free_blocks, kv_cached_blocks=v.kv_cached_blocks,
+            kv_total_blocks=v.kv_total_blocks, device=v.device, instance_id=v.instance_id) for v in executors])

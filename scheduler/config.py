@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    executor: str  # HOST:PORT (or unix:PATH) of the executor to drive
+    executor: str  # HOST:PORT (or unix:PATH, or dns:///NAME:PORT) of the executor to drive (the first)
+    executors: tuple[str, ...] = ()  # every executor target (--executor repeated); () = (executor,)
+    resolve_interval_s: float = 30.0  # between DNS lookups of dns:/// targets (executors that appear join)
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50052  # 0 = any free port (printed when ready)
     uds: str | None = None  # also listen on this Unix socket
@@ -30,6 +32,10 @@ class SchedulerConfig:
     reconnect_interval_s: float = 1.0  # while the executor is unreachable: how often to try it
     grace_s: float = 30.0  # on SIGTERM: time running requests get to finish before they are aborted
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self.executors or (self.executor,)
+
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_running", "prefill_chunk", "default_max_new_tokens", "max_waiting",
                      "max_message_mb", "max_prompt_chars", "tokenizer_threads"):
@@ -37,6 +43,8 @@ class SchedulerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.max_queue_time_s > 0:  # also rejects NaN
             raise ValueError(f"--max-queue-time must be > 0 seconds, got {self.max_queue_time_s}")
+        if not self.resolve_interval_s > 0:
+            raise ValueError(f"--resolve-interval must be > 0 seconds, got {self.resolve_interval_s}")
         for flag, value in (("--executor-retry-s", self.executor_retry_s), ("--grace", self.grace_s)):
             if not value >= 0:
                 raise ValueError(f"{flag} must be >= 0 seconds, got {value}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 
 import grpc
@@ -46,14 +46,16 @@ PREFIX_CACHING = "prefix_caching"  # GetInfo capability: CreateCache reuses cach
 class Engine:
     def __init__(self, cfg: SchedulerConfig, client: ExecutorClient, tokenizer, info: epb.GetInfoResponse,
                  on_health: Callable[[bool], None] = lambda up: None, clock: Callable[[], float] = time.monotonic,
-                 client_name: str = "tandem-scheduler") -> None:
+                 client_name: str = "tandem-scheduler", arrivals: Iterator[int] | None = None) -> None:
+        """arrivals: the numbering of requests (shared by the engines of one fleet: a moved request keeps its
+        place in the queue of another)."""
         self.cfg = cfg
         self.client = client
         self.tokenizer = tokenizer
         self.info = info
         self.clock = clock
         self.policy = SchedulingPolicy(cfg, kv_usage_from_pb(info.kv), info.max_batch_tokens,
-                                       info.max_adapters_on_device, clock)
+                                       info.max_adapters_on_device, clock, arrivals)
         self.planner = self.policy.planner
         self.session = ExecutorSession(client, client_name, clock)
         self.outputs: dict[Sequence, RequestOutput] = {}
@@ -344,6 +346,19 @@ class Engine:
             else:
                 log.warning("KeepAlive answered %s; retrying", exc)
                 self.session.retry_keep_alive_in(_KEEP_ALIVE_RETRY_S)
+
+    # ----------------------------------------------------------------- moving requests (several executors)
+    def take_waiting(self) -> list[tuple[Sequence, RequestOutput]]:
+        """Removes every queued request (with its stream) for another engine to run: after this executor's
+        loss they hold no cache here (policy.executor_lost) and are recomputed there from prompt + outputs."""
+        moved = [(seq, self.outputs.pop(seq)) for seq in self.policy.take_waiting() if seq in self.outputs]
+        return moved
+
+    def adopt(self, seq: Sequence, output: RequestOutput) -> None:
+        """Queues a request another engine gave up (take_waiting): it keeps its place by arrival."""
+        self.outputs[seq] = output
+        self.policy.add(seq)
+        self._wake.set()
 
     # ----------------------------------------------------------------- failures
     def wake(self) -> None:

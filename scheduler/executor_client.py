@@ -126,6 +126,11 @@ class GrpcExecutorClient:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
+    def kv_events(self, summary_interval_ms: int = 5000):
+        """The executor's KV event stream (SubscribeKvEvents): an async iterator of its messages; raises
+        grpc.aio.AioRpcError when it ends with an error (a subscriber that falls behind is dropped)."""
+        return self._stub.SubscribeKvEvents(epb.SubscribeKvEventsRequest(summary_interval_ms=summary_interval_ms))
+
     async def close(self) -> None:
         await self._channel.close()
 

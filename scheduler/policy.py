@@ -35,7 +35,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from scheduler.config import SchedulerConfig
 from scheduler.planner import Planner, StepPlan
@@ -84,7 +84,8 @@ class StepOutcome:
 
 class SchedulingPolicy:
     def __init__(self, cfg: SchedulerConfig, kv: KvUsage, executor_max_batch_tokens: int = 0,
-                 max_adapters: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_adapters: int = 0, clock: Callable[[], float] = time.monotonic,
+                 arrivals: Iterator[int] | None = None) -> None:
         self.cfg = cfg
         self.planner = Planner(self._budget(executor_max_batch_tokens), cfg.max_running, cfg.prefill_chunk,
                                max_adapters)
@@ -98,7 +99,7 @@ class SchedulingPolicy:
         # The running sequences were short of KV blocks at the last plan (or step): no prefixes are reused
         # for waiting ones until a plan fits, or pinning them would take the blocks just freed right back.
         self.short_of_blocks = False
-        self._arrivals = itertools.count()
+        self._arrivals = arrivals or itertools.count()
         self._to_release: list[str] = []
         self._stale: list[str] = []  # caches a lost executor (or a forgotten session) may still hold
         self._in_flight: set[Sequence] = set()
@@ -320,6 +321,15 @@ class SchedulingPolicy:
             seq.reset_cache()
             self._enqueue(seq)
         return len(requeued)
+
+    def take_waiting(self) -> list[Sequence]:
+        """Empties the queue for another executor's policy; their reused prefixes here become stale."""
+        taken, self.waiting = self.waiting, []
+        for seq in taken:
+            if seq.cache_id:
+                self._stale.append(seq.cache_id)
+            seq.drop_cache()
+        return taken
 
     def take_stale(self) -> list[str]:
         ids, self._stale = self._stale, []

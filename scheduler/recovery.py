@@ -35,6 +35,8 @@ class Recovery:
         self.engine = engine
         self.losses = 0  # losses so far: a step that answers after one has nothing to apply
         self.refusal = ""  # while down: why new requests fail at once ("" = they are queued)
+        self.reason = ""  # while down: why it was lost
+        self.unfit = ""  # while down: why the executor that answers cannot be used (another model...)
         self._on_health = on_health
         self._down_since = 0.0
         self._lost_session = ""  # the lost executor's session: closed if that same process answers again
@@ -46,6 +48,7 @@ class Recovery:
             return
         requeued = e.policy.executor_lost()
         e.up = False
+        self.reason = reason
         self.losses += 1
         self._down_since = e.clock()
         self.refusal = ""
@@ -96,7 +99,7 @@ class Recovery:
         if unfit:
             if unfit != self.refusal:
                 log.error("%s", unfit)
-            self.refusal = unfit
+            self.refusal = self.unfit = unfit
             e.fail(e.policy.fail_all(Unavailable(unfit)))
             return False
         stale = e.policy.take_stale()
@@ -116,7 +119,7 @@ class Recovery:
         e.policy.reconfigure(kv_usage_from_pb(info.kv), info.max_batch_tokens, info.max_adapters_on_device)
         e.fail(e.policy.drop_missing_adapters(set(info.adapters)))
         e.policy.restart_queue_clocks()
-        e.up, self.refusal = True, ""
+        e.up, self.refusal, self.reason, self.unfit = True, "", "", ""
         self._on_health(True)
         log.info("executor %s serves again (%d KV blocks free, session %s); %d requests to recompute or run",
                  e.client.address, e.policy.kv.free_blocks, e.session.id or "(none)", len(e.policy.waiting))

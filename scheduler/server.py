@@ -13,9 +13,12 @@ from grpc_health.v1 import health, health_pb2
 
 from tandem.grpc_setup import add_health_reflection_and_ports
 from tandem.errors import CheckpointError, RemoteError
+from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
+from scheduler import discovery
+from scheduler.fleet import Fleet
+from scheduler.recovery import unfit_reason
 from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient
 from scheduler.interceptor import ErrorMappingInterceptor
 from scheduler.servicer import GenerateServicer
@@ -25,32 +28,58 @@ log = logging.getLogger("tandem.scheduler")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
-async def _wait_for_executor(client: GrpcExecutorClient, cfg: SchedulerConfig):
-    """GetInfo until the executor serves (it may still be loading its model, or be slow to answer)."""
+async def _first_infos(clients: list[GrpcExecutorClient], cfg: SchedulerConfig) -> list[epb.GetInfoResponse | None]:
+    """GetInfo of every executor, polled until at least one serves (they may still be loading their model);
+    None for those that do not answer yet (they join later). An error answer is an executor we cannot use."""
     deadline = time.monotonic() + cfg.connect_timeout_s
     last_note = 0.0
     while True:
-        try:
-            return await client.info()
-        except RemoteError as exc:
-            if exc.status_name != "DEADLINE_EXCEEDED":  # an answer: not an executor we can use
-                raise
-            error: Exception = exc
-        except ExecutorUnreachable as exc:
-            error = exc
+        answers = await asyncio.gather(*(c.info() for c in clients), return_exceptions=True)
+        infos = [a if isinstance(a, epb.GetInfoResponse) else None for a in answers]
+        if any(infos):
+            return infos
+        for a in answers:
+            if isinstance(a, RemoteError) and a.status_name != "DEADLINE_EXCEEDED" and len(clients) == 1:
+                raise a  # an answer: not an executor we can use
         now = time.monotonic()
         if now >= deadline:
-            raise ExecutorUnreachable(f"executor {cfg.executor} did not serve within "
-                                      f"{cfg.connect_timeout_s:.0f}s: {error}") from error
+            raise ExecutorUnreachable(f"no executor of {', '.join(cfg.targets)} served within "
+                                      f"{cfg.connect_timeout_s:.0f}s: {answers[0]}")
         if now - last_note >= 10:
-            log.info("waiting for executor %s to serve...", cfg.executor)
+            log.info("waiting for executor %s to serve...", ", ".join(c.address for c in clients))
             last_note = now
         await asyncio.sleep(min(cfg.reconnect_interval_s, 0.5))
 
 
+async def _addresses(cfg: SchedulerConfig) -> list[str]:
+    deadline = time.monotonic() + cfg.connect_timeout_s
+    while True:
+        addresses = await discovery.resolve_all(cfg.targets)
+        if addresses:
+            return addresses
+        if time.monotonic() >= deadline:
+            raise ExecutorUnreachable(f"{', '.join(cfg.targets)} resolved to no address within "
+                                      f"{cfg.connect_timeout_s:.0f}s")
+        await asyncio.sleep(min(cfg.resolve_interval_s, 1.0))
+
+
+async def _rediscover(fleet: Fleet, cfg: SchedulerConfig, new_client) -> None:
+    """dns:/// targets: executors that appear later join the fleet (they start lost and join once serving)."""
+    while True:
+        await asyncio.sleep(cfg.resolve_interval_s)
+        for address in await discovery.resolve_all(cfg.targets):
+            if address not in fleet.addresses:
+                log.info("executor %s appeared (DNS); it joins once it serves", address)
+                fleet.add(new_client(address), None).recovery.lost(f"executor {address} not serving yet")
+
+
 async def serve_async(cfg: SchedulerConfig) -> int:
-    client = GrpcExecutorClient(cfg.executor, max_message_mb=max(cfg.max_message_mb, 64))
-    info = await _wait_for_executor(client, cfg)
+    def new_client(address: str) -> GrpcExecutorClient:
+        return GrpcExecutorClient(address, max_message_mb=max(cfg.max_message_mb, 64))
+
+    clients = [new_client(a) for a in await _addresses(cfg)]
+    infos = await _first_infos(clients, cfg)
+    info = next(i for i in infos if i is not None)  # the reference: every executor must serve its model
     tokenizer_dir = Path(cfg.tokenizer or info.model_dir)
     tokenizer = ModelTokenizer(tokenizer_dir)
     if tokenizer.vocab_size > info.vocab_size:
@@ -70,8 +99,17 @@ async def serve_async(cfg: SchedulerConfig) -> int:
                              options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0)])
     addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds)
-    engine = Engine(cfg, client, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
-                    client_name=f"tandem-scheduler {addresses[0]}")
+    engine = Fleet(cfg, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
+                   client_name=f"tandem-scheduler {addresses[0]}")
+    lost = []
+    for client, its_info in zip(clients, infos):
+        unfit = unfit_reason(info, its_info, client.address) if its_info is not None else ""
+        e = engine.add(client, its_info if its_info is not None and not unfit else None)
+        if its_info is None:
+            lost.append((e, f"executor {client.address} does not serve yet; it joins once it does"))
+        elif unfit:
+            log.error("%s", unfit)
+            lost.append((e, unfit))
     # Tokenizing and chat templating run here, off the event loop (`tokenizers` releases the GIL).
     workers = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenize")
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, workers), server)
@@ -80,12 +118,16 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    await engine.start()  # the session; if the executor is already gone, the engine reconnects
+    for e, reason in lost:
+        e.recovery.lost(reason)
+    await engine.start()  # the sessions; an executor already gone is reconnected to
     await set_health(engine.up)
     engine_task = loop.create_task(engine.run(), name="engine")
-    log.info("serving %s (%s) from executor %s on %s; tokenizer %s; budget %d tokens/step, max %d running",
-             info.model_id, info.architecture, cfg.executor, ", ".join(addresses), tokenizer_dir,
-             engine.planner.max_batch_tokens, cfg.max_running)
+    tasks = [loop.create_task(_rediscover(engine, cfg, new_client), name="discovery")] \
+        if any(discovery.is_dns(t) for t in cfg.targets) else []
+    log.info("serving %s (%s) from executors %s on %s; tokenizer %s; budget %d tokens/step, max %d running",
+             info.model_id, info.architecture, ", ".join(engine.addresses), ", ".join(addresses), tokenizer_dir,
+             engine.max_batch_tokens, cfg.max_running)
     print(f"READY {' '.join(addresses)}", flush=True)  # a line scripts can wait for
 
     stop_wait = loop.create_task(stop.wait())
@@ -100,7 +142,9 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     await engine.drain(grace_s)
     await server.stop(5.0)
     engine_task.cancel()
+    for t in tasks:
+        t.cancel()
     workers.shutdown(wait=False, cancel_futures=True)
-    await client.close()
+    await engine.close()
     log.info("stopped")
     return code

@@ -13,13 +13,13 @@ from tandem.errors import TandemError
 from tandem.generate.v1 import generate_pb2 as pb
 from tandem.generate.v1 import generate_pb2_grpc as pb_grpc
 from scheduler import codec
-from scheduler.engine import Engine
+from scheduler.fleet import Fleet
 
 T = TypeVar("T")
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
-    def __init__(self, engine: Engine, workers: Executor | None = None) -> None:
+    def __init__(self, engine: Fleet, workers: Executor | None = None) -> None:
         self.engine = engine
         self._workers = workers  # None: the event loop's default thread pool
 
@@ -55,7 +55,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         e = self.engine
         await e.refresh_info()  # adapters may have been loaded or unloaded on the executor since
-        return codec.model_info_to_pb(e.info, e.tokenizer, e.planner.max_batch_tokens, e.cfg, e.client.address)
+        return codec.model_info_to_pb(e.info, e.tokenizer, e.max_batch_tokens, e.cfg, e.views())
 
     async def _off_loop(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)

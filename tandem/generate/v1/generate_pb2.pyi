@@ -130,7 +130,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_seq_len", "eos_token_ids", "adapters", "dtype", "device", "has_chat_template", "max_batch_tokens", "max_running", "prefill_chunk", "default_max_new_tokens", "kv_block_size", "kv_total_blocks", "executor")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_seq_len", "eos_token_ids", "adapters", "dtype", "device", "has_chat_template", "max_batch_tokens", "max_running", "prefill_chunk", "default_max_new_tokens", "kv_block_size", "kv_total_blocks", "executor", "executors")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class GetModelInfoResponse(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -163,4 +164,39 @@ class GetModelInfoResponse(_message.Message):
     kv_block_size: int
     kv_total_blocks: int
     executor: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., adapters: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., max_batch_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., executor: _Optional[str] = ...) -> None: ...
+    executors: _containers.RepeatedCompositeFieldContainer[ExecutorStatus]
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., adapters: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., max_batch_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., executor: _Optional[str] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ...) -> None: ...
+
+class ExecutorStatus(_message.Message):
+    __slots__ = ("address", "state", "reason", "running", "waiting", "kv_free_blocks", "kv_cached_blocks", "kv_total_blocks", "device", "instance_id")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[ExecutorStatus.State]
+        STATE_SERVING: _ClassVar[ExecutorStatus.State]
+        STATE_UNREACHABLE: _ClassVar[ExecutorStatus.State]
+        STATE_REFUSED: _ClassVar[ExecutorStatus.State]
+    STATE_UNSPECIFIED: ExecutorStatus.State
+    STATE_SERVING: ExecutorStatus.State
+    STATE_UNREACHABLE: ExecutorStatus.State
+    STATE_REFUSED: ExecutorStatus.State
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: ExecutorStatus.State
+    reason: str
+    running: int
+    waiting: int
+    kv_free_blocks: int
+    kv_cached_blocks: int
+    kv_total_blocks: int
+    device: str
+    instance_id: str
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ExecutorStatus.State, str]] = ..., reason: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., device: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...

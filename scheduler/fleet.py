@@ -1,0 +1,225 @@
+"""One scheduler, several executors: an Engine per executor (its own running batch, session, recovery), a
+router in front (scheduler/router.py) and failover by recompute between them.
+
+Each engine steps its executor on its own (one UnifiedDecode per executor per step, concurrently: executors
+never wait on each other). A new request goes to the best-scored executor that serves and holds its adapter.
+When an executor is lost, its engine requeues what it ran (outputs kept: recomputed from prompt + tokens
+already streamed, so a client sees a pause and then exactly the tokens it would have seen), and the fleet
+moves every queued request to the executors that serve. Only when none serves do requests wait on their
+engine, bounded by --executor-retry-s, then fail UNAVAILABLE. An executor back after a loss gets new work
+(and any request still waiting for one). Executors that serve another model are refused (recovery.py's
+unfit_reason), the rest keep serving.
+
+The servicer sees the fleet as it saw one engine: submit, abort, info (adapters: those of every serving
+executor), refresh_info, tokenizer, cfg.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.executor_client import ExecutorClient
+from scheduler.kv_follower import follow_kv_events
+from scheduler.request import GenerateRequest
+from scheduler.request_output import RequestOutput
+from scheduler.router import Candidate, PrefixIndex, choose, prompt_hashes
+from scheduler.sequence import Sequence
+from tandem.errors import AdapterNotFound
+from tandem.executor.v1 import executor_pb2 as epb
+
+log = logging.getLogger("tandem.scheduler")
+
+
+@dataclass(frozen=True)
+class ExecutorView:
+    """One executor's state and load, for GetModelInfo."""
+    address: str
+    state: str  # "serving", "unreachable" or "refused"
+    reason: str
+    running: int
+    waiting: int
+    kv_free_blocks: int
+    kv_cached_blocks: int
+    kv_total_blocks: int
+    device: str
+    instance_id: str
+
+
+class Fleet:
+    def __init__(self, cfg: SchedulerConfig, tokenizer, info: epb.GetInfoResponse,
+                 on_health: Callable[[bool], None] = lambda up: None, client_name: str = "tandem-scheduler") -> None:
+        """info: the reference executor's (the first that served): every executor must serve its model."""
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.reference = info
+        self.engines: list[Engine] = []
+        self.indexes: dict[Engine, PrefixIndex] = {}
+        self._owner: dict[Sequence, Engine] = {}
+        self._arrivals = itertools.count()  # one order for all engines: a moved request keeps its place
+        self._on_health = on_health
+        self._client_name = client_name
+        self._tasks: list[asyncio.Task] = []
+        self._running = False
+
+    # ----------------------------------------------------------------- executors
+    def add(self, client: ExecutorClient, info: epb.GetInfoResponse | None) -> Engine:
+        """An engine for this executor; info None (not reachable yet) or unfit: it starts lost and joins
+        once its executor serves the reference model."""
+        cell: list[Engine] = []
+        engine = Engine(self.cfg, client, self.tokenizer, info or self.reference,
+                        on_health=lambda up: self._health_changed(cell[0], up), client_name=self._client_name,
+                        arrivals=self._arrivals)
+        cell.append(engine)
+        self.engines.append(engine)
+        self.indexes[engine] = PrefixIndex()
+        if self._running:
+            self._launch(engine)
+        return engine
+
+    @property
+    def up(self) -> bool:
+        return any(e.up for e in self.engines)
+
+    @property
+    def info(self) -> epb.GetInfoResponse:
+        """The reference model's info, with the adapters of every serving executor."""
+        first = next((e for e in self.engines if e.up), None)
+        info = epb.GetInfoResponse()
+        info.CopyFrom(first.info if first is not None else self.reference)
+        names = sorted({a for e in self.engines if e.up for a in e.info.adapters})
+        del info.adapters[:]
+        info.adapters.extend(names)
+        return info
+
+    @property
+    def addresses(self) -> list[str]:
+        return [e.client.address for e in self.engines]
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """The per-step token budget (of the first serving executor: each has its own)."""
+        first = next((e for e in self.engines if e.up), self.engines[0])
+        return first.planner.max_batch_tokens
+
+    def views(self) -> list[ExecutorView]:
+        out = []
+        for e in self.engines:
+            r, kv = e.recovery, e.policy.kv
+            state = "serving" if e.up else "refused" if r.unfit else "unreachable"
+            out.append(ExecutorView(e.client.address, state, "" if e.up else (r.unfit or r.reason),
+                                    len(e.policy.running), len(e.policy.waiting), kv.free_blocks, kv.cached_blocks,
+                                    kv.total_blocks, e.info.device if e.up else "", e.info.instance_id if e.up else ""))
+        return out
+
+    async def refresh_info(self) -> None:
+        await asyncio.gather(*(e.refresh_info() for e in self.engines if e.up))
+
+    # ----------------------------------------------------------------- requests
+    def submit(self, request: GenerateRequest) -> tuple[Sequence, RequestOutput]:
+        engine, hashes = self._route(request)
+        seq, output = engine.submit(request)
+        self._owner[seq] = engine
+        self.indexes[engine].routed(hashes)
+        return seq, output
+
+    def abort(self, seq: Sequence) -> None:
+        engine = self._owner.pop(seq, None)
+        if engine is not None:
+            engine.abort(seq)
+
+    def _route(self, request: GenerateRequest) -> tuple[Engine, list[bytes]]:
+        """The engine for a request, and the block hashes of its prompt there (for the router's memory)."""
+        serving = [e for e in self.engines if e.up]
+        if not serving:  # none serves: queue on the first (it waits within --executor-retry-s, or refuses)
+            return self.engines[0], []
+        fit = [e for e in serving if not request.adapter or request.adapter in e.info.adapters]
+        if not fit:
+            raise AdapterNotFound(f"unknown adapter {request.adapter!r}: no serving executor holds it; "
+                                  f"loaded: {sorted(self.info.adapters) or 'none'}")
+        hashes: dict[int, list[bytes]] = {}  # by block size (executors may differ)
+        candidates = {}
+        for e in fit:
+            bs = e.policy.kv.block_size
+            if bs not in hashes:
+                hashes[bs] = prompt_hashes(request.prompt_ids, request.adapter, bs)
+            candidates[e.client.address] = (e, self._candidate(e, hashes[bs]))
+        best = choose([c for _, c in candidates.values()], len(request.prompt_ids))
+        engine = candidates[best.name][0]
+        return engine, hashes[engine.policy.kv.block_size]
+
+    def _candidate(self, e: Engine, hashes: list[bytes]) -> Candidate:
+        pending = sum(s.num_tokens - s.num_cached for s in e.policy.waiting)
+        pending += sum(s.remaining for s in e.policy.running)
+        kv = e.policy.kv
+        cached = self.indexes[e].cached_blocks(hashes) * kv.block_size
+        return Candidate(e.client.address, kv.free_blocks, kv.total_blocks, pending, e.planner.max_batch_tokens, cached)
+
+    # ----------------------------------------------------------------- loss and return
+    def _health_changed(self, engine: Engine, up: bool) -> None:
+        if not up:
+            self.indexes[engine].clear()
+            self._move_from(engine)
+        else:
+            for other in self.engines:  # requests that waited for any executor to serve
+                if not other.up:
+                    self._move_from(other)
+        self._on_health(self.up)
+
+    def _move_from(self, src: Engine) -> None:
+        """Moves src's queued requests (src is down) to the serving executors, each routed anew."""
+        if not any(e.up for e in self.engines if e is not src):
+            return
+        moved = src.take_waiting()
+        for seq, output in moved:
+            try:
+                dst, hashes = self._route(seq.request)
+            except AdapterNotFound as exc:
+                output.fail(exc)
+                continue
+            dst.adopt(seq, output)
+            self._owner[seq] = dst
+            self.indexes[dst].routed(hashes)
+        if moved:
+            log.warning("executor %s lost: %d requests moved to the executors that serve, to be recomputed there",
+                        src.client.address, len(moved))
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await asyncio.gather(*(e.start() for e in self.engines if e.up))
+
+    async def run(self) -> None:
+        """Runs every engine's loop (and KV-event follower) until drained; a loop that fails ends it all."""
+        self._running = True
+        for e in self.engines:
+            self._launch(e)
+        try:
+            while True:
+                pending = [t for t in self._tasks if not t.done()]
+                if not pending:
+                    return
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if not t.cancelled() and t.exception() is not None:
+                        raise t.exception()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+
+    def _launch(self, e: Engine) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(e.run(), name=f"engine {e.client.address}"))
+        if hasattr(e.client, "kv_events"):
+            self._tasks.append(asyncio.get_running_loop().create_task(
+                follow_kv_events(e.client, self.indexes[e], lambda e=e: e.closed), name=f"kv {e.client.address}"))
+
+    async def drain(self, grace_s: float) -> None:
+        await asyncio.gather(*(e.drain(grace_s) for e in self.engines))
+
+    async def close(self) -> None:
+        for e in self.engines:
+            await e.client.close()
+
