@@ -1,5 +1,5 @@
-"""Starts the executor and the scheduler, streams a sample chat answer, prints a grpcurl command, and keeps
-serving until Ctrl-C (then stops the scheduler, letting running requests finish, and the executor).
+"""Starts the executor (or several) and the scheduler, streams a sample chat answer, prints a grpcurl command,
+and keeps serving until Ctrl-C (then stops the scheduler, letting running requests finish, and the executors).
 
 Run through `scripts/serve`, which first bootstraps .venv and prepares the default model:
 
@@ -7,8 +7,15 @@ Run through `scripts/serve`, which first bootstraps .venv and prepares the defau
     scripts/serve --prompt "Name three colors."     # another sample question
     scripts/serve --model DIR --port 6000           # another HF model dir / port
     scripts/serve --executor-args "--kv-blocks 512" --scheduler-args "--max-running 32"
+    scripts/serve --executors 2                     # two executors (:50051, :50053), one scheduler over both
 
-Logs go to --log-dir (default ~/.cache/tandem/logs): executor.log and scheduler.log.
+--executors N starts N executor processes on consecutive ports from --executor-port (skipping the
+scheduler's --port), each with --threads max(1, cores // N) unless --executor-args sets --threads (one
+executor keeps torch's default), then one scheduler given `--executor HOST:PORT` once per executor.
+With GPUs, give each executor its own: scripts/serve --executors 2 --executor-args "--device cuda:{i}".
+
+Logs go to --log-dir (default ~/.cache/tandem/logs): executor.log (executor-0.log, ... with several) and
+scheduler.log.
 """
 from __future__ import annotations
 
@@ -25,6 +32,8 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # serve_processes beside this file, however this file was loaded
+import serve_processes as procs  # noqa: E402
 from tandem import server_process  # noqa: E402
 from tandem.generate.v1 import generate_pb2 as pb  # noqa: E402
 from tandem.generate.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
@@ -37,14 +46,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, required=True, help="HF model directory (scripts/serve passes the default)")
     ap.add_argument("--host", default="127.0.0.1", help="address both servers bind (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=50052, help="scheduler (GenerateService) port (default 50052)")
-    ap.add_argument("--executor-port", type=int, default=50051, help="executor port (default 50051)")
+    ap.add_argument("--executor-port", type=int, default=50051,
+                    help="port of the (first) executor; the others take the next ones, skipping --port "
+                         "(default 50051; 0 = each any free port)")
+    ap.add_argument("--executors", type=int, default=1, metavar="N",
+                    help="executor processes to start, one scheduler driving them all (default 1); with N > 1 "
+                         "each gets --threads max(1, cores // N) unless --executor-args sets --threads")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"sample chat question (default {DEFAULT_PROMPT!r})")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="length limit of the sample answer")
-    ap.add_argument("--executor-args", default="", help="extra flags for tandem-executor, one quoted string")
+    ap.add_argument("--executor-args", default="",
+                    help="extra flags for tandem-executor, one quoted string, given to every executor; {i} in it "
+                         "becomes the executor's index, e.g. \"--device cuda:{i}\" with --executors 2")
     ap.add_argument("--scheduler-args", default="", help="extra flags for tandem-scheduler, one quoted string")
     ap.add_argument("--log-dir", type=Path, default=Path.home() / ".cache" / "tandem" / "logs")
     ap.add_argument("--no-wait", action="store_true", help="stop after the sample answer (for scripted checks)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.executors < 1:
+        ap.error(f"--executors must be >= 1, got {args.executors}")
+    return args
 
 
 def say(msg: str) -> None:
@@ -78,21 +97,27 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     logs = args.log_dir
-    executor = scheduler = None
     try:
-        say(f"starting the executor on {args.host}:{args.executor_port} (loads {args.model.name}; log: "
-            f"{logs / 'executor.log'})")
+        ports = procs.executor_ports(args.executor_port, args.executors, avoid=args.port)
+    except ValueError as exc:
+        say(str(exc))
+        return 2
+    argvs = procs.executor_argvs(args.model, args.host, ports, shlex.split(args.executor_args), procs.available_cores())
+    executors: list[server_process.ServerProcess] = []
+    scheduler = None
+    try:
+        say(f"starting {len(ports)} executor(s) on {args.host}, port {', '.join(map(str, ports))} (loads "
+            f"{args.model.name}; log: {logs / ('executor.log' if len(ports) == 1 else 'executor-N.log')})")
         started = time.monotonic()
-        executor = server_process.launch(
-            "executor", "executor_service", "--model", str(args.model), "--host", args.host, "--port",
-            str(args.executor_port), *shlex.split(args.executor_args), log_path=logs / "executor.log",
-            own_session=True, ready_timeout=600)
-        say(f"executor ready in {time.monotonic() - started:.1f}s; starting the scheduler on {args.host}:{args.port} "
-            f"(log: {logs / 'scheduler.log'})")
+        executors = procs.start_executors(argvs, logs, say)
+        addresses = [e.address for e in executors]
+        say(f"executors ready in {time.monotonic() - started:.1f}s at {', '.join(addresses)}; starting the "
+            f"scheduler on {args.host}:{args.port} (log: {logs / 'scheduler.log'})")
         scheduler = server_process.launch(
-            "scheduler", "scheduler", "--executor", executor.address, "--host", args.host, "--port", str(args.port),
-            *shlex.split(args.scheduler_args), log_path=logs / "scheduler.log", own_session=True)
-        say(f"both healthy; GenerateService at {scheduler.address}")
+            "scheduler", "scheduler", *procs.scheduler_argv(addresses, args.host, args.port,
+                                                            shlex.split(args.scheduler_args)),
+            log_path=logs / "scheduler.log", own_session=True)
+        say(f"all healthy: GenerateService at {scheduler.address}, executors at {', '.join(addresses)}")
         last = stream_answer(scheduler.address, args.prompt, args.max_new_tokens)
         if last is not None and last.HasField("usage"):
             say(f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} generated tokens")
@@ -100,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {grpcurl_hint(scheduler.address)}\n", flush=True)
         if args.no_wait:
             return 0
-        say("serving; Ctrl-C stops both servers")
+        say("serving; Ctrl-C stops the servers")
         while not stop.wait(1.0):
-            for proc in (executor, scheduler):
+            for proc in (*executors, scheduler):
                 if proc.proc.poll() is not None:
                     say(f"the {proc.name} exited unexpectedly (code {proc.proc.returncode}); log tail:\n{proc.log(4000)}")
                     return 1
@@ -111,13 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         say(str(exc))
         return 1
     finally:
-        for proc in (scheduler, executor):  # the scheduler first: it drains its requests through the executor
-            if proc is not None:
-                say(f"stopping the {proc.name}")
-                code = proc.stop(timeout=40)
-                if code != 0:
-                    say(f"the {proc.name} exited with code {code}; see its log")
-        if executor is not None:
+        # The scheduler first: it drains its requests through the executors; then the executors together.
+        procs.stop_all([scheduler] if scheduler is not None else [], say)
+        procs.stop_all(executors, say)
+        if executors:
             say("stopped")
 
 

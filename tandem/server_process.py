@@ -125,12 +125,13 @@ def _pump_stdout(stream, lines: "queue.Queue") -> None:
     lines.put(_EOF)
 
 
-def launch(name: str, module: str, *args: str, capture_log: bool = True, log_path: Path | None = None,
-           own_session: bool = False, python: str = sys.executable,
-           ready_timeout: float = READY_TIMEOUT_S) -> ServerProcess:
-    """Runs `python -m module *args` in the repo root and returns once it printed READY. Its stderr goes
-    to log_path if given (kept), else with capture_log to a temp file (quoted by errors, .log()), else to
-    this terminal. own_session: the child does not get the terminal's Ctrl-C (the caller stops it)."""
+def start(name: str, module: str, *args: str, capture_log: bool = True, log_path: Path | None = None,
+          own_session: bool = False, python: str = sys.executable) -> ServerProcess:
+    """Runs `python -m module *args` in the repo root and returns at once; .wait_ready() waits for READY.
+    Its stderr goes to log_path if given (kept), else with capture_log to a temp file (quoted by errors,
+    .log()), else to this terminal. own_session: the child does not get the terminal's Ctrl-C (the caller
+    stops it). Call it from a thread that outlives the server: the parent-death signal (see
+    _die_with_parent) fires when the *thread* that started the child exits, not only its process."""
     cmd = [python, "-m", module, *args]
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +149,12 @@ def launch(name: str, module: str, *args: str, capture_log: bool = True, log_pat
                      name=f"{name}-stdout-{proc.pid}").start()
     server = ServerProcess(name, proc, log, lines, cmd)
     _live.add(server)
+    return server
+
+
+def launch(name: str, module: str, *args: str, ready_timeout: float = READY_TIMEOUT_S, **kw) -> ServerProcess:
+    """start() and wait for READY (stopping the server if it does not come up); keywords as start()'s."""
+    server = start(name, module, *args, **kw)
     try:
         server.wait_ready(ready_timeout)
     except BaseException:
