@@ -80,6 +80,20 @@ def test_a_shared_system_prompt_is_computed_on_one_executor_and_reused(fleet):
     assert min(stored) < len(SYSTEM) <= max(stored)  # the reuse happened on one of them
 
 
+def test_a_prefix_another_client_cached_is_found_through_the_executors_kv_events(request, fleet):
+    system = [1] + [9 + (i * 31) % 377 for i in range(95)]  # 96 tokens: 6 blocks
+    only_b = start_scheduler_for(request, fleet.b.address)  # another client caches it on B
+    collect(only_b.stub, ids_request(system + [5, 6], 2))
+    before = _sampled(fleet.a)
+    deadline = time.monotonic() + 10  # (the BlocksStored events reach the fleet's scheduler asynchronously)
+    while True:
+        got = collect(fleet.scheduler.stub, ids_request(system + [7, 8], 2))
+        if got.usage.cached_tokens or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert got.usage.cached_tokens == len(system) and _sampled(fleet.a) == before  # routed to B, which had it
+
+
 def test_an_adapter_request_lands_only_where_the_adapter_is(fleet):
     before = _sampled(fleet.a)
     with cf.ThreadPoolExecutor(6) as pool:
