@@ -125,9 +125,13 @@ def test_an_executor_sigkilled_mid_run_loses_no_stream_and_rejoins_once_restarte
     calls = [fleet.scheduler.stub.Generate(r, timeout=120) for r in reqs]
     firsts = [next(c) for c in calls]  # every stream is running, on both executors
     fleet.a.process.kill()  # SIGKILL mid-run: its caches are gone with it
+    moved = 0
     for want, first, call in zip(clean, firsts, calls):
-        ids = list(first.token_ids) + [t for m in call for t in m.token_ids]  # no error: a pause at most
+        rest = list(call)  # no error: a pause at most
+        ids = list(first.token_ids) + [t for m in rest for t in m.token_ids]
         assert ids == want.token_ids  # exactly the clean run's tokens: none lost, none repeated
+        moved += rest[-1].usage.preemptions  # recomputed elsewhere (the ones that were on A)
+    assert moved > 0, "no stream was running on the killed executor"
     assert pb.ExecutorStatus.STATE_UNREACHABLE in fleet.states()
     fleet.a = start_executor(fleet.model, "--port", str(fleet.port), "--kv-blocks", "96")
     deadline = time.monotonic() + 30
