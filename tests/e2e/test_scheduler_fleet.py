@@ -144,3 +144,21 @@ def test_an_executor_sigkilled_mid_run_loses_no_stream_and_rejoins_once_restarte
     assert _sampled(fleet.a) > 0, "the restarted executor should get new requests"
     wait_kv_free(fleet.a.stub)
     wait_kv_free(fleet.b.stub)
+
+
+def test_an_executor_not_up_at_startup_joins_once_it_serves(request, fleet):
+    port = _free_port()
+    scheduler = start_scheduler_for(request, fleet.b.address, "--executor", f"127.0.0.1:{port}")
+    info = scheduler.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert [e.state for e in info.executors] == [pb.ExecutorStatus.STATE_SERVING, pb.ExecutorStatus.STATE_UNREACHABLE]
+    assert info.executors[1].reason  # why: not serving yet
+    assert len(collect(scheduler.stub, ids_request([1, 5, 6], 3)).token_ids) == 3  # B serves meanwhile
+    late = start_for(request, fleet.model, "--port", str(port), "--kv-blocks", "64")
+    deadline = time.monotonic() + 30
+    while scheduler.stub.GetModelInfo(pb.GetModelInfoRequest()).executors[1].state != pb.ExecutorStatus.STATE_SERVING:
+        assert time.monotonic() < deadline, "the late executor did not join"
+        time.sleep(0.2)
+    warm = _sampled(late)
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda n: collect(scheduler.stub, ids_request([1, 140 + n, 3], 4)), range(8)))
+    assert all(len(g.token_ids) == 4 for g in got) and _sampled(late) > warm
