@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-cpu-packed-weights", action="store_true",
                     help="CPU float32: do not keep oneDNN-packed copies of the linear weights (saves their memory, "
                          "~1.1-1.3x slower decode steps)")
+    ap.add_argument("--metrics-port", type=int,
+                    help="serve Prometheus metrics (GET /metrics) on --host at this port (0 = any free port, logged "
+                         "as 'metrics on http://...'); default: none")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return ap.parse_args(argv)
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                                   prefix_caching=not args.no_prefix_caching,
                                   max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
-                              threads=args.threads, max_queued_calls=args.max_queued_calls)
+                              threads=args.threads, max_queued_calls=args.max_queued_calls,
+                              metrics_port=args.metrics_port)
     try:
         return serve(executor_cfg, server_cfg)
     except (TandemError, ValueError, OSError) as exc:

@@ -145,7 +145,9 @@ class Executor:
                 raise planned
             # Predictions are greedy, whatever sampling the cache has registered (which stays registered).
             batch = [BatchItem(item, planned.state, SamplingParams())]
+            start = time.perf_counter()
             outputs = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
+            self.metrics.record_step("verify", time.perf_counter() - start, len(token_ids))
             self._count(outputs, batch)
             self.metrics.tokens_processed += len(token_ids)
             positions = outputs[0] or []
@@ -331,7 +333,10 @@ class Executor:
                  for p in ok]
         outputs: list[list[SequenceOutput] | None] = []
         if batch:  # reserves KV first; on any error puts every cache back and re-raises
+            kind = _step_kind(batch)  # (before the run: it marks prompts done)
+            start = time.perf_counter()
             outputs = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
+            self.metrics.record_step(kind, time.perf_counter() - start, sum(len(b.item.token_ids) for b in batch))
             self._count(outputs, batch)
         ran = iter(zip(batch, outputs))
         results = []
@@ -381,3 +386,9 @@ class Executor:
             self.metrics.caches_created += 1
         self.metrics.tokens_processed += len(planned.item.token_ids)
         return CacheRef(cache_id, state.table.length)
+
+
+def _step_kind(batch: list[BatchItem]) -> str:
+    """prefill: every item writes prompt tokens; decode: every item's cache is past its prompt; else mixed."""
+    decodes = sum(b.state.prompt_len is not None for b in batch)
+    return "decode" if decodes == len(batch) else "prefill" if not decodes else "mixed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from executor_service.memory_probe import resident_memory_bytes
 
@@ -50,8 +51,14 @@ class MetricsSnapshot:
     resident_memory_bytes: int = 0  # the process's RSS when the snapshot was taken (0: not known)
 
 
+# Called once per packed forward, on the model thread: (kind, seconds, tokens); see ExecutorMetrics.record_step.
+StepObserver = Callable[[str, float, int], None]
+
+
 class ExecutorMetrics:
     def __init__(self) -> None:
+        # The Prometheus exporter's (executor_service/metrics_export.py) when --metrics-port is given.
+        self.step_observer: StepObserver | None = None
         self._guard = threading.Lock()
         self._ops: dict[str, LatencyStats] = {}
         self._lock_wait = LatencyStats()
@@ -65,6 +72,13 @@ class ExecutorMetrics:
         with self._guard:
             self._ops.setdefault(name, LatencyStats()).add(seconds)
             self._lock_wait.add(lock_wait)
+
+    def record_step(self, kind: str, seconds: float, tokens: int) -> None:
+        """One packed forward ran: kind "prefill" (every item a prompt chunk), "decode" (every item past its
+        prompt), "mixed" or "verify" (ForwardVerify); seconds from reserving KV to sampled tokens; tokens
+        written. Once per call, never per token: the model thread must not notice."""
+        if self.step_observer is not None:
+            self.step_observer(kind, seconds, tokens)
 
     def snapshot(self) -> MetricsSnapshot:
         with self._guard:

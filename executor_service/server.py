@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
 from executor_service.kv_sizing import describe
+from executor_service.metrics_export import ExecutorExporter
 from tandem.grpc_setup import add_health_reflection_and_ports
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
 from executor_service.model_thread import DEFAULT_MAX_QUEUED, ModelThread
@@ -40,6 +41,7 @@ class ServerConfig:
     max_queued_calls: int = DEFAULT_MAX_QUEUED  # model calls that may wait behind the running one
     grace_s: float = 30.0  # on SIGTERM/SIGINT: time in-flight RPCs get to finish
     threads: int | None = None  # torch CPU threads of the model thread (None: torch's default)
+    metrics_port: int | None = None  # Prometheus GET /metrics on host:this (0 = any free port); None = none
 
 
 def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetrics,
@@ -75,12 +77,17 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if cfg.metrics_port is not None and not 0 <= cfg.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
     if executor_cfg.max_kv_subscribers < 0 or executor_cfg.kv_events_buffer < 1:
         raise ValueError("--max-kv-subscribers must be >= 0 and --kv-events-buffer >= 1")
     server, addresses = build_server(cfg, servicer, metrics, health_servicer, executor_cfg.max_kv_subscribers)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    # The metrics server first: a port in use stops us before we listen.
+    exporter = ExecutorExporter(metrics, thread) if cfg.metrics_port is not None else None
+    metrics_server = exporter.serve(cfg.host, cfg.metrics_port) if exporter is not None else None
     server.start()
     log.info("listening on %s; loading %s", ", ".join(addresses), executor_cfg.model_dir)
 
@@ -89,6 +96,8 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
         thread.call(torch.set_num_threads, cfg.threads)
     executor = thread.call(_load_and_warm, executor_cfg)
     servicer.attach(executor)
+    if exporter is not None:
+        exporter.attach(executor)
     reaper = LeaseReaper(executor.reap_lapsed, executor_cfg.session_ttl_s / 4)
     reaper.start()
     for name in ("", SERVICE_NAME):
@@ -107,5 +116,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     server.stop(cfg.grace_s).wait()
     reaper.stop()
     thread.shutdown()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     log.info("stopped")
     return 0

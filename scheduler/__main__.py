@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"seconds to wait at startup for the executor to serve (default {_D.connect_timeout_s:.0f})")
     ap.add_argument("--grace", type=float, default=_D.grace_s,
                     help=f"on SIGTERM/SIGINT: seconds running requests get to finish (default {_D.grace_s:.0f})")
+    ap.add_argument("--metrics-port", type=int,
+                    help="serve Prometheus metrics (GET /metrics) on --host at this port (0 = any free port, logged "
+                         "as 'metrics on http://...'); default: none")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return ap.parse_args(argv)
 
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_message_mb=args.max_message_mb, max_prompt_chars=args.max_prompt_chars,
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
-                          grace_s=args.grace)
+                          grace_s=args.grace, metrics_port=args.metrics_port)
     try:
         cfg.validate()
         return asyncio.run(serve_async(cfg))

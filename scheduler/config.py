@@ -31,6 +31,7 @@ class SchedulerConfig:
     connect_timeout_s: float = 300.0  # at startup: how long to wait for the executor to serve
     reconnect_interval_s: float = 1.0  # while the executor is unreachable: how often to try it
     grace_s: float = 30.0  # on SIGTERM: time running requests get to finish before they are aborted
+    metrics_port: int | None = None  # Prometheus GET /metrics on host:this (0 = any free port); None = none
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -48,6 +49,8 @@ class SchedulerConfig:
         for flag, value in (("--executor-retry-s", self.executor_retry_s), ("--grace", self.grace_s)):
             if not value >= 0:
                 raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         if self.max_running > self.max_batch_tokens:
             raise ValueError(f"--max-running ({self.max_running}) cannot exceed --max-batch-tokens "
                              f"({self.max_batch_tokens}): every running sequence needs a token per step")

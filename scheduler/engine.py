@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 
 import grpc
@@ -35,6 +35,9 @@ from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError, Unavailable
 from tandem.executor.v1 import executor_pb2 as epb
 
+if TYPE_CHECKING:
+    from scheduler.metrics import SchedulerMetrics
+
 log = logging.getLogger("tandem.scheduler")
 _STALL_POLL_S = (0.02, 0.5)  # KV held by another client of the executor: look again, backing off to 0.5 s
 _KEEP_ALIVE_RETRY_S = 1.0
@@ -46,14 +49,16 @@ PREFIX_CACHING = "prefix_caching"  # GetInfo capability: CreateCache reuses cach
 class Engine:
     def __init__(self, cfg: SchedulerConfig, client: ExecutorClient, tokenizer, info: epb.GetInfoResponse,
                  on_health: Callable[[bool], None] = lambda up: None, clock: Callable[[], float] = time.monotonic,
-                 client_name: str = "tandem-scheduler", arrivals: Iterator[int] | None = None) -> None:
+                 client_name: str = "tandem-scheduler", arrivals: Iterator[int] | None = None,
+                 metrics: "SchedulerMetrics | None" = None) -> None:
         """arrivals: the numbering of requests (shared by the engines of one fleet: a moved request keeps its
-        place in the queue of another)."""
+        place in the queue of another). metrics: where requests report their latencies and endings."""
         self.cfg = cfg
         self.client = client
         self.tokenizer = tokenizer
         self.info = info
         self.clock = clock
+        self.metrics = metrics
         self.policy = SchedulingPolicy(cfg, kv_usage_from_pb(info.kv), info.max_batch_tokens,
                                        info.max_adapters_on_device, clock, arrivals)
         self.planner = self.policy.planner
@@ -84,7 +89,7 @@ class Engine:
         self.policy.check_admissible(len(request.prompt_ids), request.stopping.max_new_tokens)
         seq = Sequence(request, self.policy.next_arrival(), self.info.eos_token_ids, self.info.max_seq_len,
                        codec.executor_sampling(request, self.info.eos_token_ids))
-        output = RequestOutput(request, self.tokenizer)
+        output = RequestOutput(request, self.tokenizer, self.metrics)
         self.outputs[seq] = output
         self.policy.add(seq)
         self._wake.set()
@@ -95,6 +100,7 @@ class Engine:
         output = self.outputs.pop(seq, None)
         if output is not None and not output.finished:
             log.info("a request was cancelled by the client after %d tokens", len(seq.output_ids))
+            output.cancelled()
         self.policy.abort(seq)
         self._wake.set()
 
@@ -190,6 +196,10 @@ class Engine:
         if not self.up:
             return
         plan = policy.schedule()
+        for seq in plan.admitted:
+            output = self.outputs.get(seq)
+            if output is not None:
+                output.admitted()
         if plan.preempted or plan.unpinned:
             await self._release_pending()  # the plan counts on the victims' blocks being free
             if not self.up:

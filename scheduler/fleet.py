@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
@@ -31,6 +31,9 @@ from scheduler.router import Candidate, PrefixIndex, choose, prompt_hashes
 from scheduler.sequence import Sequence
 from tandem.errors import AdapterNotFound
 from tandem.executor.v1 import executor_pb2 as epb
+
+if TYPE_CHECKING:
+    from scheduler.metrics import SchedulerMetrics
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -52,11 +55,14 @@ class ExecutorView:
 
 class Fleet:
     def __init__(self, cfg: SchedulerConfig, tokenizer, info: epb.GetInfoResponse,
-                 on_health: Callable[[bool], None] = lambda up: None, client_name: str = "tandem-scheduler") -> None:
-        """info: the reference executor's (the first that served): every executor must serve its model."""
+                 on_health: Callable[[bool], None] = lambda up: None, client_name: str = "tandem-scheduler",
+                 metrics: "SchedulerMetrics | None" = None) -> None:
+        """info: the reference executor's (the first that served): every executor must serve its model.
+        metrics: the process's Prometheus metrics (scheduler/metrics.py), which every engine reports to."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.reference = info
+        self.metrics = metrics
         self.engines: list[Engine] = []
         self.indexes: dict[Engine, PrefixIndex] = {}
         self._owner: dict[Sequence, Engine] = {}
@@ -73,7 +79,7 @@ class Fleet:
         cell: list[Engine] = []
         engine = Engine(self.cfg, client, self.tokenizer, info or self.reference,
                         on_health=lambda up: self._health_changed(cell[0], up), client_name=self._client_name,
-                        arrivals=self._arrivals)
+                        arrivals=self._arrivals, metrics=self.metrics)
         cell.append(engine)
         self.engines.append(engine)
         self.indexes[engine] = PrefixIndex()

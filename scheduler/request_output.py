@@ -4,19 +4,30 @@ delta, and the queue the servicer reads. Owned by the request side; the scheduli
 The Sequence (scheduler/sequence.py) decides the stops it can see in token ids (EOS, stop token ids, length);
 this object decides the one only text shows (a stop string) and tells the engine, which then finishes the
 sequence in the policy.
+
+It also keeps the request's timeline (queued, admitted, each token, end) and hands it to the metrics
+(scheduler/metrics.py), when the engine gave it some.
 """
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import TYPE_CHECKING, Callable
 
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.request import Delta, Finish, FinishReason, GenerateRequest, TokenLogprob, Usage
 from scheduler.stop_strings import StopStringMatcher
 from tandem.errors import TandemError
+from tandem.status_map import status_for
+
+if TYPE_CHECKING:
+    from scheduler.metrics import SchedulerMetrics
 
 
 class RequestOutput:
-    def __init__(self, request: GenerateRequest, tokenizer) -> None:
+    def __init__(self, request: GenerateRequest, tokenizer, metrics: "SchedulerMetrics | None" = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Created when the request is queued: its latencies count from here."""
         self.request = request
         self.events: asyncio.Queue[Delta | TandemError] = asyncio.Queue()
         self.finished = False
@@ -25,6 +36,19 @@ class RequestOutput:
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, not request.keep_special_tokens)
         self._stops = StopStringMatcher(request.stopping.stop, request.stopping.include_stop_str_in_output)
         self._delta = Delta()
+        self._metrics = metrics
+        self._clock = clock
+        self._queued_at = clock()
+        self._last_token_at: float | None = None
+        self._admitted = False
+
+    def admitted(self) -> None:
+        """The engine admitted the request into its batch; the first time ends its queue time (a preempted or
+        moved request is admitted again later: that counts once)."""
+        if not self._admitted:
+            self._admitted = True
+            if self._metrics is not None:
+                self._metrics.admitted(self._clock() - self._queued_at)
 
     def add(self, token: TokenLogprob, finish: Finish | None, preemptions: int = 0) -> Finish | None:
         """Adds one sampled token to the pending delta. finish: what the sequence decided from the token id
@@ -32,6 +56,7 @@ class RequestOutput:
         precedence over length), or None while it goes on."""
         self._delta.tokens.append(token)
         self._completion_tokens += 1
+        self._timed_token()
         if finish is not None and finish.reason is FinishReason.STOP:
             self._emit(self._detok.add(token.token_id))  # its text is empty unless special tokens are kept
             self._emit_final(self._detok.flush())
@@ -61,6 +86,15 @@ class RequestOutput:
         if not self.finished:
             self.finished = True
             self.events.put_nowait(error)
+            if self._metrics is not None:
+                self._metrics.failed(status_for(error).name)
+
+    def cancelled(self) -> None:
+        """The client went away before the end (cancel, deadline): counted, nothing more is sent."""
+        if not self.finished:
+            self.finished = True
+            if self._metrics is not None:
+                self._metrics.failed("CANCELLED")
 
     def publish(self) -> None:
         """Sends the pending delta to the client's stream (if it carries anything)."""
@@ -80,8 +114,20 @@ class RequestOutput:
         self._emit(text)
         self._delta.text += self._stops.flush()
 
+    def _timed_token(self) -> None:
+        now = self._clock()
+        if self._metrics is not None:
+            if self._last_token_at is None:
+                self._metrics.first_token(now - self._queued_at, len(self.request.prompt_ids), self.cached_tokens)
+            else:
+                self._metrics.next_token(now - self._last_token_at)
+        self._last_token_at = now
+
     def _finish(self, finish: Finish, preemptions: int) -> Finish:
         self.finished = True
+        if self._metrics is not None:
+            self._metrics.finished(finish.reason, self._clock() - self._queued_at, len(self.request.prompt_ids),
+                                   self._completion_tokens)
         self._delta.finish_reason = finish.reason
         self._delta.stop_reason = finish.stop_reason
         self._delta.usage = Usage(len(self.request.prompt_ids), self._completion_tokens, self.cached_tokens,

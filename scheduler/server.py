@@ -21,6 +21,7 @@ from scheduler.fleet import Fleet
 from scheduler.recovery import unfit_reason
 from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient
 from scheduler.interceptor import ErrorMappingInterceptor
+from scheduler.metrics import SchedulerMetrics
 from scheduler.servicer import GenerateServicer
 from scheduler.tokenizer import ModelTokenizer
 
@@ -99,8 +100,10 @@ async def serve_async(cfg: SchedulerConfig) -> int:
                              options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0)])
     addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds)
+    metrics = SchedulerMetrics()
     engine = Fleet(cfg, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
-                   client_name=f"tandem-scheduler {addresses[0]}")
+                   client_name=f"tandem-scheduler {addresses[0]}", metrics=metrics)
+    metrics.watch(engine)
     lost = []
     for client, its_info in zip(clients, infos):
         unfit = unfit_reason(info, its_info, client.address) if its_info is not None else ""
@@ -117,6 +120,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    metrics_server = metrics.serve(cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
     await server.start()
     for e, reason in lost:
         e.recovery.lost(reason)
@@ -146,5 +150,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
         t.cancel()
     workers.shutdown(wait=False, cancel_futures=True)
     await engine.close()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     log.info("stopped")
     return code

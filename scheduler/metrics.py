@@ -1,0 +1,186 @@
+"""The scheduler's Prometheus metrics: request latencies, tokens and endings, and each executor's load.
+
+One SchedulerMetrics per server, on a registry of its own (not prometheus_client's global one, so that
+several schedulers can live in one test process). Names are vLLM's where they mean the same, with `tandem:`
+for `vllm:` (dashboards and alerts written for vLLM carry over); the README lists them all.
+
+Request figures are counted as they happen: the engine reports admission (scheduler/engine.py), the
+request's output stream its tokens and its end (scheduler/request_output.py), into plain counters and
+lock-free histograms (the event loop is their one writer) that _RequestCollector exports when scraped.
+Queue lengths, KV usage and the per-executor counters the engines keep anyway are read from the fleet when
+scraped (_FleetCollector), so the scheduling loop does no metrics work for them.
+
+Exposed through render() (the HTTP front's GET /metrics) and, with --metrics-port, serve() (a plain
+prometheus_client HTTP server, for a scheduler without the HTTP front).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler.request import FinishReason
+from tandem.histogram import SingleWriterHistogram
+from tandem.metrics_http import serve_metrics
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from scheduler.fleet import Fleet
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so that quantiles compare with vLLM's; inter-token latency also
+# gets finer ones below vLLM's first (10 ms), where GPU decode steps fall.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))[:-2]  # 1, 2, 5, 10, ... 1e6
+
+
+class SchedulerMetrics:
+    """What one scheduler process exports. The request hooks run on the event loop (the only writer: plain
+    counters and tandem/histogram.py's lock-free histograms, ~1 us per token); a scrape may come from the
+    metrics server's thread and only reads (copies)."""
+
+    def __init__(self) -> None:
+        self.ttft = SingleWriterHistogram(TTFT_BUCKETS)
+        self.itl = SingleWriterHistogram(ITL_BUCKETS)
+        self.e2e = SingleWriterHistogram(REQUEST_BUCKETS)
+        self.queue_time = SingleWriterHistogram(REQUEST_BUCKETS)
+        self.request_prompt_tokens = SingleWriterHistogram(TOKEN_BUCKETS)
+        self.request_generation_tokens = SingleWriterHistogram(TOKEN_BUCKETS)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.success = {reason.value: 0 for reason in FinishReason}  # every series exists from the start
+        self.failure: dict[str, int] = {}  # by gRPC status name
+        self.registry = CollectorRegistry()
+        self.registry.register(_RequestCollector(self))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+
+    def watch(self, fleet: "Fleet") -> None:
+        """Exports the fleet's queue lengths, KV usage and per-executor counters, read when scraped."""
+        self.registry.register(_FleetCollector(fleet))
+
+    # ----------------------------------------------------------------- request lifecycle
+    def admitted(self, queued_s: float) -> None:
+        self.queue_time.observe(queued_s)
+
+    def first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.generation_tokens += 1
+        self.prompt_tokens += prompt_tokens
+        self.prefix_queries += prompt_tokens
+        self.prefix_hits += cached_tokens
+
+    def next_token(self, itl_s: float) -> None:
+        self.itl.observe(itl_s)
+        self.generation_tokens += 1
+
+    def finished(self, reason: FinishReason, e2e_s: float, prompt_tokens: int, generated_tokens: int) -> None:
+        self.success[reason.value] += 1
+        self.e2e.observe(e2e_s)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated_tokens)
+
+    def failed(self, code: str) -> None:
+        self.failure[code] = self.failure.get(code, 0) + 1
+
+    # ----------------------------------------------------------------- exposition
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of every metric, and its content type (for GET /metrics)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def serve(self, host: str, port: int) -> "WSGIServer":
+        """Serves GET /metrics on host:port (0: any free port, logged) from a daemon thread; shutdown() the
+        returned server to stop it."""
+        return serve_metrics(self.registry, host, port, logging.getLogger("tandem.scheduler"))
+
+
+def _histogram(name: str, doc: str, hist: SingleWriterHistogram) -> HistogramMetricFamily:
+    return hist.add_to(HistogramMetricFamily(name, doc))
+
+
+class _RequestCollector(Collector):
+    """The request figures SchedulerMetrics counted."""
+
+    def __init__(self, m: SchedulerMetrics) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        yield _histogram("tandem:time_to_first_token_seconds",
+                         "Time from queueing a request (after tokenizing) to its first generated token, in seconds.",
+                         m.ttft)
+        yield _histogram("tandem:inter_token_latency_seconds",
+                         "Time between two consecutive tokens of a request, in seconds.", m.itl)
+        yield _histogram("tandem:e2e_request_latency_seconds",
+                         "Time from queueing a request to its last token, in seconds (finished requests).", m.e2e)
+        yield _histogram("tandem:request_queue_time_seconds",
+                         "Time a request waited in the queue before it was first admitted, in seconds.",
+                         m.queue_time)
+        yield _histogram("tandem:request_prompt_tokens", "Prompt tokens per finished request.",
+                         m.request_prompt_tokens)
+        yield _histogram("tandem:request_generation_tokens", "Generated tokens per finished request.",
+                         m.request_generation_tokens)
+        yield CounterMetricFamily("tandem:prompt_tokens", "Prompt tokens of requests that got a first token.",
+                                  value=m.prompt_tokens)
+        yield CounterMetricFamily("tandem:generation_tokens", "Tokens generated.", value=m.generation_tokens)
+        yield CounterMetricFamily("tandem:prefix_cache_queries", "Prompt tokens of requests that got a first "
+                                  "token (looked up in the executor's prefix cache).", value=m.prefix_queries)
+        yield CounterMetricFamily("tandem:prefix_cache_hits", "Of those, tokens the executor's prefix cache "
+                                  "served (usage.cached_tokens).", value=m.prefix_hits)
+        success = CounterMetricFamily("tandem:request_success", "Requests that finished, by finish reason.",
+                                      labels=["finished_reason"])
+        for reason, n in dict(m.success).items():
+            success.add_metric([reason], n)
+        failure = CounterMetricFamily("tandem:request_failure", "Requests that ended with an error, by gRPC "
+                                      "status name (CANCELLED: the client went away).", labels=["code"])
+        for code, n in sorted(dict(m.failure).items()):  # (a copy: the event loop may add a code meanwhile)
+            failure.add_metric([code], n)
+        yield from (success, failure)
+
+
+class _FleetCollector(Collector):
+    """Per executor (label `executor`: its address): requests running and waiting, KV usage, whether it
+    serves, and the counters its engine keeps (steps, preemptions, losses)."""
+
+    def __init__(self, fleet: "Fleet") -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["executor"]
+        running = GaugeMetricFamily("tandem:num_requests_running", "Requests in the running batch.", labels=labels)
+        waiting = GaugeMetricFamily("tandem:num_requests_waiting",
+                                    "Requests queued (new or preempted) for admission.", labels=labels)
+        kv = GaugeMetricFamily("tandem:kv_cache_usage_perc",
+                               "Fraction of the executor's KV blocks held by caches (0 to 1), as of its last "
+                               "answer.", labels=labels)
+        up = GaugeMetricFamily("tandem:scheduler_executor_up",
+                               "1 while the executor serves this scheduler, 0 while it is lost or refused.",
+                               labels=labels)
+        preemptions = CounterMetricFamily("tandem:num_preemptions",
+                                          "Running requests preempted (cache released, recomputed later) to free "
+                                          "KV blocks.", labels=labels)
+        steps = CounterMetricFamily("tandem:scheduler_steps", "Batches (UnifiedDecode calls) that ran.",
+                                    labels=labels)
+        losses = CounterMetricFamily("tandem:scheduler_executor_losses",
+                                     "Times the executor was lost (no answer, restarted, session forgotten); its "
+                                     "requests were recomputed.", labels=labels)
+        for engine, view in zip(list(self.fleet.engines), self.fleet.views()):
+            name = [view.address]
+            running.add_metric(name, view.running)
+            waiting.add_metric(name, view.waiting)
+            used = view.kv_total_blocks - view.kv_free_blocks
+            kv.add_metric(name, used / view.kv_total_blocks if view.kv_total_blocks else 0.0)
+            up.add_metric(name, 1.0 if view.state == "serving" else 0.0)
+            preemptions.add_metric(name, engine.policy.preemptions)
+            steps.add_metric(name, engine.steps)
+            losses.add_metric(name, engine.recovery.losses)
+        yield from (running, waiting, kv, up, preemptions, steps, losses)
