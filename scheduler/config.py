@@ -31,6 +31,8 @@ class SchedulerConfig:
     connect_timeout_s: float = 300.0  # at startup: how long to wait for the executor to serve
     reconnect_interval_s: float = 1.0  # while the executor is unreachable: how often to try it
     grace_s: float = 30.0  # on SIGTERM: time running requests get to finish before they are aborted
+    # OpenAI-compatible HTTP front (scheduler/http/) on --host: None = off, 0 = any free port (printed when ready).
+    http_port: int | None = None
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -48,6 +50,8 @@ class SchedulerConfig:
         for flag, value in (("--executor-retry-s", self.executor_retry_s), ("--grace", self.grace_s)):
             if not value >= 0:
                 raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in 0..65535 (0 = any free port), got {self.http_port}")
         if self.max_running > self.max_batch_tokens:
             raise ValueError(f"--max-running ({self.max_running}) cannot exceed --max-batch-tokens "
                              f"({self.max_batch_tokens}): every running sequence needs a token per step")
