@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Serve tandem.generate.v1.GenerateService (streaming Generate, Tokenize, GetModelInfo; plus "
                     "grpc.health.v1 and server reflection) by batching requests continuously over Tandem "
                     "executors: each step is one UnifiedDecode with a token for every running sequence and prompt "
-                    "chunks for waiting ones. Waits for the executor to serve, then prints 'READY <addresses>'.")
+                    "chunks for waiting ones. Waits for the executor to serve, then prints 'READY <addresses>' (with --http-port, the HTTP URL last).")
     ap.add_argument("--executor", required=True, action="append",
                     help="executor to drive: HOST:PORT, unix:PATH, or dns:///NAME:PORT for every address NAME resolves "
                          "to (e.g. a Kubernetes headless Service; looked up again every --resolve-interval). "
@@ -44,6 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=_D.port,
                     help=f"TCP port (default {_D.port}; 0 = any free port; -1 = none, with --uds)")
     ap.add_argument("--uds", help="also listen on this Unix domain socket path")
+    ap.add_argument("--http-port", type=int, default=_D.http_port,
+                    help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                         "/v1/models, /health, /tokenize, /detokenize) on --host at this port (0 = any free port; "
+                         "its URL is the last word of the READY line). Default: off")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template); "
                                         "default: the model directory the executor reports")
     for name, what in _LIMITS:  # integer limits: --max-batch-tokens N sets SchedulerConfig.max_batch_tokens
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_message_mb=args.max_message_mb, max_prompt_chars=args.max_prompt_chars,
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
-                          grace_s=args.grace, metrics_port=args.metrics_port)
+                          grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port)
     try:
         cfg.validate()
         return asyncio.run(serve_async(cfg))

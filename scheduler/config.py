@@ -32,6 +32,8 @@ class SchedulerConfig:
     reconnect_interval_s: float = 1.0  # while the executor is unreachable: how often to try it
     grace_s: float = 30.0  # on SIGTERM: time running requests get to finish before they are aborted
     metrics_port: int | None = None  # Prometheus GET /metrics on host:this (0 = any free port); None = none
+    # OpenAI-compatible HTTP front (scheduler/http/) on --host: None = off, 0 = any free port (printed when ready).
+    http_port: int | None = None
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -51,6 +53,8 @@ class SchedulerConfig:
                 raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in 0..65535 (0 = any free port), got {self.http_port}")
         if self.max_running > self.max_batch_tokens:
             raise ValueError(f"--max-running ({self.max_running}) cannot exceed --max-batch-tokens "
                              f"({self.max_batch_tokens}): every running sequence needs a token per step")

@@ -20,6 +20,8 @@ from scheduler import discovery
 from scheduler.fleet import Fleet
 from scheduler.recovery import unfit_reason
 from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient
+from scheduler.http.app import build_app
+from scheduler.http.serve import HttpFront
 from scheduler.interceptor import ErrorMappingInterceptor
 from scheduler.metrics import SchedulerMetrics
 from scheduler.servicer import GenerateServicer
@@ -121,7 +123,14 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics_server = metrics.serve(cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
+    http = None
+    if cfg.http_port is not None:  # the OpenAI-compatible front, on this loop (binds now: a busy port fails here)
+        app = build_app(engine, workers, healthy=lambda: engine.up and not stop.is_set(), max_body_bytes=limit,
+                        metrics=metrics.render)
+        http = HttpFront(app, cfg.host, cfg.http_port)
     await server.start()
+    if http is not None:
+        http.start()
     for e, reason in lost:
         e.recovery.lost(reason)
     await engine.start()  # the sessions; an executor already gone is reconnected to
@@ -132,7 +141,10 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     log.info("serving %s (%s) from executors %s on %s; tokenizer %s; budget %d tokens/step, max %d running",
              info.model_id, info.architecture, ", ".join(engine.addresses), ", ".join(addresses), tokenizer_dir,
              engine.max_batch_tokens, cfg.max_running)
-    print(f"READY {' '.join(addresses)}", flush=True)  # a line scripts can wait for
+    if http is not None:
+        log.info("OpenAI-compatible HTTP on %s (/v1/chat/completions, /v1/completions, /v1/models)", http.url)
+    # A line scripts can wait for: the gRPC addresses (the first is the TCP one), then the HTTP URL if on.
+    print(f"READY {' '.join(addresses + ([http.url] if http is not None else []))}", flush=True)
 
     stop_wait = loop.create_task(stop.wait())
     done, _ = await asyncio.wait({stop_wait, engine_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -144,6 +156,8 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     log.info("shutting down: running requests get up to %.0fs to finish", grace_s)
     await set_health(False)
     await engine.drain(grace_s)
+    if http is not None:
+        await http.stop()
     await server.stop(5.0)
     engine_task.cancel()
     for t in tasks:

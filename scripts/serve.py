@@ -8,11 +8,15 @@ Run through `scripts/serve`, which first bootstraps .venv and prepares the defau
     scripts/serve --model DIR --port 6000           # another HF model dir / port
     scripts/serve --executor-args "--kv-blocks 512" --scheduler-args "--max-running 32"
     scripts/serve --executors 2                     # two executors (:50051, :50053), one scheduler over both
+    scripts/serve --http-port 9000                  # the OpenAI-compatible HTTP API on :9000 (-1: none)
 
 --executors N starts N executor processes on consecutive ports from --executor-port (skipping the
 scheduler's --port), each with --threads max(1, cores // N) unless --executor-args sets --threads (one
 executor keeps torch's default), then one scheduler given `--executor HOST:PORT` once per executor.
 With GPUs, give each executor its own: scripts/serve --executors 2 --executor-args "--device cuda:{i}".
+
+The scheduler also serves the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...) on
+--http-port (default 8000; -1 = off); a curl command for it is printed with the grpcurl one.
 
 Logs go to --log-dir (default ~/.cache/tandem/logs): executor.log (executor-0.log, ... with several) and
 scheduler.log.
@@ -46,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, required=True, help="HF model directory (scripts/serve passes the default)")
     ap.add_argument("--host", default="127.0.0.1", help="address both servers bind (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=50052, help="scheduler (GenerateService) port (default 50052)")
+    ap.add_argument("--http-port", type=int, default=8000,
+                    help="the scheduler's OpenAI-compatible HTTP port (default 8000; 0 = any free port; -1 = off)")
     ap.add_argument("--executor-port", type=int, default=50051,
                     help="port of the (first) executor; the others take the next ones, skipping --port "
                          "(default 50051; 0 = each any free port)")
@@ -91,6 +97,11 @@ def grpcurl_hint(address: str) -> str:
     return f"{exe} -plaintext -d '{body}' {address} tandem.generate.v1.GenerateService/Generate"
 
 
+def curl_hint(url: str) -> str:
+    body = json.dumps({"messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 64})
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop = threading.Event()
@@ -115,14 +126,19 @@ def main(argv: list[str] | None = None) -> int:
             f"scheduler on {args.host}:{args.port} (log: {logs / 'scheduler.log'})")
         scheduler = server_process.launch(
             "scheduler", "scheduler", *procs.scheduler_argv(addresses, args.host, args.port,
-                                                            shlex.split(args.scheduler_args)),
+                                                            shlex.split(args.scheduler_args),
+                                                            http_port=args.http_port if args.http_port >= 0 else None),
             log_path=logs / "scheduler.log", own_session=True)
-        say(f"all healthy: GenerateService at {scheduler.address}, executors at {', '.join(addresses)}")
+        http = f", OpenAI-compatible HTTP at {scheduler.http_url}" if scheduler.http_url else ""
+        say(f"all healthy: GenerateService at {scheduler.address}{http}, executors at {', '.join(addresses)}")
         last = stream_answer(scheduler.address, args.prompt, args.max_new_tokens)
         if last is not None and last.HasField("usage"):
             say(f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} generated tokens")
         print("Try it yourself (the server has reflection: no .proto needed):\n", flush=True)
         print(f"  {grpcurl_hint(scheduler.address)}\n", flush=True)
+        if scheduler.http_url:
+            print("or over HTTP, the OpenAI way (see README: OpenAI-compatible HTTP):\n", flush=True)
+            print(f"  {curl_hint(scheduler.http_url)}\n", flush=True)
         if args.no_wait:
             return 0
         say("serving; Ctrl-C stops the servers")

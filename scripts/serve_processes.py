@@ -58,12 +58,15 @@ def executor_argvs(model: Path | str, host: str, ports: list[int], extra: list[s
              *(a.replace("{i}", str(i)) for a in extra)] for i, port in enumerate(ports)]
 
 
-def scheduler_argv(executor_addresses: list[str], host: str, port: int, extra: list[str]) -> list[str]:
-    """The scheduler's flags (`python -m scheduler ...`): `--executor HOST:PORT` once per executor."""
+def scheduler_argv(executor_addresses: list[str], host: str, port: int, extra: list[str],
+                   http_port: int | None = None) -> list[str]:
+    """The scheduler's flags (`python -m scheduler ...`): `--executor HOST:PORT` once per executor, and
+    `--http-port N` for the OpenAI-compatible HTTP API unless http_port is None (extra comes last: it wins)."""
     if not executor_addresses:
         raise ValueError("the scheduler needs at least one executor address")
     executors = [flag for address in executor_addresses for flag in ("--executor", address)]
-    return [*executors, "--host", host, "--port", str(port), *extra]
+    http = [] if http_port is None else ["--http-port", str(http_port)]
+    return [*executors, "--host", host, "--port", str(port), *http, *extra]
 
 
 def executor_names(count: int) -> list[str]:

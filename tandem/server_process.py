@@ -28,7 +28,8 @@ _live: set["ServerProcess"] = set()  # killed at interpreter exit if the caller 
 
 
 class ServerProcess:
-    """A started server: .name, .address ("127.0.0.1:PORT"), .proc, .args."""
+    """A started server: .name, .address ("127.0.0.1:PORT"), .addresses (every word of READY after it; the
+    scheduler's HTTP URL last with --http-port), .http_url ("http://HOST:PORT" or None), .proc, .args."""
 
     def __init__(self, name: str, proc: subprocess.Popen, log: IO | None, lines: "queue.Queue",
                  args: list[str]) -> None:
@@ -38,6 +39,7 @@ class ServerProcess:
         self._log = log  # a temp file holding stderr, or None when stderr is inherited
         self._lines = lines
         self.address = ""
+        self.addresses: list[str] = []
         self.returncode: int | None = None
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> str:
@@ -60,7 +62,13 @@ class ServerProcess:
             self.kill()
             raise RuntimeError(f"{self.name}: unexpected first stdout line {line!r}; log:\n{self.log()}")
         self.address = words[1]  # the TCP address (the first one printed)
+        self.addresses = words[1:]
         return self.address
+
+    @property
+    def http_url(self) -> str | None:
+        """The scheduler's OpenAI-compatible HTTP front (READY's http:// word), if it serves one."""
+        return next((w for w in self.addresses if w.startswith("http://")), None)
 
     def send_signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:

@@ -97,3 +97,12 @@ def test_the_flag_is_in_serves_cli(capsys):
     with pytest.raises(SystemExit):
         serve.parse_args(["--help"])
     assert "--executors N" in capsys.readouterr().out
+
+
+def test_the_http_port_reaches_the_scheduler():
+    assert serve.parse_args(["--model", str(MODEL)]).http_port == 8000  # the OpenAI-compatible API, on by default
+    argv = procs.scheduler_argv(["127.0.0.1:50051"], "127.0.0.1", 50052, ["--grace", "5"], http_port=8000)
+    assert cli_parser("scheduler").parse_args(argv).http_port == 8000
+    assert "--http-port" not in procs.scheduler_argv(["127.0.0.1:50051"], "127.0.0.1", 50052, [])  # -1: off
+    assert cli_parser("scheduler").parse_args(["--executor", "x:1"]).http_port is None
+    assert serve.curl_hint("http://127.0.0.1:8000").startswith("curl http://127.0.0.1:8000/v1/chat/completions ")

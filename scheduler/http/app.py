@@ -1,0 +1,208 @@
+"""The OpenAI-compatible routes (FastAPI). A generation handler makes four moves, as the gRPC servicer does:
+body -> tandem.generate.v1 GenerateRequest (convert.py) -> the servicer's own size check and
+codec.request_from_pb (tokenizing and chat templating in the worker threads) -> fleet.submit (generation.py)
+-> OpenAI JSON or SSE chunks (render.py). Status codes come from errors.py; nothing here picks one.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health, POST /tokenize,
+POST /detokenize, GET /metrics (only with a metrics hook; 404 otherwise).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from concurrent.futures import Executor
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from scheduler import codec
+from scheduler.fleet import Fleet
+from scheduler.http import convert, errors
+from scheduler.http import schemas as s
+from scheduler.http.body_limit import BodyLimit
+from scheduler.http.errors import BadParameter
+from scheduler.http.generation import ClientGone, Generation
+from scheduler.http.render import DONE, ChatRenderer, CompletionRenderer, TokenTexts, sse
+from scheduler.request import GenerateRequest
+from tandem.errors import AdapterNotFound, InvalidRequest, Unavailable
+from tandem.generate.v1 import generate_pb2 as pb
+
+T = TypeVar("T")
+# /metrics: returns (body, content type), or an awaitable of it (filled in by the metrics exporter)
+MetricsHook = Callable[[], tuple[bytes, str] | Awaitable[tuple[bytes, str]]]
+_MAX_MODEL_CHARS = 100  # of a `model` quoted back in an error
+
+
+def _json(payload: s.Out) -> Response:
+    return Response(payload.model_dump_json(), media_type="application/json")
+
+
+class _Front:
+    """What the routes share: the fleet, the tokenizer workers, the token text cache."""
+
+    def __init__(self, fleet: Fleet, workers: Executor | None) -> None:
+        self.fleet = fleet
+        self.workers = workers
+        self.texts = TokenTexts(fleet.tokenizer)
+        self.created = int(time.time())
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+    async def adapter_for(self, model: str | None) -> str:
+        """`model` -> the adapter to run ("" = the base model): the base model's id or "" (or unset) is the
+        base model, an adapter's name that adapter; anything else is 404 model_not_found."""
+        base = self.fleet.info.model_id
+        if not model or model == base:
+            return ""
+        if model not in self.fleet.info.adapters:
+            await self.fleet.refresh_info()  # adapters can be loaded at run time: look again before 404
+        adapters = list(self.fleet.info.adapters)
+        if model in adapters:
+            return model
+        served = ", ".join(repr(m) for m in [base, *adapters])
+        raise AdapterNotFound(f"the model {model[:_MAX_MODEL_CHARS]!r} does not exist; this server serves {served} "
+                              "(GET /v1/models)")
+
+    async def requests(self, messages: list[pb.GenerateRequest], n: int) -> list[GenerateRequest]:
+        """Every choice's domain request, validated and tokenized as the gRPC servicer does (each prompt once)."""
+        fleet = self.fleet
+        for m in messages:
+            codec.check_input_size(m, fleet.cfg.max_prompt_chars)
+        info = fleet.info
+        done = await asyncio.gather(*(self.off_loop(codec.request_from_pb, m, fleet.tokenizer, info,
+                                                    fleet.cfg.default_max_new_tokens) for m in messages))
+        return [choice for r in done for choice in convert.choices(r, n)]
+
+    async def respond(self, renderer: ChatRenderer | CompletionRenderer, requests: list[GenerateRequest],
+                      request: Request, stream: bool) -> Response:
+        generation = Generation(self.fleet, requests, request.receive)  # refusals (429, ...) raise here
+        if stream:
+            return StreamingResponse(_stream(generation, renderer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            async for index, delta in generation.events():
+                renderer.add(index, delta)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        return _json(renderer.whole())
+
+
+async def _stream(generation: Generation, renderer: ChatRenderer | CompletionRenderer) -> AsyncIterator[str]:
+    """The SSE body: `data: {chunk}` lines, then `data: [DONE]`. An error after the 200 (the executor lost past
+    --executor-retry-s, ...) is one `data: {"error": ...}` event before [DONE], as vLLM sends it."""
+    try:
+        for line in renderer.opening():
+            yield line
+        async for index, delta in generation.events():
+            line = renderer.chunk(index, delta)
+            if line is not None:
+                yield line
+        if renderer.include_usage:
+            yield renderer.closing()
+    except ClientGone:
+        return
+    except Exception as exc:  # the status line is sent: the error travels as an event
+        yield sse(errors.of_exception(exc)[1])
+    finally:
+        generation.close()  # also when the server cancels this body because the client went away
+    yield DONE
+
+
+def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool], max_body_bytes: int,
+              metrics: MetricsHook | None = None) -> FastAPI:
+    """The app. healthy(): whether /health answers 200 (some executor serves and the scheduler is not shutting
+    down). metrics: the /metrics body, or None (404)."""
+    front = _Front(fleet, workers)
+    app = FastAPI(title="Tandem scheduler (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    errors.install(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: s.ChatCompletionRequest, request: Request) -> Response:
+        adapter = await front.adapter_for(body.model)
+        n = body.n or 1
+        requests = await front.requests([convert.chat_request(body, adapter)], n)
+        opts = body.stream_options
+        renderer = ChatRenderer(body.model or fleet.info.model_id, len(requests), n, front.texts,
+                                bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
+                                logprobs=bool(body.logprobs))
+        return await front.respond(renderer, requests, request, bool(body.stream))
+
+    @app.post("/v1/completions")
+    async def completions(body: s.CompletionRequest, request: Request) -> Response:
+        adapter = await front.adapter_for(body.model)
+        n = body.n or 1
+        requests = await front.requests(convert.completion_requests(body, adapter), n)
+        opts = body.stream_options
+        renderer = CompletionRenderer(body.model or fleet.info.model_id, len(requests), n, front.texts,
+                                      bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
+                                      logprobs=body.logprobs)
+        return await front.respond(renderer, requests, request, bool(body.stream))
+
+    def cards() -> list[s.ModelCard]:
+        info = fleet.info
+        base = s.ModelCard(id=info.model_id, created=front.created, root=info.model_id, max_model_len=info.max_seq_len)
+        return [base] + [s.ModelCard(id=a, created=front.created, root=info.model_id, parent=info.model_id,
+                                     max_model_len=info.max_seq_len) for a in info.adapters]
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        await fleet.refresh_info()  # adapters may have been loaded or unloaded since
+        return _json(s.ModelList(data=cards()))
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str) -> Response:
+        await front.adapter_for(model)  # 404 unless served
+        return _json(next(c for c in cards() if c.id == model))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not healthy():
+            raise Unavailable("no executor serves, or the scheduler is shutting down")
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(body: s.TokenizeRequest) -> Response:
+        if (body.prompt is None) == (body.messages is None):
+            raise BadParameter("prompt", "give exactly one of prompt or messages")
+        if body.prompt is not None:
+            if body.add_special_tokens is False:
+                raise BadParameter("add_special_tokens", "add_special_tokens: false is not supported for prompt")
+            m = pb.TokenizeRequest(text=body.prompt)
+        else:
+            if body.add_special_tokens or body.add_generation_prompt is False:
+                raise BadParameter("add_generation_prompt", "messages are rendered with the generation prompt "
+                                   "and no added special tokens, as chat completions see them")
+            m = pb.TokenizeRequest(messages=convert.chat_messages(body.messages))
+        codec.check_input_size(m, fleet.cfg.max_prompt_chars)
+        tok, info = fleet.tokenizer, fleet.info
+
+        def run() -> s.TokenizeResponse:
+            ids = codec.prompt_ids_from_pb(m, tok, info.vocab_size)
+            return s.TokenizeResponse(count=len(ids), max_model_len=info.max_seq_len, tokens=ids,
+                                      token_strs=tok.pieces(ids) if body.return_token_strs else None)
+
+        return _json(await front.off_loop(run))
+
+    @app.post("/detokenize")
+    async def detokenize(body: s.DetokenizeRequest) -> Response:
+        vocab = fleet.info.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has {vocab} tokens")
+        text = await front.off_loop(fleet.tokenizer.decode, body.tokens, False)
+        return _json(s.DetokenizeResponse(prompt=text))
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        if metrics is None:
+            return errors.response(404, "this server exports no metrics", None, "not_found")
+        result = metrics()
+        content, content_type = await result if inspect.isawaitable(result) else result
+        return Response(content, media_type=content_type)
+
+    return app

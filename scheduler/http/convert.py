@@ -1,0 +1,120 @@
+"""An OpenAI request -> tandem.generate.v1 GenerateRequest messages, the very input the gRPC servicer takes:
+from there codec.request_from_pb tokenizes (chat template included) and validates exactly as for a gRPC
+client, so both fronts generate the same text for the same request. Refuses here only what the proto cannot
+express (echo, suffix, tools, ...), naming the field.
+
+n > 1: the prompt is tokenized once and the domain request copied n times (choices()), with seed + i when a
+seed is given so each choice is reproducible alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from scheduler.http.errors import BadParameter
+from scheduler.http.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
+from scheduler.request import GenerateRequest
+from tandem.common.v1 import common_pb2 as cpb
+from tandem.generate.v1 import generate_pb2 as pb
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise (gRPC's unset is greedy)
+
+
+def sampling(body: SamplingFields) -> cpb.SamplingParams:
+    m = cpb.SamplingParams(
+        temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0)
+    if body.top_p is not None:
+        m.top_p = body.top_p
+    if body.seed is not None:
+        m.seed = body.seed
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= 2**32:
+            raise BadParameter("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {key!r:.40}")
+        m.logit_bias[int(key)] = bias
+    return m
+
+
+def stopping(body: SamplingFields, max_tokens: int | None) -> pb.StoppingCriteria:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return pb.StoppingCriteria(max_new_tokens=max_tokens or 0, min_new_tokens=body.min_tokens or 0, stop=stop,
+                               stop_token_ids=body.stop_token_ids or [], ignore_eos=bool(body.ignore_eos),
+                               include_stop_str_in_output=bool(body.include_stop_str_in_output))
+
+
+def _common(body: SamplingFields, adapter: str, top_logprobs: int, max_tokens: int | None) -> dict:
+    return dict(sampling=sampling(body), stopping=stopping(body, max_tokens), adapter=adapter,
+                top_logprobs=top_logprobs, keep_special_tokens=body.skip_special_tokens is False)
+
+
+def _content(i: int, m: ChatMessageIn) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise BadParameter(f"messages.{i}.content.{j}", f"content parts of type {part.type!r:.40} are not "
+                               "supported: this server takes text only")
+        texts.append(part.text)
+    return "\n".join(texts)  # as vLLM joins text parts
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[pb.ChatMessage(role=m.role, content=_content(i, m))
+                                     for i, m in enumerate(messages)])
+
+
+def chat_request(body: ChatCompletionRequest, adapter: str) -> pb.GenerateRequest:
+    if body.tools:
+        raise BadParameter("tools", "tools (function calling) are not supported by this server")
+    if body.tool_choice not in (None, "none"):
+        raise BadParameter("tool_choice", "tool_choice is not supported by this server (only \"none\")")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise BadParameter("response_format", f"response_format {body.response_format.type!r:.40} is not "
+                           "supported: only \"text\"")
+    if body.top_logprobs and not body.logprobs:
+        raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return pb.GenerateRequest(messages=chat_messages(body.messages),
+                              **_common(body, adapter, body.top_logprobs or 0, max_tokens))
+
+
+def prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, strings, token ids, or lists of token ids."""
+    p = body.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise BadParameter("prompt", "prompt is empty")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
+
+
+def completion_requests(body: CompletionRequest, adapter: str) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per prompt."""
+    if body.echo:
+        raise BadParameter("echo", "echo is not supported by this server")
+    if body.suffix:
+        raise BadParameter("suffix", "suffix (insertion) is not supported by this server")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise BadParameter("best_of", "best_of other than n is not supported by this server")
+    common = _common(body, adapter, body.logprobs or 0, body.max_tokens)
+    out = []
+    for p in prompts(body):
+        if isinstance(p, str):
+            out.append(pb.GenerateRequest(text=p, **common))
+        else:
+            out.append(pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), **common))
+    return out
+
+
+def choices(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """n independent requests of one validated request: their own ids, and seed + i when it has a seed."""
+    out = []
+    for i in range(n):
+        params = request.sampling
+        if params.seed is not None and i:
+            params = dataclasses.replace(params, seed=(params.seed + i) % 2**64)
+        out.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}", sampling=params))
+    return out

@@ -1,0 +1,86 @@
+"""The choices of one HTTP request (n, or several prompts) running on the fleet: submitted together (or none:
+a refusal of the k-th aborts the ones before it), their deltas merged into one stream in arrival order, and
+all of them aborted — KV freed at once — when the client disconnects, when one fails, or when the reader
+stops. The disconnect is watched on the ASGI receive channel (which answers http.disconnect when the client
+goes), not polled, and for streamed and whole responses alike.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from scheduler.fleet import Fleet
+from scheduler.request import Delta, GenerateRequest
+from scheduler.request_output import RequestOutput
+from tandem.errors import TandemError
+
+_GONE = object()  # the client disconnected
+
+
+class ClientGone(Exception):
+    """The client disconnected; every choice was aborted."""
+
+
+class Generation:
+    def __init__(self, fleet: Fleet, requests: list[GenerateRequest],
+                 receive: Callable[[], Awaitable[dict]]) -> None:
+        """Submits every request (fleet.submit raises what a gRPC client would get: a full queue, a request
+        that cannot fit) and starts watching `receive` for the client's disconnect."""
+        self._fleet = fleet
+        self._runs = []
+        self._tasks: list[asyncio.Task] = []
+        self._watch: asyncio.Task | None = None
+        self.disconnected = False
+        try:
+            for r in requests:
+                self._runs.append(fleet.submit(r))
+        except BaseException:
+            self.close()
+            raise
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._open = len(self._runs)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._pump(i, output)) for i, (_, output) in enumerate(self._runs)]
+        self._watch = loop.create_task(self._watch_disconnect(receive))
+
+    async def _pump(self, index: int, output: RequestOutput) -> None:
+        while True:
+            event = await output.events.get()
+            self._events.put_nowait((index, event))
+            if isinstance(event, TandemError) or event.finish_reason is not None:
+                return
+
+    async def _watch_disconnect(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        # After the body was read, receive() returns only when the client goes (or the response is complete,
+        # which uvicorn also reports as http.disconnect: close() is then a no-op for finished choices).
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self.close()
+        self._events.put_nowait(_GONE)
+
+    async def events(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, delta) until every choice has finished. Raises the first choice's error (the others
+        are aborted), or ClientGone."""
+        try:
+            while self._open:
+                item = await self._events.get()
+                if item is _GONE:
+                    raise ClientGone()
+                index, event = item
+                if isinstance(event, TandemError):
+                    raise event
+                if event.finish_reason is not None:
+                    self._open -= 1
+                yield index, event
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Aborts every choice (a no-op for finished ones) and stops watching. Safe to call again."""
+        for seq, _ in self._runs:
+            self._fleet.abort(seq)
+        current = asyncio.current_task()
+        for t in (*self._tasks, self._watch):
+            if t is not None and t is not current:
+                t.cancel()

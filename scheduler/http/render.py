@@ -1,0 +1,191 @@
+"""The scheduler's deltas (scheduler/request.py) -> OpenAI responses: a whole chat.completion /
+text_completion, or the chunks of its SSE stream, with logprobs and usage as OpenAI documents them.
+
+finish_reason: "length" (max_tokens or the model's length), "stop" (EOS, a stop token, a stop string), "abort"
+(the server shut down before the end, as vLLM says); stop_reason (vLLM's): the stop string matched, or the
+stop token's id. usage counts each prompt once however many choices it has (prompt_tokens, cached_tokens) and
+every choice's tokens (completion_tokens).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from functools import lru_cache
+
+from scheduler.http import schemas as s
+from scheduler.request import Delta, FinishReason, TokenLogprob
+from scheduler.request import Usage as DomainUsage
+
+DONE = "data: [DONE]\n\n"
+_FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop",
+           FinishReason.ABORTED: "abort"}
+
+
+def sse(payload: s.Out | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, s.Out) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+class TokenTexts:
+    """A token id's text as logprobs show it: its own piece (special tokens kept), or "token_id:<id>" with
+    vLLM's return_tokens_as_token_ids. Pieces are cached: logprobs name the same tokens over and over."""
+
+    def __init__(self, tokenizer) -> None:
+        self.piece = lru_cache(maxsize=1 << 16)(lambda i: tokenizer.pieces([i])[0])
+
+    def __call__(self, token_id: int, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else self.piece(token_id)
+
+
+def stop_reason(d: Delta) -> int | str | None:
+    if d.finish_reason is FinishReason.STOP_SEQUENCE:
+        return d.stop_reason
+    if d.finish_reason is FinishReason.STOP and d.stop_reason.isdigit():
+        return int(d.stop_reason)
+    return None
+
+
+def usage(usages: list[DomainUsage | None], n: int) -> s.Usage:
+    """usages: one per choice, choices of prompt p at p*n .. p*n + n - 1."""
+    done = [u for u in usages if u is not None]
+    firsts = [u for u in usages[::n] if u is not None]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    completion = sum(u.completion_tokens for u in done)
+    return s.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=s.PromptTokensDetails(cached_tokens=sum(u.cached_tokens for u in firsts)))
+
+
+class _Renderer:
+    """What both kinds share: ids, choice state (text, tokens, finish, usage), token texts."""
+
+    prefix = ""
+
+    def __init__(self, model: str, choices: int, n: int, texts: TokenTexts, as_ids: bool,
+                 include_usage: bool) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.n = n
+        self.texts = texts
+        self.as_ids = as_ids
+        self.include_usage = include_usage
+        self.text = [""] * choices
+        self.tokens: list[list[TokenLogprob]] = [[] for _ in range(choices)]
+        self.last: list[Delta | None] = [None] * choices
+        self.usages: list[DomainUsage | None] = [None] * choices
+
+    def add(self, index: int, d: Delta) -> None:
+        """Accumulates a delta (for a whole response; chunks only need note())."""
+        self.text[index] += d.text
+        self.tokens[index] += d.tokens
+        self.note(index, d)
+
+    def note(self, index: int, d: Delta) -> None:
+        if d.finish_reason is not None:
+            self.last[index] = d
+            self.usages[index] = d.usage
+
+    def usage(self) -> s.Usage:
+        return usage(self.usages, self.n)
+
+    def opening(self) -> list[str]:
+        """Chunks sent before any delta."""
+        return []
+
+    def _text(self, token_id: int) -> str:
+        return self.texts(token_id, self.as_ids)
+
+    def _top(self, t: TokenLogprob) -> list[s.TopLogprob]:
+        return [s.TopLogprob(token=(x := self._text(i)), logprob=lp, bytes=list(x.encode()))
+                for i, lp in t.top]
+
+
+class ChatRenderer(_Renderer):
+    prefix = "chatcmpl"
+
+    def __init__(self, *args, logprobs: bool, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.logprobs = logprobs
+
+    def _logprobs(self, tokens: list[TokenLogprob]) -> s.ChatLogprobs | None:
+        if not self.logprobs:
+            return None
+        return s.ChatLogprobs(content=[
+            s.TokenLogprobOut(token=(x := self._text(t.token_id)), logprob=t.logprob, bytes=list(x.encode()),
+                              top_logprobs=self._top(t)) for t in tokens])
+
+    def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> str:
+        return sse(s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                         usage=usage))  # null on every chunk but the last
+
+    def opening(self) -> list[str]:
+        """The first chunk of every choice: the assistant role."""
+        return [self._chunk([s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""),
+                                               logprobs=None, finish_reason=None)])
+                for i in range(len(self.text))]
+
+    def chunk(self, index: int, d: Delta) -> str | None:
+        self.note(index, d)
+        if not d.text and d.finish_reason is None and not (self.logprobs and d.tokens):
+            return None  # text held back (a possible stop string): nothing to say yet
+        choice = s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=d.text or None),
+                                   logprobs=self._logprobs(d.tokens),
+                                   finish_reason=None if d.finish_reason is None else _FINISH[d.finish_reason],
+                                   stop_reason=stop_reason(d))
+        return self._chunk([choice])
+
+    def closing(self) -> str:
+        return self._chunk([], self.usage())
+
+    def whole(self) -> s.ChatCompletion:
+        choices = []
+        for i, last in enumerate(self.last):
+            choices.append(s.ChatChoice(index=i, message=s.ChatMessageOut(content=self.text[i]),
+                                        logprobs=self._logprobs(self.tokens[i]),
+                                        finish_reason=_FINISH[last.finish_reason], stop_reason=stop_reason(last)))
+        return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
+                                usage=self.usage())
+
+
+class CompletionRenderer(_Renderer):
+    prefix = "cmpl"
+
+    def __init__(self, *args, logprobs: int | None, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.logprobs = logprobs
+        self.offsets = [0] * len(self.text)  # text_offset of each choice's next token
+
+    def _logprobs(self, index: int, tokens: list[TokenLogprob]) -> s.CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        out = s.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+        for t in tokens:
+            text = self._text(t.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(t.logprob)
+            out.text_offset.append(self.offsets[index])
+            self.offsets[index] += len(text)
+            # OpenAI: "the logprob of the sampled token is always returned, so there may be up to logprobs+1"
+            top = {self._text(i): lp for i, lp in t.top}
+            top.setdefault(text, t.logprob)
+            out.top_logprobs.append(top)
+        return out
+
+    def chunk(self, index: int, d: Delta) -> str | None:
+        self.note(index, d)
+        if not d.text and d.finish_reason is None and not (self.logprobs is not None and d.tokens):
+            return None
+        choice = s.CompletionChoice(index=index, text=d.text, logprobs=self._logprobs(index, d.tokens),
+                                    finish_reason=None if d.finish_reason is None else _FINISH[d.finish_reason],
+                                    stop_reason=stop_reason(d))
+        return sse(s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice]))
+
+    def closing(self) -> str:
+        return sse(s.Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage()))
+
+    def whole(self) -> s.Completion:
+        choices = [s.CompletionChoice(index=i, text=self.text[i], logprobs=self._logprobs(i, self.tokens[i]),
+                                      finish_reason=_FINISH[last.finish_reason], stop_reason=stop_reason(last))
+                   for i, last in enumerate(self.last)]
+        return s.Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage())

@@ -1,0 +1,230 @@
+"""The JSON bodies of the OpenAI-compatible API (pydantic), requests and responses.
+
+Requests are validated strictly (a string where a number belongs is refused, never coerced: 400 naming the
+field) and unknown fields are ignored, as OpenAI does. Every optional field also takes JSON null. Value ranges
+that the scheduler's own validation already checks (temperature, top_p, penalties, logit_bias values, stop
+strings, token ids against the vocabulary) are left to it, so HTTP and gRPC clients get the same messages;
+the bounds here are those the proto cannot carry (a negative seed or token id) or that only HTTP has (n).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.sampling_params import MAX_TOP_LOGPROBS
+
+MAX_N = 16  # choices per request (n): each is a request of its own in the scheduler's queue
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]  # uint32 on the wire; < vocab_size is checked by the scheduler
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# ----------------------------------------------------------------- requests
+class ContentPart(_Body):
+    type: str  # only "text" is served
+    text: str | None = None
+
+
+class ChatMessageIn(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None  # null: an assistant turn that only called tools
+    name: str | None = None  # accepted, not passed to the template
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str  # only "text" is served
+
+
+class SamplingFields(_Body):
+    """What chat and text completions share: the model, sampling, stopping, n, streaming; vLLM's extras."""
+    model: str | None = None  # the base model id or an adapter name; unset or "" = the base model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None  # unset = 1.0, as OpenAI
+    top_p: float | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    user: str | None = None  # accepted, unused
+    # vLLM's extra sampling parameters
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0 = off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None  # unset = true
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ----------------------------------------------------------------- responses
+class Out(BaseModel):
+    """A response body; every field is written, unset ones as null (as OpenAI writes "logprobs": null)."""
+
+
+class PromptTokensDetails(Out):
+    cached_tokens: int
+
+
+class Usage(Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Out):
+    content: list[TokenLogprobOut] | None = None
+    refusal: list[TokenLogprobOut] | None = None
+
+
+class CompletionLogprobs(Out):
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+
+
+class ChatMessageOut(Out):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Out):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string matched, or the stop token's id
+
+
+class ChatCompletion(Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Completion(Out):
+    """A whole completion, and (with stream) each chunk: OpenAI uses one shape for both."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(Out):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(Out):
+    prompt: str

@@ -1,0 +1,76 @@
+"""uvicorn serving the HTTP front on the scheduler's own event loop (one process, one loop: the routes call
+the fleet directly, as the gRPC servicer does).
+
+The socket is bound and listening before start() returns, so a port in use fails the scheduler at startup and
+a client that connects right after READY waits in the kernel's backlog rather than being refused. uvicorn's
+own signal handling is left out: the scheduler's loop owns SIGTERM/SIGINT and drains gRPC and HTTP alike.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+log = logging.getLogger("tandem.scheduler")
+_BACKLOG = 2048
+_GRACEFUL_S = 5.0  # after the scheduler's drain: how long open HTTP connections get to finish
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the scheduler's loop has its own SIGTERM/SIGINT handlers (the drain); keep them
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(_BACKLOG)
+    except OSError as exc:
+        raise OSError(f"cannot listen for HTTP on {host}:{port}: {exc}") from exc
+    return sock
+
+
+class HttpFront:
+    """The app on host:port (0 = any free port): .url once constructed; start() serves, stop() ends."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self._sock = _listen(host, port)
+        bound = self._sock.getsockname()[1]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+        # log_config None: the scheduler's logging setup stays as it is; no access log (paths and clients of
+        # every request are not worth a line each).
+        config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=_GRACEFUL_S, server_header=False, backlog=_BACKLOG)
+        self._server = _Server(config)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._sock]), name="http")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:  # gRPC keeps serving; say why HTTP does not
+            log.error("the HTTP server failed; gRPC goes on", exc_info=task.exception())
+
+    async def stop(self) -> None:
+        """Stops taking connections and waits for open ones (up to a few seconds), then returns."""
+        if self._task is None:
+            self._sock.close()
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, _GRACEFUL_S + 5.0)
+        except asyncio.TimeoutError:
+            log.warning("the HTTP server did not stop within %.0fs", _GRACEFUL_S + 5.0)
+        except Exception:  # stopping anyway; say why
+            log.exception("the HTTP server failed while stopping")
