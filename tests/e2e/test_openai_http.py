@@ -240,7 +240,8 @@ def test_errors_have_the_openai_body_and_the_grpc_status(url, client):
            400, "invalid_argument")
     assert "nope" in _error(post("/v1/chat/completions", {**chat, "model": "nope"}), 404, "model_not_found")
     _error(httpx.get(f"{url}/v1/nothing"), 404, "not_found")
-    _error(httpx.get(f"{url}/metrics"), 404, "not_found")  # no metrics hook in this build
+    scrape = httpx.get(f"{url}/metrics")  # the scheduler's Prometheus metrics (scheduler/metrics.py)
+    assert scrape.status_code == 200 and "tandem:time_to_first_token_seconds" in scrape.text
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="nope", messages=CHAT)
     assert info.value.status_code == 404 and info.value.code == "model_not_found"
