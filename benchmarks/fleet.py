@@ -161,7 +161,7 @@ def run_scaling(args, model_dir: Path, prompts, warmup, flags: list[str], clean:
     timed run is over (a fleet launch saved; its prefix cache holds only the scaling prompts); then also returns
     that run and its servers' JSON."""
     sides: dict[str, Any] = {}
-    clean_run = None
+    clean_run = clean_host = None
     for n, threads in args.config_list:
         name = f"{n}x{threads}"
         fleet = None
@@ -172,18 +172,21 @@ def run_scaling(args, model_dir: Path, prompts, warmup, flags: list[str], clean:
                                           args.concurrency, args.request_timeout, meter))
             if any(r.error for r in run.records):
                 log(f"{name}: a request failed\n{fleet.log_tails()}")
-            if clean is not None and (n, threads) == (args.failover_executors, args.failover_threads):
+            hosts_clean = clean is not None and (n, threads) == (args.failover_executors, args.failover_threads)
+            if hosts_clean:
                 clean_run = failover_streams(args, fleet, *clean, kill=False)
             servers = fleet.describe()
         finally:
             codes = stop(fleet)
+        if hosts_clean:
+            clean_host = {**servers, "exit_codes": codes, "scaling_config": name}
         side = aggregate(name, run.records, run.t0, run.duration, None, None, args.output_len)
         side.update(executors=n, threads=threads, cpu=run.cpu, executor_work=run.executors,
                     servers={**servers, "exit_codes": codes}, model_info=run.model_info)
         log(f"{name}: {len(run.records)} requests in {run.duration:.2f}s; requests per executor "
             f"{'/'.join(str(w['requests']) for w in run.executors)}")
         sides[name] = side
-    return sides, (clean_run, {**servers, "exit_codes": codes}) if clean_run else None
+    return sides, (clean_run, clean_host) if clean_run else None
 
 
 def failover_streams(args, fleet: FleetServers, prompts, warmup, kill: bool) -> Any:
