@@ -191,8 +191,10 @@ def run_scaling(args, model_dir: Path, prompts, warmup, flags: list[str], clean:
 
 def failover_streams(args, fleet: FleetServers, prompts, warmup, kill: bool) -> Any:
     """The batch of streams on a running fleet, with or without the kill."""
+    meter = CpuMeter({**fleet.pids(), "client": os.getpid()})
     run = asyncio.run(failover_run(fleet.address, fleet.executor_addresses, prompts, warmup, args.failover_output_len,
-                                   args.kill_after_tokens, args.request_timeout, fleet.sigkill if kill else None))
+                                   args.kill_after_tokens, args.request_timeout, fleet.sigkill if kill else None,
+                                   meter))
     if kill and run.kill is None:
         log("WARNING: every stream ended before all had streamed --kill-after-tokens tokens: no kill happened")
     if any(r.error for r in run.records):

@@ -43,6 +43,7 @@ class FailoverRun:
     before: list[dict[str, Any]]  # every executor's snapshot after the warm-up
     after: list[dict[str, Any] | None]  # after the run (None: the killed one)
     kill: dict[str, Any] | None = None  # None: a clean run
+    cpu: dict[str, Any] = field(default_factory=dict)  # CpuMeter over the streams (a killed process counts None)
     states_after: list[dict[str, Any]] = field(default_factory=list)  # GetModelInfo.executors after the run
 
 
@@ -102,8 +103,8 @@ def busiest(executors: list[Any], addresses: list[str]) -> int:
 
 
 async def failover_run(address: str, executors: list[str], prompts: list[list[int]], warmup: list[list[int]],
-                       output_len: int, kill_after: int, timeout: float,
-                       kill: Callable[[int], float] | None) -> FailoverRun:
+                       output_len: int, kill_after: int, timeout: float, kill: Callable[[int], float] | None,
+                       meter: CpuMeter) -> FailoverRun:
     """Every prompt streamed at once. With `kill` (index -> instant of the SIGKILL): once every stream has
     `kill_after` tokens, the executor running the most of them is killed; the streams are then followed to
     their end. Without it, the same procedure with no kill (the clean run)."""
@@ -120,6 +121,7 @@ async def failover_run(address: str, executors: list[str], prompts: list[list[in
         info = model_info_dict(await stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=30))
         await _warm_up(stub, warmup, output_len, timeout)
         before = list(await asyncio.gather(*(snapshot(a) for a in executors)))
+        meter.start()
         streams = asyncio.ensure_future(asyncio.gather(
             *(send_one(stub, r, prompts[r.index], output_len, "failover", timeout, on_tokens=progress)
               for r in records)))
@@ -131,13 +133,14 @@ async def failover_run(address: str, executors: list[str], prompts: list[list[in
             if started.is_set():
                 kill_info = await _kill_busiest(stub, executors, kill, records)
         await streams
+        cpu = meter.stop()
         dead = kill_info["index"] if kill_info else None
         after = list(await asyncio.gather(*(snapshot(a) for i, a in enumerate(executors) if i != dead)))
         if dead is not None:
             after.insert(dead, None)
         states = model_info_dict(await stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=30)).get("executors", [])
     t0 = min(r.start for r in records)
-    return FailoverRun(records, t0, max(r.end for r in records) - t0, info, before, after, kill_info, states)
+    return FailoverRun(records, t0, max(r.end for r in records) - t0, info, before, after, kill_info, cpu, states)
 
 
 async def _kill_busiest(stub, executors: list[str], kill: Callable[[int], float],

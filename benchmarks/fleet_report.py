@@ -26,7 +26,7 @@ STREAM_COLUMNS = [("index", "stream"), ("moved", "moved"), ("tokens_before_kill"
                   ("recomputed_tokens", "recomputed"), ("completed", "completed"), ("identical_to_clean", "= clean")]
 RUN_COLUMNS = [("name", "run"), ("completed", "done"), ("duration_s", "duration s"),
                ("output_throughput", "out tok/s", 2), ("ttft_p50", "TTFT p50 ms", 0), ("tpot_p50", "TPOT p50 ms", 1),
-               ("tpot_p99", "TPOT p99 ms", 1), ("e2el_p99", "E2EL p99 ms", 0)]
+               ("tpot_p99", "TPOT p99 ms", 1), ("e2el_p99", "E2EL p99 ms", 0), ("other_cores", "other cores")]
 
 
 def flat(side: dict[str, Any]) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def failover_payload(args, clean: Any, run: Any, view: dict[str, Any] | None, ag
     sides = {}
     for name, r, srv in (("clean", clean, clean_servers), ("failover", run, servers)):
         sides[name] = aggregate(name, r.records, r.t0, r.duration, None, None, out_len)
-        sides[name]["servers"] = srv
+        sides[name].update(servers=srv, cpu=r.cpu, other_cores=r.cpu.get("other_cores"))
     kill = None
     if run.kill:
         kill = {k: v for k, v in run.kill.items() if k not in ("t", "victim_counters")}
@@ -154,11 +154,13 @@ def print_failover(header: str, args, f: dict[str, Any]) -> None:
           f"moved streams = requests the victim ran at the kill: {s['moved_matches_victim_running']} "
           f"({s['moved']['streams']} vs {s['victim_running_at_kill']})\n")
     print(format_table(f["per_stream"], STREAM_COLUMNS))
-    runs = [flat(f["runs"]["clean"]), flat(f["runs"]["failover"])]
+    runs = [{**flat(f["runs"][k]), "other_cores": f["runs"][k]["other_cores"]} for k in ("clean", "failover")]
     runs.append({"name": "failover / clean", "duration_s": f["ratios"]["duration_s"],
                  "output_throughput": f["ratios"]["output_throughput"]})
     print()
     print(format_table(runs, RUN_COLUMNS))
+    if any((r.get("other_cores") or 0) > 0.2 for r in runs):
+        print("note: other processes used > 0.2 cores during a run (other cores column): timings are disturbed")
     agree = f["agreement_with_clean"] or {"identical": 0, "compared": 0, "mean_common_prefix": 0.0}
     states = ", ".join(f"{e.get('address')} {e.get('state', '?').removeprefix('STATE_')}"
                        for e in f["executor_states_after"])
