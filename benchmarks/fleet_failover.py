@@ -69,7 +69,8 @@ def group_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
             "completed": sum(v["completed"] for v in views), "errors": sum(v["error"] is not None for v in views),
             "tokens_before_kill": sum(v["tokens_before_kill"] for v in views),
             "recomputed_tokens": sum(v["recomputed_tokens"] for v in views),
-            "max_gap_ms": dist("max_gap_ms"), "next_token_after_kill_ms": dist("next_token_after_kill_ms"),
+            "max_gap_ms": dist("max_gap_ms"), "pause_ms": dist("pause_ms"),
+            "next_token_after_kill_ms": dist("next_token_after_kill_ms"),
             "resume_after_kill_ms": dist("resume_after_kill_ms"),
             "median_gap_before_kill_ms": dist("median_gap_before_kill_ms")}
 

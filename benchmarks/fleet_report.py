@@ -17,12 +17,13 @@ SCALING_COLUMNS = ([("name", "config"), ("shape", "executors x threads"), ("comp
                    + [("requests_each", "requests each"), ("busy", "busy %"), ("cores", "cores"),
                       ("other_cores", "other cores")])
 GROUP_COLUMNS = [("group", "streams"), ("streams", "n"), ("paused", "paused"), ("completed", "completed"),
-                 ("gap", "max gap p50 / max ms"), ("next", "kill->next token p50 / max ms"),
+                 ("gap", "largest gap after kill p50 / max ms"), ("next", "kill->next token p50 / max ms"),
                  ("resume", "kill->resume p50 / max ms"), ("before", "tokens before kill"),
                  ("recomputed", "tokens recomputed")]
 STREAM_COLUMNS = [("index", "stream"), ("moved", "moved"), ("tokens_before_kill", "tokens before kill"),
                   ("median_gap_before_kill_ms", "gap before ms", 0), ("next_token_after_kill_ms", "kill->next ms", 0),
-                  ("pause_ms", "largest gap ms", 0), ("resume_after_kill_ms", "kill->resume ms", 0),
+                  ("pause_ms", "largest gap after kill ms", 0), ("max_gap_ms", "largest gap ms", 0),
+                  ("resume_after_kill_ms", "kill->resume ms", 0),
                   ("recomputed_tokens", "recomputed"), ("completed", "completed"), ("identical_to_clean", "= clean")]
 RUN_COLUMNS = [("name", "run"), ("completed", "done"), ("duration_s", "duration s"),
                ("output_throughput", "out tok/s", 2), ("ttft_p50", "TTFT p50 ms", 0), ("tpot_p50", "TPOT p50 ms", 1),
@@ -141,13 +142,14 @@ def print_failover(header: str, args, f: dict[str, Any]) -> None:
     for name in ("moved", "stayed"):
         g = s[name]
         rows.append({"group": name, "streams": g["streams"], "paused": g["paused"], "completed": g["completed"],
-                     "gap": _dist(g["max_gap_ms"]), "next": _dist(g["next_token_after_kill_ms"]),
+                     "gap": _dist(g["pause_ms"]), "next": _dist(g["next_token_after_kill_ms"]),
                      "resume": _dist(g["resume_after_kill_ms"]), "before": g["tokens_before_kill"],
                      "recomputed": g["recomputed_tokens"]})
     print(format_table(rows, GROUP_COLUMNS))
     print(f"\nmoved: the stream's usage counts a preemption (its executor was lost); kill->resume: to the first "
           f"token computed after the move; paused: largest gap after the kill >= 5x the stream's median gap "
-          f"before it.\ntokens recomputed: {s['recomputed_tokens']} (prompts {s['recomputed_prompt_tokens']} + "
+          f"before it (largest gap, per stream below: over the whole stream, the wait after the first token "
+          f"included).\ntokens recomputed: {s['recomputed_tokens']} (prompts {s['recomputed_prompt_tokens']} + "
           f"generated {s['recomputed_tokens'] - s['recomputed_prompt_tokens']}); the executors processed "
           f"{s['executor_extra_tokens']} tokens beyond a clean run (expected {s['expected_executor_extra_tokens']} "
           f"= recomputed - moved streams, the step lost with the executor aside).\n"
