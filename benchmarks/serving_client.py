@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 import grpc
 
@@ -21,7 +22,9 @@ def generate_request(index: int, prompt: list[int], output_len: int, tag: str) -
 
 
 async def send_one(stub: gpb_grpc.GenerateServiceStub, rec: Record, prompt: list[int], output_len: int,
-                   tag: str, timeout: float) -> Record:
+                   tag: str, timeout: float, on_tokens: Callable[[Record], None] | None = None) -> Record:
+    """on_tokens(rec): called after each message that carried tokens (e.g. to act once every stream has
+    started), on the event loop, before the next message is read."""
     req = generate_request(rec.index, prompt, output_len, tag)
     rec.start = time.perf_counter()
     try:
@@ -30,6 +33,8 @@ async def send_one(stub: gpb_grpc.GenerateServiceStub, rec: Record, prompt: list
             if msg.token_ids:
                 rec.messages.append((t, len(msg.token_ids)))
                 rec.output_ids.extend(msg.token_ids)
+                if on_tokens is not None:
+                    on_tokens(rec)
             if msg.finish_reason:
                 rec.finish_reason = gpb.FinishReason.Name(msg.finish_reason)
             if msg.HasField("usage"):
