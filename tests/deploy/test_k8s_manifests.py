@@ -178,11 +178,22 @@ def test_probes_and_services_use_the_port_the_server_listens_on(which, request):
         action = probe.get("grpc") or probe.get("tcpSocket")
         assert action is not None, f"{kind}: grpc or tcpSocket probe expected"
         assert action["port"] == port, f"{kind} probes port {action['port']}, the server listens on {port}"
+    args = server.args()
+    listening = {port} | {p for p in (getattr(args, "http_port", None), getattr(args, "metrics_port", None)) if p}
+    assert listening <= set(server.container_ports().values()), "every port the server opens is a containerPort"
     services = _services_selecting(server)
     assert services
     for service in services:
-        for service_port in service["spec"]["ports"]:
-            assert _target_port(service_port, server) == port, f"Service {service['metadata']['name']}"
+        ports = {_target_port(service_port, server) for service_port in service["spec"]["ports"]}
+        assert port in ports and ports <= listening, f"Service {service['metadata']['name']}"
+
+
+def test_metrics_ports_are_announced_for_scraping(executor, scheduler):
+    for server in (executor, scheduler):
+        args = server.args()
+        annotations = server.workload["spec"]["template"]["metadata"]["annotations"]
+        scraped = int(annotations["prometheus.io/port"])
+        assert scraped in (getattr(args, "metrics_port", None), getattr(args, "http_port", None))
 
 
 def test_scheduler_resolves_the_headless_service(executor, scheduler):
