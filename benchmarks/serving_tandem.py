@@ -204,6 +204,7 @@ async def tandem_load(address: str, http_url: str | None, prompts: list, warmup_
                 phases.append({"round": r, "backend": backend, "t0": t0,
                                "duration_s": max(x.end for x in recs) - t0, "cpu": cpu})
                 records[backend] += recs
+                log(f"round {r} {backend}: {len(recs)} requests in {phases[-1]['duration_s']:.1f}s")
             wall = time.perf_counter() - t_start
             ex_metrics = None
             if ex_stub is not None:
