@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks import request_loops as loops
 from benchmarks.request_metrics import Record
 
 CHAT_PATH = "/v1/chat/completions"
@@ -101,13 +102,8 @@ async def closed_loop(client: httpx.AsyncClient, prompts: list[str], output_len:
                       timeout: float, model: str = "") -> list[Record]:
     """Every prompt once, `concurrency` in flight: each finished request starts the next."""
     records = [Record(i, 0) for i in range(len(prompts))]
-    todo = iter(range(len(prompts)))
-
-    async def worker() -> None:
-        for i in todo:
-            await send_one(client, records[i], prompts[i], output_len, tag, timeout, model)
-
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+    await loops.closed_loop(len(prompts), concurrency,
+                            lambda i: send_one(client, records[i], prompts[i], output_len, tag, timeout, model))
     return records
 
 
@@ -115,22 +111,6 @@ async def open_loop(client: httpx.AsyncClient, prompts: list[str], output_len: i
                     cap: int | None, tag: str, timeout: float, model: str = "") -> list[Record]:
     """Prompt i sent at arrivals[i] seconds from the start (at most `cap` in flight when given)."""
     records = [Record(i, 0) for i in range(len(prompts))]
-    slots = asyncio.Semaphore(cap) if cap else None
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> None:
-        records[i].arrival = time.perf_counter()
-        if slots is None:
-            await send_one(client, records[i], prompts[i], output_len, tag, timeout, model)
-            return
-        async with slots:
-            await send_one(client, records[i], prompts[i], output_len, tag, timeout, model)
-
-    tasks = []
-    for i, offset in enumerate(arrivals):
-        delay = t0 + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(one(i)))
-    await asyncio.gather(*tasks)
+    await loops.open_loop(records, arrivals, cap,
+                          lambda i: send_one(client, records[i], prompts[i], output_len, tag, timeout, model))
     return records

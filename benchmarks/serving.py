@@ -66,6 +66,13 @@ on a 2-core machine the timings were disturbed by another job.
     python scripts/bench_serving.py --quick --model /tmp/tiny-llama --baseline hf,hf-serial
     python scripts/bench_serving.py --target 127.0.0.1:50052 --request-rate 4 --num-requests 64
 
+Front ends (--backend grpc,openai-chat): the same workload also through the scheduler's OpenAI-compatible
+HTTP front (streamed chat completions, as vLLM's `openai-chat` backend), alternating with gRPC over
+--rounds; both then send the prompts as one user chat message (the text of the random ids), the baselines get
+the rendered ids; a third table compares the two (benchmarks/serving_backends.py says how and why).
+
+    python scripts/bench_serving.py --backend grpc,openai-chat --num-requests 64   # HTTP vs gRPC, 32 clients
+
 Benchmark-only (baselines need transformers, the plot matplotlib); never imported by the servers.
 """
 from __future__ import annotations
@@ -87,6 +94,7 @@ from benchmarks.measure import measure_matmul_peak
 from benchmarks.plot import write_plot
 from benchmarks.report import write_json
 from benchmarks.request_metrics import Record, aggregate, agreement
+from benchmarks.serving_backends import BACKENDS, bad_records, compare, identical_outputs, print_comparison
 from benchmarks.serving_report import compare_sides, payload, print_report
 from benchmarks.serving_tandem import TandemRun, run_tandem
 from models.config import ModelConfig
@@ -111,6 +119,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", default=None, metavar="HOST:PORT",
                     help="benchmark this running scheduler instead of starting an executor and a scheduler "
                          "(it is left running; --threads, --executor-args and --scheduler-args do not apply)")
+    ap.add_argument("--target-http", default=None, metavar="URL",
+                    help="with --target and --backend openai-chat: the scheduler's HTTP front (http://HOST:PORT)")
+    ap.add_argument("--backend", default="grpc",
+                    help="comma list of front ends the timed run goes through: grpc (Generate), openai-chat "
+                         "(HTTP /v1/chat/completions, streamed); default grpc. grpc,openai-chat compares them on the "
+                         "same chat prompts (see benchmarks/serving_backends.py)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed passes per backend, alternating A B B A ... (default: 2 with two backends, else 1)")
     ap.add_argument("--input-len", type=int, default=None,
                     help=f"prompt tokens per request (default {DEFAULTS['input_len']})")
     ap.add_argument("--output-len", type=int, default=None,
@@ -171,6 +187,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--request-rate must be > 0")
     if args.hf_serial_requests < 0:
         ap.error("--hf-serial-requests must be >= 0")
+    args.backends = list(dict.fromkeys(b.strip() for b in args.backend.split(",") if b.strip()))
+    if "grpc" not in args.backends or any(b not in BACKENDS for b in args.backends):
+        ap.error(f"--backend: a comma list of {', '.join(BACKENDS)} that includes grpc")
+    if args.target and "openai-chat" in args.backends and not args.target_http:
+        ap.error("--backend openai-chat with --target needs --target-http URL")
+    if args.rounds is None:
+        args.rounds = 2 if len(args.backends) > 1 else 1
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     args.baselines = [b.strip() for b in args.baseline.split(",") if b.strip()]
     unknown = [b for b in args.baselines if b not in BASELINES]
     if unknown:
@@ -239,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"fp32 matmul peak (before): {peak_before.gflops:.1f} GFLOP/s")
 
     run = run_tandem(args, model_dir, cfg, threads)
+    if run.chat and flop_model:  # chat prompts: their rendered lengths vary
+        flops_total = sum(flop_model.request(len(p), args.output_len)["total"] for p in run.prompts) / len(run.prompts)
     records = run.records
     tandem = aggregate("tandem", records, run.t0, run.duration, flops_total, None, args.output_len)
     tandem["cpu"] = run.cpu
@@ -246,10 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     sides = [tandem]
     all_records = {"tandem": records}
     t0s = {"tandem": run.t0}
-    bad = [r for r in records if r.error or r.output_len != args.output_len
-           or (r.usage or {}).get("completion_tokens") != args.output_len or r.finish_reason != "FINISH_REASON_LENGTH"]
+    bad = bad_records(records, "grpc", args.output_len)
+    if "openai-chat" in run.backends:
+        b = run.backends["openai-chat"]
+        http_side = aggregate("openai-chat", b["records"], b["t0"], b["duration"], flops_total, None, args.output_len)
+        http_side["cpu"] = b["cpu"]
+        sides.append(http_side)
+        all_records["openai-chat"] = b["records"]
+        t0s["openai-chat"] = b["t0"]
+        bad += bad_records(b["records"], "openai-chat", args.output_len)
     for r in bad[:5]:
-        log(f"tandem request {r.index}: error {r.error}, {r.output_len} streamed tokens, usage {r.usage}, "
+        log(f"request {r.index}: error {r.error}, {r.output_len} streamed tokens, usage {r.usage}, "
             f"finish {r.finish_reason or '-'}")
 
     baseline_info = run_baselines(args, model_dir, run, flops_total, sides, all_records, t0s) \
@@ -267,11 +301,20 @@ def main(argv: list[str] | None = None) -> int:
               f"peak fp32 matmul: {peak:.1f} GFLOP/s")
     workload = (f"workload: {args.num_requests} requests x ({args.input_len} prompt, {args.output_len} output "
                 f"tokens), {mode}, seed {args.seed}; tandem = scheduler {run.address}"
+                + (f"; backends {', '.join(args.backends)}, {args.rounds} rounds, prompts sent as one user chat "
+                   f"message: {sum(map(len, run.prompts)) / len(run.prompts):.1f} tokens rendered on average"
+                   if run.chat else "")
                 + (f"; hf batch {args.hf_batch_size}" if "hf" in args.baselines else "")
                 + (f"; hf-serial timed {baseline_info['hf-serial']['timed_requests']} of {args.num_requests}"
                    f"{' (duration extrapolated)' if baseline_info['hf-serial']['extrapolated'] else ''}"
                    if "hf-serial" in baseline_info else ""))
     print_report(args, sides, header, workload, run.executor_metrics, bad, len(records))
+    comparison = None
+    if "openai-chat" in run.backends:
+        same = identical_outputs(records, run.backends["openai-chat"]["records"])
+        comparison = {**compare(tandem, sides[1]), "identical_outputs": {"identical": same[0], "compared": same[1]},
+                      "phases": run.phases}
+        print_comparison({"grpc": tandem, "openai-chat": sides[1]}, comparison, run.phases, same)
 
     flops = None if flop_model is None else {**flop_model.as_dict(), "per_request": flops_req}
     results = payload(args, run, sides, model_dir, model_name, mode, threads,
@@ -281,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{threads} threads")
     plot = write_plot(args.plot, sides, all_records, t0s, title, log)
     results["plot"] = str(plot) if plot else None
+    results["backends"] = {b: ("tandem" if b == "grpc" else b) for b in run.backends}  # backend -> its side
+    results["backend_comparison"] = comparison
     path = write_json(args.out, results)
     log(f"wrote {path}" + (f" and {plot}" if plot else ""))
     return 1 if bad else 0

@@ -1,30 +1,41 @@
 """An asyncio client of Tandem's Generate service: streamed greedy requests of an exact output length,
-closed loop (N in flight) or open loop (given arrival times), each request's timings in a Record."""
+closed loop (N in flight) or open loop (given arrival times), each request's timings in a Record.
+
+A prompt is token ids (used as is) or a str: one user chat message, rendered by the scheduler with the
+model's chat template, as an OpenAI chat request's `messages` are (benchmarks/openai_client.py)."""
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Callable
+from typing import Callable, Union
 
 import grpc
 
+from benchmarks import request_loops as loops
 from benchmarks.request_metrics import Record
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
+Prompt = Union[list[int], str]
 
-def generate_request(index: int, prompt: list[int], output_len: int, tag: str) -> gpb.GenerateRequest:
+
+def chat(text: str) -> gpb.ChatMessages:
+    return gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content=text)])
+
+
+def generate_request(index: int, prompt: Prompt, output_len: int, tag: str) -> gpb.GenerateRequest:
+    source = {"messages": chat(prompt)} if isinstance(prompt, str) else {"token_ids": gpb.TokenIds(ids=prompt)}
     return gpb.GenerateRequest(
-        request_id=f"bench-{tag}-{index}", token_ids=gpb.TokenIds(ids=prompt),
+        request_id=f"bench-{tag}-{index}", **source,
         sampling=cpb.SamplingParams(),  # temperature 0: greedy
         stopping=gpb.StoppingCriteria(max_new_tokens=output_len, ignore_eos=True))
 
 
-async def send_one(stub: gpb_grpc.GenerateServiceStub, rec: Record, prompt: list[int], output_len: int,
+async def send_one(stub: gpb_grpc.GenerateServiceStub, rec: Record, prompt: Prompt, output_len: int,
                    tag: str, timeout: float, on_tokens: Callable[[Record], None] | None = None) -> Record:
     """on_tokens(rec): called after each message that carried tokens (e.g. to act once every stream has
-    started), on the event loop, before the next message is read."""
+    started), on the event loop, before the next message is read. rec.prompt_len becomes
+    usage.prompt_tokens (a chat prompt's length is known only once rendered)."""
     req = generate_request(rec.index, prompt, output_len, tag)
     rec.start = time.perf_counter()
     try:
@@ -41,44 +52,28 @@ async def send_one(stub: gpb_grpc.GenerateServiceStub, rec: Record, prompt: list
                 u = msg.usage
                 rec.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                              "cached_tokens": u.cached_tokens, "preemptions": u.preemptions}
+                rec.prompt_len = u.prompt_tokens
     except grpc.aio.AioRpcError as exc:
         rec.error = f"{exc.code().name}: {exc.details()}"
     rec.end = time.perf_counter()
     return rec
 
 
-async def closed_loop(stub, prompts: list[list[int]], output_len: int, concurrency: int, tag: str,
+def _records(prompts: list[Prompt]) -> list[Record]:
+    return [Record(i, 0 if isinstance(p, str) else len(p)) for i, p in enumerate(prompts)]
+
+
+async def closed_loop(stub, prompts: list[Prompt], output_len: int, concurrency: int, tag: str,
                       timeout: float) -> list[Record]:
-    records = [Record(i, len(p)) for i, p in enumerate(prompts)]
-    todo = iter(range(len(prompts)))
-
-    async def client() -> None:
-        for i in todo:  # one shared iterator: each finished request starts the next one
-            await send_one(stub, records[i], prompts[i], output_len, tag, timeout)
-
-    await asyncio.gather(*(client() for _ in range(min(concurrency, len(prompts)))))
+    records = _records(prompts)
+    await loops.closed_loop(len(prompts), concurrency,
+                            lambda i: send_one(stub, records[i], prompts[i], output_len, tag, timeout))
     return records
 
 
-async def open_loop(stub, prompts: list[list[int]], output_len: int, arrivals: list[float],
+async def open_loop(stub, prompts: list[Prompt], output_len: int, arrivals: list[float],
                     cap: int | None, tag: str, timeout: float) -> list[Record]:
-    records = [Record(i, len(p)) for i, p in enumerate(prompts)]
-    slots = asyncio.Semaphore(cap) if cap else None
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> None:
-        records[i].arrival = time.perf_counter()
-        if slots is None:
-            await send_one(stub, records[i], prompts[i], output_len, tag, timeout)
-            return
-        async with slots:
-            await send_one(stub, records[i], prompts[i], output_len, tag, timeout)
-
-    tasks = []
-    for i, offset in enumerate(arrivals):
-        delay = t0 + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(one(i)))
-    await asyncio.gather(*tasks)
+    records = _records(prompts)
+    await loops.open_loop(records, arrivals, cap,
+                          lambda i: send_one(stub, records[i], prompts[i], output_len, tag, timeout))
     return records

@@ -29,7 +29,7 @@ def compare_sides(sides: list[dict[str, Any]], peak: float) -> None:
         s["cores_text"] = "/".join(f"{cores[k]:.2f}" for k in ("executor", "scheduler", "client")
                                    if cores.get(k) is not None)
         s["other_cores"] = s["cpu"]["other_cores"]
-        if s["name"] != "tandem":
+        if s["name"] not in ("tandem", "openai-chat"):  # baselines; openai-chat: serving_backends.compare
             s["speedup"] = f"{tandem['output_throughput'] / s['output_throughput']:.2f}x"
             s["speedup_value"] = tandem["output_throughput"] / s["output_throughput"]
             s["target"] = TARGETS.get(s["name"])
@@ -95,7 +95,8 @@ def payload(args, run: Any, sides: list[dict[str, Any]], model_dir: Path | None,
                    "baselines": args.baselines, "hf_batch_size": args.hf_batch_size,
                    "hf_serial_requests": args.hf_serial_requests, "threads": threads, "seed": args.seed,
                    "warmup": args.warmup, "executor_args": args.executor_args,
-                   "scheduler_args": args.scheduler_args, "quick": args.quick,
+                   "scheduler_args": args.scheduler_args, "quick": args.quick, "backends": args.backends,
+                   "rounds": args.rounds, "chat_prompts": run.chat,
                    "prompt_vocabulary": {"ids": int(run.allowed.size), "min": int(run.allowed.min()),
                                          "max": int(run.allowed.max())}},
         "machine": machine_info("cpu"),
@@ -106,5 +107,6 @@ def payload(args, run: Any, sides: list[dict[str, Any]], model_dir: Path | None,
         "sides": {s["name"]: {k: v for k, v in s.items() if k != "cores_text"} for s in sides},
         "ratios": {s["name"]: {"output_throughput": s["speedup_value"],
                                "duration": s["duration_s"] / tandem["duration_s"],
-                               "target": s["target"], "meets_target": s["meets_target"]} for s in sides[1:]},
+                               "target": s["target"], "meets_target": s["meets_target"]}
+                   for s in sides[1:] if "speedup_value" in s},
     }

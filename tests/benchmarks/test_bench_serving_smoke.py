@@ -64,3 +64,39 @@ def test_bench_serving_quick(tiny_checkpoint, tmp_path, run_bench):
     assert png.read_bytes()[:8] == PNG_SIGNATURE
     # The tables went to stdout.
     assert "out tok/s" in proc.stdout and "TTFT p99" in proc.stdout and "tandem speedup" in proc.stdout
+
+
+def test_bench_serving_backends_quick(tiny_checkpoint, tmp_path, run_bench):
+    """--backend grpc,openai-chat: one scheduler with its HTTP front, the same chat prompts through both, two
+    alternating rounds; both sides did exactly the same token work and the comparison is in the JSON."""
+    model_dir = tiny_checkpoint("llama")
+    out = tmp_path / "serving.json"
+    proc = run_bench("bench_serving", "--quick", "--model", str(model_dir), "--backend", "grpc,openai-chat",
+                     "--out", str(out), timeout=120)
+    data = json.loads(out.read_text())
+
+    assert data["config"]["backends"] == ["grpc", "openai-chat"] and data["config"]["rounds"] == 2
+    assert data["config"]["chat_prompts"] is True
+    assert data["backends"] == {"grpc": "tandem", "openai-chat": "openai-chat"}
+    assert data["servers"]["scheduler"]["http_url"].startswith("http://127.0.0.1:")
+    assert data["servers"]["exit_codes"] == {"scheduler": 0, "executor": 0}
+    assert "--no-prefix-caching" in data["servers"]["executor"]["command"]  # phases reuse the prompts
+    assert data["all_exact_output_len"] is True
+    grpc_side, http_side = data["sides"]["tandem"], data["sides"]["openai-chat"]
+    for side in (grpc_side, http_side):
+        assert side["requests"] == side["completed"] == side["exact_output_len"] == 2 * N  # 2 rounds of N
+        assert side["output_tokens"] == 2 * N * OUTPUT_LEN
+        assert side["output_throughput"] > 0 and side["ttft_ms"]["p50"] > 0 and side["tpot_ms"]["mean"] > 0
+    # The same work: the same rendered chat prompts (prompt tokens from each front's usage) and outputs.
+    assert grpc_side["input_tokens"] == http_side["input_tokens"] > 2 * N * INPUT_LEN // 2
+    assert sorted(r["usage"]["prompt_tokens"] for r in grpc_side["per_request"]) == \
+        sorted(r["usage"]["prompt_tokens"] for r in http_side["per_request"])
+    assert {r["finish_reason"] for r in grpc_side["per_request"]} == {"FINISH_REASON_LENGTH"}
+    assert {r["finish_reason"] for r in http_side["per_request"]} == {"length"}
+    cmp = data["backend_comparison"]
+    assert cmp["equal_tokens"] is True and cmp["identical_outputs"]["compared"] == N
+    assert cmp["output_throughput"] > 0 and cmp["ttft_p50"] > 0
+    assert set(cmp["targets"]) == {"output_throughput", "ttft_p50"}
+    assert [(p["round"], p["backend"]) for p in cmp["phases"]] == \
+        [(0, "grpc"), (0, "openai-chat"), (1, "openai-chat"), (1, "grpc")]
+    assert "openai-chat / grpc" in proc.stdout and "target throughput" in proc.stdout
