@@ -94,7 +94,10 @@ class Fleet:
     @property
     def info(self) -> epb.GetInfoResponse:
         """The reference model's info, with the adapters of every serving executor."""
-        first = next((e for e in self.engines if e.up), None)
+        serving = [e for e in self.engines if e.up]
+        if len(serving) == 1:  # (the usual single executor: its own info, read on every request, not a copy)
+            return serving[0].info
+        first = serving[0] if serving else None
         info = epb.GetInfoResponse()
         info.CopyFrom(first.info if first is not None else self.reference)
         names = sorted({a for e in self.engines if e.up for a in e.info.adapters})
@@ -147,6 +150,8 @@ class Fleet:
         if not fit:
             raise AdapterNotFound(f"unknown adapter {request.adapter!r}: no serving executor holds it; "
                                   f"loaded: {sorted(self.info.adapters) or 'none'}")
+        if len(self.engines) == 1:  # nothing to choose between: no prompt hashing on the request path
+            return fit[0], []
         hashes: dict[int, list[bytes]] = {}  # by block size (executors may differ)
         candidates = {}
         for e in fit:
