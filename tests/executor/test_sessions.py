@@ -269,15 +269,17 @@ def test_model_queue_is_bounded():
     running, go = threading.Event(), threading.Event()
     results: list[object] = []
 
-    def slow() -> str:
+    # The calls note themselves as the model thread runs them: the order they ran in (the callers' threads
+    # return in an order the OS picks).
+    def slow() -> None:
         running.set()
         go.wait(10)
-        return "first"
+        results.append("first")
 
-    first = threading.Thread(target=lambda: results.append(thread.call(slow)))
+    first = threading.Thread(target=lambda: thread.call(slow))
     first.start()
     assert running.wait(10)
-    second = threading.Thread(target=lambda: results.append(thread.call(lambda: "second")))
+    second = threading.Thread(target=lambda: thread.call(lambda: results.append("second")))
     second.start()
     wait_until(lambda: thread.queued() == 1, "the second call to queue")
     with pytest.raises(QueueFull, match=r"1 model calls queued \(--max-queued-calls 1\); retry later"):
