@@ -1,5 +1,12 @@
-"""One packed forward for a validated batch: reserve KV, run the model, record the tokens, sample. A failure at
-any point after the reservation (model, sampler, device out of memory) puts every cache back as it was."""
+"""One packed forward for a validated batch: reserve KV, run the model, record the tokens, sample, keep the
+accepted draft tokens (speculative decoding). A failure at any point after the reservation (model, sampler,
+device out of memory) puts every cache back as it was.
+
+Draft tokens (UnifiedItem.draft_token_ids) run in the same forward as the item's own tokens: the item gets a
+logit row at its last token and at each draft, each sampled exactly as if the tokens before it had come one
+step at a time (its own history for the penalties, its own position for the RNG key). Draft i is accepted
+while it equals the token sampled at its position (models/speculative.py says why that is the exact
+speculative-sampling rule); the cache keeps the accepted drafts and is rolled back past them here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +21,7 @@ from models.kv_cache import PagedKvCache
 from models.lora import LoraWeights
 from models.lora_batch import LoraBatch, LoraStacks
 from models.sampler import Sampler, SamplingRow
+from models.speculative import accepted_lengths
 from models.transformer import DecoderModel
 from tandem.errors import DeviceOutOfMemory
 from tandem.sampling_params import SamplingParams
@@ -44,7 +52,8 @@ class BatchRunner:
         Raises KvCapacityExceeded before touching anything, DeviceOutOfMemory for a device OOM; on that or
         any other error every cache is as it was (blocks, length, tokens, prompt end)."""
         snapshots = [b.state.snapshot() for b in batch]
-        self.kv.reserve([(b.state.table, b.state.table.length + len(b.item.token_ids)) for b in batch])
+        self.kv.reserve([(b.state.table, b.state.table.length + len(b.item.token_ids) + len(b.item.draft_token_ids))
+                         for b in batch])
         try:
             logits, rows_per_item = self._forward(batch, all_positions, adapters() if adapters else {})
             self._commit(batch)  # before sampling: penalties and the RNG key read the new tokens
@@ -68,12 +77,15 @@ class BatchRunner:
 
     @staticmethod
     def _commit(batch: list[BatchItem]) -> None:
+        """Records every written token, drafts included (rejected ones are rolled back after sampling)."""
         for b in batch:
             b.state.table.length += len(b.item.token_ids)
             b.state.tokens.extend(b.item.token_ids)
             if b.item.is_final_chunk and b.state.prompt_len is None:
                 given = b.item.prompt_len
                 b.state.prompt_len = b.state.table.length if given is None else given
+            b.state.table.length += len(b.item.draft_token_ids)
+            b.state.tokens.extend(b.item.draft_token_ids)
 
     @torch.inference_mode()
     def _forward(self, batch: list[BatchItem], all_positions: bool,
@@ -82,19 +94,21 @@ class BatchRunner:
         spans: dict[str, list[tuple[int, int]]] = {}  # adapter -> its items' token ranges in the packed batch
         start = 0
         for b in batch:
-            n = len(b.item.token_ids)
+            drafts = len(b.item.draft_token_ids)  # (validated: final chunks only)
+            n = len(b.item.token_ids) + drafts
             if b.item.adapter:
                 spans.setdefault(b.item.adapter, []).append((start, start + n))
             layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n))
             ids.extend(b.item.token_ids)
+            ids.extend(b.item.draft_token_ids)
             if not b.item.is_final_chunk:
                 rows_per_item.append(0)
             elif all_positions:
                 logit_rows.extend(range(start, start + n))
                 rows_per_item.append(n)
-            else:
-                logit_rows.append(start + n - 1)
-                rows_per_item.append(1)
+            else:  # the last token, and each draft: drafts + 1 rows
+                logit_rows.extend(range(start + n - 1 - drafts, start + n))
+                rows_per_item.append(1 + drafts)
             start += n
         meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype,
                                  self.max_attention_elements)
@@ -108,22 +122,35 @@ class BatchRunner:
                  rows_per_item: list[int]) -> list[list[SequenceOutput] | None]:
         sample_rows: list[int] = []
         sampling: list[SamplingRow] = []
+        first_row: list[int] = []  # per item, its first row among the sampled ones
         row = 0
         for b, count in zip(batch, rows_per_item):
+            first_row.append(len(sampling))
             if count and b.item.output.wants_tokens:
                 state = b.state
                 for k in range(count):
-                    # Position of the token being predicted: after the k-th of this item's new tokens.
+                    # Position of the token being predicted: after the k-th of this item's new tokens. With
+                    # several rows, each sees only the tokens before it (penalties), as one step at a time would.
                     step = state.table.length - count + k + 1
-                    sampling.append(SamplingRow(b.sampling, state.tokens, state.num_output_tokens, step,
-                                                b.item.output.top_logprobs))
+                    cut = k < count - 1 and b.sampling.uses_penalties
+                    history = state.tokens[:step] if cut else state.tokens
+                    outputs = max(0, state.num_output_tokens - (len(state.tokens) - len(history)))
+                    sampling.append(SamplingRow(b.sampling, history, outputs, step, b.item.output.top_logprobs))
                     sample_rows.append(row + k)
             row += count
-        sampled = None
+        sampled, accepted = None, [0] * len(batch)
         if sampling:
             # Skip the [R, vocab] gather in the common case where every row is sampled.
             picked = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            sampled = self.sampler.sample(picked, sampling).to_lists()
+            out = self.sampler.sample(picked, sampling)
+            drafting = [(i, first_row[i], b.item.draft_token_ids) for i, b in enumerate(batch) if b.item.draft_token_ids]
+            if drafting:
+                for (i, _, drafts), a in zip(drafting, accepted_lengths(out.token_ids, drafting)):
+                    accepted[i] = a
+                    self._keep_accepted(batch[i], len(drafts), a)
+                rows_per_item = [a + 1 if b.item.draft_token_ids else c
+                                 for b, c, a in zip(batch, rows_per_item, accepted)]
+            sampled = out.to_lists()
         want_logits = any(c and b.item.output.wants_logits for b, c in zip(batch, rows_per_item))
         cpu_logits = logits.cpu() if want_logits else None
         results: list[list[SequenceOutput] | None] = []
@@ -131,6 +158,12 @@ class BatchRunner:
         for b, count in zip(batch, rows_per_item):
             if not count:
                 results.append(None)
+                continue
+            if b.item.draft_token_ids:  # one output: the accepted drafts and the token after them
+                got = sampled[s: s + count]
+                results.append([SequenceOutput([TokenOutput(g.token_id, g.logprob, g.top) for g in got])])
+                s += len(b.item.draft_token_ids) + 1
+                row += len(b.item.draft_token_ids) + 1
                 continue
             outs = []
             for k in range(count):
@@ -145,3 +178,10 @@ class BatchRunner:
             results.append(outs)
             row += count
         return results
+
+    def _keep_accepted(self, b: BatchItem, drafts: int, accepted: int) -> None:
+        """Rolls the cache back past the rejected drafts: blocks, length and tokens (whole blocks go back
+        to the pool; the rejected tail of the last kept block is overwritten by the next write)."""
+        keep = b.state.table.length - (drafts - accepted)
+        self.kv.truncate(b.state.table, keep)
+        b.state.truncate(keep)

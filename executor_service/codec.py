@@ -152,7 +152,7 @@ def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
     output, dtype = output_from_pb(m.output)
     return UnifiedItem(tuple(m.token_ids), m.cache_id or None, m.pos_offset, m.is_final_chunk,
                        sampling_from_pb(m.sampling) if m.HasField("sampling") else None, output, m.adapter,
-                       m.prompt_len if m.HasField("prompt_len") else None), dtype
+                       m.prompt_len if m.HasField("prompt_len") else None, tuple(m.draft_token_ids)), dtype
 
 
 def unified_response_to_pb(results: list[UnifiedResult], logits_dtypes: list[int],
@@ -181,7 +181,7 @@ def decode_item_from_pb(m: pb.DecodeItem) -> tuple[DecodeItem, int]:
         raise InvalidRequest("decode item needs cache.cache_id (run Prefill first)")
     output, dtype = output_from_pb(m.output)
     return DecodeItem(CacheRef(m.cache.cache_id, m.cache.seq_len), m.token_id, sampling_from_pb(m.sampling),
-                      output, m.adapter, frozenset(m.stop_token_ids)), dtype
+                      output, m.adapter, frozenset(m.stop_token_ids), tuple(m.draft_token_ids)), dtype
 
 
 def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:

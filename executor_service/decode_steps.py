@@ -26,7 +26,7 @@ def run_decode_steps(items: Sequence[DecodeItem], num_steps: int, caches: CacheT
         raise InvalidRequest(f"num_steps must be <= {MAX_DECODE_STEPS}, got {num_steps}")
     if not items:
         raise InvalidRequest("decode needs at least one item")
-    validator.check_call([UnifiedItem((it.token_id,)) for it in items])
+    validator.check_call([UnifiedItem((it.token_id,), draft_token_ids=it.draft_token_ids) for it in items])
     errors: list[TandemError | None] = [None] * len(items)
     for n, it in enumerate(items):
         if not it.cache.cache_id:  # a Decode extends caches; it never creates one
@@ -35,6 +35,9 @@ def run_decode_steps(items: Sequence[DecodeItem], num_steps: int, caches: CacheT
         elif steps > 1 and not it.output.wants_tokens:
             errors[n] = name_item(InvalidRequest("num_steps > 1 feeds sampled tokens back: output mode "
                                                  "must include tokens"), n, it.cache.cache_id)
+        elif steps > 1 and it.draft_token_ids:
+            errors[n] = name_item(InvalidRequest("draft tokens are verified in one step: send them with "
+                                                 "num_steps 0 or 1 (or use UnifiedDecode)"), n, it.cache.cache_id)
     # Before the first step: what to put back if a later step fails.
     before = {n: caches[it.cache.cache_id].snapshot() for n, it in enumerate(items)
               if it.cache.cache_id in caches}
@@ -46,7 +49,8 @@ def run_decode_steps(items: Sequence[DecodeItem], num_steps: int, caches: CacheT
             break
         batch = [UnifiedItem((tokens[i],), items[i].cache.cache_id,
                              items[i].cache.seq_len if step == 0 else caches[items[i].cache.cache_id]
-                             .table.length, True, items[i].sampling, items[i].output, items[i].adapter)
+                             .table.length, True, items[i].sampling, items[i].output, items[i].adapter,
+                             draft_token_ids=items[i].draft_token_ids if steps == 1 else ())
                  for i in active]
         try:
             results = run(batch)

@@ -52,7 +52,9 @@ CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_
                 # issue 11: sessions with leases, per-item statuses, sampling registered with the cache
                 "sessions", "item_status", "registered_sampling",
                 # issue 12: CreateCache (reuses cached prefixes when "prefix_caching" is listed too), KV events
-                "create_cache", "kv_events")
+                "create_cache", "kv_events",
+                # issue 14: UnifiedItem/DecodeItem.draft_token_ids verified in the batch
+                "speculative_drafts")
 
 
 class Executor:

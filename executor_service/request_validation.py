@@ -19,6 +19,7 @@ from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_CREATE_ITEMS = 256  # caches one CreateCache may create
 MAX_CACHE_SALT_CHARS = 256
+MAX_DRAFT_TOKENS = 32  # per item: more than a handful is rarely accepted, and each costs a KV slot and a row
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,10 @@ class RequestValidator:
     def check_call(self, items: Sequence[UnifiedItem]) -> None:
         if not items:
             raise InvalidRequest("the batch has no items")
-        total = sum(len(it.token_ids) for it in items)
+        total = sum(len(it.token_ids) + len(it.draft_token_ids) for it in items)
         if total > self.max_batch_tokens:
-            raise InvalidRequest(f"the batch carries {total} tokens; this executor takes at most "
-                                 f"{self.max_batch_tokens} per call (--max-batch-tokens): split it into chunks")
+            raise InvalidRequest(f"the batch carries {total} tokens (draft tokens included); this executor takes at "
+                                 f"most {self.max_batch_tokens} per call (--max-batch-tokens): split it into chunks")
 
     def check_create_call(self, items: Sequence[CreateCacheItem]) -> None:
         if not 1 <= len(items) <= MAX_CREATE_ITEMS:
@@ -117,11 +118,26 @@ class RequestValidator:
         if it.is_final_chunk and it.prompt_len is not None and it.prompt_len > end:
             raise InvalidRequest(f"prompt_len {it.prompt_len} exceeds the {end} tokens the cache will hold after "
                                  "this item")
-        if end > self.max_len:
-            raise SequenceTooLong(f"{it.pos_offset} + {len(it.token_ids)} tokens exceed the model's maximum length "
-                                  f"of {self.max_len}")
+        if it.draft_token_ids:
+            self._check_drafts(it)
+        drafts = len(it.draft_token_ids)
+        if end + drafts > self.max_len:
+            raise SequenceTooLong(f"{it.pos_offset} + {len(it.token_ids)} tokens"
+                                  + (f" + {drafts} draft tokens" if drafts else "")
+                                  + f" exceed the model's maximum length of {self.max_len}")
         sampling = it.sampling if it.sampling is not None else state.sampling if state else SamplingParams()
         return PlannedItem(it, state, sampling)
+
+    def _check_drafts(self, it: UnifiedItem) -> None:
+        if not it.is_final_chunk:
+            raise InvalidRequest("draft_token_ids need a final chunk: a prompt chunk with more to come samples "
+                                 "nothing to verify them against")
+        if len(it.draft_token_ids) > MAX_DRAFT_TOKENS:
+            raise InvalidRequest(f"{len(it.draft_token_ids)} draft tokens; at most {MAX_DRAFT_TOKENS} per item")
+        if not it.output.wants_tokens or it.output.wants_logits:
+            raise InvalidRequest("draft tokens are verified by sampling them: the output mode must be tokens "
+                                 "(no logits per drafted position)")
+        self._check_ids(it.draft_token_ids)
 
 
 def name_item(exc: TandemError, n: int, cache_id: str | None = None) -> TandemError:

@@ -73,6 +73,10 @@ class UnifiedItem:
     # at the first final chunk. None = every token up to that chunk. A scheduler recomputing a preempted
     # sequence passes its true prompt length so the earlier outputs still count as outputs.
     prompt_len: int | None = None
+    # Speculative decoding (final chunks only): tokens guessed to follow token_ids, verified in the same
+    # forward (batch.py). The output then holds the accepted drafts and the token sampled after them; the
+    # cache keeps only token_ids and the accepted drafts.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -92,6 +96,7 @@ class DecodeItem:
     output: OutputOptions = OutputOptions()
     adapter: str = ""
     stop_token_ids: frozenset[int] = frozenset()
+    draft_token_ids: tuple[int, ...] = ()  # as UnifiedItem's; only with num_steps <= 1
 
 
 @dataclass

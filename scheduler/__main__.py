@@ -7,6 +7,7 @@ import logging
 import sys
 
 from tandem.errors import TandemError
+from scheduler import speculation
 from scheduler.config import SchedulerConfig
 from scheduler.server import serve_async
 
@@ -68,6 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="serve Prometheus metrics (GET /metrics) on --host at this port (0 = any free port, logged "
                          "as 'metrics on http://...'); default: none")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    speculation.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_message_mb=args.max_message_mb, max_prompt_chars=args.max_prompt_chars,
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
-                          grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port)
+                          grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
+                          speculative=speculation.from_args(args))
     try:
         cfg.validate()
         return asyncio.run(serve_async(cfg))

@@ -96,7 +96,7 @@ def _item_to_pb(item: StepItem, registered_sampling: bool) -> epb.UnifiedItem:
                            sampling=seq.sampling_to_send(registered_sampling) if final else None,
                            output=_output_options(req.top_logprobs), adapter=req.adapter,
                            # read by the executor at the first final chunk only
-                           prompt_len=len(req.prompt_ids) if final else None)
+                           prompt_len=len(req.prompt_ids) if final else None, draft_token_ids=item.drafts)
 
 
 _OUTPUT_OPTIONS: dict[int, epb.OutputOptions] = {}  # by top_logprobs: built once, never mutated
@@ -110,20 +110,18 @@ def _output_options(top_logprobs: int) -> epb.OutputOptions:
 
 
 def item_results_from_pb(resp: epb.UnifiedDecodeResponse) -> list[ItemResult]:
-    """Per item: its cache and token, or the error it failed with alone (an unset status is OK: an executor
+    """Per item: its cache and tokens (one; with drafts, the accepted ones first), or the error it failed with alone (an unset status is OK: an executor
     without per-item statuses fails the whole call instead)."""
     results = []
     for r in resp.results:
         if r.status.code:
             name = _STATUS_NAMES.get(r.status.code, "UNKNOWN")
-            results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, None,
+            results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, (),
                                       RemoteError(name, f"executor: {r.status.message or name}")))
             continue
-        token = None
-        if r.HasField("output") and r.output.tokens:
-            t = r.output.tokens[0]
-            token = TokenLogprob(t.token_id, t.logprob, tuple((a.token_id, a.logprob) for a in t.top_logprobs))
-        results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, token))
+        tokens = tuple(TokenLogprob(t.token_id, t.logprob, tuple((a.token_id, a.logprob) for a in t.top_logprobs))
+                       for t in r.output.tokens) if r.HasField("output") else ()
+        results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, tokens))
     return results
 
 
@@ -190,7 +188,8 @@ def delta_to_pb(request_id: str, d: Delta) -> pb.GenerateResponse:
         out.finish_reason = _FINISH[d.finish_reason]
     if d.usage is not None:
         out.usage.CopyFrom(pb.Usage(prompt_tokens=d.usage.prompt_tokens, completion_tokens=d.usage.completion_tokens,
-                                    cached_tokens=d.usage.cached_tokens, preemptions=d.usage.preemptions))
+                                    cached_tokens=d.usage.cached_tokens, preemptions=d.usage.preemptions,
+                                    drafted_tokens=d.usage.drafted_tokens, accepted_tokens=d.usage.accepted_tokens))
     return out
 
 

@@ -1,7 +1,9 @@
 """Scheduler settings (CLI flags map 1:1 onto these fields; see scheduler/__main__.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from scheduler.speculation import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class SchedulerConfig:
     metrics_port: int | None = None  # Prometheus GET /metrics on host:this (0 = any free port); None = none
     # OpenAI-compatible HTTP front (scheduler/http/) on --host: None = off, 0 = any free port (printed when ready).
     http_port: int | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -55,6 +58,7 @@ class SchedulerConfig:
             raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in 0..65535 (0 = any free port), got {self.http_port}")
+        self.speculative.validate()
         if self.max_running > self.max_batch_tokens:
             raise ValueError(f"--max-running ({self.max_running}) cannot exceed --max-batch-tokens "
                              f"({self.max_batch_tokens}): every running sequence needs a token per step")

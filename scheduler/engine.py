@@ -31,6 +31,7 @@ from scheduler.request import GenerateRequest
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Sequence
 from scheduler.session import ExecutorSession
+from scheduler.speculation import SPECULATIVE_DRAFTS
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError, Unavailable
 from tandem.executor.v1 import executor_pb2 as epb
@@ -234,14 +235,20 @@ class Engine:
         self._stall_poll_s = _STALL_POLL_S[0]
         outcome = policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv))
         self.fail(outcome.failed)
+        touched: dict[RequestOutput, None] = {}  # (ordered) streams with new tokens: one message each
         for e in outcome.emitted:
             output = self.outputs.get(e.seq)
-            if output is None:
+            if output is None or output.finished:  # (a stop string ended it earlier in this step's run)
                 continue
+            output.drafted_tokens, output.accepted_tokens = e.seq.drafted_tokens, e.seq.accepted_tokens
             ended = output.add(e.token, e.finish, e.seq.preemptions)
             if ended is not None and e.finish is None:  # a stop string: only the text showed it
                 policy.finish(e.seq)
+            touched[output] = None
+        for output in touched:
             output.publish()
+        if outcome.drafted and self.metrics is not None:
+            self.metrics.speculated(outcome.drafted, outcome.accepted)
         self._log_stats(sum(item.count for item in plan.items))
 
     async def _match_prefixes(self) -> None:
@@ -250,6 +257,7 @@ class Engine:
         still need and the step sends only the rest of their prompts. A failed lookup only means no reuse."""
         # (read each step: an executor back after a loss may have it on or off)
         self.planner.reuse_prefixes = PREFIX_CACHING in self.info.capabilities
+        self.planner.speculator = self.policy.speculator if SPECULATIVE_DRAFTS in self.info.capabilities else None
         if not self.planner.reuse_prefixes:
             return
         seqs = self.policy.to_match()

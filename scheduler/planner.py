@@ -20,6 +20,9 @@ Policy (one step):
    free what it waits for). With prefix caching, a waiting sequence whose first blocks a running one is
    still writing waits until they are written, to reuse them (scheduler/prefix_wait.py). Why the head
    waits is the plan's wait_reason.
+With speculative decoding (scheduler/speculation.py), decoding sequences may also carry draft tokens, from
+the step's token budget and the blocks left after every decode's growth, before any prompt chunk: drafts
+never preempt or hold back anything; they only use room the step has.
 The executor's own accounting stays the authority: a RESOURCE_EXHAUSTED answer still preempts (engine).
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 from scheduler.prefix_wait import awaited_prefix
 from scheduler.sequence import Sequence
+from scheduler.speculation import Speculator
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 
@@ -41,6 +45,7 @@ class StepItem:
     seq: Sequence
     start: int  # position of the first token (the sequence's num_cached)
     count: int  # tokens written this step
+    drafts: tuple[int, ...] = ()  # speculative decoding: tokens guessed to follow (verified by the executor)
 
     @property
     def is_final(self) -> bool:  # the chunk reaches the end of the known tokens: sample after it
@@ -68,6 +73,7 @@ class Planner:
         self.prefill_chunk = prefill_chunk
         self.max_adapters = max_adapters  # distinct adapters per step; 0 = no limit
         self.reuse_prefixes = False  # the executor caches prefixes: hold back what a running prefill writes
+        self.speculator: Speculator | None = None  # drafts for decoding sequences (the executor verifies them)
 
     def plan(self, running: list[Sequence], waiting: list[Sequence], kv: KvUsage) -> StepPlan:
         """running and waiting are ordered oldest first; neither list is modified."""
@@ -92,11 +98,18 @@ class Planner:
             victim = running.pop()  # youngest
             plan.preempted.append(victim)
             free += ceil_div(victim.num_cached, bs)
-        budget = self.max_batch_tokens
-        for s in decoding:
-            plan.items.append(StepItem(s, s.num_cached, 1))
-        budget -= len(decoding)
+        budget = self.max_batch_tokens - len(decoding)
         free -= need
+        spec = self.speculator if self.speculator and self.speculator.step_allows_drafts(len(decoding)) else None
+        for s in decoding:
+            drafts: tuple[int, ...] = ()
+            if spec is not None and budget > 0:
+                # tokens the blocks it will hold (and the free ones) have room for after its decode token
+                room = (ceil_div(s.num_cached + 1, bs) + free) * bs - s.num_cached - 1
+                drafts = spec.drafts(s, min(budget, room))
+                budget -= len(drafts)
+                free -= grow(s, 1 + len(drafts)) - grow(s, 1)
+            plan.items.append(StepItem(s, s.num_cached, 1, drafts))
 
         # 2. running prompts (chunked prefill in progress, oldest first)
         prefilling = [s for s in running if not s.is_decoding]

@@ -42,6 +42,7 @@ from scheduler.planner import Planner, StepPlan
 from scheduler.prefix_wait import shared_prefix
 from scheduler.request import Finish, TokenLogprob
 from scheduler.sequence import Sequence, Status
+from scheduler.speculation import Speculator
 from tandem.errors import AdapterNotFound, CapacityExceeded, TandemError
 from tandem.kv_usage import KvUsage
 
@@ -55,7 +56,8 @@ class ItemResult:
 
     cache_id: str
     seq_len: int  # tokens the cache holds after the step
-    token: TokenLogprob | None = None  # sampled after a final chunk
+    # Sampled after a final chunk: one token, or with draft tokens the accepted drafts and the token after them.
+    tokens: tuple[TokenLogprob, ...] = ()
     error: TandemError | None = None  # the item failed alone: nothing of it was written, its cache is as it was
 
 
@@ -80,6 +82,8 @@ class Failure:
 class StepOutcome:
     emitted: list[Emitted] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
+    drafted: int = 0  # draft tokens the step verified (speculative decoding) ...
+    accepted: int = 0  # ... and those accepted
 
 
 class SchedulingPolicy:
@@ -91,6 +95,9 @@ class SchedulingPolicy:
                                max_adapters)
         self.kv = kv
         self.clock = clock
+        # Drafts for decoding sequences (--speculative); the engine hands it to the planner while the executor
+        # verifies drafts (capability "speculative_drafts").
+        self.speculator = Speculator(cfg.speculative) if cfg.speculative.enabled else None
         self.running: list[Sequence] = []  # admitted, oldest arrival first
         self.waiting: list[Sequence] = []  # new or preempted, oldest arrival first
         self.preemptions = 0
@@ -143,6 +150,7 @@ class SchedulingPolicy:
         if seq not in self._in_flight and seq.cache_id:
             self._to_release.append(seq.cache_id)
             seq.cache_id = ""
+        self._forget(seq)
         seq.status = Status.FINISHED
 
     def finish(self, seq: Sequence) -> None:
@@ -201,13 +209,19 @@ class SchedulingPolicy:
             if seq.finished:  # aborted while the step ran
                 self._release(seq)
                 continue
-            if res.token is None:
-                continue
-            finish = seq.append(res.token.token_id)
-            out.emitted.append(Emitted(seq, res.token, finish))
-            if finish is not None:
-                self.running.remove(seq)
-                self._release(seq)
+            if item.drafts:
+                accepted = max(0, len(res.tokens) - 1)
+                out.drafted, out.accepted = out.drafted + len(item.drafts), out.accepted + accepted
+                if self.speculator is not None:
+                    self.speculator.observe(seq, len(item.drafts), accepted)
+            for token in res.tokens:  # a stop inside an accepted run ends the sequence there
+                finish = seq.append(token.token_id)
+                out.emitted.append(Emitted(seq, token, finish))
+                if finish is not None:
+                    self.running.remove(seq)
+                    self._release(seq)
+                    self._forget(seq)
+                    break
         if out.failed:
             log.warning("%d of %d items of a step failed alone: %s", len(out.failed), len(plan.items),
                         out.failed[0].error)
@@ -389,7 +403,12 @@ class SchedulingPolicy:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        self._forget(seq)
         seq.status = Status.FINISHED
+
+    def _forget(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.queued_at = self.clock()

@@ -57,6 +57,8 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     preemptions: int = 0
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified ...
+    accepted_tokens: int = 0  # ... and accepted (each saved a step)
 
 
 @dataclass

@@ -33,6 +33,8 @@ class RequestOutput:
         self.finished = False
         self._completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the executor's prefix cache served (usage.cached_tokens)
+        self.drafted_tokens = 0  # speculative decoding: draft tokens verified for it (usage) ...
+        self.accepted_tokens = 0  # ... and accepted
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, not request.keep_special_tokens)
         self._stops = StopStringMatcher(request.stopping.stop, request.stopping.include_stop_str_in_output)
         self._delta = Delta()
@@ -131,6 +133,6 @@ class RequestOutput:
         self._delta.finish_reason = finish.reason
         self._delta.stop_reason = finish.stop_reason
         self._delta.usage = Usage(len(self.request.prompt_ids), self._completion_tokens, self.cached_tokens,
-                                  preemptions)
+                                  preemptions, self.drafted_tokens, self.accepted_tokens)
         self.publish()
         return finish

@@ -30,6 +30,8 @@ class Sequence:
         # requests had written then; -1 = not yet (with prefix caching it is not admitted before).
         self.prefix_looked_up = -1
         self.preemptions = 0  # times its cache was lost (preemption, executor restart) and recomputed
+        self.drafted_tokens = 0  # speculative decoding: draft tokens sent for verification ...
+        self.accepted_tokens = 0  # ... and those the executor accepted
         self.queued_at = 0.0  # when it last entered the waiting queue (the policy's clock)
         # The executor's SamplingParams messages, built once: (normal, before min_new_tokens).
         self.executor_sampling = sampling or (cpb.SamplingParams(), cpb.SamplingParams())
@@ -62,6 +64,14 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         return self.remaining == 1 and bool(self.output_ids)
+
+    def draft_room(self) -> int:
+        """Draft tokens a decoding step may verify for it: the accepted ones and the token sampled after them
+        must fit max_new_tokens and the model's length; none while it is short of min_new_tokens (the EOS ban
+        then differs from one position to the next)."""
+        if len(self.output_ids) < self.request.stopping.min_new_tokens:
+            return 0
+        return max(0, self._max_len - self.num_tokens - 1)
 
     def reset_cache(self) -> None:
         """After preemption (or the executor's loss): the cache is gone; everything will be recomputed

@@ -52,8 +52,12 @@ def usage(usages: list[DomainUsage | None], n: int) -> s.Usage:
     firsts = [u for u in usages[::n] if u is not None]
     prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in done)
+    drafted, accepted = sum(u.drafted_tokens for u in done), sum(u.accepted_tokens for u in done)
     return s.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=s.PromptTokensDetails(cached_tokens=sum(u.cached_tokens for u in firsts)))
+                   prompt_tokens_details=s.PromptTokensDetails(cached_tokens=sum(u.cached_tokens for u in firsts)),
+                   completion_tokens_details=s.CompletionTokensDetails(
+                       accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted)
+                   if drafted else None)
 
 
 class _Renderer:

@@ -110,11 +110,18 @@ class PromptTokensDetails(Out):
     cached_tokens: int
 
 
+class CompletionTokensDetails(Out):
+    # OpenAI's names (from its Predicted Outputs): speculative-decoding drafts the model accepted / rejected.
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(Out):

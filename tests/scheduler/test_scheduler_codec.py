@@ -290,7 +290,7 @@ def test_item_results_carry_per_item_statuses():
                           status=epb.ItemStatus(code=5, message="unknown adapter 'x'")),
         epb.UnifiedResult(cache=epb.CacheRef(cache_id="c" * 32, seq_len=9), status=epb.ItemStatus(code=0))])
     ok, failed, unset_ok = item_results_from_pb(resp)
-    assert ok.error is None and ok.token.token_id == 7
-    assert failed.token is None and failed.error.status_name == "NOT_FOUND"
+    assert ok.error is None and [t.token_id for t in ok.tokens] == [7]
+    assert failed.tokens == () and failed.error.status_name == "NOT_FOUND"
     assert "unknown adapter 'x'" in str(failed.error)
-    assert unset_ok.error is None and unset_ok.token is None and unset_ok.seq_len == 9
+    assert unset_ok.error is None and unset_ok.tokens == () and unset_ok.seq_len == 9

@@ -1,0 +1,122 @@
+"""Speculative decoding in the scheduler: its settings, and how many draft tokens each decoding sequence gets.
+
+The executor verifies drafts inside the step's UnifiedDecode (UnifiedItem.draft_token_ids): the output is
+exactly the one of one token per step, and a step returns the accepted drafts plus one sampled token. Drafts
+pay when a decode step is bound by reading the weights (small batches): checking k more positions then costs
+little more than one. They cost when the step is already compute bound (large batches), so:
+- no drafts at all when the step has more decoding sequences than --speculative-max-batch (a measured
+  default: scripts/bench_spec.py);
+- per sequence, the draft length adapts: after a fully accepted draft it grows by one (up to
+  --num-speculative-tokens), after a partly accepted one it is the accepted length + 1, and after drafts
+  accepted not at all the sequence sits out 2, 4, ... 16 steps before it drafts again;
+- no drafts while a request is short of min_new_tokens (the EOS ban then changes from position to position),
+  and never past its max_new_tokens or the model's length (Sequence.draft_room).
+"""
+from __future__ import annotations
+
+import argparse
+import weakref
+from dataclasses import dataclass
+
+from scheduler.draft_proposer import DraftProposer, NgramProposer
+from scheduler.sequence import Sequence
+
+METHODS = ("off", "ngram")
+SPECULATIVE_DRAFTS = "speculative_drafts"  # GetInfo capability: UnifiedItem.draft_token_ids is verified
+_MAX_COOLDOWN_STEPS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"  # "ngram": prompt-lookup drafts (scheduler/draft_proposer.py)
+    num_tokens: int = 4  # most draft tokens per sequence and step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Decoding sequences in a step above which nobody drafts (verification would cost more than it saves).
+    max_batch: int = 8
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= 32:
+            raise ValueError(f"--num-speculative-tokens must be in 1..32 (the executor's limit), got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= --ngram-min ({self.ngram_min}) <= --ngram-max ({self.ngram_max})")
+        if self.max_batch < 0:
+            raise ValueError(f"--speculative-max-batch must be >= 0, got {self.max_batch}")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    d = SpeculativeConfig()
+    g = ap.add_argument_group("speculative decoding (drafts verified inside the batch; output unchanged)")
+    g.add_argument("--speculative", choices=METHODS, default=d.method,
+                   help="draft tokens for decoding requests: 'ngram' looks the last tokens up in the request's prompt "
+                        "and output and proposes what followed (wins when the output copies the input: editing, "
+                        "extraction, code changes, RAG). The executor verifies them in the same step; greedy and "
+                        f"seeded outputs are identical to 'off' (default {d.method})")
+    g.add_argument("--num-speculative-tokens", type=int, default=d.num_tokens,
+                   help=f"most draft tokens per request and step (1..32; default {d.num_tokens})")
+    g.add_argument("--ngram-max", type=int, default=d.ngram_max,
+                   help=f"longest n-gram matched first (default {d.ngram_max})")
+    g.add_argument("--ngram-min", type=int, default=d.ngram_min,
+                   help=f"shortest n-gram tried (default {d.ngram_min})")
+    g.add_argument("--speculative-max-batch", type=int, default=d.max_batch,
+                   help="no drafts in a step with more decoding requests than this: verification then costs more "
+                        f"than it saves (default {d.max_batch}, measured with scripts/bench_spec.py; 0 = never draft)")
+
+
+def from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    return SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                             args.speculative_max_batch)
+
+
+@dataclass
+class _DraftLength:
+    tokens: int  # draft length for the next step
+    misses: int = 0  # drafts in a row accepted not at all
+    cooldown: int = 0  # steps to sit out before drafting again
+
+
+class Speculator:
+    def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer | None = None) -> None:
+        self.cfg = cfg
+        self.proposer = proposer or NgramProposer(cfg.ngram_min, cfg.ngram_max)
+        # (weak: a sequence that ends without forget() leaves nothing behind)
+        self._lengths: weakref.WeakKeyDictionary[Sequence, _DraftLength] = weakref.WeakKeyDictionary()
+
+    def step_allows_drafts(self, decoding: int) -> bool:
+        return 0 < decoding <= self.cfg.max_batch
+
+    def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding sequence this step (at most limit: the step's token and block room)."""
+        state = self._lengths.get(seq)
+        if state is None:
+            state = self._lengths[seq] = _DraftLength(self.cfg.num_tokens)
+        if state.cooldown:
+            state.cooldown -= 1
+            return ()
+        n = min(state.tokens, limit, seq.draft_room())
+        return tuple(self.proposer.propose(seq, n)) if n > 0 else ()
+
+    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """The executor accepted `accepted` of the `drafted` tokens sent for seq."""
+        seq.drafted_tokens += drafted
+        seq.accepted_tokens += accepted
+        state = self._lengths.get(seq)
+        if state is None:
+            return
+        if accepted == drafted:
+            state.tokens, state.misses = min(self.cfg.num_tokens, state.tokens + 1), 0
+        elif accepted:
+            state.tokens, state.misses = accepted + 1, 0
+        else:
+            state.tokens, state.misses = 1, state.misses + 1
+            state.cooldown = min(2 ** state.misses, _MAX_COOLDOWN_STEPS)
+
+    def forget(self, seq: Sequence) -> None:
+        self._lengths.pop(seq, None)
+        self.proposer.forget(seq)
