@@ -248,7 +248,7 @@ class Engine:
         for output in touched:
             output.publish()
         if outcome.drafted and self.metrics is not None:
-            self.metrics.speculated(outcome.drafted, outcome.accepted)
+            self.metrics.speculated(outcome.drafts, outcome.drafted, outcome.accepted)
         self._log_stats(sum(item.count for item in plan.items))
 
     async def _match_prefixes(self) -> None:

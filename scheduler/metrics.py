@@ -58,7 +58,8 @@ class SchedulerMetrics:
         self.generation_tokens = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
-        self.spec_draft_tokens = 0  # speculative decoding: draft tokens verified, and accepted
+        self.spec_drafts = 0  # speculative decoding: sequences' drafts verified, their tokens, those accepted
+        self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         self.success = {reason.value: 0 for reason in FinishReason}  # every series exists from the start
         self.failure: dict[str, int] = {}  # by gRPC status name
@@ -94,8 +95,9 @@ class SchedulerMetrics:
     def failed(self, code: str) -> None:
         self.failure[code] = self.failure.get(code, 0) + 1
 
-    def speculated(self, drafted: int, accepted: int) -> None:
-        """A step verified `drafted` draft tokens and accepted `accepted` of them."""
+    def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
+        """A step verified `drafts` sequences' drafts, `drafted` tokens in all, and accepted `accepted`."""
+        self.spec_drafts += drafts
         self.spec_draft_tokens += drafted
         self.spec_accepted_tokens += accepted
 
@@ -143,6 +145,8 @@ class _RequestCollector(Collector):
                                   "token (looked up in the executor's prefix cache).", value=m.prefix_queries)
         yield CounterMetricFamily("tandem:prefix_cache_hits", "Of those, tokens the executor's prefix cache "
                                   "served (usage.cached_tokens).", value=m.prefix_hits)
+        yield CounterMetricFamily("tandem:spec_decode_num_drafts", "Drafts verified (one per sequence and step "
+                                  "that carried draft tokens).", value=m.spec_drafts)
         yield CounterMetricFamily("tandem:spec_decode_num_draft_tokens", "Draft tokens sent to executors for "
                                   "verification (--speculative).", value=m.spec_draft_tokens)
         yield CounterMetricFamily("tandem:spec_decode_num_accepted_tokens", "Of those, tokens the model accepted "

@@ -82,7 +82,8 @@ class Failure:
 class StepOutcome:
     emitted: list[Emitted] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
-    drafted: int = 0  # draft tokens the step verified (speculative decoding) ...
+    drafts: int = 0  # items of the step that carried draft tokens (speculative decoding) ...
+    drafted: int = 0  # ... their draft tokens ...
     accepted: int = 0  # ... and those accepted
 
 
@@ -211,6 +212,7 @@ class SchedulingPolicy:
                 continue
             if item.drafts:
                 accepted = max(0, len(res.tokens) - 1)
+                out.drafts += 1
                 out.drafted, out.accepted = out.drafted + len(item.drafts), out.accepted + accepted
                 if self.speculator is not None:
                     self.speculator.observe(seq, len(item.drafts), accepted)
