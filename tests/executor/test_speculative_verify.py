@@ -15,7 +15,6 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import pytest
@@ -30,6 +29,7 @@ from tandem.errors import InvalidRequest, KvCapacityExceeded, SequenceTooLong
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import create_cache, make_executor, raising, warm_prefixes
+from tests.hf_reference import rel_err
 from tests.lora_fixtures import make_peft_adapter
 
 BS = 16  # the executor's default block size
@@ -61,10 +61,13 @@ class Run:
     logprobs: list[float] = field(default_factory=list)
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
     free_at: dict[int, int] = field(default_factory=dict)  # cache length -> the pool's free blocks then
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step, when the output mode has them
     drafted: int = 0
     accepted: int = 0
 
-    def take(self, tokens) -> None:
+    def take(self, tokens, logits: torch.Tensor | None = None) -> None:
+        if logits is not None:
+            self.logits.append(logits[0])
         for t in tokens:
             self.tokens.append(t.token_id)
             self.logprobs.append(t.logprob)
@@ -99,7 +102,7 @@ def plain_run(ex, prompt: list[int], steps: int, sampling: SamplingParams | None
     cache_id = r.cache.cache_id
     while True:
         run.free_at[r.cache.seq_len] = ex.kv_usage().free_blocks
-        run.take(r.output.tokens)
+        run.take(r.output.tokens, r.output.logits)
         if len(run.tokens) == steps:
             break
         (r,) = raising(ex.unified_decode([UnifiedItem((run.tokens[-1],), cache_id, r.cache.seq_len, output=output,
@@ -197,7 +200,9 @@ def test_mixed_batch_every_item_as_alone(ex, refs):
     seqs = [  # prompt, first step, prompt chunk (None: whole), draft schedule (None: no drafts), reference
         dict(prompt=PROMPTS[0], start=0, chunk=None, schedule=SCHEDULES["right"], ref=refs[0]),
         dict(prompt=PROMPTS[1], start=0, chunk=None, schedule=SCHEDULES["half"], ref=refs[1]),
-        dict(prompt=PROMPTS[2], start=0, chunk=None, schedule=None, ref=refs[2]),
+        # a plain decode wanting logits after two drafting items: its logit rows are found past theirs
+        dict(prompt=PROMPTS[2], start=0, chunk=None, schedule=None, output=WITH_LOGITS,
+             ref=plain_run(ex, PROMPTS[2], 24, output=WITH_LOGITS)),
         dict(prompt=long_prompt, start=1, chunk=16, schedule=SCHEDULES["mixed"], ref=plain_run(ex, long_prompt, 24)),
         dict(prompt=PROMPTS[2][::-1], start=3, chunk=None, schedule=SCHEDULES["half"],
              ref=plain_run(ex, PROMPTS[2][::-1], 24)),
@@ -223,7 +228,8 @@ def test_mixed_batch_every_item_as_alone(ex, refs):
                 drafts, want = oracle_drafts(kind, min(k, len(ref) - len(run.tokens) - 1), ref, len(run.tokens), vocab)
             kinds.add("new" if s["cache"] is None else "chunk" if not final else
                       "draft" if drafts and s["fed"] == len(prompt) else "decode" if not drafts else "prompt+draft")
-            items.append(UnifiedItem(tuple(part), s["cache"], s["length"], final, draft_token_ids=drafts))
+            items.append(UnifiedItem(tuple(part), s["cache"], s["length"], final,
+                                     output=s.get("output", OutputOptions()), draft_token_ids=drafts))
             wants.append(want)
         kinds_per_call.append(kinds)
         for s, item, want, r in zip(live, items, wants, raising(ex.unified_decode(items))):
@@ -233,7 +239,7 @@ def test_mixed_batch_every_item_as_alone(ex, refs):
                 s["fed"] += len(item.token_ids)
             if item.is_final_chunk:
                 assert len(r.output.tokens) == want + 1
-                s["run"].take(r.output.tokens)
+                s["run"].take(r.output.tokens, r.output.logits)
             else:
                 assert r.output is None
         if step == 1:  # the long prompt's first chunk made its cache
@@ -243,6 +249,8 @@ def test_mixed_batch_every_item_as_alone(ex, refs):
     for n, s in enumerate(seqs):
         assert s["run"].tokens == s["ref"].tokens, f"sequence {n}"
         assert max(abs(a - b) for a, b in zip(s["run"].logprobs, s["ref"].logprobs)) < LOGPROB_TOL
+    got, want = seqs[2]["run"].logits, seqs[2]["ref"].logits
+    assert len(got) == len(want) == 24 and max(rel_err(g, w) for g, w in zip(got, want)) < LOGPROB_TOL
     ex.release_cache([s["cache"] for s in seqs])
     assert_pool_whole(ex)
 
@@ -349,8 +357,8 @@ def chi2_sf(x: float, df: int) -> float:
 
 
 def test_chi2_sf_matches_the_tables():
-    for x, df, p in [(3.841459, 1, 0.05), (18.307038, 10, 0.05), (44.263225, 15, 1e-4), (31.827628, 8, 1e-4), (24.995790, 15, 0.05),
-                     (34.169607, 20, 0.025)]:
+    for x, df, p in [(3.841459, 1, 0.05), (18.307038, 10, 0.05), (44.263225, 15, 1e-4), (31.827628, 8, 1e-4),
+                     (24.995790, 15, 0.05), (34.169607, 20, 0.025)]:
         assert chi2_sf(x, df) == pytest.approx(p, rel=1e-4)
 
 
@@ -551,7 +559,8 @@ def test_a_pool_too_small_for_the_drafts_changes_nothing(model_dir):
     free = ex.kv_usage().free_blocks
     assert free == 1
     with pytest.raises(KvCapacityExceeded):  # 31 + 1 + 20 tokens need 4 blocks
-        ex.unified_decode([UnifiedItem((ref.tokens[0],), cache_id, 31, draft_token_ids=tuple(ref.tokens[1:6]) + (5,) * 15)])
+        ex.unified_decode([UnifiedItem((ref.tokens[0],), cache_id, 31,
+                                       draft_token_ids=tuple(ref.tokens[1:6]) + (5,) * 15)])
     assert ex.cache_length(cache_id) == 31 and cache_blocks(ex, cache_id) == 2 and ex.kv_usage().free_blocks == 1
     # the cache's tokens are unchanged too: drafts that fit now give exactly the reference
     (r,) = raising(ex.unified_decode([UnifiedItem((ref.tokens[0],), cache_id, 31,

@@ -149,10 +149,11 @@ def test_max_length_inside_a_run_ends_with_length(client, reference):
     the sequence ends at max_new_tokens with LENGTH and nothing after it is emitted."""
     new = 9
 
-    def overdraft(plan):  # decode items get every remaining reference token as drafts
-        return dataclasses.replace(plan, items=[dataclasses.replace(i, drafts=tuple(reference[len(i.seq.output_ids):
-                                                                                             len(i.seq.output_ids) + 8]))
-                                                if i.seq.output_ids else i for i in plan.items])
+    def overdraft(plan):  # decode items get the next 8 reference tokens as drafts, past draft_room
+        def drafts(seq):
+            return tuple(reference[len(seq.output_ids):len(seq.output_ids) + 8])
+        return dataclasses.replace(plan, items=[dataclasses.replace(i, drafts=drafts(i.seq)) if i.seq.output_ids
+                                                else i for i in plan.items])
 
     policy, info = new_policy(client, OracleProposer(reference))
     seq = submit(policy, info, StoppingCriteria(new, ignore_eos=True))
