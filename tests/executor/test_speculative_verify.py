@@ -20,6 +20,7 @@ import grpc
 import pytest
 import torch
 
+from executor_service import codec
 from executor_service.in_process_client import InProcessExecutorClient
 from executor_service.request_validation import MAX_DRAFT_TOKENS
 from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem
@@ -294,6 +295,30 @@ def test_drafts_after_a_reused_prefix(model_dir):
     assert_pool_whole(ex)
 
 
+def test_drafts_into_a_shared_block_write_a_private_copy(model_dir):
+    """A cache cut back into a block it shares with another cache (both reuse a cached prefix), then fed a
+    token with drafts that are rejected: the writes and the rollback go to its own copy of the block; the
+    other cache still continues exactly as the reference."""
+    ex = make_executor(model_dir, kv_blocks=64)
+    prompt = prompt_of(40, 5)
+    ref = plain_run(ex, prompt, 6)  # its released blocks stay cached (prefix caching)
+    (cut_ref,) = raising(ex.unified_decode([UnifiedItem(tuple(prompt[:21]))]))
+    ex.release_cache([cut_ref.cache.cache_id])
+    holder, _ = create_cache(ex, prompt)
+    other, cached = create_cache(ex, prompt)
+    assert cached == 32 and cache_blocks(ex, holder) == cache_blocks(ex, other) == 2
+    assert ex.truncate_cache(other, 20).seq_len == 20  # its last block: shared, cut inside
+    vocab = ex.model_config.vocab_size
+    drafts = tuple(wrong(cut_ref.output.tokens[0].token_id, vocab) for _ in range(14))  # positions 21..34
+    (r,) = raising(ex.unified_decode([UnifiedItem((prompt[20],), other, 20, draft_token_ids=drafts)]))
+    assert [t.token_id for t in r.output.tokens] == [cut_ref.output.tokens[0].token_id] and r.cache.seq_len == 21
+    assert cache_blocks(ex, other) == 2
+    (h,) = raising(ex.unified_decode([UnifiedItem(tuple(prompt[32:]), holder, 32)]))  # the shared block intact
+    assert h.output.tokens[0].token_id == ref.tokens[0]
+    ex.release_cache([holder, other])
+    assert_pool_whole(ex)
+
+
 # ------------------------------------------------------------------ LoRA and MoE
 
 
@@ -517,6 +542,9 @@ def test_draft_statuses_through_the_grpc_codec(ex, refs):
     assert resp.results[0].cache.seq_len == len(prompt) + 3
     client.release_now([resp.results[0].cache.cache_id])
     assert_pool_whole(ex)
+    item, _ = codec.decode_item_from_pb(pb.DecodeItem(cache=pb.CacheRef(cache_id="c", seq_len=3), token_id=5,
+                                                      draft_token_ids=[7, 8]))
+    assert item.draft_token_ids == (7, 8)  # Decode's items carry them too
 
 
 def test_decode_with_drafts(ex, refs):
