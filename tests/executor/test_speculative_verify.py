@@ -256,6 +256,22 @@ def test_mixed_batch_every_item_as_alone(ex, refs):
     assert_pool_whole(ex)
 
 
+def test_a_logits_only_item_before_a_drafting_one(ex, refs):
+    """Logit rows that are not sampled (output mode logits) come first in the call: the drafting item's
+    acceptance still reads its own sampled rows, and the logits are the item's alone."""
+    prompt, ref = PROMPTS[1], refs[1]
+    (alone,) = raising(ex.unified_decode([UnifiedItem(tuple(PROMPTS[0]), output=WITH_LOGITS)]))
+    drafts, want = oracle_drafts("half", 6, ref.tokens, 0, ex.model_config.vocab_size)
+    only, drafting = raising(ex.unified_decode([
+        UnifiedItem(tuple(PROMPTS[0]), output=OutputOptions(OutputMode.LOGITS)),
+        UnifiedItem(tuple(prompt), draft_token_ids=drafts)]))
+    assert not only.output.tokens and rel_err(only.output.logits[0], alone.output.logits[0]) < LOGPROB_TOL
+    assert [t.token_id for t in drafting.output.tokens] == ref.tokens[:want + 1]
+    assert drafting.cache.seq_len == len(prompt) + want
+    ex.release_cache([alone.cache.cache_id, only.cache.cache_id, drafting.cache.cache_id])
+    assert_pool_whole(ex)
+
+
 @pytest.mark.parametrize("kind", ["right", "half", "wrong"])
 def test_drafts_on_a_new_caches_prompt(ex, refs, kind):
     """A new cache whose first (final) chunk carries drafts: prefill and verification in one forward."""
