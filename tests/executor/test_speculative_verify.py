@@ -363,15 +363,20 @@ SAMPLING = SamplingParams(temperature=0.9, top_k=60, top_p=0.95, repetition_pena
                           frequency_penalty=0.4, seed=1234, logit_bias={7: 2.5, 100: -100.0, 221: 1.5})
 
 
+@pytest.fixture(scope="module")
+def sampled_refs(shared_ex, refs) -> dict[int, Run]:
+    out = {n: plain_run(shared_ex, p, STEPS, sampling=SAMPLING) for n, p in enumerate(PROMPTS[:2])}
+    assert all(out[n].tokens != refs[n].tokens for n in out)  # it really samples
+    return out
+
+
 @pytest.mark.parametrize("schedule", ["right", "half", "mixed"])
-def test_seeded_sampling_with_processors_is_reproducible(ex, schedule):
+def test_seeded_sampling_with_processors_is_reproducible(ex, sampled_refs, schedule):
     """Every processor (bias, repetition / presence / frequency penalties over the history before that
     position, temperature, top-k, top-p) and the position's RNG key apply at every drafted position: the
     seeded output with oracle drafts is the output without drafts, token for token."""
-    for prompt in PROMPTS[:2]:
-        ref = plain_run(ex, prompt, STEPS, sampling=SAMPLING)
-        assert ref.tokens != plain_run(ex, prompt, STEPS).tokens  # it really samples
-        got = spec_run(ex, prompt, ref, SCHEDULES[schedule], sampling=SAMPLING)
+    for n, ref in sampled_refs.items():
+        got = spec_run(ex, PROMPTS[n], ref, SCHEDULES[schedule], sampling=SAMPLING)
         assert_same(got, ref)
         assert got.accepted > 0
 
