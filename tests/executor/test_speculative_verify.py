@@ -113,8 +113,8 @@ def plain_run(ex, prompt: list[int], steps: int, sampling: SamplingParams | None
 
 
 def spec_run(ex, prompt: list[int], ref: Run, schedule: list[tuple[str, int]], sampling: SamplingParams | None = None,
-             adapter: str = "", output: OutputOptions = OutputOptions(), first_drafts: bool = True) -> Run:
-    """The same sequence with oracle drafts from ref (also on the prompt's item when first_drafts). Checks
+             adapter: str = "", output: OutputOptions = OutputOptions()) -> Run:
+    """The same sequence with oracle drafts from ref (the prompt's item carries drafts too). Checks
     after every call: the output is the accepted drafts + one token, the cache length is old + tokens +
     accepted, the cache holds exactly the blocks for that length, and the pool has exactly the free blocks
     the run without drafts had at that length. Releases the cache and checks the pool is whole."""
@@ -124,8 +124,7 @@ def spec_run(ex, prompt: list[int], ref: Run, schedule: list[tuple[str, int]], s
     for kind, k in itertools.cycle(schedule):
         m = len(run.tokens)
         room = steps - m - 1  # never past the reference's length
-        drafts, want = oracle_drafts(kind, min(k, room), ref.tokens, m, vocab) if room and (
-            cache_id or first_drafts) else ((), 0)
+        drafts, want = oracle_drafts(kind, min(k, room), ref.tokens, m, vocab) if room else ((), 0)
         tokens = tuple(prompt) if cache_id is None else (run.tokens[-1],)
         (r,) = raising(ex.unified_decode([UnifiedItem(tokens, cache_id, length, True, sampling, output, adapter,
                                                       draft_token_ids=drafts)]))
