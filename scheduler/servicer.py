@@ -41,6 +41,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     event = await output.events.get()
                     if isinstance(event, TandemError):
                         raise event
+                    if event.finish_reason is not None:
+                        lease.release()  # done: the client may start its next request once it reads this
                     yield codec.delta_to_pb(req.request_id, event)
                     if event.finish_reason is not None:
                         return
