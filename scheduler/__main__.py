@@ -78,24 +78,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _add_link_flags(ap: argparse.ArgumentParser) -> None:
     """The scheduler as a client of its executors, and the per-token shares of its own clients."""
     g = ap.add_argument_group("to the executors, and per-token limits (README: Security)")
-    g.add_argument("--executor-tls-ca", type=Path,
+    g.add_argument("--executor-tls-ca", type=Path, metavar="PEM",
                    help="connect to the executors over TLS and check their certificates against this PEM CA")
-    g.add_argument("--executor-tls-cert", type=Path,
+    g.add_argument("--executor-tls-cert", type=Path, metavar="PEM",
                    help="mTLS: present this PEM client certificate to the executors (with --executor-tls-key)")
-    g.add_argument("--executor-tls-key", type=Path, help="the PEM private key of --executor-tls-cert")
+    g.add_argument("--executor-tls-key", type=Path, metavar="PEM", help="the PEM private key of --executor-tls-cert")
     g.add_argument("--executor-tls", action="store_true",
                    help="connect over TLS checked against the system's CA roots (implied by the flags above)")
-    g.add_argument("--executor-tls-server-name",
+    g.add_argument("--executor-tls-server-name", metavar="NAME",
                    help="the name the executors' certificates must carry (default: the host of --executor, and "
                         "for dns:///NAME:PORT the NAME, not the pod address dialled)")
-    g.add_argument("--executor-token-file", type=Path,
+    g.add_argument("--executor-token-file", type=Path, metavar="FILE",
                    help="send the first token of this file (token-file format) to the executors as "
                         "`authorization: Bearer`, on every call; re-read on change. An admin token also lets the "
                         "scheduler follow their KV events (prefix-aware routing with several executors)")
-    g.add_argument("--max-concurrent-per-token", type=int,
+    g.add_argument("--max-concurrent-per-token", type=int, metavar="N",
                    help="Generate calls / HTTP completion requests one token may have in flight; more are "
                         "RESOURCE_EXHAUSTED / 429 for that token only (needs --auth-token-file; default: no limit)")
-    g.add_argument("--max-queued-tokens-per-token", type=int,
+    g.add_argument("--max-queued-tokens-per-token", type=int, metavar="N",
                    help="tokens (prompt + max new tokens) one token's requests in flight may hold; a request "
                         "over it is RESOURCE_EXHAUSTED / 429 (needs --auth-token-file; default: no limit)")
 

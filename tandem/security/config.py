@@ -33,13 +33,13 @@ class ServerSecurity:
 
 def add_server_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("security (README: Security)")
-    g.add_argument("--tls-cert", type=Path, help="serve TLS with this PEM certificate chain (with --tls-key); "
+    g.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this PEM certificate chain (with --tls-key); "
                                                  "re-read on change or SIGHUP without dropping open streams")
-    g.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
-    g.add_argument("--tls-client-ca", type=Path,
+    g.add_argument("--tls-key", type=Path, metavar="PEM", help="the PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", type=Path, metavar="PEM",
                    help="mTLS: require a client certificate signed by this PEM CA (refused in the handshake "
                         "otherwise)")
-    g.add_argument("--auth-token-file", type=Path,
+    g.add_argument("--auth-token-file", type=Path, metavar="FILE",
                    help="require `authorization: Bearer <token>` (HTTP: the OpenAI api_key) from this file: one "
                         "token per line, optionally followed by its scope `user` (default) or `admin`; # comments; "
                         "re-read on change. Missing or unknown token: UNAUTHENTICATED / 401; too low a scope: "
