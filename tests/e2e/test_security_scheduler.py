@@ -189,6 +189,18 @@ def test_readme_grpcurl_commands_run(secure, secure_executor, pki):
         assert run.stdout.strip(), command
 
 
+def test_scheduler_with_a_token_the_executor_refuses_exits_saying_so(secure_executor, pki, tmp_path):
+    (tmp_path / "wrong.token").write_text(new_token() + "\n")
+    cert, key = pki.client()
+    run = subprocess.run([sys.executable, "-m", "scheduler", "--executor", secure_executor.address, "--port", "0",
+                          "--executor-tls-ca", str(pki.ca), "--executor-tls-cert", str(cert), "--executor-tls-key",
+                          str(key), "--executor-token-file", str(tmp_path / "wrong.token")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "READY" not in run.stdout
+    assert "refused the scheduler's credentials (UNAUTHENTICATED" in run.stderr
+    assert "--executor-token-file" in run.stderr
+
+
 @pytest.mark.parametrize("module", ["scheduler", "executor_service"])
 def test_non_loopback_without_tls_or_tokens_refuses_to_start(module, model_dir):
     where = ["--executor", "127.0.0.1:1"] if module == "scheduler" else ["--model", str(model_dir)]
