@@ -34,8 +34,8 @@ class Scope(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who made a call: a token's fingerprint (the first 12 hex digits of its SHA-256: names it in logs and
-    per-token limits without revealing it) and its scope."""
+    """Who made a call: a token's fingerprint (the first 12 hex digits of its SHA-256: names it in per-token
+    accounts, and in str(), without revealing it) and its scope."""
     fingerprint: str
     scope: Scope
 
