@@ -11,6 +11,7 @@ import torch
 from executor_service.config import ExecutorConfig
 from executor_service.server import ServerConfig, serve
 from tandem.errors import TandemError
+from tandem.security.config import add_server_flags, server_security
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "as 'metrics on http://...'); default: none")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    add_server_flags(ap)
     return ap.parse_args(argv)
 
 
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
                               threads=args.threads, max_queued_calls=args.max_queued_calls,
-                              metrics_port=args.metrics_port)
+                              metrics_port=args.metrics_port, security=server_security(args))
     try:
         return serve(executor_cfg, server_cfg)
     except (TandemError, ValueError, OSError) as exc:

@@ -9,8 +9,9 @@ from typing import Any, Callable
 import grpc
 
 from executor_service.metrics import LatencyStats, LatencySummary
-from tandem.status_map import status_for
 from tandem.errors import TandemError
+from tandem.loggable import loggable
+from tandem.status_map import status_for
 
 log = logging.getLogger("tandem.executor")
 _OUR_PACKAGE = "tandem.executor.v1"
@@ -70,7 +71,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
     def _abort(method: str, exc: Exception, context: grpc.ServicerContext) -> None:
         if isinstance(exc, TandemError):
             code = status_for(exc)
-            log.info("%s -> %s: %s", method, code.name, exc)
+            log.info("%s -> %s: %s", method, code.name, loggable(str(exc)))  # may quote what the client sent
             context.abort(code, str(exc))
         log.exception("%s failed", method)  # a bug, not the caller's fault: log it whole, keep serving
         context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the executor log")

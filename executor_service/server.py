@@ -17,12 +17,16 @@ from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
 from executor_service.kv_sizing import describe
 from executor_service.metrics_export import ExecutorExporter
-from tandem.grpc_setup import add_health_reflection_and_ports
+from executor_service.auth_scopes import scope_of
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
 from executor_service.model_thread import DEFAULT_MAX_QUEUED, ModelThread
 from executor_service.servicer import ExecutorServicer
 from executor_service.sessions import LeaseReaper, check_ttl
 from tandem.executor.v1 import executor_pb2, executor_pb2_grpc
+from tandem.grpc_setup import add_health_reflection_and_ports
+from tandem.security.config import ServerSecurity
+from tandem.security.grpc_auth import AuthInterceptor
+from tandem.security.guard import ServerGuard
 
 log = logging.getLogger("tandem.executor")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name
@@ -42,20 +46,25 @@ class ServerConfig:
     grace_s: float = 30.0  # on SIGTERM/SIGINT: time in-flight RPCs get to finish
     threads: int | None = None  # torch CPU threads of the model thread (None: torch's default)
     metrics_port: int | None = None  # Prometheus GET /metrics on host:this (0 = any free port); None = none
+    security: ServerSecurity = ServerSecurity()  # TLS, tokens, reflection, --insecure (README: Security)
 
 
 def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetrics,
-                 health_servicer: health.HealthServicer, streams: int = 0) -> tuple[grpc.Server, list[str]]:
+                 health_servicer: health.HealthServicer, guard: ServerGuard,
+                 streams: int = 0) -> tuple[grpc.Server, list[str]]:
     """streams: long-lived server streams (KV event subscriptions), each holding a thread of its own."""
     limit = cfg.max_message_mb * 1024 * 1024
     threads = cfg.workers + cfg.max_queued_calls + 1 + streams
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
-        interceptors=[ErrorMappingInterceptor(metrics)],
+        # Tokens first: a refused call is not timed, mapped or run.
+        interceptors=[AuthInterceptor(guard.authenticator, scope_of, cfg.security.auth_health),
+                      ErrorMappingInterceptor(metrics)],
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                  ("grpc.so_reuseport", 0)])
     executor_pb2_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
-    return server, add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds)
+    return server, add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds,
+                                                   guard.grpc_credentials(), cfg.security.reflection)
 
 
 def _load_and_warm(executor_cfg: ExecutorConfig) -> Executor:
@@ -71,6 +80,8 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     """Listens at once (health NOT_SERVING, RPCs UNAVAILABLE), loads and warms up the model, then turns
     SERVING. Blocks until SIGTERM/SIGINT, then drains in-flight RPCs and returns 0."""
     check_ttl(executor_cfg.session_ttl_s)
+    guard = ServerGuard(cfg.security)  # reads certificates and tokens: a bad file stops us here, naming its flag
+    guard.check_exposure(cfg.host, cfg.port >= 0)
     metrics = RpcMetrics()
     thread = ModelThread(cfg.max_queued_calls)
     servicer = ExecutorServicer(metrics, thread, max_reply_bytes=cfg.max_message_mb * 1024 * 1024)
@@ -81,14 +92,16 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
         raise ValueError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
     if executor_cfg.max_kv_subscribers < 0 or executor_cfg.kv_events_buffer < 1:
         raise ValueError("--max-kv-subscribers must be >= 0 and --kv-events-buffer >= 1")
-    server, addresses = build_server(cfg, servicer, metrics, health_servicer, executor_cfg.max_kv_subscribers)
+    server, addresses = build_server(cfg, servicer, metrics, health_servicer, guard, executor_cfg.max_kv_subscribers)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: guard.reload_now())  # certificates and tokens: re-read now
     # The metrics server first: a port in use stops us before we listen.
     exporter = ExecutorExporter(metrics, thread) if cfg.metrics_port is not None else None
     metrics_server = exporter.serve(cfg.host, cfg.metrics_port) if exporter is not None else None
     server.start()
+    log.info("%s", guard.posture(["unix socket plaintext"] if cfg.uds else None))
     log.info("listening on %s; loading %s", ", ".join(addresses), executor_cfg.model_dir)
 
     start = time.perf_counter()

@@ -5,11 +5,13 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from tandem.errors import TandemError
 from scheduler import speculation
 from scheduler.config import SchedulerConfig
 from scheduler.server import serve_async
+from tandem.security.config import add_server_flags, server_security
 
 _D = SchedulerConfig("")  # defaults, for the help text
 _LIMITS = (  # (SchedulerConfig field, help with {} for the default)
@@ -69,8 +71,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="serve Prometheus metrics (GET /metrics) on --host at this port (0 = any free port, logged "
                          "as 'metrics on http://...'); default: none")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    add_server_flags(ap)
+    _add_link_flags(ap)
     speculation.add_arguments(ap)
     return ap.parse_args(argv)
+
+
+def _add_link_flags(ap: argparse.ArgumentParser) -> None:
+    """The scheduler as a client of its executors, and the per-token shares of its own clients."""
+    g = ap.add_argument_group("to the executors, and per-token limits (README: Security)")
+    g.add_argument("--executor-tls-ca", type=Path, metavar="PEM",
+                   help="connect to the executors over TLS and check their certificates against this PEM CA")
+    g.add_argument("--executor-tls-cert", type=Path, metavar="PEM",
+                   help="mTLS: present this PEM client certificate to the executors (with --executor-tls-key)")
+    g.add_argument("--executor-tls-key", type=Path, metavar="PEM", help="the PEM private key of --executor-tls-cert")
+    g.add_argument("--executor-tls", action="store_true",
+                   help="connect over TLS checked against the system's CA roots (implied by the flags above)")
+    g.add_argument("--executor-tls-server-name", metavar="NAME",
+                   help="the name the executors' certificates must carry (default: the host of --executor, and "
+                        "for dns:///NAME:PORT the NAME, not the pod address dialled)")
+    g.add_argument("--executor-token-file", type=Path, metavar="FILE",
+                   help="send the first token of this file (token-file format) to the executors as "
+                        "`authorization: Bearer`, on every call; re-read on change. An admin token also lets the "
+                        "scheduler follow their KV events (prefix-aware routing with several executors)")
+    g.add_argument("--max-concurrent-per-token", type=int, metavar="N",
+                   help="Generate calls / HTTP completion requests one token may have in flight; more are "
+                        "RESOURCE_EXHAUSTED / 429 for that token only (needs --auth-token-file; default: no limit)")
+    g.add_argument("--max-queued-tokens-per-token", type=int, metavar="N",
+                   help="tokens (prompt + max new tokens) one token's requests in flight may hold; a request "
+                        "over it is RESOURCE_EXHAUSTED / 429 (needs --auth-token-file; default: no limit)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
                           grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
-                          speculative=speculation.from_args(args))
+                          speculative=speculation.from_args(args),
+                          security=server_security(args), executor_tls_ca=args.executor_tls_ca,
+                          executor_tls_cert=args.executor_tls_cert, executor_tls_key=args.executor_tls_key,
+                          executor_tls=args.executor_tls, executor_tls_server_name=args.executor_tls_server_name,
+                          executor_token_file=args.executor_token_file,
+                          max_concurrent_per_token=args.max_concurrent_per_token,
+                          max_queued_tokens_per_token=args.max_queued_tokens_per_token)
     try:
         cfg.validate()
         return asyncio.run(serve_async(cfg))

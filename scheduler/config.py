@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from scheduler.speculation import SpeculativeConfig
+from tandem.security.config import ServerSecurity
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,23 @@ class SchedulerConfig:
     # OpenAI-compatible HTTP front (scheduler/http/) on --host: None = off, 0 = any free port (printed when ready).
     http_port: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
+    security: ServerSecurity = ServerSecurity()  # this server's TLS, tokens, reflection (gRPC and HTTP alike)
+    # The link to the executors: TLS when a CA or a client certificate is given (executor_tls_ca None: the
+    # system's roots), mTLS with the certificate; the name their certificates must carry when it is not the
+    # host dialled (default: a dns:/// target's NAME); the token sent to them.
+    executor_tls_ca: Path | None = None
+    executor_tls_cert: Path | None = None
+    executor_tls_key: Path | None = None
+    executor_tls_server_name: str | None = None
+    executor_tls: bool = False  # TLS to the executors with the system's roots (no --executor-tls-ca)
+    executor_token_file: Path | None = None
+    # Per-token shares (scheduler/token_limits.py): requests in flight, and their tokens (prompt + max new).
+    max_concurrent_per_token: int | None = None
+    max_queued_tokens_per_token: int | None = None
+
+    @property
+    def executor_tls_on(self) -> bool:
+        return self.executor_tls or self.executor_tls_ca is not None or self.executor_tls_cert is not None
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -59,6 +78,18 @@ class SchedulerConfig:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in 0..65535 (0 = any free port), got {self.http_port}")
         self.speculative.validate()
+        self.security.validate()
+        for flag, value in (("--max-concurrent-per-token", self.max_concurrent_per_token),
+                            ("--max-queued-tokens-per-token", self.max_queued_tokens_per_token)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+            if value is not None and self.security.auth_token_file is None:
+                raise ValueError(f"{flag} needs --auth-token-file: without tokens there is no client to count for")
+        if (self.executor_tls_cert is None) != (self.executor_tls_key is None):
+            raise ValueError("--executor-tls-cert and --executor-tls-key go together: give both or neither")
+        if self.executor_tls_server_name is not None and not self.executor_tls_on:
+            raise ValueError("--executor-tls-server-name needs TLS to the executors (--executor-tls-ca, "
+                             "--executor-tls-cert or --executor-tls)")
         if self.max_running > self.max_batch_tokens:
             raise ValueError(f"--max-running ({self.max_running}) cannot exceed --max-batch-tokens "
                              f"({self.max_batch_tokens}): every running sequence needs a token per step")

@@ -39,7 +39,15 @@ async def resolve(target: str) -> list[str]:
 
 async def resolve_all(targets: list[str] | tuple[str, ...]) -> list[str]:
     """Every address of every target, once each, in the targets' order."""
-    seen: list[str] = []
-    for addrs in await asyncio.gather(*(resolve(t) for t in targets)):
-        seen += [a for a in addrs if a not in seen]
-    return seen
+    return list(await resolve_named(targets))
+
+
+async def resolve_named(targets: list[str] | tuple[str, ...]) -> dict[str, str | None]:
+    """resolve_all's addresses (in order), each with the DNS name it was found under (None for a HOST:PORT or
+    unix: target): TLS checks the executor's certificate against that name, not against the pod IP dialled."""
+    named: dict[str, str | None] = {}
+    for target, addrs in zip(targets, await asyncio.gather(*(resolve(t) for t in targets))):
+        name = split_host_port(target[len(DNS_PREFIX):])[0] if is_dns(target) else None
+        for a in addrs:
+            named.setdefault(a, name)
+    return named

@@ -5,9 +5,13 @@ in-process one over an Executor (executor_service/in_process_client.py), the fau
 tests — answers exactly what a remote executor would. Failures are domain errors: ExecutorUnreachable when
 the transport failed (no answer: down, restarting, network), RemoteError with the status name when the
 executor answered with an error, or answered too late (DEADLINE_EXCEEDED: a slow executor is not a lost one).
+An executor that refuses the scheduler's credentials (its token, or with mTLS its certificate) is
+ExecutorRefusedCredentials: unusable until the operator fixes them, like an unreachable one.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Protocol, Sequence
 
 import grpc
@@ -16,6 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.errors import RemoteError, Unavailable
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
+from tandem.security.tls import ClientTls
+from tandem.security.tokens import ClientToken
+
+log = logging.getLogger("tandem.scheduler")
 
 # Codes that mean the transport failed: the executor is not there (now). UNKNOWN is what gRPC reports for a
 # stream cut mid-call (e.g. "Stream removed"); the executor itself never answers UNKNOWN (its interceptor
@@ -27,6 +35,15 @@ SERVICE_NAME = epb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 
 class ExecutorUnreachable(Unavailable):
     """The transport to the executor failed (down, restarting, network): the outcome of the call is unknown."""
+
+
+class ExecutorRefusedCredentials(ExecutorUnreachable):
+    """The executor refused the scheduler's token (UNAUTHENTICATED, PERMISSION_DENIED): nothing ran. Treated as
+    unreachable (requests wait --executor-retry-s and go on once the token is fixed) rather than relayed:
+    the scheduler's client did nothing wrong."""
+
+
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 def is_kv_exhaustion(error: RemoteError) -> bool:
@@ -72,56 +89,86 @@ class ExecutorClient(Protocol):
 
 
 class GrpcExecutorClient:
-    """ExecutorClient over a grpc.aio channel."""
+    """ExecutorClient over a grpc.aio channel. tls: TLS (mTLS with a client certificate) to the executor, else
+    plaintext; tls_name: the name its certificate must carry when not the host dialled (the DNS name of a
+    dns:/// target). token: sent as `authorization: Bearer` on every call, streams and health included."""
 
     def __init__(self, address: str, max_message_mb: int = 64, step_timeout_s: float = 600.0,
-                 control_timeout_s: float = 5.0) -> None:
+                 control_timeout_s: float = 5.0, tls: ClientTls | None = None, tls_name: str | None = None,
+                 token: ClientToken | None = None) -> None:
         self.address = address
         limit = max_message_mb * 1024 * 1024
-        self._channel = grpc.aio.insecure_channel(address, options=[
+        self._options = [
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             # reconnect quickly once the executor is back
-            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)])
-        self._stub = epb_grpc.ExecutorServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+        if tls is not None and (tls.server_name or tls_name):
+            self._options.append(("grpc.ssl_target_name_override", tls.server_name or tls_name))
+        self._tls = tls
+        self._token = token
         self._step_timeout_s = step_timeout_s
         self._control_timeout_s = control_timeout_s  # info, sessions, adapters, health
+        self._retired: set[asyncio.Task] = set()  # old channels finishing their calls after a certificate change
+        self._open_channel()
+
+    def _open_channel(self) -> None:
+        if self._tls is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        else:
+            self._tls_version = self._tls.version()
+            self._channel = grpc.aio.secure_channel(self.address, self._tls.credentials(), options=self._options)
+        self._stub = epb_grpc.ExecutorServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _current(self) -> None:
+        """After the certificate files changed: new calls go on a channel with the new ones; calls under way
+        finish on the old channel (closed once they have, or after the step timeout)."""
+        if self._tls is None or self._tls.version() == self._tls_version:
+            return
+        old = self._channel
+        self._open_channel()
+        task = asyncio.get_running_loop().create_task(old.close(grace=self._step_timeout_s))
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return self._token.metadata() if self._token is not None else None
 
     async def info(self) -> epb.GetInfoResponse:
-        return await self._call(self._stub.GetInfo, epb.GetInfoRequest(), self._control_timeout_s)
+        return await self._call("GetInfo", epb.GetInfoRequest(), self._control_timeout_s)
 
     async def unified_decode(self, items: Sequence[epb.UnifiedItem],
                              session_id: str = "") -> epb.UnifiedDecodeResponse:
-        return await self._call(self._stub.UnifiedDecode, epb.UnifiedDecodeRequest(items=items, session_id=session_id),
+        return await self._call("UnifiedDecode", epb.UnifiedDecodeRequest(items=items, session_id=session_id),
                                 self._step_timeout_s)
 
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
-        return await self._call(self._stub.ReleaseCache,
+        return await self._call("ReleaseCache",
                                 epb.ReleaseCacheRequest(cache_ids=list(cache_ids), session_id=session_id), 30.0)
 
     async def create_caches(self, items: Sequence[epb.CreateCacheItem],
                             session_id: str = "") -> epb.CreateCacheResponse:
-        return await self._call(self._stub.CreateCache, epb.CreateCacheRequest(items=items, session_id=session_id),
+        return await self._call("CreateCache", epb.CreateCacheRequest(items=items, session_id=session_id),
                                 self._control_timeout_s)
 
     async def list_adapters(self) -> epb.ListAdaptersResponse:
-        return await self._call(self._stub.ListAdapters, epb.ListAdaptersRequest(), self._control_timeout_s)
+        return await self._call("ListAdapters", epb.ListAdaptersRequest(), self._control_timeout_s)
 
     async def open_session(self, client_name: str) -> epb.OpenSessionResponse:
-        return await self._call(self._stub.OpenSession, epb.OpenSessionRequest(client_name=client_name),
+        return await self._call("OpenSession", epb.OpenSessionRequest(client_name=client_name),
                                 self._control_timeout_s)
 
     async def keep_alive(self, session_id: str) -> epb.KeepAliveResponse:
-        return await self._call(self._stub.KeepAlive, epb.KeepAliveRequest(session_id=session_id),
+        return await self._call("KeepAlive", epb.KeepAliveRequest(session_id=session_id),
                                 self._control_timeout_s)
 
     async def close_session(self, session_id: str) -> epb.CloseSessionResponse:
-        return await self._call(self._stub.CloseSession, epb.CloseSessionRequest(session_id=session_id), 30.0)
+        return await self._call("CloseSession", epb.CloseSessionRequest(session_id=session_id), 30.0)
 
     async def healthy(self) -> bool:
         try:
-            resp = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                    self._control_timeout_s)
+            resp = await self._call("Check", health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                    self._control_timeout_s, health=True)
         except (ExecutorUnreachable, RemoteError):
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -129,16 +176,29 @@ class GrpcExecutorClient:
     def kv_events(self, summary_interval_ms: int = 5000):
         """The executor's KV event stream (SubscribeKvEvents): an async iterator of its messages; raises
         grpc.aio.AioRpcError when it ends with an error (a subscriber that falls behind is dropped)."""
-        return self._stub.SubscribeKvEvents(epb.SubscribeKvEventsRequest(summary_interval_ms=summary_interval_ms))
+        self._current()
+        return self._stub.SubscribeKvEvents(epb.SubscribeKvEventsRequest(summary_interval_ms=summary_interval_ms),
+                                            metadata=self._metadata())
 
     async def close(self) -> None:
+        for task in list(self._retired):
+            task.cancel()
         await self._channel.close()
 
-    async def _call(self, method, request, timeout_s: float):
+    async def _call(self, rpc: str, request, timeout_s: float, health: bool = False):
+        """rpc: an ExecutorService method's name (grpc.health.v1's with health=True), looked up on the channel
+        in use now."""
+        self._current()
+        method = getattr(self._health if health else self._stub, rpc)
         try:
-            return await method(request, timeout=timeout_s)
+            return await method(request, timeout=timeout_s, metadata=self._metadata())
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            if code in _REFUSED:
+                raise ExecutorRefusedCredentials(
+                    f"executor {self.address} refused the scheduler's credentials ({code.name}: {exc.details()}); "
+                    "check --executor-token-file (and the token's scope) against the executor's "
+                    "--auth-token-file") from exc
             if code in _TRANSPORT_FAILURES:
                 raise ExecutorUnreachable(f"executor {self.address} is unreachable ({code.name}: {exc.details()}); "
                                           "the scheduler reconnects when it is back") from exc

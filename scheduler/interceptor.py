@@ -7,8 +7,9 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from tandem.status_map import status_for
 from tandem.errors import TandemError
+from tandem.loggable import loggable
+from tandem.status_map import status_for
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -58,10 +59,3 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
     log.info("%s -> %s: %s", method, code.name, loggable(str(exc)))
     await context.abort(code, str(exc))
 
-
-def loggable(text: str, limit: int = 300) -> str:
-    """text as one log line: control characters (newlines: forged log lines) escaped, cut at limit characters.
-    Error messages may quote what a client sent (a request_id, an adapter name)."""
-    cut = text[:limit]
-    safe = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
-    return safe + ("..." if len(text) > limit else "")

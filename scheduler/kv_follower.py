@@ -41,6 +41,10 @@ async def follow_kv_events(client, index: PrefixIndex, closed: Callable[[], bool
                 log.info("executor %s has no KV events: routing there uses only what this scheduler routed",
                          client.address)
                 return
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:  # they show every session's blocks: admin only
+                log.warning("executor %s sends KV events only to an admin token (--executor-token-file has a user "
+                            "one): routing there uses only what this scheduler routed", client.address)
+                return
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 log.warning("KV events of executor %s: %s; subscribing again", client.address, exc.details())
         except asyncio.CancelledError:

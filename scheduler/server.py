@@ -19,13 +19,18 @@ from scheduler.config import SchedulerConfig
 from scheduler import discovery
 from scheduler.fleet import Fleet
 from scheduler.recovery import unfit_reason
-from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient
+from scheduler.executor_client import ExecutorRefusedCredentials, ExecutorUnreachable, GrpcExecutorClient
 from scheduler.http.app import build_app
 from scheduler.http.serve import HttpFront
 from scheduler.interceptor import ErrorMappingInterceptor
 from scheduler.metrics import SchedulerMetrics
 from scheduler.servicer import GenerateServicer
+from scheduler.token_limits import TokenLimits
 from scheduler.tokenizer import ModelTokenizer
+from tandem.security.grpc_auth import AioAuthInterceptor, everyone_user
+from tandem.security.guard import ServerGuard
+from tandem.security.tls import ClientTls, client_paths
+from tandem.security.tokens import ClientToken
 
 log = logging.getLogger("tandem.scheduler")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -42,22 +47,24 @@ async def _first_infos(clients: list[GrpcExecutorClient], cfg: SchedulerConfig) 
         if any(infos):
             return infos
         for a in answers:
-            if isinstance(a, RemoteError) and a.status_name != "DEADLINE_EXCEEDED" and len(clients) == 1:
-                raise a  # an answer: not an executor we can use
+            answered = isinstance(a, RemoteError) and a.status_name != "DEADLINE_EXCEEDED"
+            if (answered or isinstance(a, ExecutorRefusedCredentials)) and len(clients) == 1:
+                raise a  # an answer: not an executor we can use (or not with our credentials)
         now = time.monotonic()
         if now >= deadline:
             raise ExecutorUnreachable(f"no executor of {', '.join(cfg.targets)} served within "
                                       f"{cfg.connect_timeout_s:.0f}s: {answers[0]}")
         if now - last_note >= 10:
-            log.info("waiting for executor %s to serve...", ", ".join(c.address for c in clients))
+            log.info("waiting for executor %s to serve... (%s)", ", ".join(c.address for c in clients), answers[0])
             last_note = now
         await asyncio.sleep(min(cfg.reconnect_interval_s, 0.5))
 
 
-async def _addresses(cfg: SchedulerConfig) -> list[str]:
+async def _addresses(cfg: SchedulerConfig) -> dict[str, str | None]:
+    """Every executor address now, with the DNS name it was found under (discovery.resolve_named)."""
     deadline = time.monotonic() + cfg.connect_timeout_s
     while True:
-        addresses = await discovery.resolve_all(cfg.targets)
+        addresses = await discovery.resolve_named(cfg.targets)
         if addresses:
             return addresses
         if time.monotonic() >= deadline:
@@ -70,17 +77,35 @@ async def _rediscover(fleet: Fleet, cfg: SchedulerConfig, new_client) -> None:
     """dns:/// targets: executors that appear later join the fleet (they start lost and join once serving)."""
     while True:
         await asyncio.sleep(cfg.resolve_interval_s)
-        for address in await discovery.resolve_all(cfg.targets):
+        for address, name in (await discovery.resolve_named(cfg.targets)).items():
             if address not in fleet.addresses:
                 log.info("executor %s appeared (DNS); it joins once it serves", address)
-                fleet.add(new_client(address), None).recovery.lost(f"executor {address} not serving yet")
+                fleet.add(new_client(address, name), None).recovery.lost(f"executor {address} not serving yet")
+
+
+def _link_posture(tls: ClientTls | None, token: ClientToken | None, limits: TokenLimits) -> list[str]:
+    """The scheduler's part of the posture line: its link to the executors, and the per-token limits."""
+    link = "off" if tls is None else "on (client cert)" if tls.tls.material.cert is not None else "on"
+    parts = [f"to executors: TLS {link}, token {'on' if token is not None else 'off'}"]
+    if limits.on:
+        parts.append(f"per-token limits {limits.max_concurrent or '-'} requests / {limits.max_tokens or '-'} tokens")
+    return parts
 
 
 async def serve_async(cfg: SchedulerConfig) -> int:
-    def new_client(address: str) -> GrpcExecutorClient:
-        return GrpcExecutorClient(address, max_message_mb=max(cfg.max_message_mb, 64))
+    # Certificates and token files are read first: a bad one (or an exposed address) stops us at once.
+    guard = ServerGuard(cfg.security)
+    guard.check_exposure(cfg.host, cfg.port >= 0 or cfg.http_port is not None)
+    client_tls = ClientTls(client_paths(cfg.executor_tls_ca, cfg.executor_tls_cert, cfg.executor_tls_key),
+                           cfg.executor_tls_server_name) if cfg.executor_tls_on else None
+    token = ClientToken(cfg.executor_token_file) if cfg.executor_token_file is not None else None
+    limits = TokenLimits(cfg.max_concurrent_per_token, cfg.max_queued_tokens_per_token)
 
-    clients = [new_client(a) for a in await _addresses(cfg)]
+    def new_client(address: str, tls_name: str | None = None) -> GrpcExecutorClient:
+        return GrpcExecutorClient(address, max_message_mb=max(cfg.max_message_mb, 64), tls=client_tls,
+                                  tls_name=tls_name, token=token)
+
+    clients = [new_client(a, name) for a, name in (await _addresses(cfg)).items()]
     infos = await _first_infos(clients, cfg)
     info = next(i for i in infos if i is not None)  # the reference: every executor must serve its model
     tokenizer_dir = Path(cfg.tokenizer or info.model_dir)
@@ -98,10 +123,13 @@ async def serve_async(cfg: SchedulerConfig) -> int:
 
     loop = asyncio.get_running_loop()
     limit = cfg.max_message_mb * 1024 * 1024
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
+    # Tokens first: a refused call never reaches the error mapping or the servicer.
+    server = grpc.aio.server(interceptors=[AioAuthInterceptor(guard.authenticator, everyone_user,
+                                                              cfg.security.auth_health), ErrorMappingInterceptor()],
                              options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0)])
-    addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds)
+    addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds,
+                                                guard.grpc_credentials(), cfg.security.reflection)
     metrics = SchedulerMetrics()
     engine = Fleet(cfg, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
                    client_name=f"tandem-scheduler {addresses[0]}", metrics=metrics)
@@ -117,17 +145,26 @@ async def serve_async(cfg: SchedulerConfig) -> int:
             lost.append((e, unfit))
     # Tokenizing and chat templating run here, off the event loop (`tokenizers` releases the GIL).
     workers = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenize")
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, workers), server)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, workers, limits), server)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    def reload_now() -> None:  # SIGHUP: certificates and token files, served and presented, read again now
+        guard.reload_now()
+        for source in (client_tls, token):
+            if source is not None:
+                source.reload_now()
+
+    loop.add_signal_handler(signal.SIGHUP, reload_now)
     metrics_server = metrics.serve(cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
     http = None
     if cfg.http_port is not None:  # the OpenAI-compatible front, on this loop (binds now: a busy port fails here)
         app = build_app(engine, workers, healthy=lambda: engine.up and not stop.is_set(), max_body_bytes=limit,
-                        metrics=metrics.render)
-        http = HttpFront(app, cfg.host, cfg.http_port)
+                        metrics=metrics.render, authenticator=guard.authenticator,
+                        auth_health=cfg.security.auth_health, limits=limits)
+        http = HttpFront(app, cfg.host, cfg.http_port, guard.tls)
     await server.start()
     if http is not None:
         http.start()
@@ -138,6 +175,8 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     engine_task = loop.create_task(engine.run(), name="engine")
     tasks = [loop.create_task(_rediscover(engine, cfg, new_client), name="discovery")] \
         if any(discovery.is_dns(t) for t in cfg.targets) else []
+    log.info("%s", guard.posture(_link_posture(client_tls, token, limits)
+                                 + (["unix socket plaintext"] if cfg.uds else [])))
     log.info("serving %s (%s) from executors %s on %s; tokenizer %s; budget %d tokens/step, max %d running",
              info.model_id, info.architecture, ", ".join(engine.addresses), ", ".join(addresses), tokenizer_dir,
              engine.max_batch_tokens, cfg.max_running)

@@ -14,33 +14,40 @@ from tandem.generate.v1 import generate_pb2 as pb
 from tandem.generate.v1 import generate_pb2_grpc as pb_grpc
 from scheduler import codec
 from scheduler.fleet import Fleet
+from scheduler.token_limits import TokenLimits, cost
+from tandem.security.auth import CURRENT_PRINCIPAL
 
 T = TypeVar("T")
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
-    def __init__(self, engine: Fleet, workers: Executor | None = None) -> None:
+    def __init__(self, engine: Fleet, workers: Executor | None = None, limits: TokenLimits | None = None) -> None:
         self.engine = engine
         self._workers = workers  # None: the event loop's default thread pool
+        self._limits = limits or TokenLimits()  # per-token shares (the caller: CURRENT_PRINCIPAL, set by auth)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         engine = self.engine
-        codec.check_input_size(request, engine.cfg.max_prompt_chars)
-        if request.adapter and request.adapter not in engine.info.adapters:
-            await engine.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
-        req = await self._off_loop(codec.request_from_pb, request, engine.tokenizer, engine.info,
-                                   engine.cfg.default_max_new_tokens)
-        seq, output = engine.submit(req)
-        try:
-            while True:
-                event = await output.events.get()
-                if isinstance(event, TandemError):
-                    raise event
-                yield codec.delta_to_pb(req.request_id, event)
-                if event.finish_reason is not None:
-                    return
-        finally:
-            engine.abort(seq)  # a no-op for a finished sequence; frees the cache of a cancelled one
+        with self._limits.enter(CURRENT_PRINCIPAL.get()) as lease:
+            codec.check_input_size(request, engine.cfg.max_prompt_chars)
+            if request.adapter and request.adapter not in engine.info.adapters:
+                await engine.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
+            req = await self._off_loop(codec.request_from_pb, request, engine.tokenizer, engine.info,
+                                       engine.cfg.default_max_new_tokens)
+            lease.charge(cost([req]))
+            seq, output = engine.submit(req)
+            try:
+                while True:
+                    event = await output.events.get()
+                    if isinstance(event, TandemError):
+                        raise event
+                    if event.finish_reason is not None:
+                        lease.release()  # done: the client may start its next request once it reads this
+                    yield codec.delta_to_pb(req.request_id, event)
+                    if event.finish_reason is not None:
+                        return
+            finally:
+                engine.abort(seq)  # a no-op for a finished sequence; frees the cache of a cancelled one
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         tok = self.engine.tokenizer

@@ -58,13 +58,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "and output and proposes what followed (wins when the output copies the input: editing, "
                         "extraction, code changes, RAG). The executor verifies them in the same step; greedy and "
                         f"seeded outputs are identical to 'off' (default {d.method})")
-    g.add_argument("--num-speculative-tokens", type=int, default=d.num_tokens,
+    g.add_argument("--num-speculative-tokens", type=int, default=d.num_tokens, metavar="N",
                    help=f"most draft tokens per request and step (1..32; default {d.num_tokens})")
-    g.add_argument("--ngram-max", type=int, default=d.ngram_max,
+    g.add_argument("--ngram-max", type=int, default=d.ngram_max, metavar="N",
                    help=f"longest n-gram matched first (default {d.ngram_max})")
-    g.add_argument("--ngram-min", type=int, default=d.ngram_min,
+    g.add_argument("--ngram-min", type=int, default=d.ngram_min, metavar="N",
                    help=f"shortest n-gram tried (default {d.ngram_min})")
-    g.add_argument("--speculative-max-batch", type=int, default=d.max_batch,
+    g.add_argument("--speculative-max-batch", type=int, default=d.max_batch, metavar="N",
                    help="no drafts in a step with more decoding requests than this: verification then costs more "
                         f"than it saves (default {d.max_batch}, measured with scripts/bench_spec.py; 0 = never draft)")
 

@@ -48,7 +48,9 @@ DEFAULT_PROMPT = "What is the capital of France?"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="HF model directory (scripts/serve passes the default)")
-    ap.add_argument("--host", default="127.0.0.1", help="address both servers bind (default 127.0.0.1)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address both servers bind (default 127.0.0.1); another one needs TLS or tokens in "
+                         "--executor-args/--scheduler-args, or --insecure there (README: Security)")
     ap.add_argument("--port", type=int, default=50052, help="scheduler (GenerateService) port (default 50052)")
     ap.add_argument("--http-port", type=int, default=8000,
                     help="the scheduler's OpenAI-compatible HTTP port (default 8000; 0 = any free port; -1 = off)")

@@ -92,11 +92,21 @@ class RemoteError(TandemError):
 
 
 class PermissionDenied(TandemError):
-    """The request reaches outside what this server may touch (an adapter path outside --adapter-root)."""
+    """The request reaches outside what this server may touch (an adapter path outside --adapter-root), or
+    outside what the caller's token may do (an admin RPC with a user token)."""
+
+
+class Unauthenticated(TandemError):
+    """The server checks tokens and the call carried none, or one it does not know."""
 
 
 class AdapterInUse(TandemError):
     """The adapter's state forbids the operation: its name is already loaded, or caches still use it."""
+
+
+class TokenLimitExceeded(CapacityExceeded):
+    """One token is over its own share (--max-concurrent-per-token, --max-queued-tokens-per-token); other
+    tokens' calls are not affected. Retry when some of this token's requests have finished."""
 
 
 class DeviceOutOfMemory(CapacityExceeded):

@@ -29,7 +29,7 @@ _live: set["ServerProcess"] = set()  # killed at interpreter exit if the caller 
 
 class ServerProcess:
     """A started server: .name, .address ("127.0.0.1:PORT"), .addresses (every word of READY after it; the
-    scheduler's HTTP URL last with --http-port), .http_url ("http://HOST:PORT" or None), .proc, .args."""
+    scheduler's HTTP URL last with --http-port), .http_url ("http(s)://HOST:PORT" or None), .proc, .args."""
 
     def __init__(self, name: str, proc: subprocess.Popen, log: IO | None, lines: "queue.Queue",
                  args: list[str]) -> None:
@@ -67,8 +67,8 @@ class ServerProcess:
 
     @property
     def http_url(self) -> str | None:
-        """The scheduler's OpenAI-compatible HTTP front (READY's http:// word), if it serves one."""
-        return next((w for w in self.addresses if w.startswith("http://")), None)
+        """The scheduler's OpenAI-compatible HTTP front (READY's http:// or https:// word), if it serves one."""
+        return next((w for w in self.addresses if w.startswith(("http://", "https://"))), None)
 
     def send_signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:

@@ -6,7 +6,8 @@ import grpc
 
 from tandem.errors import (AdapterInUse, AdapterNotFound, CacheNotFound, CacheStateConflict, CapacityExceeded,
                            CheckpointError, DeadlineExceeded, InvalidRequest, PermissionDenied, PositionMismatch,
-                           RemoteError, SequenceTooLong, SessionNotFound, TandemError, Unavailable, Unsupported)
+                           RemoteError, SequenceTooLong, SessionNotFound, TandemError, Unauthenticated, Unavailable,
+                           Unsupported)
 
 STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -14,6 +15,7 @@ STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     AdapterNotFound: grpc.StatusCode.NOT_FOUND,
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     AdapterInUse: grpc.StatusCode.FAILED_PRECONDITION,
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     CacheStateConflict: grpc.StatusCode.FAILED_PRECONDITION,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +16,7 @@ def load_script(name: str):
     """Imports scripts/<name>.py as a module (scripts/ is not a package)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # registered first, as an import does: dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

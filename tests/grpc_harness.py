@@ -19,13 +19,16 @@ from tandem.generate.v1 import generate_pb2_grpc
 
 
 class GrpcServer:
-    """A started server process with a channel and a stub: .address, .channel, .stub, .proc."""
+    """A started server process with a channel and a stub: .address, .channel, .stub, .proc. credentials: a
+    TLS server's channel credentials (the channel is then a TLS one)."""
 
-    def __init__(self, process: server_process.ServerProcess, stub_class: type) -> None:
+    def __init__(self, process: server_process.ServerProcess, stub_class: type,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.process = process
         self.proc = process.proc
         self.address = process.address
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = grpc.insecure_channel(self.address) if credentials is None \
+            else grpc.secure_channel(self.address, credentials)
         grpc.channel_ready_future(self.channel).result(timeout=30)  # READY means listening: connects at once
         self.stub = stub_class(self.channel)
         self._closed = False
@@ -55,26 +58,31 @@ class GrpcServer:
         self.close()
 
 
-def start_executor(model_dir: Path | str, *extra_args: str) -> GrpcServer:
+def start_executor(model_dir: Path | str, *extra_args: str,
+                   credentials: grpc.ChannelCredentials | None = None) -> GrpcServer:
     """`python -m executor_service --model DIR --port 0 *extra_args`, returned once READY."""
-    return GrpcServer(server_process.launch_executor(model_dir, *extra_args), executor_pb2_grpc.ExecutorServiceStub)
+    return GrpcServer(server_process.launch_executor(model_dir, *extra_args), executor_pb2_grpc.ExecutorServiceStub,
+                      credentials)
 
 
-def start_scheduler(executor_address: str, *extra_args: str) -> GrpcServer:
+def start_scheduler(executor_address: str, *extra_args: str,
+                    credentials: grpc.ChannelCredentials | None = None) -> GrpcServer:
     """`python -m scheduler --executor ADDR --port 0 *extra_args`, returned once READY."""
     return GrpcServer(server_process.launch_scheduler(executor_address, *extra_args),
-                      generate_pb2_grpc.GenerateServiceStub)
+                      generate_pb2_grpc.GenerateServiceStub, credentials)
 
 
-def start_for(request, model_dir: Path | str, *extra_args: str) -> GrpcServer:
+def start_for(request, model_dir: Path | str, *extra_args: str,
+              credentials: grpc.ChannelCredentials | None = None) -> GrpcServer:
     """start_executor for a pytest fixture: the server is closed by a finalizer of `request`, whatever
     happens in the tests that use it (and the finalizer's exit-code assertion reports a bad shutdown)."""
-    server = start_executor(model_dir, *extra_args)
+    server = start_executor(model_dir, *extra_args, credentials=credentials)
     request.addfinalizer(server.close)
     return server
 
 
-def start_scheduler_for(request, executor_address: str, *extra_args: str) -> GrpcServer:
-    server = start_scheduler(executor_address, *extra_args)
+def start_scheduler_for(request, executor_address: str, *extra_args: str,
+                        credentials: grpc.ChannelCredentials | None = None) -> GrpcServer:
+    server = start_scheduler(executor_address, *extra_args, credentials=credentials)
     request.addfinalizer(server.close)
     return server

@@ -13,10 +13,11 @@ from tandem.executor.v1 import executor_pb2 as pb
 
 
 class KvEventReader:
-    def __init__(self, stub, summary_interval_ms: int = 100, timeout_s: float = 120.0) -> None:
-        """timeout_s: the stream's gRPC deadline (a test that hangs fails instead)."""
+    def __init__(self, stub, summary_interval_ms: int = 100, timeout_s: float = 120.0, metadata=None) -> None:
+        """timeout_s: the stream's gRPC deadline (a test that hangs fails instead); metadata: the call's (a
+        token)."""
         self.call = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(summary_interval_ms=summary_interval_ms),
-                                           timeout=timeout_s)
+                                           timeout=timeout_s, metadata=metadata)
         self._queue: queue.Queue[pb.SubscribeKvEventsResponse | grpc.RpcError] = queue.Queue()
         self._thread = threading.Thread(target=self._read, daemon=True, name="kv-event-reader")
         self._thread.start()

@@ -21,10 +21,11 @@ class Streamed:
     messages: list[pb.GenerateResponse] = field(default_factory=list)
 
 
-def collect(stub, request: pb.GenerateRequest, timeout: float = 120.0) -> Streamed:
-    """Runs Generate to its end; checks the stream's shape (finish_reason and usage only on the last)."""
+def collect(stub, request: pb.GenerateRequest, timeout: float = 120.0, metadata=None) -> Streamed:
+    """Runs Generate to its end; checks the stream's shape (finish_reason and usage only on the last).
+    metadata: the call's (a token)."""
     out = Streamed()
-    for msg in stub.Generate(request, timeout=timeout):
+    for msg in stub.Generate(request, timeout=timeout, metadata=metadata):
         assert out.finish_reason == pb.FINISH_REASON_UNSPECIFIED, "a message arrived after the last one"
         out.messages.append(msg)
         out.text += msg.text

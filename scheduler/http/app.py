@@ -22,13 +22,16 @@ from scheduler import codec
 from scheduler.fleet import Fleet
 from scheduler.http import convert, errors
 from scheduler.http import schemas as s
+from scheduler.http.auth import TokenAuth
 from scheduler.http.body_limit import BodyLimit
 from scheduler.http.errors import BadParameter
 from scheduler.http.generation import ClientGone, Generation
 from scheduler.http.render import DONE, ChatRenderer, CompletionRenderer, TokenTexts, sse
 from scheduler.request import GenerateRequest
+from scheduler.token_limits import Lease, TokenLimits, cost
 from tandem.errors import AdapterNotFound, InvalidRequest, Unavailable
 from tandem.generate.v1 import generate_pb2 as pb
+from tandem.security.auth import CURRENT_PRINCIPAL, Authenticator
 
 T = TypeVar("T")
 # /metrics: returns (body, content type), or an awaitable of it (filled in by the metrics exporter)
@@ -41,11 +44,12 @@ def _json(payload: s.Out) -> Response:
 
 
 class _Front:
-    """What the routes share: the fleet, the tokenizer workers, the token text cache."""
+    """What the routes share: the fleet, the tokenizer workers, the token text cache, the per-token limits."""
 
-    def __init__(self, fleet: Fleet, workers: Executor | None) -> None:
+    def __init__(self, fleet: Fleet, workers: Executor | None, limits: TokenLimits) -> None:
         self.fleet = fleet
         self.workers = workers
+        self.limits = limits
         self.texts = TokenTexts(fleet.tokenizer)
         self.created = int(time.time())
 
@@ -77,9 +81,23 @@ class _Front:
                                                     fleet.cfg.default_max_new_tokens) for m in messages))
         return [choice for r in done for choice in convert.choices(r, n)]
 
+    async def generate(self, make_requests: Callable[[], Awaitable[list[GenerateRequest]]],
+                       make_renderer: Callable[[list[GenerateRequest]], ChatRenderer | CompletionRenderer],
+                       request: Request, stream: bool) -> Response:
+        """One completion request under the caller's token share: counted before tokenizing, charged its
+        tokens after; the share is held until the generation ends (Generation.close releases it)."""
+        lease = self.limits.enter(CURRENT_PRINCIPAL.get())
+        try:
+            requests = await make_requests()
+            lease.charge(cost(requests))
+            return await self.respond(make_renderer(requests), requests, request, stream, lease)
+        except BaseException:
+            lease.release()
+            raise
+
     async def respond(self, renderer: ChatRenderer | CompletionRenderer, requests: list[GenerateRequest],
-                      request: Request, stream: bool) -> Response:
-        generation = Generation(self.fleet, requests, request.receive)  # refusals (429, ...) raise here
+                      request: Request, stream: bool, lease: Lease | None = None) -> Response:
+        generation = Generation(self.fleet, requests, request.receive, lease)  # refusals (429, ...) raise here
         if stream:
             return StreamingResponse(_stream(generation, renderer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -113,35 +131,49 @@ async def _stream(generation: Generation, renderer: ChatRenderer | CompletionRen
 
 
 def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool], max_body_bytes: int,
-              metrics: MetricsHook | None = None) -> FastAPI:
+              metrics: MetricsHook | None = None, authenticator: Authenticator | None = None,
+              auth_health: bool = False, limits: TokenLimits | None = None) -> FastAPI:
     """The app. healthy(): whether /health answers 200 (some executor serves and the scheduler is not shutting
-    down). metrics: the /metrics body, or None (404)."""
-    front = _Front(fleet, workers)
+    down). metrics: the /metrics body, or None (404). authenticator: bearer tokens (None or off: none asked);
+    limits: per-token shares of the completion routes."""
+    front = _Front(fleet, workers, limits or TokenLimits())
     app = FastAPI(title="Tandem scheduler (OpenAI-compatible)", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if authenticator is not None and authenticator.on:  # added last: outermost, before a byte of body is read
+        app.add_middleware(TokenAuth, authenticator=authenticator, auth_health=auth_health)
     errors.install(app)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: s.ChatCompletionRequest, request: Request) -> Response:
-        adapter = await front.adapter_for(body.model)
         n = body.n or 1
-        requests = await front.requests([convert.chat_request(body, adapter)], n)
         opts = body.stream_options
-        renderer = ChatRenderer(body.model or fleet.info.model_id, len(requests), n, front.texts,
+
+        async def requests() -> list[GenerateRequest]:
+            adapter = await front.adapter_for(body.model)
+            return await front.requests([convert.chat_request(body, adapter)], n)
+
+        def renderer(requests: list[GenerateRequest]) -> ChatRenderer:
+            return ChatRenderer(body.model or fleet.info.model_id, len(requests), n, front.texts,
                                 bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                 logprobs=bool(body.logprobs))
-        return await front.respond(renderer, requests, request, bool(body.stream))
+
+        return await front.generate(requests, renderer, request, bool(body.stream))
 
     @app.post("/v1/completions")
     async def completions(body: s.CompletionRequest, request: Request) -> Response:
-        adapter = await front.adapter_for(body.model)
         n = body.n or 1
-        requests = await front.requests(convert.completion_requests(body, adapter), n)
         opts = body.stream_options
-        renderer = CompletionRenderer(body.model or fleet.info.model_id, len(requests), n, front.texts,
+
+        async def requests() -> list[GenerateRequest]:
+            adapter = await front.adapter_for(body.model)
+            return await front.requests(convert.completion_requests(body, adapter), n)
+
+        def renderer(requests: list[GenerateRequest]) -> CompletionRenderer:
+            return CompletionRenderer(body.model or fleet.info.model_id, len(requests), n, front.texts,
                                       bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                       logprobs=body.logprobs)
-        return await front.respond(renderer, requests, request, bool(body.stream))
+
+        return await front.generate(requests, renderer, request, bool(body.stream))
 
     def cards() -> list[s.ModelCard]:
         info = fleet.info

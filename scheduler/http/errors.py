@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from scheduler.interceptor import loggable
 from tandem.errors import AdapterNotFound, InvalidRequest, TandemError
+from tandem.loggable import loggable
 from tandem.status_map import status_for
 
 log = logging.getLogger("tandem.scheduler")

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from scheduler.fleet import Fleet
 from scheduler.request import Delta, GenerateRequest
 from scheduler.request_output import RequestOutput
+from scheduler.token_limits import Lease
 from tandem.errors import TandemError
 
 _GONE = object()  # the client disconnected
@@ -23,10 +24,12 @@ class ClientGone(Exception):
 
 class Generation:
     def __init__(self, fleet: Fleet, requests: list[GenerateRequest],
-                 receive: Callable[[], Awaitable[dict]]) -> None:
+                 receive: Callable[[], Awaitable[dict]], lease: Lease | None = None) -> None:
         """Submits every request (fleet.submit raises what a gRPC client would get: a full queue, a request
-        that cannot fit) and starts watching `receive` for the client's disconnect."""
+        that cannot fit) and starts watching `receive` for the client's disconnect. lease: the caller's token
+        share, released by close()."""
         self._fleet = fleet
+        self._lease = lease
         self._runs = []
         self._tasks: list[asyncio.Task] = []
         self._watch: asyncio.Task | None = None
@@ -77,9 +80,12 @@ class Generation:
             self.close()
 
     def close(self) -> None:
-        """Aborts every choice (a no-op for finished ones) and stops watching. Safe to call again."""
+        """Aborts every choice (a no-op for finished ones), releases the token share and stops watching. Safe
+        to call again."""
         for seq, _ in self._runs:
             self._fleet.abort(seq)
+        if self._lease is not None:
+            self._lease.release()
         current = asyncio.current_task()
         for t in (*self._tasks, self._watch):
             if t is not None and t is not current:

@@ -4,6 +4,9 @@ the fleet directly, as the gRPC servicer does).
 The socket is bound and listening before start() returns, so a port in use fails the scheduler at startup and
 a client that connects right after READY waits in the kernel's backlog rather than being refused. uvicorn's
 own signal handling is left out: the scheduler's loop owns SIGTERM/SIGINT and drains gRPC and HTTP alike.
+
+With TLS (the scheduler's --tls-cert/--tls-key, --tls-client-ca for mTLS) uvicorn serves https from the same
+files; they are re-read for new connections when they change (tandem/security/tls.py: reloading_ssl_context).
 """
 from __future__ import annotations
 
@@ -11,10 +14,13 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+import ssl
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI
+
+from tandem.security.tls import ReloadingTls, reloading_ssl_context
 
 log = logging.getLogger("tandem.scheduler")
 _BACKLOG = 2048
@@ -40,17 +46,35 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-class HttpFront:
-    """The app on host:port (0 = any free port): .url once constructed; start() serves, stop() ends."""
+def _tls_settings(tls: ReloadingTls | None) -> dict:
+    """uvicorn's TLS settings from the scheduler's certificate files (none without TLS)."""
+    if tls is None:
+        return {}
+    paths = tls.paths
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def factory(config: uvicorn.Config, default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+        return reloading_ssl_context(tls, default)  # uvicorn's own context, rebuilt after the files change
+
+    return dict(ssl_certfile=str(paths.cert), ssl_keyfile=str(paths.key),
+                ssl_ca_certs=str(paths.ca) if paths.ca is not None else None,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if paths.ca is not None else ssl.CERT_NONE,
+                ssl_context_factory=factory)
+
+
+class HttpFront:
+    """The app on host:port (0 = any free port): .url once constructed; start() serves, stop() ends. tls: the
+    server's certificates (https; mTLS when they include a client CA), or None (http)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, tls: ReloadingTls | None = None) -> None:
         self._sock = _listen(host, port)
         bound = self._sock.getsockname()[1]
-        self.url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+        self.url = f"{'https' if tls is not None else 'http'}://{f'[{host}]' if ':' in host else host}:{bound}"
         # log_config None: the scheduler's logging setup stays as it is; no access log (paths and clients of
         # every request are not worth a line each).
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=_GRACEFUL_S, server_header=False, backlog=_BACKLOG)
+                                timeout_graceful_shutdown=_GRACEFUL_S, server_header=False, backlog=_BACKLOG,
+                                **_tls_settings(tls))
+        config.load()  # builds the SSL context now: a certificate that does not load fails the startup
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 

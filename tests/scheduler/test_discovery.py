@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from scheduler.discovery import is_dns, resolve, resolve_all, split_host_port
+from scheduler.discovery import is_dns, resolve, resolve_all, resolve_named, split_host_port
 
 
 def test_plain_targets_stand_for_themselves_and_dns_names_resolve():
@@ -19,6 +19,13 @@ def test_plain_targets_stand_for_themselves_and_dns_names_resolve():
 def test_resolve_all_keeps_order_and_drops_repeats():
     got = asyncio.run(resolve_all(["10.0.0.2:1", "10.0.0.1:1", "10.0.0.2:1"]))
     assert got == ["10.0.0.2:1", "10.0.0.1:1"]
+
+
+def test_resolve_named_says_which_dns_name_an_address_came_from():
+    """TLS checks an executor found through dns:///NAME against NAME, not the address dialled."""
+    got = asyncio.run(resolve_named(["10.0.0.2:1", "dns:///localhost:50051", "unix:/x.sock"]))
+    assert list(got)[0] == "10.0.0.2:1" and got["10.0.0.2:1"] is None and got["unix:/x.sock"] is None
+    assert got["127.0.0.1:50051"] == "localhost"
 
 
 def test_dns_targets_need_a_port():

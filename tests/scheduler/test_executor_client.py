@@ -1,18 +1,21 @@
-"""scheduler.executor_client: which gRPC failures mean the executor is lost (only the transport's), and which
-RESOURCE_EXHAUSTED means KV exhaustion (only the executor's "KV cache full")."""
+"""scheduler.executor_client: which gRPC failures mean the executor is lost (only the transport's, and a refusal
+of the scheduler's own credentials), and which RESOURCE_EXHAUSTED means KV exhaustion (only the executor's "KV
+cache full")."""
 from __future__ import annotations
 
 import asyncio
+import types
 
 import grpc
 import pytest
 
-from scheduler.executor_client import ExecutorUnreachable, GrpcExecutorClient, is_kv_exhaustion
+from scheduler.executor_client import (ExecutorRefusedCredentials, ExecutorUnreachable, GrpcExecutorClient,
+                                       is_kv_exhaustion)
 from tandem.errors import RemoteError
 
 
 def _failing(code: grpc.StatusCode, details: str):
-    async def method(request, timeout):
+    async def method(request, timeout, metadata=None):
         raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
     return method
 
@@ -20,15 +23,24 @@ def _failing(code: grpc.StatusCode, details: str):
 @pytest.mark.parametrize("code, lost", [(grpc.StatusCode.UNAVAILABLE, True), (grpc.StatusCode.UNKNOWN, True),
                                         (grpc.StatusCode.DEADLINE_EXCEEDED, False),
                                         (grpc.StatusCode.UNIMPLEMENTED, False), (grpc.StatusCode.NOT_FOUND, False),
-                                        (grpc.StatusCode.RESOURCE_EXHAUSTED, False)])
+                                        (grpc.StatusCode.RESOURCE_EXHAUSTED, False),
+                                        (grpc.StatusCode.UNAUTHENTICATED, True),
+                                        (grpc.StatusCode.PERMISSION_DENIED, True)])
 def test_only_transport_failures_mean_the_executor_is_lost(code, lost):
     async def run():
         client = GrpcExecutorClient("127.0.0.1:1")
+        client._stub = types.SimpleNamespace(Rpc=_failing(code, "why"))
         try:
             with pytest.raises(RemoteError if not lost else ExecutorUnreachable) as err:
-                await client._call(_failing(code, "why"), None, 1.0)
+                await client._call("Rpc", None, 1.0)
             if not lost:  # a slow answer (DEADLINE_EXCEEDED) included: the engine retries it
                 assert err.value.status_name == code.name and "why" in str(err.value)
+            # The scheduler's own token refused: the executor is unusable until the operator fixes it; the
+            # scheduler's clients do not get UNAUTHENTICATED for a fault that is not theirs.
+            refused = code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+            assert isinstance(err.value, ExecutorRefusedCredentials) == refused
+            if refused:
+                assert "--executor-token-file" in str(err.value)
         finally:
             await client.close()
     asyncio.run(run())

@@ -11,7 +11,7 @@ import pytest
 from executor_service.in_process_client import InProcessExecutorClient
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
-from scheduler.interceptor import loggable
+from tandem.loggable import loggable
 from scheduler.request import GenerateRequest, StoppingCriteria
 from scheduler.servicer import GenerateServicer
 from scheduler.tokenizer import ModelTokenizer
