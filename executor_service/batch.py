@@ -116,7 +116,9 @@ class BatchRunner:
                     # Position of the token being predicted: after the k-th of this item's new tokens.
                     step = state.table.length - count + k + 1
                     sampling.append(SamplingRow(b.sampling, state.tokens, state.num_output_tokens, step,
-                                                b.item.output.top_logprobs))
+                                                b.item.output.top_logprobs,
+                                                # the mask is for the token after the item's last one
+                                                b.item.allowed_tokens if k == count - 1 else None))
                     sample_rows.append(row + k)
             row += count
         sampled = None

@@ -52,7 +52,9 @@ CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_
                 # issue 11: sessions with leases, per-item statuses, sampling registered with the cache
                 "sessions", "item_status", "registered_sampling",
                 # issue 12: CreateCache (reuses cached prefixes when "prefix_caching" is listed too), KV events
-                "create_cache", "kv_events")
+                "create_cache", "kv_events",
+                # issue 18: UnifiedItem.allowed_tokens (token masks for constrained decoding) is applied
+                "token_masks")
 
 
 class Executor:

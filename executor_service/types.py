@@ -73,6 +73,9 @@ class UnifiedItem:
     # at the first final chunk. None = every token up to that chunk. A scheduler recomputing a preempted
     # sequence passes its true prompt length so the earlier outputs still count as outputs.
     prompt_len: int | None = None
+    # The packed mask of the tokens the token sampled after this item may be (tandem/token_mask.py's layout);
+    # None = any. Applied before every other sampling step; logprobs stay raw. Final chunks only.
+    allowed_tokens: bytes | None = None
 
 
 @dataclass

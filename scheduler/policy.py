@@ -42,7 +42,7 @@ from scheduler.planner import Planner, StepPlan
 from scheduler.prefix_wait import shared_prefix
 from scheduler.request import Finish, TokenLogprob
 from scheduler.sequence import Sequence, Status
-from tandem.errors import AdapterNotFound, CapacityExceeded, TandemError
+from tandem.errors import AdapterNotFound, CapacityExceeded, RemoteError, TandemError
 from tandem.kv_usage import KvUsage
 
 log = logging.getLogger("tandem.scheduler")
@@ -204,6 +204,10 @@ class SchedulingPolicy:
             if res.token is None:
                 continue
             finish = seq.append(res.token.token_id)
+            if seq.constraint is not None and seq.constraint.error:  # the executor ignored the token mask
+                out.failed.append(Failure(seq, RemoteError("INTERNAL", f"executor: {seq.constraint.error}")))
+                self._end(seq)
+                continue
             out.emitted.append(Emitted(seq, res.token, finish))
             if finish is not None:
                 self.running.remove(seq)

@@ -225,7 +225,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
 
 class UnifiedItem(_message.Message):
-    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len")
+    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "allowed_tokens")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class UnifiedItem(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
@@ -242,7 +243,8 @@ class UnifiedItem(_message.Message):
     output: OutputOptions
     adapter: str
     prompt_len: int
-    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    allowed_tokens: bytes
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., allowed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
     __slots__ = ("items", "session_id")
