@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
@@ -53,9 +53,9 @@ class MaskWorker:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
         self._parallel: llguidance.LLExecutor | None = None  # its threads start on first use
 
-    def run(self, matchers: list[llguidance.LLMatcher]) -> "asyncio.Future[tuple[list[bytes], float]]":
+    def run(self, matchers: list[llguidance.LLMatcher]) -> "Future[tuple[list[bytes], float]]":
         """The masks of the matchers' next tokens, and the seconds the thread took, computed in the thread."""
-        return asyncio.get_running_loop().run_in_executor(self._pool, self._compute, matchers)
+        return self._pool.submit(self._compute, matchers)
 
     def _compute(self, matchers: list[llguidance.LLMatcher]) -> tuple[list[bytes], float]:
         start = time.perf_counter()
@@ -79,7 +79,7 @@ class StepMasks:
     def __init__(self, worker: MaskWorker) -> None:
         self.worker = worker
         self.stats = MaskStats()
-        self._pending: asyncio.Future | None = None
+        self._pending: Future | None = None
         self._pending_for: list[tuple[TokenConstraint, int]] = []  # (constraint, tokens consumed) per mask
 
     def prefetch(self, running: Iterable["Sequence"]) -> None:
@@ -125,7 +125,9 @@ class StepMasks:
             return
         future, targets = self._pending, self._pending_for
         try:
-            masks, seconds = await future
+            if not future.done():  # (when it is, no trip through the event loop: the step goes out at once)
+                await asyncio.wrap_future(future)
+            masks, seconds = future.result()
         finally:
             self._pending, self._pending_for = None, []
         self.stats.masks += len(masks)
