@@ -4,7 +4,8 @@ Semantics, per row (a stage runs only when some row in the batch uses it, so an 
 bias or penalty costs an argmax and a log_softmax):
 0. the row's token mask (constrained decoding; tandem/token_mask.py's packed layout), before anything else:
    disallowed tokens' logits become -inf, so no later stage can bring them back. Unpacked on the logits'
-   device with integer shifts ([B, W] words -> [B, V] bits).
+   device with bitwise ops ([B, 4W] bytes -> [B, V] bits; on a CPU, where the host is the device, with
+   numpy's unpackbits).
 1. logit_bias is added to the raw float32 logits.
 2. repetition_penalty, as transformers' RepetitionPenaltyLogitsProcessor, over every token in token_ids
    (prompt and output): a negative logit is multiplied by the penalty, any other divided by it.
@@ -137,7 +138,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self._rng = random.Random(secrets.randbits(64))  # seeds for rows that bring none
         self._vocab_hash: dict[tuple[torch.device, int], torch.Tensor] = {}  # mix32(arange(V)) per device
-        self._bit_shifts: dict[torch.device, torch.Tensor] = {}  # arange(32) int32 per device, for masks
+        self._bit_values: dict[torch.device, torch.Tensor] = {}  # 1 << arange(8) as uint8 per device, for masks
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
@@ -187,16 +188,18 @@ class Sampler:
         b, v = x.shape
         every = b"\xff" * mask_bytes(self.vocab_size)  # rows without a mask allow every token
         packed = b"".join(every if row.allowed_tokens is None else row.allowed_tokens for row in rows)
-        # little-endian words as native int32 (astype copies: torch wants a writable buffer)
-        words = torch.from_numpy(np.frombuffer(packed, dtype="<i4").astype(np.int32)).view(b, -1)  # [B, W]
-        words = words.to(x.device, non_blocking=True)
-        shifts = self._bit_shifts.get(x.device)
-        if shifts is None:
-            shifts = self._bit_shifts[x.device] = torch.arange(32, dtype=torch.int32, device=x.device)  # [32]
-        # bit j of word w = token 32w + j (an arithmetic shift keeps the sign, & 1 drops it)
-        bits = torch.bitwise_right_shift(words[:, :, None], shifts).bitwise_and_(1)  # [B, W, 32]
-        allowed = bits.view(b, -1)[:, :v].bool()  # [B, V]
-        return x.masked_fill(allowed.logical_not_(), float("-inf"))
+        # Little-endian words read byte by byte: bit j of byte k is token 8k + j, whatever the host's order.
+        u8 = np.frombuffer(packed, dtype=np.uint8).reshape(b, -1)  # [B, 4W]
+        if _on_host(x):  # numpy's unpackbits: ~40x faster than torch's elementwise bit ops on a CPU
+            allowed = torch.from_numpy(np.unpackbits(u8, axis=1, bitorder="little").view(np.bool_))  # [B, 32W]
+        else:  # unpacked on the device: only the packed bytes cross the bus
+            bit = self._bit_values.get(x.device)
+            if bit is None:
+                bit = self._bit_values[x.device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
+                                                                device=x.device)  # [8]
+            dev_u8 = torch.from_numpy(u8.copy()).to(x.device, non_blocking=True)  # [B, 4W] (copy: writable)
+            allowed = torch.bitwise_and(dev_u8[:, :, None], bit).view(b, -1) != 0  # [B, 32W]
+        return torch.where(allowed[:, :v], x, x.new_full((), float("-inf")))  # [B, V]
 
     def filtered_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """What the race runs on: after temperature, top-k, top-p and min-p, [B, V]. Greedy rows are reported

@@ -121,3 +121,21 @@ def test_pack_layout_bit_order():
     mask = pack([0, 31, 32, 100], 128)
     words = np.frombuffer(mask, dtype="<u4")
     assert words.tolist() == [1 | 1 << 31, 1, 0, 1 << 4]  # bit t % 32 of word t // 32
+
+
+def test_the_device_unpacking_equals_the_host_one(monkeypatch):
+    """On a CPU the mask is unpacked with numpy; on an accelerator with torch bit ops on the device: both give
+    the same logits (the device branch forced here on the CPU)."""
+    from models import sampler as sampler_module
+    from models.sampler import Sampler, SamplingRow
+    from tandem.sampling_params import SamplingParams
+    v = 100
+    rows = [SamplingRow(SamplingParams(), [1], 0, 1, 0, pack([0, 7, 8, 31, 32, 99], v)),
+            SamplingRow(SamplingParams(), [1], 0, 1), SamplingRow(SamplingParams(), [1], 0, 1, 0, pack([50], v))]
+    logits = torch.randn(3, 104)
+    host = Sampler(v).process_logits(logits, rows)
+    monkeypatch.setattr(sampler_module, "_on_host", lambda t: False)
+    device = Sampler(v).process_logits(logits, rows)
+    assert torch.equal(host, device)
+    assert torch.isfinite(host[0]).nonzero().flatten().tolist() == [0, 7, 8, 31, 32, 99]
+    assert torch.isfinite(host[1]).all() and torch.isfinite(host[2]).nonzero().flatten().tolist() == [50]
