@@ -107,7 +107,7 @@ def overhead_part(args, model_dir: Path, threads: int) -> dict[str, Any]:
         executor = server_process.launch_executor(model_dir, "--threads", str(threads), "--log-level", "WARNING")
         scheduler = server_process.launch_scheduler(executor.address, "--http-port", "0", "--log-level", "WARNING")
         runs, rows = measure(scheduler.address, scheduler.http_url, args.batch_list, args.output_len, args.repeats,
-                             args.request_timeout, log)
+                             args.request_timeout, log, ModelConfig.from_dir(model_dir).vocab_size)
         return {"runs": runs, "summary": rows}
     finally:
         for s in (scheduler, executor):
@@ -143,8 +143,8 @@ def print_report(header: str, results: dict[str, Any]) -> None:
         print(format_table(over["summary"], [
             ("batch", "batch"), ("plain_tpot_ms", "plain TPOT ms", 1), ("constrained_tpot_ms", "constrained ms", 1),
             ("overhead_pct", "overhead %", 1), ("target_met", "<=10% @32"), ("mask_ms_per_step", "mask ms/step", 3),
-            ("mask_wait_ms_per_step", "waited ms/step", 3), ("mask_ms_per_request", "mask ms/request", 2),
-            ("masks_per_request", "masks/request", 1)]))
+            ("mask_wait_ms_per_step", "waited ms/step", 3), ("sampler_extra_ms", "sampler +ms", 2),
+            ("mask_ms_per_request", "mask ms/request", 2), ("masks_per_request", "masks/request", 1)]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ Per run: the time per output token of each request (TPOT: from its first to its 
 averaged; with the whole batch in lockstep that is the step time. The overhead is constrained TPOT / plain
 TPOT - 1 (the issue's target: <= 10 % at batch 32). From the scheduler's /metrics (deltas over the run): masks
 computed, the mask thread's time (per step and per request) and the time the scheduling loop waited for masks
-before sending a step (what the overlap did not hide).
+before sending a step (what the overlap did not hide). And the executor's side, apart: the sampler on random
+logits with and without a mask on every row, in this process (what applying the masks adds to a step).
 """
 from __future__ import annotations
 
@@ -81,9 +82,33 @@ def run_batch(stub, http_url: str, batch: int, constrained: bool, output_len: in
             "mask_ms_per_request": d["tandem:scheduler_token_mask_seconds_total"] * 1e3 / batch}
 
 
+def sampler_cost(vocab_size: int, batch: int, reps: int = 30) -> dict[str, float]:
+    """The executor's sampler alone (in this process, CPU) on random [batch, vocab] logits, greedy, without and
+    with a mask on every row (500 allowed tokens, or all of a smaller vocabulary): the best of `reps` interleaved calls each, in ms."""
+    import numpy as np
+    import torch
+
+    from models.sampler import Sampler, SamplingRow
+    from tandem.sampling_params import SamplingParams
+    from tandem.token_mask import pack
+    rng = np.random.default_rng(0)
+    sampler, logits = Sampler(vocab_size), torch.randn(batch, vocab_size)
+    plain = [SamplingRow(SamplingParams(), [1], 0, 1) for _ in range(batch)]
+    masked = [SamplingRow(SamplingParams(), [1], 0, 1, 0, pack(rng.choice(vocab_size, min(500, vocab_size), replace=False),
+                                                                vocab_size)) for _ in range(batch)]
+    best = {"plain": float("inf"), "masked": float("inf")}
+    for _ in range(reps):
+        for name, rows in (("plain", plain), ("masked", masked)):
+            start = time.perf_counter()
+            sampler.sample(logits, rows)
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return {"sampler_plain_ms": best["plain"], "sampler_masked_ms": best["masked"],
+            "sampler_extra_ms": best["masked"] - best["plain"]}
+
+
 def measure(address: str, http_url: str, batches: list[int], output_len: int, repeats: int, timeout: float,
-            log) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(every run, one summary row per batch size)."""
+            log, vocab_size: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(every run, one summary row per batch size, with the sampler's own cost of the masks)."""
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.GenerateServiceStub(channel)
     runs: list[dict[str, Any]] = []
@@ -109,5 +134,6 @@ def measure(address: str, http_url: str, batches: list[int], output_len: int, re
                      "mask_wait_ms_per_step": statistics.fmean(r["mask_wait_ms_per_step"] for r in con),
                      "mask_ms_per_request": statistics.fmean(r["mask_ms_per_request"] for r in con),
                      "masks_per_request": statistics.fmean(r["masks"] / batch for r in con),
-                     "all_exact_output_len": all(r["exact_output_len"] == batch for r in mine)})
+                     "all_exact_output_len": all(r["exact_output_len"] == batch for r in mine),
+                     **sampler_cost(vocab_size, batch)})
     return runs, rows
