@@ -135,7 +135,10 @@ class BatchRunner:
                     cut = k < count - 1 and b.sampling.uses_penalties
                     history = state.tokens[:step] if cut else state.tokens
                     outputs = max(0, state.num_output_tokens - (len(state.tokens) - len(history)))
-                    sampling.append(SamplingRow(b.sampling, history, outputs, step, b.item.output.top_logprobs))
+                    sampling.append(SamplingRow(b.sampling, history, outputs, step, b.item.output.top_logprobs,
+                                                # the mask is for the token after the item's last one (an item
+                                                # with drafts carries none: validated)
+                                                b.item.allowed_tokens if k == count - 1 else None))
                     sample_rows.append(row + k)
             row += count
         sampled, accepted = None, [0] * len(batch)

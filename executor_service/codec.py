@@ -152,7 +152,8 @@ def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
     output, dtype = output_from_pb(m.output)
     return UnifiedItem(tuple(m.token_ids), m.cache_id or None, m.pos_offset, m.is_final_chunk,
                        sampling_from_pb(m.sampling) if m.HasField("sampling") else None, output, m.adapter,
-                       m.prompt_len if m.HasField("prompt_len") else None, tuple(m.draft_token_ids)), dtype
+                       m.prompt_len if m.HasField("prompt_len") else None, tuple(m.draft_token_ids),
+                       allowed_tokens=m.allowed_tokens or None), dtype
 
 
 def unified_response_to_pb(results: list[UnifiedResult], logits_dtypes: list[int],

@@ -54,7 +54,9 @@ CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_
                 # issue 12: CreateCache (reuses cached prefixes when "prefix_caching" is listed too), KV events
                 "create_cache", "kv_events",
                 # issue 14: UnifiedItem/DecodeItem.draft_token_ids verified in the batch
-                "speculative_drafts")
+                "speculative_drafts",
+                # issue 18: UnifiedItem.allowed_tokens (token masks for constrained decoding) is applied
+                "token_masks")
 
 
 class Executor:

@@ -16,6 +16,7 @@ from executor_service.types import CreateCacheItem, UnifiedItem
 from models.config import ModelConfig
 from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong, TandemError
 from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from tandem.token_mask import allows_any, mask_bytes
 
 MAX_CREATE_ITEMS = 256  # caches one CreateCache may create
 MAX_CACHE_SALT_CHARS = 256
@@ -118,6 +119,8 @@ class RequestValidator:
         if it.is_final_chunk and it.prompt_len is not None and it.prompt_len > end:
             raise InvalidRequest(f"prompt_len {it.prompt_len} exceeds the {end} tokens the cache will hold after "
                                  "this item")
+        if it.allowed_tokens is not None:
+            self._check_mask(it)
         if it.draft_token_ids:
             self._check_drafts(it)
         drafts = len(it.draft_token_ids)
@@ -137,7 +140,23 @@ class RequestValidator:
         if not it.output.wants_tokens or it.output.wants_logits:
             raise InvalidRequest("draft tokens are verified by sampling them: the output mode must be tokens "
                                  "(no logits per drafted position)")
+        if it.allowed_tokens is not None:
+            raise InvalidRequest("an item with a token mask (allowed_tokens) cannot carry draft tokens: the mask "
+                                 "holds for one position only; send constrained items without drafts")
         self._check_ids(it.draft_token_ids)
+
+    def _check_mask(self, it: UnifiedItem) -> None:
+        """allowed_tokens: for a chunk that samples, of the vocabulary's width, allowing some token."""
+        if not it.is_final_chunk:
+            raise InvalidRequest("allowed_tokens is set on a chunk that samples nothing (is_final_chunk is false): "
+                                 "send the mask with the prompt's final chunk")
+        want = mask_bytes(self.vocab_size)
+        if len(it.allowed_tokens) != want:
+            raise InvalidRequest(f"allowed_tokens has {len(it.allowed_tokens)} bytes; a mask over this model's "
+                                 f"{self.vocab_size} tokens has {want} (ceil(vocab_size / 32) 32-bit words)")
+        if not allows_any(it.allowed_tokens, self.vocab_size):
+            raise InvalidRequest("allowed_tokens allows no token of the vocabulary: nothing could be sampled "
+                                 "(end the sequence instead)")
 
 
 def name_item(exc: TandemError, n: int, cache_id: str | None = None) -> TandemError:

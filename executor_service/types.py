@@ -77,6 +77,9 @@ class UnifiedItem:
     # forward (batch.py). The output then holds the accepted drafts and the token sampled after them; the
     # cache keeps only token_ids and the accepted drafts.
     draft_token_ids: tuple[int, ...] = ()
+    # The packed mask of the tokens the token sampled after this item may be (tandem/token_mask.py's layout);
+    # None = any. Applied before every other sampling step; logprobs stay raw. Final chunks only.
+    allowed_tokens: bytes | None = None
 
 
 @dataclass

@@ -2,6 +2,10 @@
 
 Semantics, per row (a stage runs only when some row in the batch uses it, so an all-greedy batch with no
 bias or penalty costs an argmax and a log_softmax):
+0. the row's token mask (constrained decoding; tandem/token_mask.py's packed layout), before anything else:
+   disallowed tokens' logits become -inf, so no later stage can bring them back. Unpacked on the logits'
+   device with bitwise ops ([B, 4W] bytes -> [B, V] bits; on a CPU, where the host is the device, with
+   numpy's unpackbits).
 1. logit_bias is added to the raw float32 logits.
 2. repetition_penalty, as transformers' RepetitionPenaltyLogitsProcessor, over every token in token_ids
    (prompt and output): a negative logit is multiplied by the penalty, any other divided by it.
@@ -31,7 +35,7 @@ row key is lowbias32-chained on the host over both 32-bit halves of the seed and
 h_i = mix32(mix32(i) ^ key) in int64 (every product < 2^63, so no overflow anywhere) and
 u_i = (h_i + 0.5) / 2^32. Rows without a seed get a fresh 63-bit seed from the sampler's own source.
 
-Logprobs are log_softmax of the raw float32 logits (before bias, penalties and temperature), for the chosen
+Logprobs are log_softmax of the raw float32 logits (before the mask, bias, penalties and temperature), for the chosen
 token and for the top-N alternatives (sorted by descending raw logprob). Logits wider than vocab_size (a
 padded lm_head) are cut to vocab_size first, so padding columns are never sampled.
 """
@@ -42,9 +46,11 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tandem.sampling_params import SamplingParams
+from tandem.token_mask import mask_bytes
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers; _C2 >= 2^31 is applied in two parts
@@ -96,6 +102,7 @@ class SamplingRow:
     num_output_tokens: int  # how many trailing token_ids were generated (for presence/frequency)
     step_key: int  # position of the token being sampled (normally len(token_ids)); keys the RNG
     num_top_logprobs: int = 0  # how many top alternatives to report
+    allowed_tokens: bytes | None = None  # packed mask of the tokens this row may pick (tandem/token_mask.py); None = any
 
 
 @dataclass
@@ -131,11 +138,12 @@ class Sampler:
         self.vocab_size = vocab_size
         self._rng = random.Random(secrets.randbits(64))  # seeds for rows that bring none
         self._vocab_hash: dict[tuple[torch.device, int], torch.Tensor] = {}  # mix32(arange(V)) per device
+        self._bit_values: dict[torch.device, torch.Tensor] = {}  # 1 << arange(8) as uint8 per device, for masks
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         raw = logits[:, : self.vocab_size].float()  # [B, V]; no copy when already float32: never mutated
-        x = self._penalise(raw, rows)  # [B, V]; `raw` itself when no row has bias or penalties
+        x = self._penalise(self._constrain(raw, rows), rows)  # [B, V]; `raw` itself with no mask, bias or penalty
         greedy = [row.params.is_greedy for row in rows]  # temperature 0, or below GREEDY_TEMPERATURE
         wanted = [max(0, row.num_top_logprobs) for row in rows]
         if all(greedy) and x is raw and not any(wanted):
@@ -169,8 +177,29 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, wanted)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """The float32 logits after bias and penalties, just before temperature: [B, V]."""
-        return self._penalise(logits[:, : self.vocab_size].float(), rows)
+        """The float32 logits after the mask, bias and penalties, just before temperature: [B, V]."""
+        return self._penalise(self._constrain(logits[:, : self.vocab_size].float(), rows), rows)
+
+    def _constrain(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Step 0: disallowed tokens of each row's mask to -inf; out of place (x may be the caller's logits),
+        x itself when no row carries a mask."""
+        if all(row.allowed_tokens is None for row in rows):
+            return x
+        b, v = x.shape
+        every = b"\xff" * mask_bytes(self.vocab_size)  # rows without a mask allow every token
+        packed = b"".join(every if row.allowed_tokens is None else row.allowed_tokens for row in rows)
+        # Little-endian words read byte by byte: bit j of byte k is token 8k + j, whatever the host's order.
+        u8 = np.frombuffer(packed, dtype=np.uint8).reshape(b, -1)  # [B, 4W]
+        if _on_host(x):  # numpy's unpackbits: ~40x faster than torch's elementwise bit ops on a CPU
+            allowed = torch.from_numpy(np.unpackbits(u8, axis=1, bitorder="little").view(np.bool_))  # [B, 32W]
+        else:  # unpacked on the device: only the packed bytes cross the bus
+            bit = self._bit_values.get(x.device)
+            if bit is None:
+                bit = self._bit_values[x.device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
+                                                                device=x.device)  # [8]
+            dev_u8 = torch.from_numpy(u8.copy()).to(x.device, non_blocking=True)  # [B, 4W] (copy: writable)
+            allowed = torch.bitwise_and(dev_u8[:, :, None], bit).view(b, -1) != 0  # [B, 32W]
+        return torch.where(allowed[:, :v], x, x.new_full((), float("-inf")))  # [B, V]
 
     def filtered_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """What the race runs on: after temperature, top-k, top-p and min-p, [B, V]. Greedy rows are reported

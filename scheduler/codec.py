@@ -7,11 +7,12 @@ import uuid
 import grpc
 
 from tandem.codec import sampling_from_pb, sampling_to_pb
-from tandem.errors import AdapterNotFound, InvalidRequest, RemoteError, SequenceTooLong
+from tandem.errors import AdapterNotFound, InvalidRequest, RemoteError, SequenceTooLong, Unsupported
 from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
+from scheduler.grammar import CompiledConstraint, ConstraintKind, ConstraintSpec, GrammarCompiler
 from scheduler.planner import StepItem, StepPlan
 from scheduler.policy import ItemResult
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob
@@ -22,6 +23,7 @@ MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
 MAX_CHAT_MESSAGES = 4096
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # ItemStatus.code -> "NOT_FOUND"
+TOKEN_MASKS = "token_masks"  # GetInfo capability: UnifiedItem.allowed_tokens is applied
 
 _FINISH = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORTED: pb.FINISH_REASON_ABORTED}
@@ -162,8 +164,34 @@ def stopping_from_pb(m: pb.StoppingCriteria, prompt_len: int, max_seq_len: int, 
                             m.include_stop_str_in_output)
 
 
+def constraint_from_pb(m: pb.Constraint) -> ConstraintSpec:
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest("constraint is set but empty: set one of json_schema, json_object, regex, choice or "
+                             "grammar")
+    if kind == "choice":
+        return ConstraintSpec(ConstraintKind.CHOICE, choices=tuple(m.choice.choices))
+    if kind == "json_object":
+        return ConstraintSpec(ConstraintKind.JSON_OBJECT)
+    return ConstraintSpec(ConstraintKind(kind), getattr(m, kind))
+
+
+def compile_constraint(m: pb.GenerateRequest, info: epb.GetInfoResponse,
+                       grammars: GrammarCompiler | None) -> CompiledConstraint | None:
+    """The request's constraint compiled (None when it has none); last of the checks: it costs the most."""
+    if not m.HasField("constraint"):
+        return None
+    spec = constraint_from_pb(m.constraint)
+    if TOKEN_MASKS not in info.capabilities or grammars is None:
+        raise Unsupported("constrained generation needs an executor that applies token masks (GetInfo capability "
+                          f"{TOKEN_MASKS!r}); this one does not: upgrade it or send the request without a constraint")
+    return grammars.compile(spec)
+
+
 def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: epb.GetInfoResponse,
-                    default_max_new: int) -> GenerateRequest:
+                    default_max_new: int, grammars: GrammarCompiler | None = None) -> GenerateRequest:
+    """The validated, tokenized request (run off the event loop: tokenizing and compiling a constraint take
+    time). grammars: the fleet's (None: a constraint is refused)."""
     if len(m.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id has {len(m.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     if m.top_logprobs > MAX_TOP_LOGPROBS:
@@ -174,7 +202,7 @@ def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: epb.GetInf
     prompt = prompt_ids_from_pb(m, tok, info.vocab_size)
     stopping = stopping_from_pb(m.stopping, len(prompt), info.max_seq_len, default_max_new, info.vocab_size)
     return GenerateRequest(m.request_id or uuid.uuid4().hex, tuple(prompt), stopping, sampling, m.adapter,
-                           m.top_logprobs, m.keep_special_tokens)
+                           m.top_logprobs, m.keep_special_tokens, compile_constraint(m, info, grammars))
 
 
 def delta_to_pb(request_id: str, d: Delta) -> pb.GenerateResponse:

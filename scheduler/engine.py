@@ -32,6 +32,7 @@ from scheduler.request_output import RequestOutput
 from scheduler.sequence import Sequence
 from scheduler.session import ExecutorSession
 from scheduler.speculation import SPECULATIVE_DRAFTS
+from scheduler.token_masks import MaskWorker, StepMasks
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError, Unavailable
 from tandem.executor.v1 import executor_pb2 as epb
@@ -51,9 +52,10 @@ class Engine:
     def __init__(self, cfg: SchedulerConfig, client: ExecutorClient, tokenizer, info: epb.GetInfoResponse,
                  on_health: Callable[[bool], None] = lambda up: None, clock: Callable[[], float] = time.monotonic,
                  client_name: str = "tandem-scheduler", arrivals: Iterator[int] | None = None,
-                 metrics: "SchedulerMetrics | None" = None) -> None:
+                 metrics: "SchedulerMetrics | None" = None, mask_worker: MaskWorker | None = None) -> None:
         """arrivals: the numbering of requests (shared by the engines of one fleet: a moved request keeps its
-        place in the queue of another). metrics: where requests report their latencies and endings."""
+        place in the queue of another). metrics: where requests report their latencies and endings.
+        mask_worker: the thread computing token masks (shared by the engines of one fleet; None = its own)."""
         self.cfg = cfg
         self.client = client
         self.tokenizer = tokenizer
@@ -65,6 +67,7 @@ class Engine:
         self.planner = self.policy.planner
         self.session = ExecutorSession(client, client_name, clock)
         self.outputs: dict[Sequence, RequestOutput] = {}
+        self.masks = StepMasks(mask_worker or MaskWorker(info.vocab_size))  # constrained sequences' token masks
         self.up = True  # the executor answers, and our session on it is open
         self.closed = False  # drained: the loop and the reconnect task end
         self.recovery = Recovery(self, on_health)
@@ -211,9 +214,10 @@ class Engine:
                 await self._stalled()
             return
         started, losses = self.clock(), self.recovery.losses
+        items = codec.step_to_pb(plan, self._registered_sampling)
+        await self.masks.attach(plan, items)  # (returns at once when no item is constrained)
         try:
-            resp = await self.client.unified_decode(codec.step_to_pb(plan, self._registered_sampling),
-                                                    self.session.id)
+            resp = await self.client.unified_decode(items, self.session.id)
         except ExecutorUnreachable as exc:
             if losses == self.recovery.losses:
                 self.recovery.lost(str(exc))
@@ -234,6 +238,7 @@ class Engine:
         self.steps += 1
         self._stall_poll_s = _STALL_POLL_S[0]
         outcome = policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv))
+        self.masks.prefetch(policy.running)  # the next step's masks, computed while the loop streams and plans
         self.fail(outcome.failed)
         touched: dict[RequestOutput, None] = {}  # (ordered) streams with new tokens: one message each
         for e in outcome.emitted:

@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Callable
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.executor_client import ExecutorClient
+from scheduler.grammar import GrammarCompiler
 from scheduler.kv_follower import follow_kv_events
 from scheduler.request import GenerateRequest
 from scheduler.request_output import RequestOutput
 from scheduler.router import Candidate, PrefixIndex, choose, prompt_hashes
 from scheduler.sequence import Sequence
+from scheduler.token_masks import MaskWorker
 from tandem.errors import AdapterNotFound
 from tandem.executor.v1 import executor_pb2 as epb
 
@@ -71,6 +73,10 @@ class Fleet:
         self._client_name = client_name
         self._tasks: list[asyncio.Task] = []
         self._running = False
+        # Structured output: constraints compiled for the model's vocabulary (by the servicers' worker threads)
+        # and the one thread every engine's token masks are computed in
+        self.grammars = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids)
+        self.mask_worker = MaskWorker(info.vocab_size)
 
     # ----------------------------------------------------------------- executors
     def add(self, client: ExecutorClient, info: epb.GetInfoResponse | None) -> Engine:
@@ -79,7 +85,7 @@ class Fleet:
         cell: list[Engine] = []
         engine = Engine(self.cfg, client, self.tokenizer, info or self.reference,
                         on_health=lambda up: self._health_changed(cell[0], up), client_name=self._client_name,
-                        arrivals=self._arrivals, metrics=self.metrics)
+                        arrivals=self._arrivals, metrics=self.metrics, mask_worker=self.mask_worker)
         cell.append(engine)
         self.engines.append(engine)
         self.indexes[engine] = PrefixIndex()
@@ -233,4 +239,5 @@ class Fleet:
     async def close(self) -> None:
         for e in self.engines:
             await e.client.close()
+        self.mask_worker.close()
 

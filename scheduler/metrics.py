@@ -188,6 +188,14 @@ class _FleetCollector(Collector):
         losses = CounterMetricFamily("tandem:scheduler_executor_losses",
                                      "Times the executor was lost (no answer, restarted, session forgotten); its "
                                      "requests were recomputed.", labels=labels)
+        masks = CounterMetricFamily("tandem:scheduler_token_masks", "Token masks computed for constrained "
+                                    "(structured-output) requests.", labels=labels)
+        mask_s = CounterMetricFamily("tandem:scheduler_token_mask_seconds", "Time the mask thread spent computing "
+                                     "them, in seconds (overlapped with the scheduling loop's own work).",
+                                     labels=labels)
+        mask_wait = CounterMetricFamily("tandem:scheduler_token_mask_wait_seconds", "Time the scheduling loop "
+                                        "waited for token masks before sending a step, in seconds (what steps "
+                                        "paid for them).", labels=labels)
         for engine, view in zip(list(self.fleet.engines), self.fleet.views()):
             name = [view.address]
             running.add_metric(name, view.running)
@@ -198,4 +206,8 @@ class _FleetCollector(Collector):
             preemptions.add_metric(name, engine.policy.preemptions)
             steps.add_metric(name, engine.steps)
             losses.add_metric(name, engine.recovery.losses)
-        yield from (running, waiting, kv, up, preemptions, steps, losses)
+            stats = engine.masks.stats
+            masks.add_metric(name, stats.masks)
+            mask_s.add_metric(name, stats.compute_s)
+            mask_wait.add_metric(name, stats.wait_s)
+        yield from (running, waiting, kv, up, preemptions, steps, losses, masks, mask_s, mask_wait)

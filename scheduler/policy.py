@@ -43,7 +43,7 @@ from scheduler.prefix_wait import shared_prefix
 from scheduler.request import Finish, TokenLogprob
 from scheduler.sequence import Sequence, Status
 from scheduler.speculation import Speculator
-from tandem.errors import AdapterNotFound, CapacityExceeded, TandemError
+from tandem.errors import AdapterNotFound, CapacityExceeded, RemoteError, TandemError
 from tandem.kv_usage import KvUsage
 
 log = logging.getLogger("tandem.scheduler")
@@ -218,6 +218,10 @@ class SchedulingPolicy:
                     self.speculator.observe(seq, len(item.drafts), accepted)
             for token in res.tokens:  # a stop inside an accepted run ends the sequence there
                 finish = seq.append(token.token_id)
+                if seq.constraint is not None and seq.constraint.error:  # the executor ignored the token mask
+                    out.failed.append(Failure(seq, RemoteError("INTERNAL", f"executor: {seq.constraint.error}")))
+                    self._end(seq)
+                    break
                 out.emitted.append(Emitted(seq, token, finish))
                 if finish is not None:
                     self.running.remove(seq)

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler.grammar import CompiledConstraint
 
 
 @dataclass(frozen=True)
@@ -26,11 +30,12 @@ class GenerateRequest:
     adapter: str = ""
     top_logprobs: int = 0
     keep_special_tokens: bool = False
+    constraint: "CompiledConstraint | None" = None  # structured output (scheduler/grammar.py); None = none
 
 
 class FinishReason(enum.Enum):
     LENGTH = "length"  # max_new_tokens or the model's maximum length
-    STOP = "stop"  # an EOS token or a stop token id
+    STOP = "stop"  # an EOS token or a stop token id, or the constraint is complete
     STOP_SEQUENCE = "stop_sequence"  # a stop string
     ABORTED = "aborted"  # ended by the server (shutdown)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from typing import Sequence as Seq
 
+from scheduler.constraint import TokenConstraint
 from scheduler.request import Finish, FinishReason, GenerateRequest
 from tandem.common.v1 import common_pb2 as cpb
 
@@ -40,6 +41,8 @@ class Sequence:
         stop = request.stopping
         self.eos_token_ids = frozenset(() if stop.ignore_eos else eos_token_ids)  # the EOS ids that stop it
         self._max_len = min(len(request.prompt_ids) + stop.max_new_tokens, max_seq_len)
+        # Structured output: the grammar state, advanced with each appended token (None = unconstrained)
+        self.constraint = TokenConstraint(request.constraint) if request.constraint is not None else None
 
     # ----------------------------------------------------------------- token accounting
     @property
@@ -106,16 +109,26 @@ class Sequence:
         want = self.sampling_for_next_token()
         return None if registered and want is self.registered_sampling else want
 
+    @property
+    def allows_drafts(self) -> bool:
+        """Whether speculative decoding may propose draft tokens for this sequence: not under a constraint
+        (a token mask covers only the token sampled after an item, never drafts)."""
+        return self.constraint is None
+
     # ----------------------------------------------------------------- outputs
     def append(self, token_id: int) -> Finish | None:
-        """Adds a sampled token; returns the stop it causes (EOS or a stop token id: STOP; the length limit:
-        LENGTH) and finishes the sequence then, else None."""
+        """Adds a sampled token; returns the stop it causes (EOS or a stop token id: STOP; a constraint now
+        complete: STOP; the length limit: LENGTH) and finishes the sequence then, else None. A token the
+        constraint refuses leaves constraint.error set (the policy fails the request)."""
         self.output_ids.append(token_id)
         stopping = self.request.stopping
         if len(self.output_ids) >= stopping.min_new_tokens and (
                 token_id in self.eos_token_ids or token_id in stopping.stop_token_ids):
             self.status = Status.FINISHED
             return Finish(FinishReason.STOP, str(token_id))
+        if self.constraint is not None and self.constraint.advance(self.output_ids):
+            self.status = Status.FINISHED
+            return Finish(FinishReason.STOP)
         if self.num_tokens >= self._max_len:
             self.status = Status.FINISHED
             return Finish(FinishReason.LENGTH)

@@ -33,7 +33,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             if request.adapter and request.adapter not in engine.info.adapters:
                 await engine.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
             req = await self._off_loop(codec.request_from_pb, request, engine.tokenizer, engine.info,
-                                       engine.cfg.default_max_new_tokens)
+                                       engine.cfg.default_max_new_tokens, engine.grammars)
             lease.charge(cost([req]))
             seq, output = engine.submit(req)
             try:

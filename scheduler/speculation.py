@@ -92,7 +92,10 @@ class Speculator:
         return 0 < decoding <= self.cfg.max_batch
 
     def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding sequence this step (at most limit: the step's token and block room)."""
+        """Draft tokens for a decoding sequence this step (at most limit: the step's token and block room).
+        None for a constrained sequence (its token mask covers one position only)."""
+        if not seq.allows_drafts:
+            return ()
         state = self._lengths.get(seq)
         if state is None:
             state = self._lengths[seq] = _DraftLength(self.cfg.num_tokens)

@@ -103,6 +103,10 @@ class ModelTokenizer:
         """Each token's own text (decoded alone; special tokens kept)."""
         return [self._tok.decode([i], skip_special_tokens=False) for i in ids]
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what the grammar engine builds its vocabulary from)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -78,7 +78,8 @@ class _Front:
             codec.check_input_size(m, fleet.cfg.max_prompt_chars)
         info = fleet.info
         done = await asyncio.gather(*(self.off_loop(codec.request_from_pb, m, fleet.tokenizer, info,
-                                                    fleet.cfg.default_max_new_tokens) for m in messages))
+                                                    fleet.cfg.default_max_new_tokens, fleet.grammars)
+                                      for m in messages))
         return [choice for r in done for choice in convert.choices(r, n)]
 
     async def generate(self, make_requests: Callable[[], Awaitable[list[GenerateRequest]]],

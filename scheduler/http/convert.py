@@ -9,6 +9,7 @@ seed is given so each choice is reproducible alone.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from scheduler.http.errors import BadParameter
 from scheduler.http.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
@@ -42,9 +43,41 @@ def stopping(body: SamplingFields, max_tokens: int | None) -> pb.StoppingCriteri
                                include_stop_str_in_output=bool(body.include_stop_str_in_output))
 
 
+def constraint(body: SamplingFields) -> pb.Constraint | None:
+    """The structured-output constraint of response_format ("json_object", "json_schema"; "text" = none) or of
+    vLLM's guided_json / guided_regex / guided_choice / guided_grammar; at most one of them."""
+    given: list[tuple[str, pb.Constraint]] = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            given.append(("response_format", pb.Constraint(json_object=pb.Constraint.JsonObject())))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise BadParameter("response_format.json_schema", "response_format of type \"json_schema\" needs "
+                                   "json_schema.schema (the JSON Schema the output must follow)")
+            given.append(("response_format", pb.Constraint(json_schema=json.dumps(rf.json_schema.schema_))))
+        else:
+            raise BadParameter("response_format", f"response_format {rf.type!r:.40} is not supported: \"text\", "
+                               "\"json_object\" or \"json_schema\"")
+    if body.guided_json is not None:
+        schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        given.append(("guided_json", pb.Constraint(json_schema=schema)))
+    if body.guided_regex is not None:
+        given.append(("guided_regex", pb.Constraint(regex=body.guided_regex)))
+    if body.guided_choice is not None:
+        given.append(("guided_choice", pb.Constraint(choice=pb.Constraint.Choice(choices=body.guided_choice))))
+    if body.guided_grammar is not None:
+        given.append(("guided_grammar", pb.Constraint(grammar=body.guided_grammar)))
+    if len(given) > 1:
+        raise BadParameter(given[1][0], f"{' and '.join(name for name, _ in given)} each constrain the output: "
+                           "give only one")
+    return given[0][1] if given else None
+
+
 def _common(body: SamplingFields, adapter: str, top_logprobs: int, max_tokens: int | None) -> dict:
     return dict(sampling=sampling(body), stopping=stopping(body, max_tokens), adapter=adapter,
-                top_logprobs=top_logprobs, keep_special_tokens=body.skip_special_tokens is False)
+                top_logprobs=top_logprobs, keep_special_tokens=body.skip_special_tokens is False,
+                constraint=constraint(body))
 
 
 def _content(i: int, m: ChatMessageIn) -> str:
@@ -69,9 +102,6 @@ def chat_request(body: ChatCompletionRequest, adapter: str) -> pb.GenerateReques
         raise BadParameter("tools", "tools (function calling) are not supported by this server")
     if body.tool_choice not in (None, "none"):
         raise BadParameter("tool_choice", "tool_choice is not supported by this server (only \"none\")")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise BadParameter("response_format", f"response_format {body.response_format.type!r:.40} is not "
-                           "supported: only \"text\"")
     if body.top_logprobs and not body.logprobs:
         raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -38,8 +38,16 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None  # OpenAI requires it; it names the schema and is otherwise unused
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # accepted: the schema is always enforced
+
+
 class ResponseFormat(_Body):
-    type: str  # only "text" is served
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(_Body):
@@ -67,6 +75,12 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None  # unset = true
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
+    # structured output: OpenAI's response_format (chat; completions too, as vLLM), vLLM's guided_* extras
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -74,7 +88,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 

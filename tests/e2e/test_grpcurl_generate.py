@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -64,3 +65,14 @@ def test_tokenize_and_model_info(server):
 def test_error_reaches_grpcurl(server):
     out = grpcurl(server, f"{SERVICE}/Generate", data={"text": "hi", "stopping": {"maxNewTokens": 1000}}, check=False)
     assert out.returncode != 0 and "OutOfRange" in out.stderr + out.stdout
+
+
+def test_readme_constrained_generate_command(server):
+    """README "Structured output": a regex constraint through grpcurl (a random model, so only the mask makes
+    the text a phone number)."""
+    body = {"text": "My phone number is", "constraint": {"regex": "[0-9]{3}-[0-9]{4}"},
+            "stopping": {"maxNewTokens": 16}}
+    messages = json_stream(grpcurl(server, f"{SERVICE}/Generate", data=body).stdout)
+    text = "".join(m.get("text", "") for m in messages)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
+    assert field(messages[-1], "finish_reason") == "FINISH_REASON_STOP"

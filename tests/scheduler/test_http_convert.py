@@ -3,6 +3,8 @@
 pydantic error locations -> `param`, usage over several choices."""
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from pydantic import ValidationError
@@ -47,13 +49,40 @@ def test_chat_content_parts_and_refusals():
     parts = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert convert.chat_request(parts, "").messages.messages[0].content == "a\nb"
     refusals = [({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-                ({"response_format": {"type": "json_object"}}, "response_format"),
+                ({"response_format": {"type": "yaml"}}, "response_format"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                 "response_format.json_schema"),
+                ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+                ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
                 ({"top_logprobs": 2}, "top_logprobs"), ({"logit_bias": {"a": 1}}, "logit_bias"),
                 ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.0")]
     for fields, param in refusals:
         with pytest.raises(BadParameter) as info:
             convert.chat_request(chat(**fields), "")
         assert info.value.param == param
+
+
+def test_structured_output_fields_become_the_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [({"response_format": {"type": "json_object"}}, "json_object", None),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
+                                                                         "strict": True}}}, "json_schema", schema),
+             ({"guided_json": schema}, "json_schema", schema), ({"guided_json": '{"type": "string"}'}, "json_schema",
+                                                                {"type": "string"}),
+             ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+"), ({"guided_choice": ["yes", "no"]}, "choice", None),
+             ({"guided_grammar": 'start: "a"'}, "grammar", 'start: "a"')]
+    for fields, kind, value in cases:
+        c = convert.chat_request(chat(**fields), "").constraint
+        assert c.WhichOneof("kind") == kind, fields
+        if kind == "json_schema":
+            assert json.loads(c.json_schema) == value
+        elif kind in ("regex", "grammar"):
+            assert getattr(c, kind) == value
+    assert list(convert.chat_request(chat(guided_choice=["yes", "no"]), "").constraint.choice.choices) == ["yes", "no"]
+    for none in ({}, {"response_format": {"type": "text"}}):
+        assert not convert.chat_request(chat(**none), "").HasField("constraint")
+    (m,) = convert.completion_requests(CompletionRequest.model_validate({"prompt": "a", "guided_regex": "b+"}), "")
+    assert m.constraint.regex == "b+"
 
 
 @pytest.mark.parametrize("prompt, kinds", [("a", ["text"]), (["a", "b"], ["text", "text"]), ([1, 2], ["token_ids"]),

@@ -227,7 +227,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
 
 class UnifiedItem(_message.Message):
-    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids")
+    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class UnifiedItem(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
@@ -246,7 +247,8 @@ class UnifiedItem(_message.Message):
     adapter: str
     prompt_len: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    allowed_tokens: bytes
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
     __slots__ = ("items", "session_id")

@@ -58,7 +58,7 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "stopping", "adapter", "top_logprobs", "keep_special_tokens")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "stopping", "adapter", "top_logprobs", "keep_special_tokens", "constraint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class GenerateRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -77,7 +78,30 @@ class GenerateRequest(_message.Message):
     adapter: str
     top_logprobs: int
     keep_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., adapter: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., adapter: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., keep_special_tokens: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    class JsonObject(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    class Choice(_message.Message):
+        __slots__ = ("choices",)
+        CHOICES_FIELD_NUMBER: _ClassVar[int]
+        choices: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: Constraint.JsonObject
+    regex: str
+    choice: Constraint.Choice
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[_Union[Constraint.JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Constraint.Choice, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "preemptions", "drafted_tokens", "accepted_tokens")

@@ -1,0 +1,136 @@
+"""Constrained requests in the async engine over the in-process executor (tiny random Llama; its outputs are
+random, so only the grammar makes them valid): chunked prefill (a mask on the final chunk only: the executor
+refuses one elsewhere), preemption under a small KV pool and recompute after the executor's restart leave the
+tokens of a clean run; each mask is computed once (prefetched, never recomputed); a token the executor sampled
+outside the mask fails the request; no constraint without an executor that applies masks; no drafts."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+
+import pytest
+
+from executor_service.in_process_client import InProcessExecutorClient
+from scheduler import codec
+from scheduler.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler
+from scheduler.request import FinishReason, GenerateRequest, StoppingCriteria
+from scheduler.sequence import Sequence
+from scheduler.tokenizer import ModelTokenizer
+from tandem.errors import RemoteError, Unsupported
+from tandem.generate.v1 import generate_pb2 as pb
+from tandem.sampling_params import SamplingParams
+from tests.executor_driver import make_executor
+from tests.faulty_executor_client import Fault, FaultyExecutorClient
+from tests.scheduler.engine_harness import Running, collect, tokens, until
+
+WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "tag"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["x", "yy"]}}}
+PROMPTS = [[5 + (i * 13 + k * 7) % 280 for i in range(46)] for k in range(4)]  # 46 tokens: chunked by 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return ModelTokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(model_dir, tokenizer):
+    info = InProcessExecutorClient(make_executor(model_dir, kv_blocks=8)).info_now()
+    return GrammarCompiler(tokenizer, info.vocab_size, list(info.eos_token_ids))
+
+
+def requests(grammars) -> list[GenerateRequest]:
+    words = grammars.compile(ConstraintSpec(ConstraintKind.REGEX, WORDS))
+    schema = grammars.compile(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA)))
+    samplings = [SamplingParams(), SamplingParams(temperature=1.0, seed=3)]
+    return [GenerateRequest(f"r{k}", tuple(p), StoppingCriteria(48), samplings[k % 2],
+                            constraint=words if k < 2 else schema) for k, p in enumerate(PROMPTS)]
+
+
+def valid(text: str, k: int) -> bool:
+    if k < 2:
+        return re.fullmatch(WORDS, text) is not None
+    value = json.loads(text)
+    return set(value) == {"n", "tag"} and 0 <= value["n"] <= 99 and value["tag"] in ("x", "yy")
+
+
+async def run(client, tokenizer, reqs, **cfg) -> tuple[list[list], object]:
+    async with Running(client, tokenizer, **cfg) as engine:
+        outs = [engine.submit(r)[1] for r in reqs]
+        return [await collect(o) for o in outs], engine.masks.stats
+
+
+def text(tokenizer, events) -> str:
+    return "".join(e.text for e in events)
+
+
+def test_chunked_prefill_and_preemption_keep_the_tokens_of_a_roomy_run(model_dir, tokenizer, grammars):
+    reqs = requests(grammars)
+    roomy, stats = asyncio.run(run(InProcessExecutorClient(make_executor(model_dir, kv_blocks=64)), tokenizer, reqs))
+    for k, events in enumerate(roomy):
+        assert events[-1].finish_reason is FinishReason.STOP, events[-1]  # the grammar completed
+        assert valid(text(tokenizer, events), k), text(tokenizer, events)
+    # every mask computed once: the first came with the compiled constraint, then one per token but the last
+    assert stats.masks == sum(len(tokens(e)) - 1 for e in roomy)
+    # 7 blocks of 16 tokens: two 46-token prompts fit; their outputs cross into a 4th block each: preemptions
+    small = InProcessExecutorClient(make_executor(model_dir, kv_blocks=7))
+    squeezed, _ = asyncio.run(run(small, tokenizer, reqs, prefill_chunk=8, max_batch_tokens=16))
+    assert sum(e[-1].usage.preemptions for e in squeezed) > 0
+    assert [tokens(e) for e in squeezed] == [tokens(e) for e in roomy]
+
+
+def test_a_restart_recomputes_constrained_requests_to_the_same_tokens(model_dir, tokenizer, grammars):
+    client = InProcessExecutorClient(make_executor(model_dir, kv_blocks=64))
+    reqs = requests(grammars)[:3]
+    want, _ = asyncio.run(run(client, tokenizer, reqs))
+
+    async def restarted():
+        faulty = FaultyExecutorClient(client, step_faults={4: Fault("unavailable")}, sessions=True)
+        async with Running(faulty, tokenizer) as engine:
+            outs = [engine.submit(r)[1] for r in reqs]
+            await until(lambda: not engine.up, "the executor's loss")
+            faulty.restart()
+            faulty.down = False
+            return [await collect(o) for o in outs]
+    got = asyncio.run(restarted())
+    assert [tokens(e) for e in got] == [tokens(e) for e in want]
+    assert all(e[-1].usage.preemptions == 1 for e in got)
+
+
+class MaskIgnoringClient(InProcessExecutorClient):
+    """An executor that drops every token mask (as one that does not know the field would)."""
+
+    async def unified_decode(self, items, session_id: str = ""):
+        for it in items:
+            it.ClearField("allowed_tokens")
+        return await super().unified_decode(items, session_id)
+
+
+def test_a_token_outside_the_mask_fails_the_request(model_dir, tokenizer, grammars):
+    fixed = grammars.compile(ConstraintSpec(ConstraintKind.CHOICE, choices=("zq" * 8,)))
+    req = GenerateRequest("r", tuple(PROMPTS[0]), StoppingCriteria(20), constraint=fixed)
+    (events,), _ = asyncio.run(run(MaskIgnoringClient(make_executor(model_dir, kv_blocks=64)), tokenizer, [req]))
+    error = events[-1]
+    assert isinstance(error, RemoteError) and error.status_name == "INTERNAL"
+    assert "does not allow" in str(error)
+
+
+def test_constraints_need_an_executor_that_applies_masks(model_dir, tokenizer, grammars):
+    info = InProcessExecutorClient(make_executor(model_dir, kv_blocks=8)).info_now()
+    m = pb.GenerateRequest(text="hi", constraint=pb.Constraint(regex="a+"))
+    assert codec.request_from_pb(m, tokenizer, info, 8, grammars).constraint is not None
+    old = type(info)()
+    old.CopyFrom(info)
+    old.capabilities.remove("token_masks")
+    with pytest.raises(Unsupported, match="token_masks"):
+        codec.request_from_pb(m, tokenizer, old, 8, grammars)
+
+
+def test_constrained_sequences_never_draft(grammars):
+    c = grammars.compile(ConstraintSpec(ConstraintKind.REGEX, "a+"))
+    plain = GenerateRequest("p", (1, 2), StoppingCriteria(4))
+    assert Sequence(plain, 0, (2,), 64).allows_drafts
+    assert not Sequence(dataclasses.replace(plain, constraint=c), 1, (2,), 64).allows_drafts
