@@ -51,7 +51,6 @@ from benchmarks.report import machine_info, model_json, write_json
 from benchmarks.request_metrics import agreement
 from benchmarks.serving_tandem import has_flag
 from benchmarks.workloads import model_vocabulary
-from models.config import ModelConfig
 from models.kv_cache import DEFAULT_BLOCK_SIZE
 from tandem import server_process
 
@@ -177,10 +176,7 @@ def workload_lines(args, runs: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runtime.exit_on_sigterm()
-    threads = runtime.set_threads(args.threads)
-    model_dir = runtime.model_dir(args.model)
-    cfg = ModelConfig.from_dir(model_dir)
+    threads, model_dir, cfg = runtime.serving_setup(args)
     shape = Shape(args.system_tokens, args.questions, args.question_tokens, args.conversations, args.turns,
                   args.output_len)
     longest = max(shape.longest_prompt(w) for w in args.workload_list) + args.output_len

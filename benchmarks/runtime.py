@@ -52,3 +52,13 @@ def default_model_dir() -> Path:
 def exit_on_sigterm() -> None:
     """Turns SIGTERM into SystemExit, so finally blocks and atexit handlers stop the servers started."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def serving_setup(args) -> tuple[int, Path, "ModelConfig"]:  # noqa: F821 (imported inside)
+    """What a benchmark that starts servers does first: SIGTERM stops them (exit_on_sigterm), --threads, the
+    model directory (--model or the default) and its config. Returns (threads, model_dir, config)."""
+    from models.config import ModelConfig
+    exit_on_sigterm()
+    threads = set_threads(args.threads)
+    directory = model_dir(args.model)
+    return threads, directory, ModelConfig.from_dir(directory)

@@ -41,7 +41,6 @@ from benchmarks.request_loops import closed_loop
 from benchmarks.request_metrics import Record
 from benchmarks.serving_client import chat
 from benchmarks.spec_workloads import WORKLOADS, prompts
-from models.config import ModelConfig
 from tandem import server_process
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as gpb
@@ -186,10 +185,7 @@ def print_table(header: str, cells: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runtime.exit_on_sigterm()
-    threads = runtime.set_threads(args.threads)
-    model_dir = runtime.model_dir(args.model)
-    cfg = ModelConfig.from_dir(model_dir)
+    threads, model_dir, cfg = runtime.serving_setup(args)
     servers: dict[str, server_process.ServerProcess] = {}
     try:
         servers["executor"] = server_process.launch_executor(

@@ -149,10 +149,7 @@ def print_report(header: str, results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runtime.exit_on_sigterm()
-    threads = runtime.set_threads(args.threads)
-    model_dir = runtime.model_dir(args.model)
-    cfg = ModelConfig.from_dir(model_dir)
+    threads, model_dir, cfg = runtime.serving_setup(args)
     started = time.perf_counter()
     results: dict[str, Any] = {}
     if "engines" in args.part_list:

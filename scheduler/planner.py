@@ -74,6 +74,7 @@ class Planner:
         self.max_adapters = max_adapters  # distinct adapters per step; 0 = no limit
         self.reuse_prefixes = False  # the executor caches prefixes: hold back what a running prefill writes
         self.speculator: Speculator | None = None  # drafts for decoding sequences (the executor verifies them)
+        self.skip_drafts_once = False  # the last step was refused for KV with drafts: plan the next without
 
     def plan(self, running: list[Sequence], waiting: list[Sequence], kv: KvUsage) -> StepPlan:
         """running and waiting are ordered oldest first; neither list is modified."""
@@ -101,6 +102,8 @@ class Planner:
         budget = self.max_batch_tokens - len(decoding)
         free -= need
         spec = self.speculator if self.speculator and self.speculator.step_allows_drafts(len(decoding)) else None
+        if self.skip_drafts_once:
+            spec, self.skip_drafts_once = None, False
         for s in decoding:
             drafts: tuple[int, ...] = ()
             if spec is not None and budget > 0:

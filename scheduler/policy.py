@@ -235,11 +235,14 @@ class SchedulingPolicy:
 
     def step_failed(self, plan: StepPlan, error: TandemError, kv_full: bool) -> list[Failure]:
         """The executor answered the step with an error; nothing of the step was written. KV exhaustion
-        (blocks taken by another client): the youngest running sequence is preempted and the step planned
-        again. Anything else (a message over the size limit included) ends the step's requests with error."""
+        (blocks taken by another client): a step that carried draft tokens is planned again without them
+        first; otherwise the youngest running sequence is preempted and the step planned again. Anything else (a message over the size limit included) ends the step's requests with error."""
         self._in_flight = set()
         if kv_full:
             self.short_of_blocks = True
+            if any(item.drafts for item in plan.items):  # maybe only the drafts did not fit: retry without
+                self.planner.skip_drafts_once = True
+                return []
             if self.running:
                 self._preempt(self.running[-1])
             return []

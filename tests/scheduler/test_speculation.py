@@ -299,3 +299,25 @@ def test_cli_flags():
     assert from_args(parse_args(["--executor", "x:1"])) == SpeculativeConfig()  # off by default
     with pytest.raises(SystemExit):
         parse_args(["--executor", "x:1", "--speculative", "eagle"])
+
+
+def test_a_step_refused_for_kv_with_drafts_is_retried_without_them_before_any_preemption():
+    """Blocks held by another client of the executor: the step may fail only because of its drafts. The
+    policy then plans the next step without drafts (no preemption); drafts resume on the step after."""
+    from scheduler.policy import SchedulingPolicy
+    from tandem.errors import RemoteError
+    cfg = SchedulerConfig("x", speculative=SpeculativeConfig("ngram"))
+    policy = SchedulingPolicy(cfg, kv(500))
+    policy.speculator.proposer = FixedProposer()
+    policy.planner.speculator = policy.speculator
+    seqs = [seq_of(range(100, 110), [1, 2], arrival=a) for a in range(2)]
+    policy.running = list(seqs)
+    plan = policy.schedule()
+    assert drafts_of(plan) == [(0, 4), (1, 4)]
+    assert policy.step_failed(plan, RemoteError("RESOURCE_EXHAUSTED", "KV cache full"), kv_full=True) == []
+    assert policy.running == seqs and policy.preemptions == 0  # nobody preempted for the drafts
+    retry = policy.schedule()
+    assert drafts_of(retry) == [(0, 0), (1, 0)]
+    policy.step_failed(retry, RemoteError("RESOURCE_EXHAUSTED", "KV cache full"), kv_full=True)
+    assert policy.preemptions == 1 and policy.running == seqs[:1]  # without drafts it is the blocks: preempt
+    assert drafts_of(policy.schedule())[0] == (0, 4)  # drafts again (the preempted one is recomputed)
