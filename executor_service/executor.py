@@ -15,6 +15,7 @@ model call.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from contextlib import contextmanager, nullcontext
@@ -47,6 +48,8 @@ from models.loader import load_model
 from models.moe import SparseMoeBlock
 from tandem.sampling_params import SamplingParams
 
+log = logging.getLogger("tandem.executor")
+
 CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
                 "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling",
                 # issue 11: sessions with leases, per-item statuses, sampling registered with the cache
@@ -70,6 +73,9 @@ class Executor:
         self.instance_id = uuid.uuid4().hex  # a restart is visible to clients as a new id
         self.device = config.resolve_device()
         self.model = load_model(config.model_dir, self.device, config.dtype, progress=config.progress)
+        self.quantization_kernel = self.model.quantize(config.quantization)  # before packing: it skips those
+        if self.quantization_kernel:
+            log.info("linear weights quantized to %s (%s kernel)", config.quantization, self.quantization_kernel)
         # CPU float32: oneDNN-packed copies of the linear weights for decode-sized calls. Before the KV pool
         # is sized, so that the pool's share of free memory accounts for them.
         if config.cpu_packed_weights:

@@ -21,6 +21,7 @@ from models.config import ModelConfig
 from models.kv_cache import PagedKvCache
 from models.lora_batch import LoraBatch
 from models.moe import SparseMoeBlock
+from models.quantization import Fp16Weight, Int8Weight, quantize_linears
 from models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -31,9 +32,12 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state_dict) with an optional oneDNN pre-packed weight for small calls."""
 
     packed: torch.Tensor | None = None  # opaque mkldnn tensor [out, in], set by DecoderModel.pack_cpu_weights
+    quant: Int8Weight | Fp16Weight | None = None  # set by DecoderModel.quantize (models/quantization.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
+        if self.quant is not None:
+            return self.quant(x)
         if self.packed is not None and x.shape[0] <= PACKED_MAX_TOKENS:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -139,12 +143,18 @@ class DecoderModel(nn.Module):
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
 
+    def quantize(self, mode: str, force_dequant: bool = False) -> str | None:
+        """Low-precision linear weights (models/quantization.py); returns the kernel used, None for "none"."""
+        return quantize_linears(self, mode, lambda m: isinstance(m, Linear), force_dequant)
+
     def pack_cpu_weights(self) -> bool:
         """Pre-packs every linear weight for oneDNN (see the module docstring). Only on CPU, float32, with
         mkldnn built in; a no-op elsewhere. Checks one packed product against F.linear and falls back (no
         packing) if the internal ops are missing or disagree. Returns whether the packed path is on."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         weight = self.lm_head.weight
+        if any(m.quant is not None for m in linears):
+            return False  # quantized weights have their own kernels
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
             return False
         try:

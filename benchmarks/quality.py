@@ -1,0 +1,99 @@
+"""Quality of a low-precision weight mode against float32 on the same checkpoint (bench_decode's quality part
+and tests/executor/test_quantization_quality.py):
+
+- greedy agreement: each parity prompt (chat prompts rendered with the model's ChatML template) decoded
+  greedily for `steps` tokens in both modes; how many leading tokens agree (a small model's greedy path may
+  legitimately fork at a near-tie, after which everything differs: the count up to the first fork is the
+  measure, summed over the prompts);
+- log-likelihood: mean negative log-likelihood per token of a fixed English text (FIXED_TEXT) under each mode,
+  teacher-forced in one forward_verify; the difference to float32 is the bound the README states.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from executor_service.executor import Executor
+from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions
+
+QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
+             "Explain in two sentences why the sky is blue.", "List three prime numbers and add them up.")
+FIXED_TEXT = (
+    "The river rises in the hills to the north of the town and flows south through a broad valley of farms "
+    "and orchards. In the spring, when the snow melts, it often floods the lower fields, and the farmers have "
+    "built long earth banks to hold it back. A stone bridge with five arches crosses it near the market "
+    "square; it was built in the fourteenth century and has been repaired many times since. Every summer the "
+    "town holds a festival on the water, with boat races, music and a fair that lasts for three days.")
+LOGITS = OutputOptions(OutputMode.LOGITS)
+
+
+def chat_prompt(question: str) -> str:
+    return ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def greedy_tokens(ex: Executor, prompt: Sequence[int], steps: int) -> list[int]:
+    """Greedy continuation of `prompt` by the executor, one decode call per token (cache released after)."""
+    res = ex.prefill(list(prompt))
+    cache_id, tokens = res.cache.cache_id, [res.output.tokens[0].token_id]
+    for _ in range(steps - 1):
+        (d,) = ex.decode([DecodeItem(CacheRef(cache_id, len(prompt) + len(tokens) - 1), tokens[-1])])
+        tokens.append(d.output.tokens[-1].token_id)
+    ex.release_cache([cache_id])
+    return tokens
+
+
+def mean_nll(ex: Executor, ids: Sequence[int]) -> float:
+    """Mean negative log-likelihood (nats per token) of ids[1:] given what precedes each, teacher-forced."""
+    first = ex.prefill([ids[0]], output=LOGITS)
+    verify = ex.forward_verify(CacheRef(first.cache.cache_id, 1), list(ids[1:-1]), output=LOGITS)
+    logits = torch.cat([first.output.logits] + [p.logits for p in verify.positions])  # [len(ids) - 1, vocab]
+    ex.release_cache([first.cache.cache_id])
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(ids[1:], dtype=torch.int64)
+    return float(-logp[torch.arange(len(targets)), targets].mean())
+
+
+def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class Quality:
+    agreement: list[int]  # per parity prompt: leading greedy tokens equal to float32's
+    steps: int  # greedy tokens per prompt
+    nll: float  # mean NLL of FIXED_TEXT
+    nll_float32: float
+
+    @property
+    def nll_delta(self) -> float:
+        return self.nll - self.nll_float32
+
+    def as_json(self) -> dict:
+        return {"agreement": self.agreement, "steps": self.steps, "agreed_tokens": sum(self.agreement),
+                "total_tokens": self.steps * len(self.agreement), "nll": self.nll, "nll_float32": self.nll_float32,
+                "nll_delta": self.nll_delta}
+
+
+class QualityReference:
+    """float32's greedy tokens and NLL, computed once, to compare every other mode with."""
+
+    def __init__(self, ex: Executor, encode, steps: int = 32) -> None:
+        """encode: text -> token ids (no special tokens added)."""
+        self.steps = steps
+        self.prompts = [encode(chat_prompt(q)) for q in QUESTIONS]
+        self.text = encode(FIXED_TEXT)[:ex.model_config.max_position_embeddings - 1]  # a tiny test model's is short
+        self.tokens = [greedy_tokens(ex, p, steps) for p in self.prompts]
+        self.nll = mean_nll(ex, self.text)
+
+    def measure(self, ex: Executor) -> Quality:
+        agreement = [leading_agreement(greedy_tokens(ex, p, self.steps), ref)
+                     for p, ref in zip(self.prompts, self.tokens)]
+        return Quality(agreement, self.steps, mean_nll(ex, self.text), self.nll)

@@ -1,0 +1,150 @@
+"""Low-precision linear weights: `--quantization int8 | fp16` (float32 activations, KV and everything else).
+
+Every linear layer's weight (LM head included; the embedding stays in the model dtype, since one row per
+token is read) is stored in fewer bytes. Decode at small batch sizes is bound by reading the weights, so
+fewer bytes per step is the point.
+
+- int8: one int8 per weight and one float32 scale per output channel (symmetric, absmax / 127). On x86
+  CPUs with FBGEMM: its dynamic int8 GEMM, with the activations quantized per row to ~14 bits in two passes
+  (Int8Weight._fbgemm says how and why), so the result is that of the int8 weights and a row never depends
+  on its batch. Elsewhere (CUDA, CPUs without FBGEMM): weight-only, the int8 weight converted to the
+  activation dtype inside each call, scales applied to the output: correct everywhere, a memory saving, not
+  a speed-up. torch's weight-only `_weight_int8pack_mm` measured 10-15x slower than float32 on this
+  AVX2-only CPU, so it is not used.
+- fp16: float16 weights, float32 compute: FBGEMM's fp16 GEMM (x86 CPUs) converts the weight inside its
+  kernel. Weight-only, rows independent. On CUDA use --dtype float16 / bfloat16 instead.
+
+The float weights are dropped once quantized (the Linear keeps an empty `weight` of the right dtype and
+device, so code reading `weight.dtype` / `.device` still works); with tied embeddings the LM head's
+weight is the embedding's and stays. Quality against float32 and speed: README, *Decode speed*.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "fp16")
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> int8 [out, in] and float32 scales [out]: symmetric, absmax / 127 per row."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # an all-zero row keeps a finite scale
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+class Fp16Weight:
+    """One linear layer's weight stored in float16, computed in float32: FBGEMM's fp16 GEMM (x86 CPUs),
+    which converts the weight to float32 inside its kernel. Weight-only: rows are independent of each other."""
+
+    kernel = "fbgemm-fp16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        b = None if bias is None else bias.detach().float()
+        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous().float(), self._packed).to(x.dtype)
+
+
+class Int8Weight:
+    """One linear layer's int8 weight and the function computing `x @ W.T + b` with it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_fbgemm: bool) -> None:
+        q, scales = quantize_per_channel(weight)  # [out, in] int8, [out] float32
+        self.out_features, self.in_features = q.shape
+        self.kernel = "fbgemm-int8" if use_fbgemm else "dequant-int8"
+        if use_fbgemm:
+            zero = torch.zeros(q.shape[0], dtype=torch.int64)
+            with warnings.catch_warnings():  # "quantized tensors are deprecated": this op still needs one
+                warnings.simplefilter("ignore", UserWarning)
+                qw = torch._make_per_channel_quantized_tensor(q, scales.double(), zero, 0)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)  # bias added after the row rescale
+            self.qweight = self.scales = None
+            self.bias = None if bias is None else bias.detach().float()
+        else:
+            self._packed = None
+            self.qweight, self.scales = q.to(weight.device), scales.to(weight.device, weight.dtype)
+            self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        if self._packed is not None:
+            return self._fbgemm(x)
+        out = F.linear(x, self.qweight.to(x.dtype)) * self.scales
+        return out if self.bias is None else out + self.bias
+
+    def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T with FBGEMM's dynamic int8 GEMM, as exact as the int8 weights allow.
+
+        The op quantizes its input to 7 bits (reduce_range: without VNNI, FBGEMM sums pairs of u8 x s8
+        products in int16, which saturates with 8 bits) with one scale and zero point per call, from the
+        min and max of the whole input. Used as is, that costs ~1.5% of a row's output and makes a row depend
+        on its neighbours (measured: 12% of the logits' range between a sequence alone and beside a prompt
+        chunk). So:
+        - one extra row [1, -1, 0, ...] pins the input's range to [-1, 1]: the op's scale is then always
+          2/127 with zero point 64 (grid values (q - 64) * 2/127, q in 0..127);
+        - every row is divided by its own absmax (x 126/127, so its largest value is on the grid), and split
+          into its value rounded to that grid (`hi`, which the op quantizes exactly) and the remainder x 127
+          (`lo`, within [-1, 1]); the output is op(hi) + op(lo) / 127, rescaled by the row's absmax.
+        Each row is thus quantized on its own to ~14 bits (weight-only int8 quality: 1e-4 of the output against
+        the dequantized weights, 2e-2 for the plain op) and alone or in any batch gives the same bits. The
+        GEMM gets 2T + 1 rows instead of T: at decode sizes it is bound by reading the weight, which is read
+        once either way."""
+        dtype, x = x.dtype, x.float()
+        rows = x.shape[0]
+        amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) * (127 / 126)  # [T, 1]
+        xn = x / amax  # [T, in], values in [-126/127, 126/127]
+        hi = torch.round(xn * 63.5).clamp_(-64, 63).mul_(2 / 127)  # on the op's grid
+        lo = (xn - hi).mul_(127)  # |xn - hi| <= 1/127
+        pin = torch.zeros(1, x.shape[1], dtype=torch.float32)
+        pin[0, 0], pin[0, 1] = 1.0, -1.0
+        out = torch.ops.quantized.linear_dynamic(torch.cat([hi, lo, pin]), self._packed, True)  # [2T + 1, out]
+        out = out[rows:2 * rows].div_(127).add_(out[:rows]).mul_(amax)  # [T, out]
+        return (out if self.bias is None else out.add_(self.bias)).to(dtype)
+
+
+def fbgemm_usable(mode: str) -> bool:
+    """FBGEMM's kernel for `mode` is built in and gives the right numbers (checked on a small product)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(64, 256, generator=g), torch.randn(3, 256, generator=g)
+        layer = Fp16Weight(w, None) if mode == "fp16" else Int8Weight(w, None, use_fbgemm=True)
+        got, want = layer(x), x @ w.T
+    except (RuntimeError, AttributeError):  # op missing from this torch build
+        return False
+    return bool((got - want).abs().max() <= 0.05 * want.abs().max())
+
+
+def quantize_linears(model: nn.Module, mode: str, is_linear: Callable[[nn.Module], bool],
+                     force_dequant: bool = False) -> str | None:
+    """Quantizes every linear layer of `model` (those `is_linear` accepts) in place: each gets `.quant` and
+    loses its float weight. Returns the kernel used ("fbgemm-int8", "dequant-int8", "fbgemm-fp16"), None for
+    mode "none". force_dequant: int8's portable kernel even where FBGEMM works (tests of the fallback).
+    Raises ValueError for a mode this device cannot run."""
+    if mode == "none":
+        return None
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {mode!r}; choose {', '.join(QUANTIZATIONS)}")
+    linears = [m for m in model.modules() if is_linear(m)]
+    fbgemm = linears[0].weight.device.type == "cpu" and not force_dequant and fbgemm_usable(mode)
+    if mode == "fp16" and not fbgemm:
+        raise ValueError("--quantization fp16 needs FBGEMM (x86 CPU); on CUDA use --dtype float16 or bfloat16")
+    if fbgemm:
+        torch.backends.quantized.engine = "fbgemm"
+    tied = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    with torch.no_grad():
+        for m in linears:
+            m.quant = Fp16Weight(m.weight, m.bias) if mode == "fp16" else Int8Weight(m.weight, m.bias, fbgemm)
+            if id(m.weight) not in tied:  # the float copy is no longer read; a tied one is the embedding
+                m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+    return linears[0].quant.kernel
