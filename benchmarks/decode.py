@@ -17,8 +17,9 @@ int8`), fp16 (`--quantization fp16`). Parts (--parts, default all four):
   q8_0 (benchmarks/llama_cpp_side.py), the same prompt ids and --gen greedy tokens, --requests runs after a
   warm-up; skipped with a note when `import llama_cpp` fails. The ratios `vs llama.cpp` in the stream table
   compare Tandem's decode tokens/s with llama.cpp f32 (float32), q8_0 (int8) and f16 (fp16).
-- quality: per low-precision mode vs float32 (benchmarks/quality.py): leading greedy tokens that agree on the
-  4 parity chat prompts (32 each) and the mean NLL of a fixed text (nats/token) and its difference.
+- quality: per low-precision mode vs float32 (benchmarks/quality.py): on the 4 parity chat prompts (32 greedy
+  tokens each) the leading tokens that agree and the teacher-forced argmax agreement, and the mean NLL of a
+  fixed text (nats/token) and its difference.
 
 The machine is shared and noisy: compare ratios within one run.
 
@@ -154,7 +155,8 @@ def quality_part(model_dir: Path, modes: list[str]) -> dict[str, Any]:
         ex = build_executor(model_dir, "cpu", "float32", kv_blocks=128, max_batch_tokens=4096,
                             quantization=MODES[mode], prefix_caching=False)
         out[mode] = ref.measure(ex).as_json()
-        log(f"quality {mode}: {out[mode]['agreed_tokens']}/{out[mode]['total_tokens']} greedy tokens agree, "
+        log(f"quality {mode}: {out[mode]['agreed_tokens']}/{out[mode]['total_tokens']} greedy tokens agree "
+            f"({out[mode]['top1_matches']} teacher-forced), "
             f"NLL {out[mode]['nll']:.4f} vs {out[mode]['nll_float32']:.4f}")
     return out
 
@@ -195,9 +197,11 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
         print(f"\ndecode steps (in-process Executor, context {args.prompt_len})")
         print(format_table(rows, [(k, k, 1) for k in rows[0]]))
     if quality:
-        rows = [{"mode": m, "greedy agree": f"{q['agreed_tokens']}/{q['total_tokens']}", "NLL": q["nll"],
+        rows = [{"mode": m, "greedy agree": f"{q['agreed_tokens']}/{q['total_tokens']}",
+                 "top-1 agree": f"{q['top1_matches']}/{q['total_tokens']}", "NLL": q["nll"],
                  "NLL float32": q["nll_float32"], "delta": q["nll_delta"]} for m, q in quality.items()]
-        print("\nquality vs float32 (leading greedy tokens equal on 4 chat prompts; mean NLL of a fixed text)")
+        print("\nquality vs float32 (4 chat prompts x 32 greedy tokens: leading tokens equal, and teacher-forced "
+              "argmax equal; mean NLL of a fixed text)")
         print(format_table(rows, [(k, k, 4) for k in rows[0]]))
 
 

@@ -3,8 +3,9 @@ and tests/executor/test_quantization_quality.py):
 
 - greedy agreement: each parity prompt (chat prompts rendered with the model's ChatML template) decoded
   greedily for `steps` tokens in both modes; how many leading tokens agree (a small model's greedy path may
-  legitimately fork at a near-tie, after which everything differs: the count up to the first fork is the
-  measure, summed over the prompts);
+  legitimately fork at a near-tie, after which everything differs: the count up to the first fork);
+- top-1 agreement: float32's greedy continuation fed to the mode (teacher-forced, one forward_verify) and
+  how many of its argmax predictions equal float32's tokens: a near-tie costs one position, not the rest;
 - log-likelihood: mean negative log-likelihood per token of a fixed English text (FIXED_TEXT) under each mode,
   teacher-forced in one forward_verify; the difference to float32 is the bound the README states.
 """
@@ -56,6 +57,15 @@ def mean_nll(ex: Executor, ids: Sequence[int]) -> float:
     return float(-logp[torch.arange(len(targets)), targets].mean())
 
 
+def top1_matches(ex: Executor, prompt: Sequence[int], tokens: Sequence[int]) -> int:
+    """Positions where the executor's argmax after prompt + tokens[:i] is tokens[i] (teacher-forced)."""
+    first = ex.prefill(list(prompt))
+    verify = ex.forward_verify(CacheRef(first.cache.cache_id, len(prompt)), list(tokens[:-1]))
+    ex.release_cache([first.cache.cache_id])
+    predicted = [first.output.tokens[0].token_id] + [p.tokens[0].token_id for p in verify.positions]
+    return sum(p == t for p, t in zip(predicted, tokens))
+
+
 def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -68,6 +78,7 @@ def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass
 class Quality:
     agreement: list[int]  # per parity prompt: leading greedy tokens equal to float32's
+    top1: list[int]  # per parity prompt: teacher-forced argmax equal to float32's token
     steps: int  # greedy tokens per prompt
     nll: float  # mean NLL of FIXED_TEXT
     nll_float32: float
@@ -77,7 +88,8 @@ class Quality:
         return self.nll - self.nll_float32
 
     def as_json(self) -> dict:
-        return {"agreement": self.agreement, "steps": self.steps, "agreed_tokens": sum(self.agreement),
+        return {"agreement": self.agreement, "top1": self.top1, "top1_matches": sum(self.top1),
+                "steps": self.steps, "agreed_tokens": sum(self.agreement),
                 "total_tokens": self.steps * len(self.agreement), "nll": self.nll, "nll_float32": self.nll_float32,
                 "nll_delta": self.nll_delta}
 
@@ -96,4 +108,5 @@ class QualityReference:
     def measure(self, ex: Executor) -> Quality:
         agreement = [leading_agreement(greedy_tokens(ex, p, self.steps), ref)
                      for p, ref in zip(self.prompts, self.tokens)]
-        return Quality(agreement, self.steps, mean_nll(ex, self.text), self.nll)
+        top1 = [top1_matches(ex, p, ref) for p, ref in zip(self.prompts, self.tokens)]
+        return Quality(agreement, top1, self.steps, mean_nll(ex, self.text), self.nll)

@@ -3,9 +3,9 @@ float32 on the same weights (benchmarks/quality.py measures; bench_decode's qual
 
 - fp16 (float16 weights, float32 compute): every greedy token of the 4 parity prompts (32 each) identical,
   mean NLL of the fixed text within 0.002 nats/token;
-- int8 (per-channel int8 weights): mean NLL within 0.02 nats/token (measured +0.005), the first 8 greedy
-  tokens of every parity prompt identical and at least half of all 128 (a small model's greedy path forks at
-  near-ties; measured 84/128).
+- int8 (per-channel int8 weights): mean NLL within 0.02 nats/token (measured +0.005) and, fed float32's
+  greedy tokens, the same argmax at >= 120 of the 128 positions (measured 126-127). Free-running greedy
+  paths fork at near-ties (one prompt forks at its first token), so they are reported, not bounded.
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ def reference(smollm2_dir):
 
 def test_fp16_weights_keep_every_greedy_token(reference, smollm2_dir):
     q = reference.measure(make_executor(smollm2_dir, kv_blocks=128, quantization="fp16"))
-    assert q.agreement == [q.steps] * 4
+    assert q.agreement == [q.steps] * 4 and q.top1 == [q.steps] * 4
     assert abs(q.nll_delta) < 0.002
 
 
 def test_int8_weights_stay_within_the_stated_bounds(reference, smollm2_dir):
     q = reference.measure(make_executor(smollm2_dir, kv_blocks=128, quantization="int8"))
     assert abs(q.nll_delta) < 0.02, q.as_json()
-    assert min(q.agreement) >= 8 and sum(q.agreement) >= 64, q.as_json()
+    assert sum(q.top1) >= 120, q.as_json()
