@@ -67,6 +67,8 @@ class Int8Weight:
                 warnings.simplefilter("ignore", UserWarning)
                 qw = torch._make_per_channel_quantized_tensor(q, scales.double(), zero, 0)
             self._packed = torch.ops.quantized.linear_prepack(qw, None)  # bias added after the row rescale
+            self._pin = torch.zeros(1, q.shape[1])  # the range-pinning row, see _fbgemm
+            self._pin[0, :2] = torch.tensor([1.0, -1.0])
             self.qweight = self.scales = None
             self.bias = None if bias is None else bias.detach().float()
         else:
@@ -98,16 +100,19 @@ class Int8Weight:
         the dequantized weights, 2e-2 for the plain op) and alone or in any batch gives the same bits. The
         GEMM gets 2T + 1 rows instead of T: at decode sizes it is bound by reading the weight, which is read
         once either way."""
+        # Every elementwise op here is a dispatch of a few microseconds on a [T, in] row block: at batch 1
+        # they cost as much as the GEMM, so they are few, in place, into one preallocated [2T + 1, in] input.
         dtype, x = x.dtype, x.float()
         rows = x.shape[0]
-        amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) * (127 / 126)  # [T, 1]
-        xn = x / amax  # [T, in], values in [-126/127, 126/127]
-        hi = torch.round(xn * 63.5).clamp_(-64, 63).mul_(2 / 127)  # on the op's grid
-        lo = (xn - hi).mul_(127)  # |xn - hi| <= 1/127
-        pin = torch.zeros(1, x.shape[1], dtype=torch.float32)
-        pin[0, 0], pin[0, 1] = 1.0, -1.0
-        out = torch.ops.quantized.linear_dynamic(torch.cat([hi, lo, pin]), self._packed, True)  # [2T + 1, out]
-        out = out[rows:2 * rows].div_(127).add_(out[:rows]).mul_(amax)  # [T, out]
+        inv = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).reciprocal_().mul_(126 / 127)  # [T, 1]
+        buf = torch.empty(2 * rows + 1, x.shape[1], dtype=torch.float32)  # [lo; hi; pin]
+        lo, hi = buf[:rows], buf[rows:2 * rows]
+        torch.mul(x, inv, out=lo)  # x / absmax, in [-126/127, 126/127]
+        torch.mul(lo, 63.5, out=hi).round_().mul_(1 / 63.5)  # on the op's grid (k * 2/127, |k| <= 63)
+        lo.sub_(hi).mul_(127)  # the remainder, |.| <= 1/127, scaled to [-1, 1]
+        buf[2 * rows:] = self._pin
+        out = torch.ops.quantized.linear_dynamic(buf, self._packed, True)  # [2T + 1, out]
+        out = torch.add(out[rows:2 * rows], out[:rows], alpha=1 / 127).div_(inv)  # [T, out]
         return (out if self.bias is None else out.add_(self.bias)).to(dtype)
 
 
