@@ -8,6 +8,7 @@ import torch
 
 from executor_service.__main__ import parse_args
 from models.quantization import Fp16Weight, Int8Weight, fbgemm_usable, quantize_per_channel
+from models.moe import SparseMoeBlock
 from models.transformer import Linear
 from executor_service.types import CacheRef, DecodeItem
 from tests.executor_driver import LOGITS, greedy_run, make_executor, mixed_batch_run
@@ -92,6 +93,28 @@ def teacher_forced_logits(ex, prompt: list[int], tokens: list[int]) -> list[torc
         out.append(d.output.logits[0])
     ex.release_cache([cache_id])
     return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("mode", ["int8", "fp16"])
+def test_other_architectures_quantize(tiny_checkpoint, arch, mode):
+    """Qwen2's q/k/v biases, Qwen3's q/k norms, Qwen3-MoE (its router stays float32: a flipped expert choice
+    is not a rounding error; the fused expert tensors are not Linear layers and stay float32 too). fp16 is
+    compared with float32; int8's FBGEMM path with the portable kernel on the same int8 weights (random tiny
+    weights lose several % of the logits' range to int8 itself; its quality is measured on SmolLM2)."""
+    if not fbgemm_usable(mode):
+        pytest.skip("torch built without FBGEMM (x86 only)")
+    model = tiny_checkpoint(arch)
+    ex = make_executor(model, quantization=mode)
+    if mode == "fp16":
+        ref = make_executor(model)
+    else:
+        ref = make_executor(model, cpu_packed_weights=False)
+        ref.model.quantize("int8", force_dequant=True)
+    assert isinstance(ex.model.model.layers[0].mlp, SparseMoeBlock) == (arch == "qwen3_moe")
+    _, tokens_ref, logits_ref = greedy_run(ref, PROMPT, 6)
+    errors = [rel_err(a, b) for a, b in zip(teacher_forced_logits(ex, PROMPT, tokens_ref), logits_ref)]
+    assert max(errors) < 2e-3, errors
 
 
 @needs_fbgemm
