@@ -34,7 +34,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import runtime
-from benchmarks.cli import apply_preset, int_list, make_log, parser
+from benchmarks.cli import add_out_args, int_list, make_log, parse_with_preset, parser
 from benchmarks.measure import summarize
 from benchmarks.report import fmt, format_table, machine_info, model_json, write_json
 from benchmarks.request_loops import closed_loop
@@ -71,10 +71,8 @@ def parse_args(argv: list[str] | None = None):
                     help="the speculative scheduler's flags, one shell-quoted string given with '=' (default "
                          "'--speculative ngram': the scheduler's defaults for the rest)")
     ap.add_argument("--executor-args", default="", help="extra executor flags, one string given with '='")
-    ap.add_argument("--out", type=Path, default=Path("bench_results/bench_spec.json"), help="JSON results file")
-    ap.add_argument("--quick", action="store_true", help="smoke run: concurrency 1,2, 16 tokens")
-    args = ap.parse_args(argv)
-    apply_preset(args, QUICK if args.quick else DEFAULTS)
+    add_out_args(ap, "bench_spec", "smoke run: concurrency 1,2, 16 tokens")
+    args = parse_with_preset(ap, argv, QUICK, DEFAULTS)
     args.concurrency_list = int_list(args.concurrency, "--concurrency")
     args.workload_list = [w for w in args.workloads.split(",") if w]
     if not args.workload_list or any(w not in WORKLOADS for w in args.workload_list):
