@@ -42,7 +42,7 @@ from benchmarks import llama_cpp_side, runtime
 from benchmarks.cli import add_model_arg, add_out_args, int_list, make_log, parse_with_preset, parser
 from benchmarks.local_executor import DecodeBatch, build_executor
 from benchmarks.quality import QualityReference
-from benchmarks.report import fmt, format_table, machine_info, model_json, write_json
+from benchmarks.report import format_table, machine_info, model_json, write_json
 from benchmarks.workloads import model_vocabulary, vocabulary_prompts
 from tandem import server_process
 from tandem.common.v1 import common_pb2 as cpb

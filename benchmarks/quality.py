@@ -11,8 +11,8 @@ and tests/executor/test_quantization_quality.py):
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

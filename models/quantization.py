@@ -21,7 +21,7 @@ weight is the embedding's and stays. Quality against float32 and speed: README, 
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
