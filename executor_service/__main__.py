@@ -78,6 +78,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-cpu-packed-weights", action="store_true",
                     help="CPU float32: do not keep oneDNN-packed copies of the linear weights (saves their memory, "
                          "~1.1-1.3x slower decode steps)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                    help="run decode steps (batches where every item adds one token, without LoRA) through a "
+                         "torch.compile'd forward: one graph for every batch size, compiled before READY (SmolLM2 on "
+                         "2 CPU cores: minutes the first time, much less from the compile cache); prefill, mixed "
+                         "batches and LoRA stay eager. Not with --quantization. Default --no-compile (eager). "
+                         "Speed: README, Decode speed")
+    ap.add_argument("--compile-cache-dir", type=Path,
+                    help="where the compiler keeps compiled kernels and graphs across restarts (default: torch's, "
+                         "a torchinductor_<user> directory under the system temp directory)")
     ap.add_argument("--metrics-port", type=int,
                     help="serve Prometheus metrics (GET /metrics) on --host at this port (0 = any free port, logged "
                          "as 'metrics on http://...'); default: none")
@@ -109,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                   block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                                   max_attention_elements=args.max_attention_elements,
                                   progress=True, cpu_packed_weights=not args.no_cpu_packed_weights,
+                                  compile=args.compile, compile_cache_dir=args.compile_cache_dir,
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,
                                   max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,

@@ -32,6 +32,10 @@ class ExecutorConfig:
     # CPU float32: a oneDNN-packed copy of every linear weight for decode-sized calls (~1.1-1.3x per decode
     # step on 2 cores; costs a second copy of the linear weights in memory). Off: plain F.linear only.
     cpu_packed_weights: bool = True
+    # The compiled decode step (models/compiled_decode.py): all-decode batches run a torch.compile'd forward,
+    # compiled before READY (compile_cache_dir: inductor's on-disk caches; None = torch's default).
+    compile: bool = False
+    compile_cache_dir: Path | None = None
     # LoRA: runtime loads only from inside adapter_root (None: runtime loading disabled); `adapters` are the
     # operator's preloads (name, dir); at most max_adapters_on_device adapters' weights on the device.
     adapter_root: Path | None = None

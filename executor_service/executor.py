@@ -44,6 +44,7 @@ from models.config import read_generation_defaults
 from tandem.errors import (AdapterInUse, CacheStateConflict, InvalidRequest, PositionMismatch,
                            TandemError)
 from tandem.kv_usage import KvUsage
+from models.compiled_decode import CompiledDecode, set_compile_cache_dir
 from models.loader import load_model
 from models.moe import SparseMoeBlock
 from tandem.sampling_params import SamplingParams
@@ -85,7 +86,8 @@ class Executor:
         self.generation = read_generation_defaults(config.model_dir, cfg)
         dtype = self.model.lm_head.weight.dtype
         self.kv, self.kv_pool = build_kv_pool(config, self.device, cfg, dtype)  # sized and logged there
-        self.runner = BatchRunner(self.model, self.kv, config.attention_bound())
+        self.compiled = self._compile_decode() if config.compile else None
+        self.runner = BatchRunner(self.model, self.kv, config.attention_bound(), self.compiled)
         self.events = KvEventHub(config.max_kv_subscribers, config.kv_events_buffer)
         self.prefix = PrefixCache(self.kv, config.prefix_caching, self.events)
         self.adapters = AdapterRegistry(cfg, self.device, dtype, config.adapter_root, config.max_adapters_on_device,
@@ -98,6 +100,15 @@ class Executor:
         self._scope: CacheTable | None = None  # the session view of the operation in progress
         self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters)
         self._lock = OpLock()
+
+    def _compile_decode(self) -> CompiledDecode:
+        """Compiles the decode step now (before the server reports READY), logging how long it took."""
+        if self.config.compile_cache_dir is not None:
+            set_compile_cache_dir(self.config.compile_cache_dir)
+        compiled = CompiledDecode(self.model, self.kv)  # ValueError: the combination is refused
+        log.info("compiling the decode step (one graph for every batch size; cached for restarts)...")
+        log.info("decode step compiled in %.1f s", compiled.warm_up())
+        return compiled
 
     # ----------------------------------------------------------------- operations
     def prefill(self, token_ids: Sequence[int], cache_id: str | None = None,

@@ -78,6 +78,11 @@ class AttentionMetadata:
             for part in parts
         ]
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
+               scale: float) -> torch.Tensor:
+        """q: [T, heads, d]; k, v: [T, kv_heads, d]: paged_attention over this batch -> [T, heads * d]."""
+        return paged_attention(q, k, v, cache, layer, self, scale)
+
     @staticmethod
     def _bucket(items: list[ItemLayout], starts: np.ndarray, block_size: int, group: int,
                 device: torch.device, dtype: torch.dtype, covers_batch: bool) -> _Bucket:

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import AttentionMetadata, paged_attention
+from models.attention import AttentionMetadata
 from models.config import ModelConfig
+from models.decode_attention import DecodeMetadata
 from models.kv_cache import PagedKvCache
 from models.lora_batch import LoraBatch
 from models.moe import SparseMoeBlock
@@ -38,7 +39,8 @@ class Linear(nn.Linear):
         # x: [T, in] -> [T, out]
         if self.quant is not None:
             return self.quant(x)
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_TOKENS:
+        # Compiled (models/compiled_decode.py), the compiler packs the weights itself (inductor freezing).
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_TOKENS and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -72,7 +74,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKvCache,
-                meta: AttentionMetadata, lora: LoraBatch | None) -> torch.Tensor:
+                meta: AttentionMetadata | DecodeMetadata, lora: LoraBatch | None) -> torch.Tensor:
         # x: [T, hidden]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         if lora is not None:
@@ -85,7 +87,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, cos, sin)  # q and k rotated together: half the small ops
         q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, heads, d], [T, kv_heads, d]
         v = v.view(-1, self.kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, cache, self.layer, meta, self.scale)  # [T, heads * d]
+        out = meta.attend(q, k, v, cache, self.layer, self.scale)  # [T, heads * d]
         return self.o_proj(out) if lora is None else lora.apply(self.o_proj(out), out, self.layer, "o")
 
 
@@ -119,7 +121,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg, layer)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKvCache,
-                meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
+                meta: AttentionMetadata | DecodeMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
         # Residual adds in place on the sublayers' fresh outputs (a + h == h + a bit for bit): one [T, hidden]
         # buffer fewer each, which on CPU spares large prefill chunks a page-faulted allocation.
         h = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, lora).add_(h)
@@ -172,13 +174,13 @@ class DecoderModel(nn.Module):
             return False
         return True
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKvCache,
-                logit_rows: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        """input_ids: [T]; logit_rows: [R] indices into the packed tokens whose logits are wanted.
-        Returns float32 logits [R, vocab]; the LM head runs on those R rows only."""
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, cache: PagedKvCache,
+                logit_rows: torch.Tensor | None, lora: LoraBatch | None = None) -> torch.Tensor:
+        """input_ids: [T]; logit_rows: [R] indices into the packed tokens whose logits are wanted (None: all,
+        R = T). Returns float32 logits [R, vocab]; the LM head runs on those R rows only."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)  # [T, head_dim] each
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache, meta, lora)
-        h = self.model.norm(h[logit_rows])  # [R, hidden]
+        h = self.model.norm(h if logit_rows is None else h[logit_rows])  # [R, hidden]
         return self.lm_head(h).float()  # [R, vocab]

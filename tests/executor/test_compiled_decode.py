@@ -1,0 +1,146 @@
+"""The compiled decode step (--compile, models/compiled_decode.py) on CPU: the attention forms it uses, and
+the executor with it against transformers / peft and against the eager path — greedy runs, mixed batches
+(prefill chunks beside decodes, releases), LoRA (which stays eager beside compiled base steps) and MoE.
+
+Each compiled executor costs a compile (~15 s per tiny model on 2 cores), so executors are shared per module.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from executor_service.types import CacheRef, DecodeItem
+from models.compiled_decode import CompiledDecode
+from models.decode_attention import attend_gathered, attend_through_tables, write_kv
+from tests.executor.test_lora_parity import ADAPTERS, Setup as LoraSetup
+from tests.executor_driver import LOGITS, assert_greedy_matches, make_executor, mixed_batch_run
+from tests.hf_reference import HfReference, rel_err
+
+TOL = 1e-4
+STEPS = 32
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(length)]
+
+
+def pools(blocks: int = 12, block_size: int = 4, kv_heads: int = 2, d: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(blocks, block_size, kv_heads, d, generator=g),
+            torch.randn(blocks, block_size, kv_heads, d, generator=g))
+
+
+def test_attention_through_tables_equals_gathered_sdpa_and_a_per_item_reference():
+    k_pool, v_pool = pools()
+    tables = torch.tensor([[3, 7, 0, 0], [1, 2, 4, 5], [11, 0, 0, 0]])  # width 4, padded with block 0
+    lens = torch.tensor([6, 16, 1])
+    q = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))  # 6 heads over 2 KV heads
+    fused = attend_through_tables(q, k_pool, v_pool, tables, lens, 0.3)
+    gathered = attend_gathered(q, k_pool, v_pool, tables, lens, 0.3)
+    assert torch.allclose(fused, gathered, atol=1e-5)
+    for b in range(3):  # plain softmax attention over the item's own keys, head by head
+        n = int(lens[b])
+        keys = k_pool[tables[b]].reshape(-1, 2, 8)[:n]  # [n, kv_heads, d]
+        values = v_pool[tables[b]].reshape(-1, 2, 8)[:n]
+        for h in range(6):
+            probs = torch.softmax(0.3 * keys[:, h // 3] @ q[b, h], dim=0)  # [n]
+            assert torch.allclose(fused[b, h * 8:(h + 1) * 8], probs @ values[:, h // 3], atol=1e-5)
+
+
+def test_write_kv_writes_its_slots_only():
+    k_pool, v_pool = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    ticket = write_kv(k_pool, v_pool, torch.tensor([5, 9]), k, v)
+    assert ticket.item() == 0
+    flat_k, flat_v = k_pool.view(-1, 2, 8), v_pool.view(-1, 2, 8)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[9], k[1]) and torch.equal(flat_v[9], v[1])
+    assert int(flat_k.ne(0).any(-1).any(-1).sum()) == 2 and int(flat_v.ne(0).any(-1).any(-1).sum()) == 2
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    model_dir = tiny_checkpoint("llama")
+    return model_dir, make_executor(model_dir, compile=True), HfReference(model_dir)
+
+
+def test_greedy_matches_transformers_compiled(llama):
+    model_dir, ex, hf = llama
+    prompt = prompt_of(21, seed=1)
+    before = ex.compiled.calls
+    ref_tokens, ref_logits = hf.greedy(prompt, STEPS)
+    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL)
+    assert ex.compiled.calls - before == STEPS - 1  # every decode step ran compiled (the prefill eager)
+
+
+def test_mixed_batches_match_the_eager_executor(llama):
+    """Prefill chunks beside decodes (eager steps) and all-decode steps (compiled), sequences released
+    mid-way, batch sizes 1 to 5 and growing tables: token for token the eager executor's results."""
+    model_dir, ex, _ = llama
+    eager = make_executor(model_dir)
+    prompts = [prompt_of(n, seed=10 + n) for n in (3, 30, 9, 17, 40)]
+    release = {1: 10, 3: 20}
+    before = ex.compiled.calls
+    got = mixed_batch_run(ex, prompts, 24, release)
+    want = mixed_batch_run(eager, prompts, 24, release)
+    assert ex.compiled.calls - before >= 10
+    assert eager.compiled is None
+    for i in range(len(prompts)):
+        assert got[0][i] == want[0][i], f"sequence {i}"
+        for a, b in zip(got[1][i], want[1][i]):
+            assert rel_err(a, b) < TOL
+    assert ex.kv_usage().free_blocks == ex.kv_usage().total_blocks  # everything released: nothing leaked
+
+
+def test_a_failed_compiled_step_changes_nothing(llama, monkeypatch):
+    """A fault inside the compiled call (injected: the compiled function raises) fails the call and leaves
+    every cache and the pool as they were; the next step runs."""
+    _, ex, _ = llama
+    results = [ex.prefill(prompt_of(n, seed=n), output=LOGITS) for n in (12, 16)]  # 16: the next token needs a block
+    usage = ex.kv_usage()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+    items = [DecodeItem(CacheRef(r.cache.cache_id, r.cache.seq_len), r.output.tokens[0].token_id, output=LOGITS)
+             for r in results]
+    real = ex.compiled._forward
+    monkeypatch.setattr(ex.compiled, "_forward", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        ex.decode(items)
+    assert ex.kv_usage() == usage
+    monkeypatch.setattr(ex.compiled, "_forward", real)
+    assert [d.cache.seq_len for d in ex.decode(items)] == [13, 17]
+    ex.release_cache([r.cache.cache_id for r in results])
+
+
+def test_lora_items_run_eager_beside_compiled_base_steps(llama, tmp_path_factory):
+    model_dir, _, _ = llama
+    setup = LoraSetup(model_dir, tmp_path_factory.mktemp("lora-compiled"), ADAPTERS)
+    ex = setup.executor(preload=("qv4", "mlp16"), compile=True)
+    seqs = [("", 9), ("qv4", 17), ("mlp16", 5)]
+    prompts = [prompt_of(n, seed=40 + i) for i, (_, n) in enumerate(seqs)]
+    gen, logits = mixed_batch_run(ex, prompts, 16, release_after={1: 6, 2: 8}, adapters=[a for a, _ in seqs])
+    assert ex.compiled.calls > 0  # the base sequence's steps alone, once the adapters' sequences were released
+    for i, (adapter, _) in enumerate(seqs):
+        ref_tokens, ref_logits = setup.greedy(adapter, prompts[i], len(gen[i]))
+        assert gen[i] == ref_tokens, f"sequence {i} ({adapter or 'base'})"
+        for a, b in zip(logits[i], ref_logits):
+            assert rel_err(a, b) < TOL
+
+
+def test_moe_greedy_matches_transformers_compiled(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_moe", config_overrides=dict(num_experts=8, num_experts_per_tok=2,
+                                                                    norm_topk_prob=True))
+    ex = make_executor(model_dir, compile=True)
+    prompt = prompt_of(19, seed=5)
+    ref_tokens, ref_logits = HfReference(model_dir).greedy(prompt, STEPS)
+    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL)
+    assert ex.compiled.calls == STEPS - 1
+
+
+def test_compile_refuses_quantized_weights(tiny_checkpoint):
+    ex = make_executor(tiny_checkpoint("llama"), quantization="int8")
+    with pytest.raises(ValueError, match="--quantization"):
+        CompiledDecode(ex.model, ex.kv)
