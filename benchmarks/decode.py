@@ -2,8 +2,9 @@
 llama.cpp on the same weights in the same run (when llama-cpp-python is installed), plus each mode's quality
 against float32.
 
-Modes (executor flags): float32 (none: today's path, oneDNN-packed fp32 linears), int8 (`--quantization
-int8`), fp16 (`--quantization fp16`). Parts (--parts, default all four):
+Modes (executor flags): float32 (none: the eager path, oneDNN-packed fp32 linears), compiled (`--compile`: the
+torch.compile'd decode step, float32; its time to READY includes the compile, and a second start is timed
+too, from the compile cache), int8 (`--quantization int8`), fp16 (`--quantization fp16`). Parts (--parts, default all four):
 
 - stream: per mode, a real executor (`--threads T`, prefix caching off) and scheduler, started one mode at a
   time (the executor's time to READY is reported); --requests requests one after another (after one warm-up),
@@ -50,12 +51,13 @@ from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 log = make_log("bench_decode")
-MODES = {"float32": "none", "int8": "int8", "fp16": "fp16"}  # mode -> --quantization
-LLAMA_PEER = {"float32": "f32", "int8": "q8_0", "fp16": "f16"}
+MODES = {"float32": "none", "compiled": "none", "int8": "int8", "fp16": "fp16"}  # mode -> --quantization
+COMPILED = ("compiled",)  # modes run with --compile (the compiled decode step, float32 weights)
+LLAMA_PEER = {"float32": "f32", "compiled": "f32", "int8": "q8_0", "fp16": "f16"}
 PARTS = ("stream", "steps", "llama", "quality")
-DEFAULTS = {"modes": "float32,int8,fp16", "parts": ",".join(PARTS), "batches": "1,8,32", "prompt_len": 128,
+DEFAULTS = {"modes": "float32,compiled,int8,fp16", "parts": ",".join(PARTS), "batches": "1,8,32", "prompt_len": 128,
             "gen": 128, "requests": 3, "steps": 20}
-QUICK = {"modes": "float32,int8", "parts": "stream,steps,quality", "batches": "1,4", "prompt_len": 16, "gen": 8,
+QUICK = {"modes": "compiled,int8", "parts": "stream,steps,quality", "batches": "1,4", "prompt_len": 16, "gen": 8,
          "requests": 1, "steps": 3}
 
 
@@ -103,10 +105,19 @@ async def stream_one(address: str, prompt: list[int], gen: int) -> dict[str, flo
 def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[list[int]]) -> dict[str, Any]:
     servers = []
     try:
+        flags = ("--threads", str(threads), "--no-prefix-caching", "--quantization", MODES[mode], "--log-level",
+                 "WARNING") + (("--compile",) if mode in COMPILED else ())
+        restart_s, wait = None, {"ready_timeout": 900.0} if mode in COMPILED else {}  # compiling on 2 cores: minutes
+        if mode in COMPILED:  # a first start fills the compile cache; the timed one below is a restart
+            t0 = time.perf_counter()
+            server_process.launch_executor(model_dir, *flags, **wait).stop()
+            first_s = time.perf_counter() - t0
+            log(f"stream {mode}: first start (compiling) {first_s:.1f} s")
         t0 = time.perf_counter()
-        ex = server_process.launch_executor(model_dir, "--threads", str(threads), "--no-prefix-caching",
-                                            "--quantization", MODES[mode], "--log-level", "WARNING")
+        ex = server_process.launch_executor(model_dir, *flags, **wait)
         ready_s = time.perf_counter() - t0
+        if mode in COMPILED:
+            ready_s, restart_s = first_s, ready_s
         servers.append(ex)
         sched = server_process.launch_scheduler(ex.address, "--log-level", "WARNING")
         servers.append(sched)
@@ -115,7 +126,7 @@ def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[li
     finally:
         for s in reversed(servers):
             s.stop()
-    out = {"ready_s": ready_s, "runs": runs,
+    out = {"ready_s": ready_s, "restart_s": restart_s, "runs": runs,
            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
            "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs)}
     log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms, ready {ready_s:.1f} s")
@@ -125,7 +136,7 @@ def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[li
 def steps_part(args, model_dir: Path, mode: str, prompt_pool: list[list[int]]) -> dict[str, Any]:
     blocks = (max(args.batch_list) * (args.prompt_len + args.steps + 8) // 16) + 64
     ex = build_executor(model_dir, "cpu", "float32", kv_blocks=blocks, max_batch_tokens=4096,
-                        quantization=MODES[mode], prefix_caching=False)
+                        quantization=MODES[mode], prefix_caching=False, compile=mode in COMPILED)
     out: dict[str, Any] = {}
     for b in args.batch_list:
         batch = DecodeBatch(ex)
@@ -184,7 +195,7 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
         for mode in args.mode_list:
             s, peer = stream.get(mode, {}), llama.get(LLAMA_PEER[mode], {})
             rows.append({"mode": mode, "decode tok/s": s.get("decode_tok_s"), "TTFT ms": s.get("ttft_ms"),
-                         "ready s": s.get("ready_s"), "llama.cpp": LLAMA_PEER[mode],
+                         "ready s": s.get("ready_s"), "restart s": s.get("restart_s"), "llama.cpp": LLAMA_PEER[mode],
                          "llama tok/s": peer.get("decode_tok_s"), "llama TTFT ms": peer.get("ttft_ms"),
                          "vs llama.cpp": (f"{s['decode_tok_s'] / peer['decode_tok_s']:.2f}x" if s and peer else None)})
         print(f"\nsingle stream: {args.prompt_len}-token prompt, {args.gen} greedy tokens, through gRPC")
@@ -218,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if "steps" in args.part_list:
         results["steps"] = {m: steps_part(args, model_dir, m, prompts) for m in args.mode_list}
     if "quality" in args.part_list:
-        results["quality"] = quality_part(model_dir, [m for m in args.mode_list if m != "float32"])
+        # the compiled mode's agreement with float32 is the parity tests' (same weights, logits within 1e-4)
+        results["quality"] = quality_part(model_dir, [m for m in args.mode_list if MODES[m] != "none"])
     header = f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, CPU"
     print_tables(args, results, header)
     config = {k: getattr(args, k) for k in ("modes", "parts", "batches", "prompt_len", "gen", "requests", "steps",

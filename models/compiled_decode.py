@@ -2,11 +2,11 @@
 one token, no LoRA), one graph dynamic in the batch size and the block-table width, so no step ever waits
 for a compile once the warm-up ran.
 
-- Inputs are the tensors of `DecodeMetadata` (models/decode_attention.py): attention reads K/V through the
-  block table inside the generated loops (no gathered copy), the KV write is an in-place custom op.
+- Inputs are the tensors of `DecodeMetadata` (models/decode_attention.py); the KV write is an in-place
+  custom op, attention a gather through the block table and one SDPA call per layer.
 - CPU: inductor's C++ backend with freezing (the weights become constants the compiler packs for MKL/oneDNN
   itself; a copy of the linear weights, as the eager path's packed weights are). Rotary, RMSNorm, residual
-  adds, SiLU x up and the attention's softmax are fused into a few loops per layer instead of ~150 small ops.
+  adds, SiLU x up and the attention mask are fused into a few loops per layer instead of ~150 small ops.
 - CUDA: inductor's Triton backend (no CUDA-graph capture: the KV write is a mutation the graph trees refuse).
 - Batches of one row are padded to two (a copy of the row: the same K/V written to the same slot, its logits
   dropped), and the table to at least two columns (block 0, masked): dynamo specialises sizes 0 and 1, and

@@ -1,5 +1,5 @@
-"""Attention for an all-decode batch (every item adds one token), in a form `torch.compile` turns into a few
-fused loops that read K/V through the block table, without a gathered copy of the context.
+"""Attention for an all-decode batch (every item adds one token), in a form `torch.compile` traces into one
+graph for every decode step (models/compiled_decode.py).
 
 `DecodeMetadata` holds only tensors whose shapes are the batch size B and the block-table width W, so one
 compiled graph (dynamic in B and W) serves every decode step:
@@ -8,18 +8,15 @@ compiled graph (dynamic in B and W) serves every decode step:
 The KV write is the custom op `tandem::write_kv`, an in-place `index_copy_` the compiler sees as opaque.
 Written as an indexed assignment inside the graph, or as an op declaring its mutation, the compiler
 functionalises the pool: a copy of the whole KV pool per layer per step (measured: 1.6 s per SmolLM2 step).
-So the op declares no mutation and returns a zero "ticket" that the pool's reads add to their context
-lengths: that data dependency orders every read of a layer's pool after its write. The pools are passed
+So the op declares no mutation and returns a zero "ticket" that the pool's reads add to the block table
+they gather through: that data dependency orders every read of a layer's pool after its write. The pools are passed
 as per-layer views (not the [layers, ...] base indexed by layer), so every layer runs the same generated
 kernels on other pointers rather than one copy of each kernel per layer offset (30x the compile time).
 
-Attention itself, per item b, KV head h and query head g of h's group, over keys t < context_lens[b]:
-    s[b, t, h, g] = scale * q[b, h, g] . K[table[b, t // bs], t % bs, h]
-    o[b, h, g]    = sum_t softmax_t(s)[b, t, h, g] * V[table[b, t // bs], t % bs, h]
-Compiled (inductor), the products and sums are generated as loops that index the pool by the table: no [B,
-L, kv_heads, d] copy is made (~4x faster than gather + SDPA at B = 32 on 2 CPU cores). Eager, the same
-expression would materialise [B, L, kv_heads, group, d] products, so eager calls use gather + SDPA instead
-(the same result to float rounding; tests compare both).
+Attention gathers the context through the block table and makes one SDPA call (GQA folded into the query
+axis). Reading K/V through the table inside the compiler's own loops (no gathered copy; softmax and both
+products written as broadcast sums) was tried and measured: inductor's CPU loops with indirect indexing are
+not vectorised, and a SmolLM2 step at batch 32 took 1.7x longer than with the gather + SDPA.
 """
 from __future__ import annotations
 
@@ -63,30 +60,12 @@ class DecodeMetadata:
         """q: [B, heads, d]; k, v: [B, kv_heads, d]. Writes k/v, returns [B, heads * d]."""
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
         ticket = write_kv(k_pool, v_pool, self.slot_mapping, k, v)
-        attend = attend_through_tables if torch.compiler.is_compiling() else attend_gathered
-        return attend(q, k_pool, v_pool, self.block_tables, self.context_lens + ticket, scale)
-
-
-def attend_through_tables(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                          lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The fused form (for the compiler). q: [B, heads, d]; pools: [blocks, bs, kv_heads, d] -> [B, heads * d]."""
-    rows, heads, d = q.shape
-    kv_heads = k_pool.shape[2]
-    keys = k_pool[tables].view(rows, -1, kv_heads, d)  # [B, L, kv_heads, d]: an index expression once compiled
-    values = v_pool[tables].view(rows, -1, kv_heads, d)
-    length = keys.shape[1]
-    # Computed in float32 whatever the cache dtype (as SDPA accumulates); the compiler fuses the casts.
-    qg = (q.float() * scale).view(rows, 1, kv_heads, heads // kv_heads, d)  # [B, 1, kv_heads, group, d]
-    scores = (qg * keys[:, :, :, None, :].float()).sum(-1)  # [B, L, kv_heads, group]
-    hidden = torch.arange(length, device=q.device)[None, :] >= lens[:, None]  # [B, L]
-    probs = torch.softmax(scores.masked_fill(hidden[:, :, None, None], float("-inf")), dim=1)
-    out = (probs[..., None] * values[:, :, :, None, :].float()).sum(1)  # [B, kv_heads, group, d]
-    return out.to(q.dtype).reshape(rows, heads * d)
+        return attend_gathered(q, k_pool, v_pool, self.block_tables + ticket, self.context_lens, scale)
 
 
 def attend_gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                     lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The eager form: gather the context, one SDPA call (GQA folded into the query axis)."""
+    """q: [B, heads, d]; pools: [blocks, bs, kv_heads, d]; tables: [B, W]; lens: [B] -> [B, heads * d]."""
     rows, heads, d = q.shape
     kv_heads = k_pool.shape[2]
     flat = tables.reshape(-1)

@@ -13,7 +13,7 @@ import torch
 
 from executor_service.types import CacheRef, DecodeItem
 from models.compiled_decode import CompiledDecode
-from models.decode_attention import attend_gathered, attend_through_tables, write_kv
+from models.decode_attention import attend_gathered, write_kv
 from tests.executor.test_lora_parity import ADAPTERS, Setup as LoraSetup
 from tests.executor_driver import LOGITS, assert_greedy_matches, make_executor, mixed_batch_run
 from tests.hf_reference import HfReference, rel_err
@@ -33,21 +33,19 @@ def pools(blocks: int = 12, block_size: int = 4, kv_heads: int = 2, d: int = 8) 
             torch.randn(blocks, block_size, kv_heads, d, generator=g))
 
 
-def test_attention_through_tables_equals_gathered_sdpa_and_a_per_item_reference():
+def test_attention_through_block_tables_equals_a_per_item_reference():
     k_pool, v_pool = pools()
     tables = torch.tensor([[3, 7, 0, 0], [1, 2, 4, 5], [11, 0, 0, 0]])  # width 4, padded with block 0
     lens = torch.tensor([6, 16, 1])
     q = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))  # 6 heads over 2 KV heads
-    fused = attend_through_tables(q, k_pool, v_pool, tables, lens, 0.3)
-    gathered = attend_gathered(q, k_pool, v_pool, tables, lens, 0.3)
-    assert torch.allclose(fused, gathered, atol=1e-5)
+    got = attend_gathered(q, k_pool, v_pool, tables, lens, 0.3)  # [B, heads * d]
     for b in range(3):  # plain softmax attention over the item's own keys, head by head
         n = int(lens[b])
         keys = k_pool[tables[b]].reshape(-1, 2, 8)[:n]  # [n, kv_heads, d]
         values = v_pool[tables[b]].reshape(-1, 2, 8)[:n]
         for h in range(6):
             probs = torch.softmax(0.3 * keys[:, h // 3] @ q[b, h], dim=0)  # [n]
-            assert torch.allclose(fused[b, h * 8:(h + 1) * 8], probs @ values[:, h // 3], atol=1e-5)
+            assert torch.allclose(got[b, h * 8:(h + 1) * 8], probs @ values[:, h // 3], atol=1e-5)
 
 
 def test_write_kv_writes_its_slots_only():
@@ -61,9 +59,14 @@ def test_write_kv_writes_its_slots_only():
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_checkpoint):
-    model_dir = tiny_checkpoint("llama")
-    return model_dir, make_executor(model_dir, compile=True), HfReference(model_dir)
+def lora(tiny_checkpoint, tmp_path_factory) -> LoraSetup:
+    return LoraSetup(tiny_checkpoint("llama"), tmp_path_factory.mktemp("lora-compiled"), ADAPTERS)
+
+
+@pytest.fixture(scope="module")
+def llama(lora):
+    """One compiled executor (with two adapters preloaded) for the module: each compile costs seconds."""
+    return lora.base, lora.executor(preload=("qv4", "mlp16"), compile=True), HfReference(lora.base)
 
 
 def test_greedy_matches_transformers_compiled(llama):
@@ -115,14 +118,14 @@ def test_a_failed_compiled_step_changes_nothing(llama, monkeypatch):
     ex.release_cache([r.cache.cache_id for r in results])
 
 
-def test_lora_items_run_eager_beside_compiled_base_steps(llama, tmp_path_factory):
-    model_dir, _, _ = llama
-    setup = LoraSetup(model_dir, tmp_path_factory.mktemp("lora-compiled"), ADAPTERS)
-    ex = setup.executor(preload=("qv4", "mlp16"), compile=True)
+def test_lora_items_run_eager_beside_compiled_base_steps(llama, lora):
+    _, ex, _ = llama
+    setup = lora
+    before = ex.compiled.calls
     seqs = [("", 9), ("qv4", 17), ("mlp16", 5)]
     prompts = [prompt_of(n, seed=40 + i) for i, (_, n) in enumerate(seqs)]
     gen, logits = mixed_batch_run(ex, prompts, 16, release_after={1: 6, 2: 8}, adapters=[a for a, _ in seqs])
-    assert ex.compiled.calls > 0  # the base sequence's steps alone, once the adapters' sequences were released
+    assert ex.compiled.calls > before  # the base sequence's steps alone, once the adapters' sequences were released
     for i, (adapter, _) in enumerate(seqs):
         ref_tokens, ref_logits = setup.greedy(adapter, prompts[i], len(gen[i]))
         assert gen[i] == ref_tokens, f"sequence {i} ({adapter or 'base'})"
