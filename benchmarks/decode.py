@@ -57,7 +57,7 @@ LLAMA_PEER = {"float32": "f32", "compiled": "f32", "int8": "q8_0", "fp16": "f16"
 PARTS = ("stream", "steps", "llama", "quality")
 DEFAULTS = {"modes": "float32,compiled,int8,fp16", "parts": ",".join(PARTS), "batches": "1,8,32", "prompt_len": 128,
             "gen": 128, "requests": 3, "steps": 20}
-QUICK = {"modes": "compiled,int8", "parts": "stream,steps,quality", "batches": "1,4", "prompt_len": 16, "gen": 8,
+QUICK = {"modes": "float32,int8", "parts": "stream,steps,quality", "batches": "1,4", "prompt_len": 16, "gen": 8,
          "requests": 1, "steps": 3}
 
 

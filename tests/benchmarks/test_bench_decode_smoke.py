@@ -1,5 +1,6 @@
-"""Smoke test of scripts/bench_decode.py on the tiny checkpoint: real executor + scheduler per mode (compiled,
-i.e. `--compile`, started twice: compiling, then from the compile cache; and int8), in-process decode steps, and the quality part, writing JSON whose figures are consistent. Timings are
+"""Smoke test of scripts/bench_decode.py on the tiny checkpoint: real executor + scheduler per mode (float32,
+int8; the compiled mode's three compiles cost ~80 s here, so its server is tested in
+tests/executor/test_compiled_decode.py instead), in-process decode steps, and the quality part, writing JSON whose figures are consistent. Timings are
 never asserted (noisy machine); llama.cpp is not part of the smoke run."""
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ def test_bench_decode_quick(model_dir, tmp_path, run_bench):
     out = tmp_path / "decode.json"
     proc = run_bench("bench_decode", "--model", str(model_dir), "--quick", "--out", str(out), timeout=240)
     data = json.loads(out.read_text())
-    assert data["benchmark"] == "bench_decode" and data["config"]["modes"] == "compiled,int8"
-    assert data["stream"]["compiled"]["restart_s"] > 0 and data["stream"]["int8"]["restart_s"] is None
-    for mode in ("compiled", "int8"):
+    assert data["benchmark"] == "bench_decode" and data["config"]["modes"] == "float32,int8"
+    assert data["stream"]["float32"]["restart_s"] is None  # only the compiled mode is started twice
+    for mode in ("float32", "int8"):
         s = data["stream"][mode]
         assert len(s["runs"]) == 1 and s["decode_tok_s"] > 0 and s["ready_s"] > 0
         assert set(data["steps"][mode]) == {"1", "4"}

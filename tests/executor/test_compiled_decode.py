@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from executor_service.types import CacheRef, DecodeItem
-from models.compiled_decode import CompiledDecode
+from models.compiled_decode import CompiledDecode, set_compile_cache_dir
 from models.decode_attention import attend_gathered, write_kv
 from tests.executor.test_lora_parity import ADAPTERS, Setup as LoraSetup
-from tests.executor_driver import LOGITS, assert_greedy_matches, make_executor, mixed_batch_run
+from tests.executor_driver import LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run
 from tests.hf_reference import HfReference, rel_err
 
 TOL = 1e-4
@@ -141,6 +141,35 @@ def test_moe_greedy_matches_transformers_compiled(tiny_checkpoint):
     ref_tokens, ref_logits = HfReference(model_dir).greedy(prompt, STEPS)
     assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL)
     assert ex.compiled.calls == STEPS - 1
+
+
+def test_executor_server_with_compile_decodes_as_the_eager_executor(llama):
+    """`python -m executor_service --compile` (a real process; the default compile cache, which the module's
+    in-process compile of the same model filled): READY after the compile, then Decode through gRPC gives the
+    eager executor's tokens."""
+    from tandem.executor.v1 import executor_pb2 as pb
+    from tests.grpc_harness import start_executor
+    model_dir, _, _ = llama
+    eager = make_executor(model_dir)
+    prompt = prompt_of(20, seed=7)
+    _, want, _ = greedy_run(eager, prompt, 6)
+    with start_executor(model_dir, "--compile") as server:
+        first = server.stub.Prefill(pb.PrefillRequest(token_ids=prompt))
+        got, cache = [first.output.tokens[0].token_id], first.cache
+        for _ in range(5):
+            (d,) = server.stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
+                cache=pb.CacheRef(cache_id=cache.cache_id, seq_len=cache.seq_len), token_id=got[-1])])).results
+            got.append(d.output.tokens[0].token_id)
+            cache = d.cache
+        assert got == want
+        assert "decode step compiled in" in server.stderr()
+
+
+def test_compile_cache_dir_is_where_inductor_caches(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # restored after the test
+    set_compile_cache_dir(tmp_path / "inductor")
+    assert cache_dir() == str((tmp_path / "inductor").resolve()) and (tmp_path / "inductor").is_dir()
 
 
 def test_compile_refuses_quantized_weights(tiny_checkpoint):
