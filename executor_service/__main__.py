@@ -81,11 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                     help="run decode steps (batches where every item adds one token, without LoRA) through a "
                          "torch.compile'd forward: one graph for every batch size, compiled before READY (SmolLM2 on "
-                         "2 CPU cores: minutes the first time, much less from the compile cache); prefill, mixed "
-                         "batches and LoRA stay eager. Not with --quantization. Default --no-compile (eager). "
-                         "Speed: README, Decode speed")
+                         "2 CPU cores: ~2 minutes, at every start); prefill, mixed batches and LoRA stay eager. "
+                         "Not with --quantization. Default --no-compile (eager: on CPUs the compiled step measured "
+                         "about as fast). Speed: README, Decode speed")
     ap.add_argument("--compile-cache-dir", type=Path,
-                    help="where the compiler keeps compiled kernels and graphs across restarts (default: torch's, "
+                    help="where the compiler keeps compiled kernels across restarts (default: torch's, "
                          "a torchinductor_<user> directory under the system temp directory)")
     ap.add_argument("--metrics-port", type=int,
                     help="serve Prometheus metrics (GET /metrics) on --host at this port (0 = any free port, logged "

@@ -106,7 +106,7 @@ class Executor:
         if self.config.compile_cache_dir is not None:
             set_compile_cache_dir(self.config.compile_cache_dir)
         compiled = CompiledDecode(self.model, self.kv)  # ValueError: the combination is refused
-        log.info("compiling the decode step (one graph for every batch size; cached for restarts)...")
+        log.info("compiling the decode step (one graph for every batch size; minutes on a small CPU)...")
         log.info("decode step compiled in %.1f s", compiled.warm_up())
         return compiled
 
@@ -296,7 +296,8 @@ class Executor:
             bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(), instance_id=self.instance_id,
             max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
-            capabilities=CAPABILITIES + (("prefix_caching",) if self.prefix.enabled else ()),
+            capabilities=CAPABILITIES + (("prefix_caching",) if self.prefix.enabled else ())
+            + (("compiled_decode",) if self.compiled is not None else ()),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
             resident_memory_bytes=resident_memory_bytes())

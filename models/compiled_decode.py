@@ -14,8 +14,9 @@ for a compile once the warm-up ran.
 - Everything else (prefill chunks, mixed batches, LoRA, drafts) stays on the eager forward; the sampler is
   eager in both.
 
-`warm_up` compiles before the server reports READY. Inductor's on-disk caches (FX graph and AOT autograd,
-under the compile cache directory) make a restart's compile mostly cache hits.
+`warm_up` compiles before the server reports READY. Inductor's on-disk cache (the compile cache directory)
+keeps the compiled C++ kernels across restarts; torch does not cache AOT graphs compiled with freezing, so a
+restart still traces and lowers the graph (SmolLM2 on 2 CPU cores: ~2 minutes either way, README).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 
 from models.decode_attention import DecodeMetadata
 from models.kv_cache import PagedKvCache
+from models.moe import SparseMoeBlock
 from models.transformer import DecoderModel
 from tandem.ceil_div import ceil_div
 
@@ -59,6 +61,12 @@ class CompiledDecode:
         if reason:
             raise ValueError(reason)
         self.model, self.kv = model, kv
+        for m in model.modules():
+            if isinstance(m, SparseMoeBlock):
+                # Eager inside the compiled step: the routing is data-dependent, and torch._grouped_mm's
+                # compile-time shape check wants bfloat16 where its CPU kernel takes float32. (Wrapped here, not
+                # decorated in moe.py: torch.compiler.disable imports torch._dynamo, ~2.7 s of every start.)
+                m.forward = torch.compiler.disable(m.forward)
         self.device = model.lm_head.weight.device
         # Only the batch size and the table width are dynamic (marked per call, see _call): with every
         # dimension dynamic, "duck sizing" ties equal sizes together (a batch of 2 = a model's 2 KV heads) and

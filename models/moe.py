@@ -37,9 +37,6 @@ class SparseMoeBlock(nn.Module):
         # Tokens routed to each expert since load (load balance, GetMetrics); on the weights' device.
         self.register_buffer("expert_tokens", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
 
-    # Eager inside the compiled decode step (models/compiled_decode.py): the routing is data-dependent and
-    # torch._grouped_mm's compile-time shape check wants bfloat16 where the CPU kernel takes float32.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         # lora: accepted for the dense MLP's signature; adapters never reach experts (refused at load)
         # x: [T, H]
