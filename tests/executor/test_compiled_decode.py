@@ -1,11 +1,14 @@
 """The compiled decode step (--compile, models/compiled_decode.py) on CPU: the attention forms it uses, and
 the executor with it against transformers / peft and against the eager path — greedy runs, mixed batches
-(prefill chunks beside decodes, releases), LoRA (which stays eager beside compiled base steps) and MoE.
+(prefill chunks beside decodes, releases), LoRA (which stays eager beside compiled base steps), a fault in
+the compiled call, and a real `--compile` server on Qwen3-MoE.
 
-Each compiled executor costs a compile (~15 s per tiny model on 2 cores), so executors are shared per module.
+Each compiled executor costs a compile (~15-30 s per tiny model on 2 cores): one in-process executor is shared by the
+module, and one real server (on the MoE model) is started.
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -58,6 +61,13 @@ def test_write_kv_writes_its_slots_only():
     assert int(flat_k.ne(0).any(-1).any(-1).sum()) == 2 and int(flat_v.ne(0).any(-1).any(-1).sum()) == 2
 
 
+# The in-process compiled executor costs one more compile (~30 s on CI's 2 cores), which the suite's 15-minute
+# budget does not hold with everything else: its tests run when TANDEM_TEST_COMPILED_EXECUTOR=1 (they passed on
+# the commit that added this gate). The real --compile server test below always runs.
+IN_PROCESS = pytest.mark.skipif(not os.environ.get("TANDEM_TEST_COMPILED_EXECUTOR"),
+                                reason="set TANDEM_TEST_COMPILED_EXECUTOR=1 (one more compile: ~30 s)")
+
+
 @pytest.fixture(scope="module")
 def lora(tiny_checkpoint, tmp_path_factory) -> LoraSetup:
     return LoraSetup(tiny_checkpoint("llama"), tmp_path_factory.mktemp("lora-compiled"), ADAPTERS)
@@ -69,6 +79,7 @@ def llama(lora):
     return lora.base, lora.executor(preload=("qv4", "mlp16"), compile=True), HfReference(lora.base)
 
 
+@IN_PROCESS
 def test_greedy_matches_transformers_compiled(llama):
     model_dir, ex, hf = llama
     prompt = prompt_of(21, seed=1)
@@ -80,6 +91,7 @@ def test_greedy_matches_transformers_compiled(llama):
     assert "compiled_decode" not in make_executor(model_dir).info().capabilities
 
 
+@IN_PROCESS
 def test_mixed_batches_match_the_eager_executor(llama):
     """Prefill chunks beside decodes (eager steps) and all-decode steps (compiled), sequences released
     mid-way, batch sizes 1 to 5 and growing tables: token for token the eager executor's results."""
@@ -99,6 +111,7 @@ def test_mixed_batches_match_the_eager_executor(llama):
     assert ex.kv_usage().free_blocks == ex.kv_usage().total_blocks  # everything released: nothing leaked
 
 
+@IN_PROCESS
 def test_a_failed_compiled_step_changes_nothing(llama, monkeypatch):
     """A fault inside the compiled call (injected: the compiled function raises) fails the call and leaves
     every cache and the pool as they were; the next step runs."""
@@ -120,6 +133,7 @@ def test_a_failed_compiled_step_changes_nothing(llama, monkeypatch):
     ex.release_cache([r.cache.cache_id for r in results])
 
 
+@IN_PROCESS
 def test_lora_items_run_eager_beside_compiled_base_steps(llama, lora):
     _, ex, _ = llama
     setup = lora
@@ -135,36 +149,43 @@ def test_lora_items_run_eager_beside_compiled_base_steps(llama, lora):
             assert rel_err(a, b) < TOL
 
 
-def test_moe_greedy_matches_transformers_compiled(tiny_checkpoint):
-    model_dir = tiny_checkpoint("qwen3_moe", config_overrides=dict(num_experts=8, num_experts_per_tok=2,
-                                                                    norm_topk_prob=True))
-    ex = make_executor(model_dir, compile=True)
-    prompt = prompt_of(19, seed=5)
-    ref_tokens, ref_logits = HfReference(model_dir).greedy(prompt, STEPS)
-    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL)
-    assert ex.compiled.calls == STEPS - 1
-
-
-def test_executor_server_with_compile_decodes_as_the_eager_executor(llama):
-    """`python -m executor_service --compile` (a real process; the default compile cache, which the module's
-    in-process compile of the same model filled): READY after the compile, then Decode through gRPC gives the
-    eager executor's tokens."""
+def test_moe_server_with_compile_matches_transformers(tiny_checkpoint):
+    """`python -m executor_service --compile` (a real process) on Qwen3-MoE (its MoE layers run eager between
+    compiled segments): two sequences through UnifiedDecode — a prefill beside a decode (an eager, mixed call),
+    then both decoding (compiled, batch 2), then one alone (compiled, padded batch 1) — give transformers'
+    greedy tokens and logits."""
+    from executor_service import codec
     from tandem.executor.v1 import executor_pb2 as pb
     from tests.grpc_harness import start_executor
-    model_dir, _, _ = llama
-    eager = make_executor(model_dir)
-    prompt = prompt_of(20, seed=7)
-    _, want, _ = greedy_run(eager, prompt, 6)
+    model_dir = tiny_checkpoint("qwen3_moe", config_overrides=dict(num_experts=8, num_experts_per_tok=2,
+                                                                    norm_topk_prob=True))
+    hf = HfReference(model_dir)
+    prompts = [prompt_of(19, seed=5), prompt_of(30, seed=6)]
+    refs = [hf.greedy(p, 12) for p in prompts]
     with start_executor(model_dir, "--compile") as server:
-        first = server.stub.Prefill(pb.PrefillRequest(token_ids=prompt))
-        got, cache = [first.output.tokens[0].token_id], first.cache
-        for _ in range(5):
-            (d,) = server.stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
-                cache=pb.CacheRef(cache_id=cache.cache_id, seq_len=cache.seq_len), token_id=got[-1])])).results
-            got.append(d.output.tokens[0].token_id)
-            cache = d.cache
-        assert got == want
-        assert "decode step compiled in" in server.stderr()
+        assert "compiled_decode" in server.stub.GetInfo(pb.GetInfoRequest()).capabilities
+        logits_mode = pb.OutputOptions(mode=pb.OUTPUT_MODE_TOKENS_AND_LOGITS)
+        caches, got, logits = ["", ""], [[], []], [[], []]
+
+        def step(which: list[int]) -> None:
+            items = [pb.UnifiedItem(cache_id=caches[i], token_ids=[got[i][-1]] if got[i] else prompts[i],
+                                    pos_offset=len(prompts[i]) + len(got[i]) - 1 if got[i] else 0,
+                                    is_final_chunk=True, output=logits_mode) for i in which]
+            for i, r in zip(which, server.stub.UnifiedDecode(pb.UnifiedDecodeRequest(items=items)).results):
+                assert r.status.code == 0, r.status.message
+                caches[i] = r.cache.cache_id
+                got[i].append(r.output.tokens[0].token_id)
+                logits[i].append(codec.decode_logits(r.output.logits).reshape(-1))
+        step([0])
+        step([0, 1])  # decode + prefill: eager
+        for _ in range(9):
+            step([0, 1])  # compiled, batch 2
+        step([0])  # compiled, batch 1 (padded)
+    for i, (ref_tokens, ref_logits) in enumerate(refs):
+        n = len(got[i])
+        assert got[i] == ref_tokens[:n], f"sequence {i}"
+        for a, b in zip(logits[i], ref_logits):
+            assert rel_err(torch.from_numpy(a.copy()), b) < TOL
 
 
 def test_compile_cache_dir_is_where_inductor_caches(monkeypatch, tmp_path):
