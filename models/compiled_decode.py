@@ -74,7 +74,7 @@ class CompiledDecode:
         self._forward = torch.compile(model.forward, dynamic=False)
         self._pools_of: torch.Tensor | None = None
         self._pools: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
-        self.calls = 0  # decode steps that ran compiled (GetMetrics / tests)
+        self.calls = 0  # decode steps that ran compiled (read by tests and benchmarks)
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int]) -> torch.Tensor:
