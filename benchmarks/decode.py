@@ -2,9 +2,12 @@
 llama.cpp on the same weights in the same run (when llama-cpp-python is installed), plus each mode's quality
 against float32.
 
-Modes (executor flags): float32 (none: the eager path, oneDNN-packed fp32 linears), compiled (`--compile`: the
-torch.compile'd decode step, float32; its time to READY includes the compile, and a second start is timed
-too, from the compile cache), int8 (`--quantization int8`), fp16 (`--quantization fp16`). Parts (--parts, default all four):
+Modes: WEIGHTS-KERNEL, weights float32 | fp16 (`--quantization fp16`) | int8 (`--quantization int8`), kernel
+eager (`--decode-kernel torch`: the PyTorch forward, oneDNN-packed fp32 / FBGEMM linears), native
+(`--decode-kernel native`: the C++ decode step, models/native_decode.py) or compiled (`--compile`, float32
+only: the torch.compile'd step; its time to READY includes the compile, and a second start is timed too, from
+the compile cache). Every ratio "vs eager" divides by the same weights' eager mode in the same run (else
+float32-eager). Parts (--parts, default all four):
 
 - stream: per mode, a real executor (`--threads T`, prefix caching off) and scheduler, started one mode at a
   time (the executor's time to READY is reported); --requests requests one after another (after one warm-up),
@@ -51,20 +54,37 @@ from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 log = make_log("bench_decode")
-MODES = {"float32": "none", "compiled": "none", "int8": "int8", "fp16": "fp16"}  # mode -> --quantization
-COMPILED = ("compiled",)  # modes run with --compile (the compiled decode step, float32 weights)
-LLAMA_PEER = {"float32": "f32", "compiled": "f32", "int8": "q8_0", "fp16": "f16"}
+WEIGHTS = {"float32": "none", "fp16": "fp16", "int8": "int8"}  # -> --quantization
+KERNELS = {"eager": ("--decode-kernel", "torch"), "native": ("--decode-kernel", "native"), "compiled": ("--compile",)}
+MODES = [f"{w}-{k}" for w in WEIGHTS for k in KERNELS if k != "compiled" or w == "float32"]
+LLAMA_PEER = {"float32": "f32", "fp16": "f16", "int8": "q8_0"}  # weights -> llama.cpp's format
 PARTS = ("stream", "steps", "llama", "quality")
-DEFAULTS = {"modes": "float32,compiled,int8,fp16", "parts": ",".join(PARTS), "batches": "1,8,32", "prompt_len": 128,
-            "gen": 128, "requests": 3, "steps": 20}
-QUICK = {"modes": "float32,int8", "parts": "stream,steps,quality", "batches": "1,4", "prompt_len": 16, "gen": 8,
-         "requests": 1, "steps": 3}
+DEFAULTS = {"modes": "float32-eager,float32-native,fp16-eager,fp16-native,int8-eager,int8-native",
+            "parts": ",".join(PARTS), "batches": "1,8,32", "prompt_len": 128, "gen": 128, "requests": 3, "steps": 20}
+QUICK = {"modes": "float32-eager,float32-native,int8-native", "parts": "stream,steps,quality", "batches": "1,4",
+         "prompt_len": 16, "gen": 8, "requests": 1, "steps": 3}
+
+
+def weights_of(mode: str) -> str:
+    return mode.split("-")[0]
+
+
+def kernel_of(mode: str) -> str:
+    return mode.split("-")[1]
+
+
+def executor_options(mode: str) -> dict[str, Any]:
+    """The ExecutorConfig fields of a mode (for the in-process executors)."""
+    kernel = kernel_of(mode)
+    return {"quantization": WEIGHTS[weights_of(mode)], "compile": kernel == "compiled",
+            "decode_kernel": "native" if kernel == "native" else "torch"}
 
 
 def parse_args(argv: list[str] | None = None):
     ap = parser(__doc__, epilog="Method: see the module docstring (head -30 benchmarks/decode.py).")
     add_model_arg(ap)
-    ap.add_argument("--modes", default=None, help=f"comma list of {', '.join(MODES)} (default all)")
+    ap.add_argument("--modes", default=None, help=f"comma list of {', '.join(MODES)} (default: all but "
+                                                  "float32-compiled, whose compile takes minutes per start)")
     ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(PARTS)} (default all)")
     ap.add_argument("--batches", default=None, help="decode batch sizes of the steps part (default 1,8,32)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
@@ -72,7 +92,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--requests", type=int, default=None, help="timed requests per mode (default 3)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode calls per batch size (default 20)")
     ap.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: all cores)")
-    add_out_args(ap, "bench_decode", "smoke run: float32 and int8, 16-token prompt, 8 tokens, batches 1,4")
+    add_out_args(ap, "bench_decode", "smoke run: float32-eager, float32-native and int8-native, 16-token prompt, "
+                                     "8 tokens, batches 1,4")
     args = parse_with_preset(ap, argv, QUICK, DEFAULTS)
     args.mode_list = [m for m in args.modes.split(",") if m]
     args.part_list = [p for p in args.parts.split(",") if p]
@@ -105,10 +126,11 @@ async def stream_one(address: str, prompt: list[int], gen: int) -> dict[str, flo
 def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[list[int]]) -> dict[str, Any]:
     servers = []
     try:
-        flags = ("--threads", str(threads), "--no-prefix-caching", "--quantization", MODES[mode], "--log-level",
-                 "WARNING") + (("--compile",) if mode in COMPILED else ())
-        restart_s, wait = None, {"ready_timeout": 900.0} if mode in COMPILED else {}  # compiling on 2 cores: minutes
-        if mode in COMPILED:  # a first start fills the compile cache; the timed one below is a restart
+        compiled = kernel_of(mode) == "compiled"
+        flags = ("--threads", str(threads), "--no-prefix-caching", "--quantization", WEIGHTS[weights_of(mode)],
+                 "--log-level", "WARNING") + KERNELS[kernel_of(mode)]
+        restart_s, wait = None, {"ready_timeout": 900.0} if compiled else {}  # compiling on 2 cores: minutes
+        if compiled:  # a first start fills the compile cache; the timed one below is a restart
             t0 = time.perf_counter()
             server_process.launch_executor(model_dir, *flags, **wait).stop()
             first_s = time.perf_counter() - t0
@@ -116,7 +138,7 @@ def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[li
         t0 = time.perf_counter()
         ex = server_process.launch_executor(model_dir, *flags, **wait)
         ready_s = time.perf_counter() - t0
-        if mode in COMPILED:
+        if compiled:
             ready_s, restart_s = first_s, ready_s
         servers.append(ex)
         sched = server_process.launch_scheduler(ex.address, "--log-level", "WARNING")
@@ -136,7 +158,7 @@ def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[li
 def steps_part(args, model_dir: Path, mode: str, prompt_pool: list[list[int]]) -> dict[str, Any]:
     blocks = (max(args.batch_list) * (args.prompt_len + args.steps + 8) // 16) + 64
     ex = build_executor(model_dir, "cpu", "float32", kv_blocks=blocks, max_batch_tokens=4096,
-                        quantization=MODES[mode], prefix_caching=False, compile=mode in COMPILED)
+                        prefix_caching=False, **executor_options(mode))
     out: dict[str, Any] = {}
     for b in args.batch_list:
         batch = DecodeBatch(ex)
@@ -160,11 +182,11 @@ def quality_part(model_dir: Path, modes: list[str]) -> dict[str, Any]:
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
     ref = QualityReference(build_executor(model_dir, "cpu", "float32", kv_blocks=128, max_batch_tokens=4096,
-                                          prefix_caching=False), encode)
+                                          prefix_caching=False, decode_kernel="torch"), encode)
     out = {}
     for mode in modes:
         ex = build_executor(model_dir, "cpu", "float32", kv_blocks=128, max_batch_tokens=4096,
-                            quantization=MODES[mode], prefix_caching=False)
+                            prefix_caching=False, **executor_options(mode))
         out[mode] = ref.measure(ex).as_json()
         log(f"quality {mode}: {out[mode]['agreed_tokens']}/{out[mode]['total_tokens']} greedy tokens agree "
             f"({out[mode]['top1_matches']} teacher-forced), "
@@ -179,12 +201,17 @@ def llama_part(args, model_dir: Path, threads: int, prompt: list[int]) -> dict[s
     source = llama_cpp_side.shipped_gguf()
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for fmt_name in sorted({LLAMA_PEER[m] for m in args.mode_list}, key=llama_cpp_side.FORMATS.index):
+        for fmt_name in sorted({LLAMA_PEER[weights_of(m)] for m in args.mode_list}, key=llama_cpp_side.FORMATS.index):
             path = llama_cpp_side.write_gguf(source, Path(tmp) / f"model-{fmt_name}.gguf", fmt_name)
             out[fmt_name] = llama_cpp_side.decode_run(path, prompt, args.gen, threads, args.requests)
             log(f"llama.cpp {fmt_name}: {out[fmt_name]['decode_tok_s']:.1f} tok/s decode, "
                 f"TTFT {out[fmt_name]['ttft_ms']:.0f} ms")
     return out
+
+
+def ratio(run: dict[str, Any], base: dict[str, Any] | None) -> str | None:
+    """Decode tokens/s of a stream run over a baseline run's, as "1.23x" (None when either is missing)."""
+    return f"{run['decode_tok_s'] / base['decode_tok_s']:.2f}x" if run and base else None
 
 
 def print_tables(args, results: dict[str, Any], header: str) -> None:
@@ -193,18 +220,24 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
     if stream or llama:
         rows = []
         for mode in args.mode_list:
-            s, peer = stream.get(mode, {}), llama.get(LLAMA_PEER[mode], {})
+            s, peer = stream.get(mode, {}), llama.get(LLAMA_PEER[weights_of(mode)], {})
             rows.append({"mode": mode, "decode tok/s": s.get("decode_tok_s"), "TTFT ms": s.get("ttft_ms"),
-                         "ready s": s.get("ready_s"), "restart s": s.get("restart_s"), "llama.cpp": LLAMA_PEER[mode],
+                         "ready s": s.get("ready_s"), "restart s": s.get("restart_s"),
+                         "llama.cpp": LLAMA_PEER[weights_of(mode)],
                          "llama tok/s": peer.get("decode_tok_s"), "llama TTFT ms": peer.get("ttft_ms"),
-                         "vs llama.cpp": (f"{s['decode_tok_s'] / peer['decode_tok_s']:.2f}x" if s and peer else None)})
+                         "vs llama.cpp": (f"{s['decode_tok_s'] / peer['decode_tok_s']:.2f}x" if s and peer else None),
+                         "vs eager": ratio(s, stream.get(f"{weights_of(mode)}-eager") or stream.get("float32-eager"))})
         print(f"\nsingle stream: {args.prompt_len}-token prompt, {args.gen} greedy tokens, through gRPC")
         print(format_table(rows, [(k, k, 1) for k in rows[0]]))
     if steps:
-        base = steps.get("float32", {})
-        rows = [{"mode": m, "batch": int(b), "ms/step": v["step_ms"], "tok/s": v["tok_s"],
-                 "vs float32": (f"{base[b]['step_ms'] / v['step_ms']:.2f}x" if b in base else None)}
-                for m in args.mode_list if m in steps for b, v in steps[m].items()]
+        rows = []
+        for m in args.mode_list:
+            base = steps.get(f"{weights_of(m)}-eager") or steps.get("float32-eager", {})
+            rows += [{"mode": m, "batch": int(b), "ms/step": v["step_ms"], "tok/s": v["tok_s"],
+                      "vs eager": (f"{base[b]['step_ms'] / v['step_ms']:.2f}x" if b in base else None),
+                      "vs float32-eager": (f"{steps['float32-eager'][b]['step_ms'] / v['step_ms']:.2f}x"
+                                           if b in steps.get("float32-eager", {}) else None)}
+                     for b, v in steps.get(m, {}).items()]
         print(f"\ndecode steps (in-process Executor, context {args.prompt_len})")
         print(format_table(rows, [(k, k, 1) for k in rows[0]]))
     if quality:
@@ -229,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     if "steps" in args.part_list:
         results["steps"] = {m: steps_part(args, model_dir, m, prompts) for m in args.mode_list}
     if "quality" in args.part_list:
-        # the compiled mode's agreement with float32 is the parity tests' (same weights, logits within 1e-4)
-        results["quality"] = quality_part(model_dir, [m for m in args.mode_list if MODES[m] != "none"])
+        # float32 modes agree with the eager float32 reference to the parity tests' 1e-4: measured for fp16 / int8
+        results["quality"] = quality_part(model_dir, [m for m in args.mode_list if weights_of(m) != "float32"])
     header = f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, CPU"
     print_tables(args, results, header)
     config = {k: getattr(args, k) for k in ("modes", "parts", "batches", "prompt_len", "gen", "requests", "steps",

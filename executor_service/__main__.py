@@ -87,6 +87,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile-cache-dir", type=Path,
                     help="where the compiler keeps compiled kernels across restarts (default: torch's, "
                          "a torchinductor_<user> directory under the system temp directory)")
+    ap.add_argument("--decode-kernel", choices=("auto", "native", "torch"), default="auto",
+                    help="what runs decode calls (every item adds one token, no LoRA, no drafts): 'native', one C++ "
+                         "call per step (CPU, float32 activations with float32/fp16/int8 weights, no MoE; built "
+                         "once with g++, ~2-3 s; ~2x faster decode on a small CPU model); 'torch', the PyTorch "
+                         "forward (compiled with --compile); 'auto' (default): native where it can run and "
+                         "--compile is not given, else torch (the log says why). Speed: README, Decode speed")
+    ap.add_argument("--native-cache-dir", type=Path,
+                    help="where the native decode kernel's compiled library is kept (default ~/.cache/tandem/native)")
     ap.add_argument("--metrics-port", type=int,
                     help="serve Prometheus metrics (GET /metrics) on --host at this port (0 = any free port, logged "
                          "as 'metrics on http://...'); default: none")
@@ -119,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_attention_elements=args.max_attention_elements,
                                   progress=True, cpu_packed_weights=not args.no_cpu_packed_weights,
                                   compile=args.compile, compile_cache_dir=args.compile_cache_dir,
+                                  decode_kernel=args.decode_kernel, native_cache_dir=args.native_cache_dir,
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,
                                   max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,

@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 
 from executor_service.cache_table import CacheSnapshot, CacheState
+from executor_service.decode_kernel import DecodeStep
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention import AttentionMetadata, ItemLayout
-from models.compiled_decode import CompiledDecode
 from models.kv_cache import PagedKvCache
 from models.lora import LoraWeights
 from models.lora_batch import LoraBatch, LoraStacks
@@ -37,9 +37,10 @@ class BatchItem:
 
 class BatchRunner:
     def __init__(self, model: DecoderModel, kv: PagedKvCache, max_attention_elements: int | None = None,
-                 compiled: CompiledDecode | None = None) -> None:
+                 decode_step: DecodeStep | None = None) -> None:
         self.model = model
-        self.compiled = compiled  # all-decode batches without LoRA run it (models/compiled_decode.py)
+        # All-decode batches without LoRA or drafts run it (executor_service/decode_kernel.py); None: eager.
+        self.decode_step = decode_step
         self.kv = kv
         self.device = model.lm_head.weight.device
         self.group = model.config.num_heads // model.config.num_kv_heads
@@ -93,9 +94,9 @@ class BatchRunner:
     @torch.inference_mode()
     def _forward(self, batch: list[BatchItem], all_positions: bool,
                  adapters: dict[str, LoraWeights]) -> tuple[torch.Tensor, list[int]]:
-        if self.compiled is not None and all(len(b.item.token_ids) == 1 and not b.item.draft_token_ids
+        if self.decode_step is not None and all(len(b.item.token_ids) == 1 and not b.item.draft_token_ids
                                              and b.item.is_final_chunk and not b.item.adapter for b in batch):
-            logits = self.compiled.run([b.item.token_ids[0] for b in batch], [b.state.table.blocks for b in batch],
+            logits = self.decode_step.run([b.item.token_ids[0] for b in batch], [b.state.table.blocks for b in batch],
                                        [b.state.table.length for b in batch])
             return logits, [1] * len(batch)  # logits: [B, vocab]
         layouts, ids, logit_rows, rows_per_item = [], [], [], []

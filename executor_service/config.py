@@ -36,6 +36,10 @@ class ExecutorConfig:
     # compiled before READY (compile_cache_dir: inductor's on-disk caches; None = torch's default).
     compile: bool = False
     compile_cache_dir: Path | None = None
+    # Which step runs decode calls (executor_service/decode_kernel.py): auto | native | torch. native_cache_dir:
+    # where the native kernel's compiled library is kept (None: ~/.cache/tandem/native).
+    decode_kernel: str = "auto"
+    native_cache_dir: Path | None = None
     # LoRA: runtime loads only from inside adapter_root (None: runtime loading disabled); `adapters` are the
     # operator's preloads (name, dir); at most max_adapters_on_device adapters' weights on the device.
     adapter_root: Path | None = None

@@ -27,6 +27,7 @@ from executor_service.adapters import AdapterRegistry
 from executor_service.batch import BatchItem, BatchRunner
 from executor_service.cache_table import CacheState, CacheStore, CacheTable
 from executor_service.config import ExecutorConfig
+from executor_service.decode_kernel import choose_decode_step
 from executor_service.decode_steps import MAX_DECODE_STEPS, run_decode_steps  # noqa: F401  (re-exported)
 from executor_service.kv_events import KvEventHub, Subscription
 from executor_service.kv_sizing import build_kv_pool
@@ -44,7 +45,8 @@ from models.config import read_generation_defaults
 from tandem.errors import (AdapterInUse, CacheStateConflict, InvalidRequest, PositionMismatch,
                            TandemError)
 from tandem.kv_usage import KvUsage
-from models.compiled_decode import CompiledDecode, set_compile_cache_dir
+from models.compiled_decode import CompiledDecode
+from models.native_decode import NativeDecode
 from models.loader import load_model
 from models.moe import SparseMoeBlock
 from tandem.sampling_params import SamplingParams
@@ -86,8 +88,9 @@ class Executor:
         self.generation = read_generation_defaults(config.model_dir, cfg)
         dtype = self.model.lm_head.weight.dtype
         self.kv, self.kv_pool = build_kv_pool(config, self.device, cfg, dtype)  # sized and logged there
-        self.compiled = self._compile_decode() if config.compile else None
-        self.runner = BatchRunner(self.model, self.kv, config.attention_bound(), self.compiled)
+        self.decode_step = choose_decode_step(config, self.model, self.kv)  # ValueError: a refused combination
+        self.compiled = self.decode_step if isinstance(self.decode_step, CompiledDecode) else None
+        self.runner = BatchRunner(self.model, self.kv, config.attention_bound(), self.decode_step)
         self.events = KvEventHub(config.max_kv_subscribers, config.kv_events_buffer)
         self.prefix = PrefixCache(self.kv, config.prefix_caching, self.events)
         self.adapters = AdapterRegistry(cfg, self.device, dtype, config.adapter_root, config.max_adapters_on_device,
@@ -100,15 +103,6 @@ class Executor:
         self._scope: CacheTable | None = None  # the session view of the operation in progress
         self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters)
         self._lock = OpLock()
-
-    def _compile_decode(self) -> CompiledDecode:
-        """Compiles the decode step now (before the server reports READY), logging how long it took."""
-        if self.config.compile_cache_dir is not None:
-            set_compile_cache_dir(self.config.compile_cache_dir)
-        compiled = CompiledDecode(self.model, self.kv)  # ValueError: the combination is refused
-        log.info("compiling the decode step (one graph for every batch size; minutes on a small CPU)...")
-        log.info("decode step compiled in %.1f s", compiled.warm_up())
-        return compiled
 
     # ----------------------------------------------------------------- operations
     def prefill(self, token_ids: Sequence[int], cache_id: str | None = None,
@@ -297,7 +291,8 @@ class Executor:
             max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
             capabilities=CAPABILITIES + (("prefix_caching",) if self.prefix.enabled else ())
-            + (("compiled_decode",) if self.compiled is not None else ()),
+            + (("compiled_decode",) if self.compiled is not None else ())
+            + (("native_decode",) if isinstance(self.decode_step, NativeDecode) else ()),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
             resident_memory_bytes=resident_memory_bytes())

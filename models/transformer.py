@@ -140,6 +140,8 @@ class DecoderModel(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by the loader once the device is known
+        self.weights_version = 0  # bumped whenever weights change in place (quantize): kernels holding raw
+        # pointers to the weights (models/native_decode.py) rebuild their descriptors
 
     def init_rotary(self, device: torch.device) -> None:
         cfg = self.config
@@ -147,6 +149,7 @@ class DecoderModel(nn.Module):
 
     def quantize(self, mode: str, force_dequant: bool = False) -> str | None:
         """Low-precision linear weights (models/quantization.py); returns the kernel used, None for "none"."""
+        self.weights_version += 1
         return quantize_linears(self, mode, lambda m: isinstance(m, Linear), force_dequant)
 
     def pack_cpu_weights(self) -> bool:

@@ -256,7 +256,9 @@ def test_a_failed_call_takes_back_its_copy_on_write(model_dir, off, monkeypatch,
     """A cache truncated into an indexed block, then a call that fails after reserving (the forward raises):
     the cache keeps its original block (no private copy left behind), the pool is as before, and the next
     call answers right."""
-    ex = make_executor(model_dir, kv_blocks=8)
+    # The fault is injected into the PyTorch forward, so decode calls must run it too (not the native step,
+    # whose failures tests/executor/test_native_decode.py injects).
+    ex = make_executor(model_dir, kv_blocks=8, decode_kernel="torch")
     p = prompt_of(40, seed=12)
     a = ex.prefill(p)
     if shared:

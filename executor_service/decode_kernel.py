@@ -1,0 +1,74 @@
+"""Which step runs the executor's decode calls: `--decode-kernel auto | native | torch` and `--compile`.
+
+A decode call here is one whose items each add one token without LoRA or drafts (executor_service/batch.py
+picks per call); everything else always runs the eager PyTorch forward on the same KV cache.
+
+- native: the C++ step (models/native_decode.py); refused, with the reason, where it cannot run.
+- torch: the eager PyTorch forward, or the torch.compile'd one with --compile (models/compiled_decode.py).
+- auto (default): native where it can run and --compile was not asked for, else torch; the log says which
+  and why.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol, Sequence
+
+import torch
+
+from executor_service.config import ExecutorConfig
+from models.compiled_decode import CompiledDecode, set_compile_cache_dir
+from models.kv_cache import PagedKvCache
+from models.native_decode import NativeDecode, native_refusal
+from models.transformer import DecoderModel
+
+log = logging.getLogger("tandem.executor")
+
+DECODE_KERNELS = ("auto", "native", "torch")
+
+
+class DecodeStep(Protocol):
+    calls: int  # decode steps it ran
+
+    def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]],
+            pasts: Sequence[int]) -> torch.Tensor: ...  # float32 logits [B, vocab]
+
+
+def choose_decode_step(config: ExecutorConfig, model: DecoderModel, kv: PagedKvCache) -> DecodeStep | None:
+    """The decode step for this configuration (None: the eager forward). Raises ValueError for a combination
+    that cannot run (the CLI exits 2 with the message)."""
+    kernel = config.decode_kernel
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"unknown --decode-kernel {kernel!r}; choose {', '.join(DECODE_KERNELS)}")
+    if config.compile:
+        if kernel == "native":
+            raise ValueError("--compile is the torch decode step; it does not combine with --decode-kernel native")
+        return _compile(config, model, kv)
+    if kernel == "torch":
+        return None
+    reason = native_refusal(model, kv)
+    if reason is not None:
+        if kernel == "native":
+            raise ValueError(f"--decode-kernel native cannot run here: {reason}")
+        log.info("decode steps run the PyTorch forward (the native kernel does not apply: %s)", reason)
+        return None
+    start = time.monotonic()
+    try:
+        step = NativeDecode(model, kv, config.native_cache_dir)
+    except (RuntimeError, OSError) as exc:  # the compiler failed, or the library would not load
+        if kernel == "native":
+            raise ValueError(f"--decode-kernel native: {exc}") from exc
+        log.warning("decode steps run the PyTorch forward: the native kernel could not be built (%s)", exc)
+        return None
+    log.info("decode steps run the native kernel (ready in %.1f s)", time.monotonic() - start)
+    return step
+
+
+def _compile(config: ExecutorConfig, model: DecoderModel, kv: PagedKvCache) -> CompiledDecode:
+    """Compiles the decode step now (before the server reports READY), logging how long it took."""
+    if config.compile_cache_dir is not None:
+        set_compile_cache_dir(config.compile_cache_dir)
+    compiled = CompiledDecode(model, kv)  # ValueError: the combination is refused
+    log.info("compiling the decode step (one graph for every batch size; minutes on a small CPU)...")
+    log.info("decode step compiled in %.1f s", compiled.warm_up())
+    return compiled

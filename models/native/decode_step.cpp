@@ -1,0 +1,349 @@
+// One decode step of a dense decoder (Llama / Qwen2 / Qwen3) for B sequences, every layer in one call:
+// the native decode kernel behind `--decode-kernel native` (models/native_decode.py builds and calls it).
+//
+// Why it exists: at batch 1 a decode step of a small model is bound by reading its weights, and the eager
+// PyTorch step spends half its time elsewhere (hundreds of small ops, Python between them, a gathered K/V
+// copy). Here a step is one call: one OpenMP team of the executor's threads runs every phase of every layer,
+// separated by barriers, and each weight matrix is streamed once per step whatever the batch size.
+//
+// Layout contract (the Python side checks it before building the descriptors):
+// - activations, norms, embedding, KV cache: float32, contiguous;
+// - a linear weight is [n, k] row-major (out, in) in float32, float16 (kind 1) or int8 with one float32 scale
+//   per output row (kind 2); k % 8 == 0;
+// - K/V pools per layer: [num_blocks, block_size, kv_heads, head_dim];
+// - tables [B, width] int64 block ids; token t of item b is in block tables[b][t / bs] at t % bs;
+// - cos / sin [B, head_dim]: rotary for each item's position (non-interleaved halves, as HF Llama/Qwen).
+// Built with -mavx2 -mfma -mf16c; the caller checks the CPU has them.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+extern "C" {
+
+struct TdLinear {
+  int32_t kind;  // 0 float32, 1 float16, 2 int8 (+ scale)
+  int32_t unused;
+  const void* w;       // [n, k]
+  const float* scale;  // [n] (int8) or null
+  const float* bias;   // [n] or null
+  int64_t n, k;
+};
+
+struct TdLayer {
+  const float* in_norm;    // [hidden]
+  const float* post_norm;  // [hidden]
+  const float* q_norm;     // [head_dim] or null (Qwen3)
+  const float* k_norm;     // [head_dim] or null
+  TdLinear qkv, o, gate, up, down;
+  float* k_pool;  // [num_blocks, block_size, kv_heads, head_dim]
+  float* v_pool;
+};
+
+struct TdModel {
+  int64_t hidden, heads, kv_heads, head_dim, inter, vocab, n_layers, block_size;
+  float eps, attn_scale;
+  const float* embed;       // [vocab, hidden]
+  const float* final_norm;  // [hidden]
+  TdLinear head;
+  const TdLayer* layers;
+};
+
+}  // extern "C"
+
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(s);
+  s = _mm_add_ps(s, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+// The part [begin, end) of n items that thread tid of nt takes (contiguous, in units of `grain`).
+inline void share(int64_t n, int64_t grain, int tid, int nt, int64_t& begin, int64_t& end) {
+  const int64_t units = (n + grain - 1) / grain;
+  const int64_t per = (units + nt - 1) / nt;
+  begin = std::min(n, tid * per * grain);
+  end = std::min(n, begin + per * grain);
+}
+
+struct Epilogue {
+  const float* scale;  // per output row, or null
+  const float* bias;   // per output row, or null
+  bool accumulate;     // y += result (a residual add), else y = result
+  inline void put(float* y, int64_t n, float v) const {
+    if (scale) v *= scale[n];
+    if (bias) v += bias[n];
+    *y = accumulate ? *y + v : v;
+  }
+};
+
+// y[m, n] for n in [n0, n1), all m < M: y = x[M, K] @ w[n0:n1, K]^T. Four weight rows at a time; each is
+// read from memory once and reused from L1 for every row of x (three rows of x per pass of the 4 x 3
+// register tile). Half / int8 rows are widened to float32 once per 4-row tile when several rows of x
+// reuse them (`wide`: 4 * K floats of this thread's scratch).
+template <typename T>
+void gemm_rows(const T* w, const Epilogue& ep, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
+               int64_t n0, int64_t n1, float* wide) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const T* r[4] = {w + n * K, w + (n + 1) * K, w + (n + 2) * K, w + (n + 3) * K};
+    int64_t m = 0;
+    if (M >= 3) {
+      const float* f[4];
+      if constexpr (std::is_same_v<T, float>) {
+        for (int i = 0; i < 4; ++i) f[i] = r[i];
+      } else {
+        for (int i = 0; i < 4; ++i) {
+          float* dst = wide + i * K;
+          for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, load8(r[i] + k));
+          f[i] = dst;
+        }
+      }
+      for (; m + 3 <= M; m += 3) {
+        const float* x0 = x + m * K;
+        const float* x1 = x0 + K;
+        const float* x2 = x1 + K;
+        __m256 a[4][3];
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 3; ++j) a[i][j] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+          const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k), v2 = _mm256_loadu_ps(x2 + k);
+          for (int i = 0; i < 4; ++i) {
+            const __m256 wv = _mm256_loadu_ps(f[i] + k);
+            a[i][0] = _mm256_fmadd_ps(wv, v0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(wv, v1, a[i][1]);
+            a[i][2] = _mm256_fmadd_ps(wv, v2, a[i][2]);
+          }
+        }
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 3; ++j) ep.put(y + (m + j) * ldy + n + i, n + i, hsum(a[i][j]));
+      }
+    }
+    for (; m < M; ++m) {  // batch 1 (or the last rows): the weights straight from memory, converted in registers
+      const float* xm = x + m * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(xm + k);
+        a0 = _mm256_fmadd_ps(load8(r[0] + k), v, a0);
+        a1 = _mm256_fmadd_ps(load8(r[1] + k), v, a1);
+        a2 = _mm256_fmadd_ps(load8(r[2] + k), v, a2);
+        a3 = _mm256_fmadd_ps(load8(r[3] + k), v, a3);
+      }
+      float* ym = y + m * ldy + n;
+      ep.put(ym, n, hsum(a0));
+      ep.put(ym + 1, n + 1, hsum(a1));
+      ep.put(ym + 2, n + 2, hsum(a2));
+      ep.put(ym + 3, n + 3, hsum(a3));
+    }
+  }
+  for (; n < n1; ++n) {  // fewer than 4 rows left
+    const T* r = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(load8(r + k), _mm256_loadu_ps(xm + k), a);
+      ep.put(y + m * ldy + n, n, hsum(a));
+    }
+  }
+}
+
+void gemm_part(const TdLinear& L, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1,
+               bool accumulate, float* wide) {
+  const Epilogue ep{L.scale, L.bias, accumulate};
+  switch (L.kind) {
+    case 0: gemm_rows(static_cast<const float*>(L.w), ep, L.k, x, M, y, ldy, n0, n1, wide); break;
+    case 1: gemm_rows(static_cast<const uint16_t*>(L.w), ep, L.k, x, M, y, ldy, n0, n1, wide); break;
+    default: gemm_rows(static_cast<const int8_t*>(L.w), ep, L.k, x, M, y, ldy, n0, n1, wide); break;
+  }
+}
+
+// This thread's share of y = x @ L^T (rows of L split over the team in 4-row tiles), then a barrier.
+void gemm(const TdLinear& L, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate, float* wide,
+          int tid, int nt) {
+  int64_t n0, n1;
+  share(L.n, 4, tid, nt, n0, n1);
+  if (n0 < n1) gemm_part(L, x, M, y, ldy, n0, n1, accumulate, wide);
+#pragma omp barrier
+}
+
+void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+// Rows of x [M, n] normalised into out, split over the team, then a barrier.
+void rms_norm_rows(const float* x, const float* w, float eps, int64_t M, int64_t n, float* out, int tid, int nt) {
+  int64_t b0, b1;
+  share(M, 1, tid, nt, b0, b1);
+  for (int64_t m = b0; m < b1; ++m) rms_norm(x + m * n, w, eps, n, out + m * n);
+#pragma omp barrier
+}
+
+// x [d] rotated in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) on the two halves.
+void rotate(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// One item and one KV head: normalise and rotate its query heads and key, write key and value into the
+// cache slot of position pos, and attend the group's query heads over positions 0..pos. out: [group, d].
+void attend_group(const TdModel& m, const TdLayer& L, const float* qkv, const float* cos, const float* sin,
+                  const int64_t* table, int64_t pos, int64_t g, float* out, float* q, std::vector<float>& scores) {
+  // q: scratch [group + 1, d] (the group's queries, then the key)
+  const int64_t d = m.head_dim, kvh = m.kv_heads, group = m.heads / kvh, bs = m.block_size;
+  const int64_t ctx = pos + 1;
+  float* k = q + group * d;
+  for (int64_t j = 0; j < group; ++j) {
+    const float* src = qkv + (g * group + j) * d;
+    if (L.q_norm) rms_norm(src, L.q_norm, m.eps, d, q + j * d);
+    else std::memcpy(q + j * d, src, d * sizeof(float));
+    rotate(q + j * d, cos, sin, d);
+  }
+  const float* ksrc = qkv + (m.heads + g) * d;
+  if (L.k_norm) rms_norm(ksrc, L.k_norm, m.eps, d, k);
+  else std::memcpy(k, ksrc, d * sizeof(float));
+  rotate(k, cos, sin, d);
+  const int64_t slot = table[pos / bs] * bs + pos % bs;
+  std::memcpy(L.k_pool + (slot * kvh + g) * d, k, d * sizeof(float));
+  std::memcpy(L.v_pool + (slot * kvh + g) * d, qkv + (m.heads + kvh + g) * d, d * sizeof(float));
+
+  if (static_cast<int64_t>(scores.size()) < group * ctx) scores.resize(group * ctx);
+  float* s = scores.data();  // [group, ctx]
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t st = table[t / bs] * bs + t % bs;
+    const float* kr = L.k_pool + (st * kvh + g) * d;
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qj = q + j * d;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < d; ++i) acc += qj[i] * kr[i];
+      s[j * ctx + t] = acc * m.attn_scale;
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* sj = s + j * ctx;
+    float mx = sj[0];
+    for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, sj[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      sj[t] = std::exp(sj[t] - mx);
+      sum += sj[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < ctx; ++t) sj[t] *= inv;
+  }
+  std::fill(out, out + group * d, 0.f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t st = table[t / bs] * bs + t % bs;
+    const float* vr = L.v_pool + (st * kvh + g) * d;
+    for (int64_t j = 0; j < group; ++j) {
+      const float p = s[j * ctx + t];
+      float* oj = out + j * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) oj[i] += p * vr[i];
+    }
+  }
+}
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+}  // namespace
+
+extern "C" {
+
+int tandem_abi_version() { return 1; }
+
+// ids, pos: [B]; tables: [B, width]; cos, sin: [B, head_dim]; logits: [B, vocab] (written).
+// Returns 0, or 1 when scratch memory could not be allocated (nothing but this call's K/V slots written).
+int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const int64_t* pos, const int64_t* tables,
+                       int64_t width, const float* cos, const float* sin, float* logits, int threads) {
+  const TdModel& m = *mp;
+  const int64_t H = m.hidden, d = m.head_dim, Q = m.heads * d, QKV = Q + 2 * m.kv_heads * d, I = m.inter;
+  const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
+  std::vector<float> x, xn, qkv, att, gate, up;
+  try {
+    x.resize(B * H);
+    xn.resize(B * H);
+    qkv.resize(B * QKV);
+    att.resize(B * Q);
+    gate.resize(B * I);
+    up.resize(B * I);
+  } catch (const std::bad_alloc&) {
+    return 1;
+  }
+  for (int64_t b = 0; b < B; ++b) std::memcpy(x.data() + b * H, m.embed + ids[b] * H, H * sizeof(float));
+  int failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    std::vector<float> wide, qk, scores;
+    try {
+      wide.resize(4 * max_k);
+      qk.resize((m.heads / m.kv_heads + 1) * d);
+      scores.reserve(1024);
+    } catch (const std::bad_alloc&) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp barrier
+    if (!failed) {
+      const int64_t kvh = m.kv_heads, group = m.heads / kvh;
+      for (int64_t l = 0; l < m.n_layers; ++l) {
+        const TdLayer& L = m.layers[l];
+        rms_norm_rows(x.data(), L.in_norm, m.eps, B, H, xn.data(), tid, nt);
+        gemm(L.qkv, xn.data(), B, qkv.data(), QKV, false, wide.data(), tid, nt);
+        int64_t t0, t1;
+        share(B * kvh, 1, tid, nt, t0, t1);
+        for (int64_t task = t0; task < t1; ++task) {
+          const int64_t b = task / kvh, g = task % kvh;
+          attend_group(m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d, tables + b * width, pos[b], g,
+                       att.data() + b * Q + g * group * d, qk.data(), scores);
+        }
+#pragma omp barrier
+        gemm(L.o, att.data(), B, x.data(), H, true, wide.data(), tid, nt);  // x += o(att)
+        rms_norm_rows(x.data(), L.post_norm, m.eps, B, H, xn.data(), tid, nt);
+        int64_t n0, n1;
+        share(I, 4, tid, nt, n0, n1);  // gate, up and SiLU(gate) * up on this thread's columns: no barrier between
+        if (n0 < n1) {
+          gemm_part(L.gate, xn.data(), B, gate.data(), I, n0, n1, false, wide.data());
+          gemm_part(L.up, xn.data(), B, up.data(), I, n0, n1, false, wide.data());
+          for (int64_t b = 0; b < B; ++b) {
+            float* gb = gate.data() + b * I;
+            const float* ub = up.data() + b * I;
+            for (int64_t n = n0; n < n1; ++n) gb[n] = silu(gb[n]) * ub[n];
+          }
+        }
+#pragma omp barrier
+        gemm(L.down, gate.data(), B, x.data(), H, true, wide.data(), tid, nt);  // x += down(mid)
+      }
+      rms_norm_rows(x.data(), m.final_norm, m.eps, B, H, xn.data(), tid, nt);
+      gemm(m.head, xn.data(), B, logits, m.vocab, false, wide.data(), tid, nt);
+    }
+  }
+  return failed;
+}
+
+}  // extern "C"
