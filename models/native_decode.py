@@ -7,10 +7,14 @@ the Python between them, a gathered copy of each item's K/V). The C++ step runs 
 runtime, the executor's --threads) through every phase of every layer, streams each weight matrix once per
 step for the whole batch, writes K/V into the paged cache and reads them through the block table in place.
 
-Weights: float32, or the `--quantization` modes' own bytes: fp16 and per-channel int8 (weight-only, float32
-activations: as exact as the int8 weights allow, at least as close to float32 as the FBGEMM path). Those
-modes keep FBGEMM's packed copy for prefill, so the native step holds a second copy of their weights (float16
-or int8, made from the packed one here; float32 weights are shared, not copied).
+Weights: float32, or the `--quantization` modes' own bytes: fp16 (converted to float32 in registers) and
+per-channel int8. For int8 the step writes each activation row as two int8 digits per block of 32 values
+(~15 bits, one float32 scale per block) and multiplies in integers: converting the int8 weights to float32
+instead made the step compute-bound at ~2x the time its memory traffic needs on AVX2, and one digit (llama.cpp's
+q8_0 way) measured 4x the NLL increase of the int8 weights alone on SmolLM2. A layer whose input size is not a
+multiple of 32 keeps float32 activations. The quantized modes keep FBGEMM's packed copy for prefill, so the
+native step holds a second copy of their weights (float16 or int8, made from the packed one here; float32
+weights are shared, not copied).
 
 Where it runs: x86-64 CPUs with AVX2, FMA and F16C, float32 models without MoE layers, a C++ compiler on the
 PATH (g++ by default; `CXX` overrides), K/V cache in float32. `native_refusal` says why not otherwise, and
@@ -46,7 +50,8 @@ FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", 
 CPU_FLAGS = ("avx2", "fma", "f16c")
 ABI_VERSION = 1
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "native"
-KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # weight dtype -> TdLinear.kind
+INT8_DOT = 3  # int8 weights times int8 activations
 
 
 class _Linear(ctypes.Structure):
@@ -184,7 +189,10 @@ class NativeDecode:
                  for t in (scale, bias)]
         scale, bias = (None if t is None else t.detach().contiguous() for t in parts)
         self._keep.extend(t for t in (w, scale, bias) if t is not None)
-        return _Linear(KINDS[w.dtype], 0, w.data_ptr(), _ptr(scale), _ptr(bias), w.shape[0], w.shape[1])
+        kind = KINDS[w.dtype]
+        if kind == KINDS[torch.int8] and w.shape[1] % 32 == 0:
+            kind = INT8_DOT  # integer dot products with two-digit int8 activations (the module docstring)
+        return _Linear(kind, 0, w.data_ptr(), _ptr(scale), _ptr(bias), w.shape[0], w.shape[1])
 
     def _norm(self, norm: nn.Module | None) -> int | None:
         if norm is None:

@@ -9,7 +9,8 @@
 // Layout contract (the Python side checks it before building the descriptors):
 // - activations, norms, embedding, KV cache: float32, contiguous;
 // - a linear weight is [n, k] row-major (out, in) in float32, float16 (kind 1) or int8 with one float32 scale
-//   per output row (kind 2); k % 8 == 0;
+//   per output row (kind 2: float32 activations; kind 3: activations as two int8 digits per block of 32, for
+//   integer dot products, see Input: k % 32 == 0); k % 8 == 0;
 // - K/V pools per layer: [num_blocks, block_size, kv_heads, head_dim];
 // - tables [B, width] int64 block ids; token t of item b is in block tables[b][t / bs] at t % bs;
 // - cos / sin [B, head_dim]: rotary for each item's position (non-interleaved halves, as HF Llama/Qwen).
@@ -28,7 +29,7 @@
 extern "C" {
 
 struct TdLinear {
-  int32_t kind;  // 0 float32, 1 float16, 2 int8 (+ scale)
+  int32_t kind;  // 0 float32, 1 float16, 2 int8 (+ scale), 3 int8 (+ scale) times int8 activations
   int32_t unused;
   const void* w;       // [n, k]
   const float* scale;  // [n] (int8) or null
@@ -138,6 +139,11 @@ void gemm_rows(const T* w, const Epilogue& ep, int64_t K, const float* x, int64_
       const float* xm = x + m * K;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t k = 0; k < K; k += 8) {
+        if (!std::is_same_v<T, float> && m == 0 && (k & 8) == 0) {  // 4 rows ahead: 4 * K * sizeof(T) bytes over K / 16 prefetch points
+          const char* next = reinterpret_cast<const char*>(r[0] + 4 * K);
+          const int64_t step = 4 * sizeof(T) * 16;  // bytes of the next tile per two k-steps
+          for (int64_t off = 0; off < step; off += 64) _mm_prefetch(next + (k / 16) * step + off, _MM_HINT_T0);
+        }
         const __m256 v = _mm256_loadu_ps(xm + k);
         a0 = _mm256_fmadd_ps(load8(r[0] + k), v, a0);
         a1 = _mm256_fmadd_ps(load8(r[1] + k), v, a1);
@@ -162,22 +168,112 @@ void gemm_rows(const T* w, const Epilogue& ep, int64_t K, const float* x, int64_
   }
 }
 
-void gemm_part(const TdLinear& L, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1,
+
+// An activation matrix x [M, K] as the kernels read it: float32, and for kind-3 weights its int8 form,
+// made once per phase by quantize_rows: per block of 32 values with scale d = absmax / 127, x ~ (hi + lo / 254)
+// * d with hi = round(x / d) and lo = round((x - hi d) * 254 / d), both int8 ([M, K] each; d: [M, K / 32]).
+// Two int8 digits give ~15-bit activations (one digit, llama.cpp's q8_0 way, cost 4x the NLL increase of the
+// int8 weights alone on SmolLM2); the integer products stay exact and the step stays bound by memory.
+struct Input {
+  const float* x;
+  int8_t* hi;
+  int8_t* lo;
+  float* d;
+};
+
+// Rows of x rounded as above, blocks split over the team, then a barrier.
+void quantize_rows(const Input& in, int64_t M, int64_t K, int tid, int nt) {
+  int64_t b0, b1;
+  share(M * (K / 32), 1, tid, nt, b0, b1);  // K % 32 == 0: the blocks of all rows are contiguous
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const float* src = in.x + blk * 32;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(src[i]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int8_t* hi = in.hi + blk * 32;
+    int8_t* lo = in.lo + blk * 32;
+    for (int i = 0; i < 32; ++i) {
+      const float h = std::nearbyint(src[i] * inv);  // |h| <= 127
+      hi[i] = static_cast<int8_t>(h);
+      lo[i] = static_cast<int8_t>(std::nearbyint((src[i] * inv - h) * 254.f));  // |x/d - h| <= 1/2: |lo| <= 127
+    }
+    in.d[blk] = d / 254.f;
+  }
+#pragma omp barrier
+}
+
+// One int8 weight row against one quantized row of x, per block of 32: exact integer dot products of |w| (u8)
+// with sign(hi, w) and sign(lo, w) (s8), paired into int32 as 254 * hi.w + lo.w (|.| < 2^25), times the
+// block's scale d / 254.
+inline __m256 q8_block(__m256i w, __m256i hi, __m256i lo, __m256 d, __m256 acc, __m256i c254, __m256i ones) {
+  const __m256i aw = _mm256_sign_epi8(w, w);
+  const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(hi, w)), c254);
+  const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(lo, w)), ones);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ph, pl)), d, acc);
+}
+
+void gemm_q8(const int8_t* w, const Epilogue& ep, int64_t K, const Input& in, int64_t M, float* y, int64_t ldy,
+             int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1), c254 = _mm256_set1_epi16(254);
+  auto load = [](const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const int8_t* r = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xh = in.hi + m * K;
+      const int8_t* xl = in.lo + m * K;
+      const float* xd = in.d + m * nb;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t b = 0; b < nb; ++b) {
+        if (m == 0) {  // the next tile's rows, two lines per block: 4 short interleaved rows defeat the prefetcher
+          _mm_prefetch(reinterpret_cast<const char*>(r + 4 * K) + b * 128, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(r + 4 * K) + b * 128 + 64, _MM_HINT_T0);
+        }
+        const __m256i hv = load(xh + b * 32), lv = load(xl + b * 32);
+        const __m256 dv = _mm256_broadcast_ss(xd + b);
+        a0 = q8_block(load(r + b * 32), hv, lv, dv, a0, c254, ones);
+        a1 = q8_block(load(r + K + b * 32), hv, lv, dv, a1, c254, ones);
+        a2 = q8_block(load(r + 2 * K + b * 32), hv, lv, dv, a2, c254, ones);
+        a3 = q8_block(load(r + 3 * K + b * 32), hv, lv, dv, a3, c254, ones);
+      }
+      float* ym = y + m * ldy + n;
+      ep.put(ym, n, hsum(a0));
+      ep.put(ym + 1, n + 1, hsum(a1));
+      ep.put(ym + 2, n + 2, hsum(a2));
+      ep.put(ym + 3, n + 3, hsum(a3));
+    }
+  }
+  for (; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b)
+        a = q8_block(load(w + n * K + b * 32), load(in.hi + m * K + b * 32), load(in.lo + m * K + b * 32),
+                     _mm256_broadcast_ss(in.d + m * nb + b), a, c254, ones);
+      ep.put(y + m * ldy + n, n, hsum(a));
+    }
+  }
+}
+
+void gemm_part(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1,
                bool accumulate, float* wide) {
   const Epilogue ep{L.scale, L.bias, accumulate};
   switch (L.kind) {
-    case 0: gemm_rows(static_cast<const float*>(L.w), ep, L.k, x, M, y, ldy, n0, n1, wide); break;
-    case 1: gemm_rows(static_cast<const uint16_t*>(L.w), ep, L.k, x, M, y, ldy, n0, n1, wide); break;
-    default: gemm_rows(static_cast<const int8_t*>(L.w), ep, L.k, x, M, y, ldy, n0, n1, wide); break;
+    case 0: gemm_rows(static_cast<const float*>(L.w), ep, L.k, in.x, M, y, ldy, n0, n1, wide); break;
+    case 1: gemm_rows(static_cast<const uint16_t*>(L.w), ep, L.k, in.x, M, y, ldy, n0, n1, wide); break;
+    case 2: gemm_rows(static_cast<const int8_t*>(L.w), ep, L.k, in.x, M, y, ldy, n0, n1, wide); break;
+    default: gemm_q8(static_cast<const int8_t*>(L.w), ep, L.k, in, M, y, ldy, n0, n1); break;
   }
 }
 
 // This thread's share of y = x @ L^T (rows of L split over the team in 4-row tiles), then a barrier.
-void gemm(const TdLinear& L, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate, float* wide,
+// (Kind 3: x is quantized first, by the whole team.)
+void gemm(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, bool accumulate, float* wide,
           int tid, int nt) {
+  if (L.kind == 3) quantize_rows(in, M, L.k, tid, nt);
   int64_t n0, n1;
   share(L.n, 4, tid, nt, n0, n1);
-  if (n0 < n1) gemm_part(L, x, M, y, ldy, n0, n1, accumulate, wide);
+  if (n0 < n1) gemm_part(L, in, M, y, ldy, n0, n1, accumulate, wide);
 #pragma omp barrier
 }
 
@@ -283,8 +379,12 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
   const TdModel& m = *mp;
   const int64_t H = m.hidden, d = m.head_dim, Q = m.heads * d, QKV = Q + 2 * m.kv_heads * d, I = m.inter;
   const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
-  std::vector<float> x, xn, qkv, att, gate, up;
+  std::vector<float> x, xn, qkv, att, gate, up, qd;
+  std::vector<int8_t> qhi, qlo;
   try {
+    qhi.resize(B * max_k);
+    qlo.resize(B * max_k);
+    qd.resize(B * max_k / 32 + 1);
     x.resize(B * H);
     xn.resize(B * H);
     qkv.resize(B * QKV);
@@ -314,7 +414,8 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
       for (int64_t l = 0; l < m.n_layers; ++l) {
         const TdLayer& L = m.layers[l];
         rms_norm_rows(x.data(), L.in_norm, m.eps, B, H, xn.data(), tid, nt);
-        gemm(L.qkv, xn.data(), B, qkv.data(), QKV, false, wide.data(), tid, nt);
+        const Input xin{xn.data(), qhi.data(), qlo.data(), qd.data()};
+        gemm(L.qkv, xin, B, qkv.data(), QKV, false, wide.data(), tid, nt);
         int64_t t0, t1;
         share(B * kvh, 1, tid, nt, t0, t1);
         for (int64_t task = t0; task < t1; ++task) {
@@ -323,13 +424,14 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
                        att.data() + b * Q + g * group * d, qk.data(), scores);
         }
 #pragma omp barrier
-        gemm(L.o, att.data(), B, x.data(), H, true, wide.data(), tid, nt);  // x += o(att)
+        gemm(L.o, Input{att.data(), qhi.data(), qlo.data(), qd.data()}, B, x.data(), H, true, wide.data(), tid, nt);  // x += o(att)
         rms_norm_rows(x.data(), L.post_norm, m.eps, B, H, xn.data(), tid, nt);
+        if (L.gate.kind == 3 || L.up.kind == 3) quantize_rows(xin, B, H, tid, nt);  // once for both
         int64_t n0, n1;
         share(I, 4, tid, nt, n0, n1);  // gate, up and SiLU(gate) * up on this thread's columns: no barrier between
         if (n0 < n1) {
-          gemm_part(L.gate, xn.data(), B, gate.data(), I, n0, n1, false, wide.data());
-          gemm_part(L.up, xn.data(), B, up.data(), I, n0, n1, false, wide.data());
+          gemm_part(L.gate, xin, B, gate.data(), I, n0, n1, false, wide.data());
+          gemm_part(L.up, xin, B, up.data(), I, n0, n1, false, wide.data());
           for (int64_t b = 0; b < B; ++b) {
             float* gb = gate.data() + b * I;
             const float* ub = up.data() + b * I;
@@ -337,10 +439,10 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
           }
         }
 #pragma omp barrier
-        gemm(L.down, gate.data(), B, x.data(), H, true, wide.data(), tid, nt);  // x += down(mid)
+        gemm(L.down, Input{gate.data(), qhi.data(), qlo.data(), qd.data()}, B, x.data(), H, true, wide.data(), tid, nt);  // x += down(mid)
       }
       rms_norm_rows(x.data(), m.final_norm, m.eps, B, H, xn.data(), tid, nt);
-      gemm(m.head, xn.data(), B, logits, m.vocab, false, wide.data(), tid, nt);
+      gemm(m.head, Input{xn.data(), qhi.data(), qlo.data(), qd.data()}, B, logits, m.vocab, false, wide.data(), tid, nt);
     }
   }
   return failed;

@@ -109,9 +109,10 @@ def test_lora_items_run_eager_beside_native_base_steps(lora):
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_quantized_weights_match_the_eager_step_on_the_same_weights(tiny_checkpoint, mode):
     """The native step reads the FBGEMM path's own weights (float16; int8 + per-row scales) with float32
-    activations; the eager FBGEMM step converts fp16 weights the same way, while its int8 GEMM rounds the
-    activations to ~14 bits (models/quantization.py): hence 2e-3 there. (Against the weight-only dequantizing
-    kernel the native int8 step agrees to 1e-4: test_the_descriptors_follow_weights_changed_in_place.)"""
+    activations for fp16 (as the eager FBGEMM step does), ~15-bit activations for int8 (two int8 digits), where
+    the eager int8 GEMM rounds them to ~14 bits (models/quantization.py): hence 3e-3 there. (Against the
+    weight-only dequantizing kernel the native int8 step agrees to 1e-3:
+    test_the_descriptors_follow_weights_changed_in_place.)"""
     model_dir = tiny_checkpoint("qwen2")
     ex = make_executor(model_dir, quantization=mode, decode_kernel="native")
     ref = make_executor(model_dir, quantization=mode, decode_kernel="torch")
@@ -132,7 +133,8 @@ def test_the_descriptors_follow_weights_changed_in_place(tiny_checkpoint):
         e.model.quantize("int8", force_dequant=True)
     prompt = prompt_of(9, seed=4)
     want, got = greedy_run(eager, prompt, 6)[2], greedy_run(ex, prompt, 6)[2]
-    assert max(rel_err(a, b) for a, b in zip(got, want)) < TOL
+    # the same int8 weights; the native step's activations are ~15-bit (two int8 digits), the eager ones float32
+    assert max(rel_err(a, b) for a, b in zip(got, want)) < 1e-3
 
 
 def test_a_failed_native_step_changes_nothing(tiny_checkpoint, monkeypatch):
