@@ -115,6 +115,9 @@ void gemm_rows(const T* w, const Epilogue& ep, int64_t K, const float* x, int64_
           f[i] = dst;
         }
       }
+      // The next tile's weight rows, fetched during the first pass (they come from memory, not cache).
+      const char* next = reinterpret_cast<const char*>(r[0] + 4 * K);
+      const int64_t ahead = 4 * static_cast<int64_t>(sizeof(T)) * 8;  // its bytes per k-step of this tile
       for (; m + 3 <= M; m += 3) {
         const float* x0 = x + m * K;
         const float* x1 = x0 + K;
@@ -123,6 +126,8 @@ void gemm_rows(const T* w, const Epilogue& ep, int64_t K, const float* x, int64_
         for (int i = 0; i < 4; ++i)
           for (int j = 0; j < 3; ++j) a[i][j] = _mm256_setzero_ps();
         for (int64_t k = 0; k < K; k += 8) {
+          if (m == 0)
+            for (int64_t off = 0; off < ahead; off += 64) _mm_prefetch(next + k / 8 * ahead + off, _MM_HINT_T0);
           const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k), v2 = _mm256_loadu_ps(x2 + k);
           for (int i = 0; i < 4; ++i) {
             const __m256 wv = _mm256_loadu_ps(f[i] + k);
@@ -294,6 +299,75 @@ void rms_norm_rows(const float* x, const float* w, float eps, int64_t M, int64_t
 #pragma omp barrier
 }
 
+// e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n through the exponent
+// bits): ~1 ulp, like libm's expf, at a fraction of its cost. Inputs below -87.3 give ~0, as expf does.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float exp1(float x) {  // exp256 on one value: the tails of vector loops compute exactly as their bodies
+  alignas(32) float v[8];
+  _mm256_store_ps(v, exp256(_mm256_set1_ps(x)));
+  return v[0];
+}
+
+// a . b over d floats (d % 8 == 0).
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  if (i < d) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// x [n] replaced by softmax(x).
+void softmax(float* x, int64_t n) {
+  float mx = x[0];
+  for (int64_t t = 1; t < n; ++t) mx = std::max(mx, x[t]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + t), vmx));
+    _mm256_storeu_ps(x + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum(vsum);
+  for (; t < n; ++t) {
+    x[t] = exp1(x[t] - mx);
+    sum += x[t];
+  }
+  const float inv = 1.f / sum;
+  for (t = 0; t < n; ++t) x[t] *= inv;
+}
+
+// g[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u over [i0, i1).
+void silu_mul(float* g, const float* u, int64_t i0, int64_t i1) {
+  int64_t i = i0;
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 v = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < i1; ++i) g[i] = g[i] / (1.f + exp1(-g[i])) * u[i];
+}
+
 // x [d] rotated in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) on the two halves.
 void rotate(float* x, const float* cos, const float* sin, int64_t d) {
   const int64_t half = d / 2;
@@ -328,43 +402,39 @@ void attend_group(const TdModel& m, const TdLayer& L, const float* qkv, const fl
 
   if (static_cast<int64_t>(scores.size()) < group * ctx) scores.resize(group * ctx);
   float* s = scores.data();  // [group, ctx]
-  for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t st = table[t / bs] * bs + t % bs;
-    const float* kr = L.k_pool + (st * kvh + g) * d;
-    for (int64_t j = 0; j < group; ++j) {
-      const float* qj = q + j * d;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < d; ++i) acc += qj[i] * kr[i];
-      s[j * ctx + t] = acc * m.attn_scale;
-    }
+  const int64_t row = kvh * d;  // floats from one token's K (or V) of this head to the next token's
+  // Scores: K read block by block through the table (no division per token), each key once for the group.
+  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    const float* kb = L.k_pool + (table[t0 / bs] * bs * kvh + g) * d;
+    const int64_t n = std::min(bs, ctx - t0);
+    for (int64_t o = 0; o < n; ++o)
+      for (int64_t j = 0; j < group; ++j) s[j * ctx + t0 + o] = dot(q + j * d, kb + o * row, d) * m.attn_scale;
   }
+  for (int64_t j = 0; j < group; ++j) softmax(s + j * ctx, ctx);
+  // Output: per query head, the weighted sum of V rows, 64 columns at a time in registers.
   for (int64_t j = 0; j < group; ++j) {
-    float* sj = s + j * ctx;
-    float mx = sj[0];
-    for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, sj[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < ctx; ++t) {
-      sj[t] = std::exp(sj[t] - mx);
-      sum += sj[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < ctx; ++t) sj[t] *= inv;
-  }
-  std::fill(out, out + group * d, 0.f);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t st = table[t / bs] * bs + t % bs;
-    const float* vr = L.v_pool + (st * kvh + g) * d;
-    for (int64_t j = 0; j < group; ++j) {
-      const float p = s[j * ctx + t];
-      float* oj = out + j * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) oj[i] += p * vr[i];
+    const float* p = s + j * ctx;
+    for (int64_t c = 0; c < d; c += 64) {
+      const int64_t lanes = std::min<int64_t>(8, (d - c) / 8);  // d % 8 == 0
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+        const float* vb = L.v_pool + (table[t0 / bs] * bs * kvh + g) * d + c;
+        const int64_t n = std::min(bs, ctx - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const __m256 pv = _mm256_set1_ps(p[t0 + o]);
+          const float* vr = vb + o * row;
+          if (lanes == 8) {
+            for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+          } else {
+            for (int i = 0; i < lanes; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+          }
+        }
+      }
+      for (int i = 0; i < lanes; ++i) _mm256_storeu_ps(out + j * d + c + 8 * i, acc[i]);
     }
   }
 }
-
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 }  // namespace
 
@@ -399,10 +469,10 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    std::vector<float> wide, qk, scores;
+    std::vector<float> wide, qhk, scores;
     try {
       wide.resize(4 * max_k);
-      qk.resize((m.heads / m.kv_heads + 1) * d);
+      qhk.resize((m.heads / m.kv_heads + 1) * d);
       scores.reserve(1024);
     } catch (const std::bad_alloc&) {
 #pragma omp atomic write
@@ -416,12 +486,17 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
         rms_norm_rows(x.data(), L.in_norm, m.eps, B, H, xn.data(), tid, nt);
         const Input xin{xn.data(), qhi.data(), qlo.data(), qd.data()};
         gemm(L.qkv, xin, B, qkv.data(), QKV, false, wide.data(), tid, nt);
+        // Tasks: whole items when there are enough to share (an item's K/V rows of all heads are adjacent in
+        // the pool, so one thread reads each line once), else (item, KV head) pairs.
+        const bool by_item = B >= 2 * nt;
         int64_t t0, t1;
-        share(B * kvh, 1, tid, nt, t0, t1);
+        share(by_item ? B : B * kvh, 1, tid, nt, t0, t1);
         for (int64_t task = t0; task < t1; ++task) {
-          const int64_t b = task / kvh, g = task % kvh;
-          attend_group(m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d, tables + b * width, pos[b], g,
-                       att.data() + b * Q + g * group * d, qk.data(), scores);
+          for (int64_t g = by_item ? 0 : task % kvh; g < (by_item ? kvh : task % kvh + 1); ++g) {
+            const int64_t b = by_item ? task : task / kvh;
+            attend_group(m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d, tables + b * width, pos[b], g,
+                         att.data() + b * Q + g * group * d, qhk.data(), scores);
+          }
         }
 #pragma omp barrier
         gemm(L.o, Input{att.data(), qhi.data(), qlo.data(), qd.data()}, B, x.data(), H, true, wide.data(), tid, nt);  // x += o(att)
@@ -435,7 +510,7 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
           for (int64_t b = 0; b < B; ++b) {
             float* gb = gate.data() + b * I;
             const float* ub = up.data() + b * I;
-            for (int64_t n = n0; n < n1; ++n) gb[n] = silu(gb[n]) * ub[n];
+            silu_mul(gb, ub, n0, n1);
           }
         }
 #pragma omp barrier
