@@ -232,6 +232,8 @@ class NativeDecode:
         desc = self._describe()
         rows, bs = len(token_ids), self.kv.block_size
         vocab = self.model.config.vocab_size
+        if rows == 0:
+            return torch.empty(0, vocab, dtype=torch.float32)
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):  # the C++ step reads embed[id] unchecked
             raise ValueError(f"token ids must be in [0, {vocab})")

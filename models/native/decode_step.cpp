@@ -382,6 +382,7 @@ void rotate(float* x, const float* cos, const float* sin, int64_t d) {
 // cache slot of position pos, and attend the group's query heads over positions 0..pos. out: [group, d].
 void attend_group(const TdModel& m, const TdLayer& L, const float* qkv, const float* cos, const float* sin,
                   const int64_t* table, int64_t pos, int64_t g, float* out, float* q, std::vector<float>& scores) {
+  // (No allocation in here: an exception must never leave the OpenMP team.)
   // q: scratch [group + 1, d] (the group's queries, then the key)
   const int64_t d = m.head_dim, kvh = m.kv_heads, group = m.heads / kvh, bs = m.block_size;
   const int64_t ctx = pos + 1;
@@ -400,8 +401,7 @@ void attend_group(const TdModel& m, const TdLayer& L, const float* qkv, const fl
   std::memcpy(L.k_pool + (slot * kvh + g) * d, k, d * sizeof(float));
   std::memcpy(L.v_pool + (slot * kvh + g) * d, qkv + (m.heads + kvh + g) * d, d * sizeof(float));
 
-  if (static_cast<int64_t>(scores.size()) < group * ctx) scores.resize(group * ctx);
-  float* s = scores.data();  // [group, ctx]
+  float* s = scores.data();  // [group, ctx]: sized for the longest context before the team started
   const int64_t row = kvh * d;  // floats from one token's K (or V) of this head to the next token's
   // Scores: K read block by block through the table (no division per token), each key once for the group.
   for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
@@ -448,6 +448,7 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
                        int64_t width, const float* cos, const float* sin, float* logits, int threads) {
   const TdModel& m = *mp;
   const int64_t H = m.hidden, d = m.head_dim, Q = m.heads * d, QKV = Q + 2 * m.kv_heads * d, I = m.inter;
+  const int64_t max_ctx = B ? *std::max_element(pos, pos + B) + 1 : 1;
   const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
   std::vector<float> x, xn, qkv, att, gate, up, qd;
   std::vector<int8_t> qhi, qlo;
@@ -473,7 +474,7 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
     try {
       wide.resize(4 * max_k);
       qhk.resize((m.heads / m.kv_heads + 1) * d);
-      scores.reserve(1024);
+      scores.resize((m.heads / m.kv_heads) * max_ctx);
     } catch (const std::bad_alloc&) {
 #pragma omp atomic write
       failed = 1;
