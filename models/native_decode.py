@@ -114,12 +114,12 @@ def native_refusal(model: DecoderModel, kv: PagedKvCache) -> str | None:
 
 
 def build_library(cache_dir: Path | None = None) -> Path:
-    """Compiles decode_step.cpp once per (source, compiler, flags) into cache_dir (default
+    """Compiles decode_step.cpp (and the header it includes) once per (sources, compiler, flags) into cache_dir (default
     ~/.cache/tandem/native) and returns the library's path. Raises RuntimeError if the compiler fails."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, or $CXX) on the PATH")
-    source = SOURCE.read_bytes()
+    source = b"".join(f.read_bytes() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h"))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(source + repr((version, FLAGS)).encode()).hexdigest()[:16]
     directory = cache_dir or DEFAULT_CACHE_DIR

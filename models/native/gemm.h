@@ -1,0 +1,254 @@
+// The linear layers' kernels of the native decode step (models/native/decode_step.cpp includes this file):
+// y = x @ W^T + b for float32, float16 and int8 weights, a batch of M activation rows against rows [n0, n1) of
+// the weight, shared over an OpenMP team. Layouts: see decode_step.cpp.
+#pragma once
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+extern "C" {
+
+struct TdLinear {
+  int32_t kind;  // 0 float32, 1 float16, 2 int8 (+ scale), 3 int8 (+ scale) times int8 activations
+  int32_t unused;
+  const void* w;       // [n, k]
+  const float* scale;  // [n] (int8) or null
+  const float* bias;   // [n] or null
+  int64_t n, k;
+};
+
+}  // extern "C"
+
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(s);
+  s = _mm_add_ps(s, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+// The part [begin, end) of n items that thread tid of nt takes (contiguous, in units of `grain`).
+inline void share(int64_t n, int64_t grain, int tid, int nt, int64_t& begin, int64_t& end) {
+  const int64_t units = (n + grain - 1) / grain;
+  const int64_t per = (units + nt - 1) / nt;
+  begin = std::min(n, tid * per * grain);
+  end = std::min(n, begin + per * grain);
+}
+
+struct Epilogue {
+  const float* scale;  // per output row, or null
+  const float* bias;   // per output row, or null
+  bool accumulate;     // y += result (a residual add), else y = result
+  inline void put(float* y, int64_t n, float v) const {
+    if (scale) v *= scale[n];
+    if (bias) v += bias[n];
+    *y = accumulate ? *y + v : v;
+  }
+};
+
+// y[m, n] for n in [n0, n1), all m < M: y = x[M, K] @ w[n0:n1, K]^T. Four weight rows at a time; each is
+// read from memory once and reused from L1 for every row of x (three rows of x per pass of the 4 x 3
+// register tile). Half / int8 rows are widened to float32 once per 4-row tile when several rows of x
+// reuse them (`wide`: 4 * K floats of this thread's scratch).
+template <typename T>
+void gemm_rows(const T* w, const Epilogue& ep, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
+               int64_t n0, int64_t n1, float* wide) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const T* r[4] = {w + n * K, w + (n + 1) * K, w + (n + 2) * K, w + (n + 3) * K};
+    int64_t m = 0;
+    if (M >= 3) {
+      const float* f[4];
+      if constexpr (std::is_same_v<T, float>) {
+        for (int i = 0; i < 4; ++i) f[i] = r[i];
+      } else {
+        for (int i = 0; i < 4; ++i) {
+          float* dst = wide + i * K;
+          for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, load8(r[i] + k));
+          f[i] = dst;
+        }
+      }
+      // The next tile's weight rows, fetched during the first pass (they come from memory, not cache).
+      const char* next = reinterpret_cast<const char*>(r[0] + 4 * K);
+      const int64_t ahead = 4 * static_cast<int64_t>(sizeof(T)) * 8;  // its bytes per k-step of this tile
+      for (; m + 3 <= M; m += 3) {
+        const float* x0 = x + m * K;
+        const float* x1 = x0 + K;
+        const float* x2 = x1 + K;
+        __m256 a[4][3];
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 3; ++j) a[i][j] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+          if (m == 0)
+            for (int64_t off = 0; off < ahead; off += 64) _mm_prefetch(next + k / 8 * ahead + off, _MM_HINT_T0);
+          const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k), v2 = _mm256_loadu_ps(x2 + k);
+          for (int i = 0; i < 4; ++i) {
+            const __m256 wv = _mm256_loadu_ps(f[i] + k);
+            a[i][0] = _mm256_fmadd_ps(wv, v0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(wv, v1, a[i][1]);
+            a[i][2] = _mm256_fmadd_ps(wv, v2, a[i][2]);
+          }
+        }
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 3; ++j) ep.put(y + (m + j) * ldy + n + i, n + i, hsum(a[i][j]));
+      }
+    }
+    for (; m < M; ++m) {  // batch 1 (or the last rows): the weights straight from memory, converted in registers
+      const float* xm = x + m * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < K; k += 8) {
+        if (!std::is_same_v<T, float> && m == 0 && (k & 8) == 0) {  // 4 rows ahead: 4 * K * sizeof(T) bytes over K / 16 prefetch points
+          const char* next = reinterpret_cast<const char*>(r[0] + 4 * K);
+          const int64_t step = 4 * sizeof(T) * 16;  // bytes of the next tile per two k-steps
+          for (int64_t off = 0; off < step; off += 64) _mm_prefetch(next + (k / 16) * step + off, _MM_HINT_T0);
+        }
+        const __m256 v = _mm256_loadu_ps(xm + k);
+        a0 = _mm256_fmadd_ps(load8(r[0] + k), v, a0);
+        a1 = _mm256_fmadd_ps(load8(r[1] + k), v, a1);
+        a2 = _mm256_fmadd_ps(load8(r[2] + k), v, a2);
+        a3 = _mm256_fmadd_ps(load8(r[3] + k), v, a3);
+      }
+      float* ym = y + m * ldy + n;
+      ep.put(ym, n, hsum(a0));
+      ep.put(ym + 1, n + 1, hsum(a1));
+      ep.put(ym + 2, n + 2, hsum(a2));
+      ep.put(ym + 3, n + 3, hsum(a3));
+    }
+  }
+  for (; n < n1; ++n) {  // fewer than 4 rows left
+    const T* r = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(load8(r + k), _mm256_loadu_ps(xm + k), a);
+      ep.put(y + m * ldy + n, n, hsum(a));
+    }
+  }
+}
+
+
+// An activation matrix x [M, K] as the kernels read it: float32, and for kind-3 weights its int8 form,
+// made once per phase by quantize_rows: per block of 32 values with scale d = absmax / 127, x ~ (hi + lo / 254)
+// * d with hi = round(x / d) and lo = round((x - hi d) * 254 / d), both int8 ([M, K] each; d: [M, K / 32]).
+// Two int8 digits give ~15-bit activations (one digit, llama.cpp's q8_0 way, cost 4x the NLL increase of the
+// int8 weights alone on SmolLM2); the integer products stay exact and the step stays bound by memory.
+struct Input {
+  const float* x;
+  int8_t* hi;
+  int8_t* lo;
+  float* d;
+};
+
+// Rows of x rounded as above, blocks split over the team, then a barrier.
+void quantize_rows(const Input& in, int64_t M, int64_t K, int tid, int nt) {
+  int64_t b0, b1;
+  share(M * (K / 32), 1, tid, nt, b0, b1);  // K % 32 == 0: the blocks of all rows are contiguous
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const float* src = in.x + blk * 32;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(src[i]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int8_t* hi = in.hi + blk * 32;
+    int8_t* lo = in.lo + blk * 32;
+    for (int i = 0; i < 32; ++i) {
+      const float h = std::nearbyint(src[i] * inv);  // |h| <= 127
+      hi[i] = static_cast<int8_t>(h);
+      lo[i] = static_cast<int8_t>(std::nearbyint((src[i] * inv - h) * 254.f));  // |x/d - h| <= 1/2: |lo| <= 127
+    }
+    in.d[blk] = d / 254.f;
+  }
+#pragma omp barrier
+}
+
+// One int8 weight row against one quantized row of x, per block of 32: exact integer dot products of |w| (u8)
+// with sign(hi, w) and sign(lo, w) (s8), paired into int32 as 254 * hi.w + lo.w (|.| < 2^25), times the
+// block's scale d / 254.
+inline __m256 q8_block(__m256i w, __m256i hi, __m256i lo, __m256 d, __m256 acc, __m256i c254, __m256i ones) {
+  const __m256i aw = _mm256_sign_epi8(w, w);
+  const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(hi, w)), c254);
+  const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(lo, w)), ones);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ph, pl)), d, acc);
+}
+
+void gemm_q8(const int8_t* w, const Epilogue& ep, int64_t K, const Input& in, int64_t M, float* y, int64_t ldy,
+             int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1), c254 = _mm256_set1_epi16(254);
+  auto load = [](const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const int8_t* r = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xh = in.hi + m * K;
+      const int8_t* xl = in.lo + m * K;
+      const float* xd = in.d + m * nb;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t b = 0; b < nb; ++b) {
+        if (m == 0) {  // the next tile's rows, two lines per block: 4 short interleaved rows defeat the prefetcher
+          _mm_prefetch(reinterpret_cast<const char*>(r + 4 * K) + b * 128, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(r + 4 * K) + b * 128 + 64, _MM_HINT_T0);
+        }
+        const __m256i hv = load(xh + b * 32), lv = load(xl + b * 32);
+        const __m256 dv = _mm256_broadcast_ss(xd + b);
+        a0 = q8_block(load(r + b * 32), hv, lv, dv, a0, c254, ones);
+        a1 = q8_block(load(r + K + b * 32), hv, lv, dv, a1, c254, ones);
+        a2 = q8_block(load(r + 2 * K + b * 32), hv, lv, dv, a2, c254, ones);
+        a3 = q8_block(load(r + 3 * K + b * 32), hv, lv, dv, a3, c254, ones);
+      }
+      float* ym = y + m * ldy + n;
+      ep.put(ym, n, hsum(a0));
+      ep.put(ym + 1, n + 1, hsum(a1));
+      ep.put(ym + 2, n + 2, hsum(a2));
+      ep.put(ym + 3, n + 3, hsum(a3));
+    }
+  }
+  for (; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b)
+        a = q8_block(load(w + n * K + b * 32), load(in.hi + m * K + b * 32), load(in.lo + m * K + b * 32),
+                     _mm256_broadcast_ss(in.d + m * nb + b), a, c254, ones);
+      ep.put(y + m * ldy + n, n, hsum(a));
+    }
+  }
+}
+
+void gemm_part(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1,
+               bool accumulate, float* wide) {
+  const Epilogue ep{L.scale, L.bias, accumulate};
+  switch (L.kind) {
+    case 0: gemm_rows(static_cast<const float*>(L.w), ep, L.k, in.x, M, y, ldy, n0, n1, wide); break;
+    case 1: gemm_rows(static_cast<const uint16_t*>(L.w), ep, L.k, in.x, M, y, ldy, n0, n1, wide); break;
+    case 2: gemm_rows(static_cast<const int8_t*>(L.w), ep, L.k, in.x, M, y, ldy, n0, n1, wide); break;
+    default: gemm_q8(static_cast<const int8_t*>(L.w), ep, L.k, in, M, y, ldy, n0, n1); break;
+  }
+}
+
+// This thread's share of y = x @ L^T (rows of L split over the team in 4-row tiles), then a barrier.
+// (Kind 3: x is quantized first, by the whole team.)
+void gemm(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, bool accumulate, float* wide,
+          int tid, int nt) {
+  if (L.kind == 3) quantize_rows(in, M, L.k, tid, nt);
+  int64_t n0, n1;
+  share(L.n, 4, tid, nt, n0, n1);
+  if (n0 < n1) gemm_part(L, in, M, y, ldy, n0, n1, accumulate, wide);
+#pragma omp barrier
+}
+
+}  // namespace
