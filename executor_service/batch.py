@@ -95,9 +95,9 @@ class BatchRunner:
     def _forward(self, batch: list[BatchItem], all_positions: bool,
                  adapters: dict[str, LoraWeights]) -> tuple[torch.Tensor, list[int]]:
         if self.decode_step is not None and all(len(b.item.token_ids) == 1 and not b.item.draft_token_ids
-                                             and b.item.is_final_chunk and not b.item.adapter for b in batch):
-            logits = self.decode_step.run([b.item.token_ids[0] for b in batch], [b.state.table.blocks for b in batch],
-                                       [b.state.table.length for b in batch])
+                                                and b.item.is_final_chunk and not b.item.adapter for b in batch):
+            logits = self.decode_step.run([b.item.token_ids[0] for b in batch],
+                                          [b.state.table.blocks for b in batch], [b.state.table.length for b in batch])
             return logits, [1] * len(batch)  # logits: [B, vocab]
         layouts, ids, logit_rows, rows_per_item = [], [], [], []
         spans: dict[str, list[tuple[int, int]]] = {}  # adapter -> its items' token ranges in the packed batch

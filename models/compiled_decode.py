@@ -30,10 +30,9 @@ import numpy as np
 import torch
 
 from models.decode_attention import DecodeMetadata
-from models.kv_cache import PagedKvCache
+from models.kv_cache import PagedKvCache, decode_block_table
 from models.moe import SparseMoeBlock
 from models.transformer import DecoderModel
-from tandem.ceil_div import ceil_div
 
 log = logging.getLogger("tandem.compile")
 
@@ -82,15 +81,12 @@ class CompiledDecode:
         tables[i] (already reserved for it). Returns float32 logits [B, vocab]."""
         rows = len(token_ids)
         bs = self.kv.block_size
-        width = max(MIN_BLOCKS, max(ceil_div(p + 1, bs) for p in pasts))
         padded = max(rows, MIN_ROWS)
-        table = np.zeros((padded, width), dtype=np.int64)
+        table = decode_block_table(tables, pasts, bs, padded, MIN_BLOCKS)
         ids = np.zeros(padded, dtype=np.int64)
         positions = np.zeros(padded, dtype=np.int64)
         slots = np.zeros(padded, dtype=np.int64)
         for i, (tok, blocks, past) in enumerate(zip(token_ids, tables, pasts)):
-            used = ceil_div(past + 1, bs)
-            table[i, :used] = blocks[:used]
             ids[i], positions[i] = tok, past
             slots[i] = blocks[past // bs] * bs + past % bs
         table[rows:], ids[rows:], positions[rows:], slots[rows:] = table[0], ids[0], positions[0], slots[0]

@@ -7,7 +7,9 @@ block is indexed (a cache truncated into a cached block, e.g. after rejected dra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from models.block_allocator import BlockAllocator
@@ -128,3 +130,16 @@ class PagedKvCache:
         table.blocks[-1] = new
         self.allocator.free([old])
         self.copied_blocks += 1
+
+
+def decode_block_table(tables: Sequence[Sequence[int]], pasts: Sequence[int], block_size: int, rows: int,
+                       min_width: int = 1) -> np.ndarray:
+    """The block table of a decode step: row i holds the blocks of tables[i] that positions 0..pasts[i] use
+    (the new token's included), padded with block 0; rows past len(tables) are all 0. -> int64 [rows, W],
+    W = max(min_width, the widest row)."""
+    width = max(min_width, max(ceil_div(p + 1, block_size) for p in pasts))
+    table = np.zeros((rows, width), dtype=np.int64)
+    for i, (blocks, past) in enumerate(zip(tables, pasts)):
+        used = ceil_div(past + 1, block_size)
+        table[i, :used] = blocks[:used]
+    return table

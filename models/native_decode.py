@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -37,13 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.kv_cache import PagedKvCache
+from models.kv_cache import PagedKvCache, decode_block_table
 from models.moe import SparseMoeBlock
 from models.quantization import Fp16Weight, Int8Weight
 from models.transformer import DecoderModel, Linear
-from tandem.ceil_div import ceil_div
-
-log = logging.getLogger("tandem.native")
 
 SOURCE = Path(__file__).with_name("native") / "decode_step.cpp"
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
@@ -165,6 +161,7 @@ class NativeDecode:
         self._keep: list[torch.Tensor] = []  # every tensor a descriptor points into
         self._desc: _Model | None = None
         self._desc_of: tuple[torch.Tensor, int] | None = None  # (the K pool, the weights' version) described
+        self._layers: ctypes.Array | None = None  # the layer descriptors _desc points into
         self.calls = 0  # decode steps that ran natively (read by tests and benchmarks)
 
     def _linear(self, m: Linear) -> _Linear:
@@ -185,9 +182,7 @@ class NativeDecode:
         else:
             raise ValueError(f"no native kernel for {type(q).__name__}")
         w = w.contiguous()
-        parts = [t.detach().float().contiguous() if t is not None and t.dtype != torch.float32 else t
-                 for t in (scale, bias)]
-        scale, bias = (None if t is None else t.detach().contiguous() for t in parts)
+        scale, bias = (None if t is None else t.detach().float().contiguous() for t in (scale, bias))
         self._keep.extend(t for t in (w, scale, bias) if t is not None)
         kind = KINDS[w.dtype]
         if kind == KINDS[torch.int8] and w.shape[1] % 32 == 0:
@@ -235,13 +230,10 @@ class NativeDecode:
         if rows == 0:
             return torch.empty(0, vocab, dtype=torch.float32)
         ids = np.asarray(token_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):  # the C++ step reads embed[id] unchecked
+        if ids.min() < 0 or ids.max() >= vocab:  # the C++ step reads embed[id] unchecked
             raise ValueError(f"token ids must be in [0, {vocab})")
-        width = max(ceil_div(p + 1, bs) for p in pasts)
-        table = np.zeros((rows, width), dtype=np.int64)
-        for i, (blocks, past) in enumerate(zip(tables, pasts)):
-            used = ceil_div(past + 1, bs)
-            table[i, :used] = blocks[:used]
+        table = decode_block_table(tables, pasts, bs, rows)
+        width = table.shape[1]
         positions = np.asarray(pasts, dtype=np.int64)
         cos, sin = self.model.rotary.cos_sin(torch.from_numpy(positions), torch.float32)  # [B, head_dim] each
         cos, sin = cos.contiguous(), sin.contiguous()

@@ -187,17 +187,16 @@ def test_the_library_is_built_once_per_cache_dir(tmp_path, monkeypatch):
         build_library(tmp_path / "other")
 
 
-def test_a_compiler_failure_falls_back_under_auto(tiny_checkpoint, monkeypatch, caplog):
+def test_a_compiler_failure_falls_back_under_auto(tiny_checkpoint, monkeypatch, caplog, tmp_path):
     monkeypatch.setattr("models.native_decode.compiler", lambda: "/bin/false")
     model_dir = tiny_checkpoint("llama")
-    ex = make_executor(model_dir, native_cache_dir=None, decode_kernel="torch")
+    ex = make_executor(model_dir, decode_kernel="torch")
     with caplog.at_level("WARNING", logger="tandem.executor"):
-        step = choose_decode_step(ExecutorConfig(model_dir, native_cache_dir=ex.config.model_dir.parent / "nc"),
-                                  ex.model, ex.kv)
+        step = choose_decode_step(ExecutorConfig(model_dir, native_cache_dir=tmp_path), ex.model, ex.kv)
     assert step is None and "could not be built" in caplog.text
     with pytest.raises(ValueError, match="--decode-kernel native"):
-        choose_decode_step(ExecutorConfig(model_dir, decode_kernel="native",
-                                          native_cache_dir=ex.config.model_dir.parent / "nc"), ex.model, ex.kv)
+        choose_decode_step(ExecutorConfig(model_dir, decode_kernel="native", native_cache_dir=tmp_path),
+                           ex.model, ex.kv)
 
 
 def test_real_executor_process_serves_native_steps(tiny_checkpoint):
