@@ -201,7 +201,9 @@ def test_a_compiler_failure_falls_back_under_auto(tiny_checkpoint, monkeypatch, 
 
 def test_real_executor_process_serves_native_steps(tiny_checkpoint):
     """`python -m executor_service --decode-kernel native` (a real process): GetInfo lists native_decode and
-    a greedy run through Decode matches transformers; on a MoE model the flag exits 2 with the reason."""
+    a greedy run through Decode matches transformers — with a bad item (a token id past the vocabulary, then
+    a wrong position) beside it in every call: each bad item fails alone, the good one is unaffected, and
+    after the release the pool is whole (nothing leaked). On a MoE model the flag exits 2 with the reason."""
     from executor_service import codec
     from tandem.executor.v1 import executor_pb2 as pb
     from tests.grpc_harness import start_executor
@@ -209,17 +211,25 @@ def test_real_executor_process_serves_native_steps(tiny_checkpoint):
     prompt = prompt_of(13, seed=8)
     ref_tokens, ref_logits = HfReference(model_dir).greedy(prompt, 8)
     logits_mode = pb.OutputOptions(mode=pb.OUTPUT_MODE_TOKENS_AND_LOGITS)
-    with start_executor(model_dir, "--decode-kernel", "native") as server:
-        assert "native_decode" in server.stub.GetInfo(pb.GetInfoRequest()).capabilities
+    with start_executor(model_dir, "--decode-kernel", "native", "--no-prefix-caching") as server:
+        info = server.stub.GetInfo(pb.GetInfoRequest())
+        assert "native_decode" in info.capabilities
         first = server.stub.Prefill(pb.PrefillRequest(token_ids=prompt, output=logits_mode))
         tokens, cache = [first.output.tokens[0].token_id], first.cache
         got = [codec.decode_logits(first.output.logits).reshape(-1)]
-        for _ in range(7):
-            item = pb.DecodeItem(cache=cache, token_id=tokens[-1], output=logits_mode)
-            (r,) = server.stub.Decode(pb.DecodeRequest(items=[item])).results
+        for step in range(7):
+            good = pb.DecodeItem(cache=cache, token_id=tokens[-1], output=logits_mode)
+            bad = (pb.DecodeItem(cache=cache, token_id=info.vocab_size + 5) if step % 2 else
+                   pb.DecodeItem(cache=pb.CacheRef(cache_id=cache.cache_id, seq_len=cache.seq_len + 3),
+                                 token_id=tokens[-1]))
+            r, failed = server.stub.Decode(pb.DecodeRequest(items=[good, bad])).results
+            assert r.status.code == 0 and failed.status.code != 0, failed.status.message
             tokens.append(r.output.tokens[0].token_id)
             got.append(codec.decode_logits(r.output.logits).reshape(-1))
             cache = r.cache
+        server.stub.ReleaseCache(pb.ReleaseCacheRequest(cache_ids=[cache.cache_id]))
+        kv = server.stub.GetInfo(pb.GetInfoRequest()).kv
+        assert kv.free_blocks == kv.total_blocks and kv.active_caches == 0
     assert tokens == ref_tokens
     assert max(rel_err(torch.from_numpy(a.copy()), b) for a, b in zip(got, ref_logits)) < TOL
     done = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(tiny_checkpoint("qwen3_moe")),
