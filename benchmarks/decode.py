@@ -2,7 +2,8 @@
 llama.cpp on the same weights in the same run (when llama-cpp-python is installed), plus each mode's quality
 against float32.
 
-Modes: WEIGHTS-KERNEL, weights float32 | fp16 (`--quantization fp16`) | int8 (`--quantization int8`), kernel
+Modes: WEIGHTS-KERNEL, weights float32 | bf16 (`--dtype bfloat16`) | fp16 (`--quantization fp16`) | int8
+(`--quantization int8`), kernel
 eager (`--decode-kernel torch`: the PyTorch forward, oneDNN-packed fp32 / FBGEMM linears), native
 (`--decode-kernel native`: the C++ decode step, models/native_decode.py) or compiled (`--compile`, float32
 only: the torch.compile'd step; its time to READY includes the compile, and a second start is timed too, from
@@ -16,11 +17,12 @@ float32-eager). Parts (--parts, default all four):
   (last token time - first token time); medians over the requests. This is what a single user sees.
 - steps: per mode, an in-process Executor; B sequences (--batches, default 1,8,32) prefilled with --prompt-len
   tokens, then --steps decode calls of all B (tokens mode, greedy) after 3 warm-up calls: median ms per step
-  and tokens/s = B / step.
-- llama: llama.cpp (`Llama`, --threads threads) on GGUF files of Tandem's own float32 weights, as f32, f16 and
+  and tokens/s = B / step. The modes of one weight format (eager, native, ...) step in turn, one call each,
+  so the machine's noise hits them alike and "vs eager" holds.
+- llama: llama.cpp (`Llama`, --threads threads) on GGUF files of Tandem's own float32 weights, as f32, bf16, f16 and
   q8_0 (benchmarks/llama_cpp_side.py), the same prompt ids and --gen greedy tokens, --requests runs after a
   warm-up; skipped with a note when `import llama_cpp` fails. The ratios `vs llama.cpp` in the stream table
-  compare Tandem's decode tokens/s with llama.cpp f32 (float32), q8_0 (int8) and f16 (fp16).
+  compare Tandem's decode tokens/s with llama.cpp f32 (float32), bf16 (bf16), q8_0 (int8) and f16 (fp16).
 - quality: per low-precision mode vs float32 (benchmarks/quality.py): on the 4 parity chat prompts (32 greedy
   tokens each) the leading tokens that agree and the teacher-forced argmax agreement, and the mean NLL of a
   fixed text (nats/token) and its difference.
@@ -54,12 +56,14 @@ from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 log = make_log("bench_decode")
-WEIGHTS = {"float32": "none", "fp16": "fp16", "int8": "int8"}  # -> --quantization
+WEIGHTS = {"float32": "none", "bf16": "none", "fp16": "fp16", "int8": "int8"}  # -> --quantization
+DTYPES = {"bf16": "bfloat16"}  # -> --dtype (else float32)
 KERNELS = {"eager": ("--decode-kernel", "torch"), "native": ("--decode-kernel", "native"), "compiled": ("--compile",)}
 MODES = [f"{w}-{k}" for w in WEIGHTS for k in KERNELS if k != "compiled" or w == "float32"]
-LLAMA_PEER = {"float32": "f32", "fp16": "f16", "int8": "q8_0"}  # weights -> llama.cpp's format
+LLAMA_PEER = {"float32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "q8_0"}  # weights -> llama.cpp's format
 PARTS = ("stream", "steps", "llama", "quality")
-DEFAULTS = {"modes": "float32-eager,float32-native,fp16-eager,fp16-native,int8-eager,int8-native",
+DEFAULTS = {"modes": "float32-eager,float32-native,bf16-eager,bf16-native,fp16-eager,fp16-native,int8-eager,"
+                     "int8-native",
             "parts": ",".join(PARTS), "batches": "1,8,32", "prompt_len": 128, "gen": 128, "requests": 3, "steps": 20}
 QUICK = {"modes": "float32-eager,float32-native,int8-native", "parts": "stream,steps,quality", "batches": "1,4",
          "prompt_len": 16, "gen": 8, "requests": 1, "steps": 3}
@@ -73,8 +77,12 @@ def kernel_of(mode: str) -> str:
     return mode.split("-")[1]
 
 
+def dtype_of(mode: str) -> str:
+    return DTYPES.get(weights_of(mode), "float32")
+
+
 def executor_options(mode: str) -> dict[str, Any]:
-    """The ExecutorConfig fields of a mode (for the in-process executors)."""
+    """The ExecutorConfig fields of a mode but dtype (for the in-process executors)."""
     kernel = kernel_of(mode)
     return {"quantization": WEIGHTS[weights_of(mode)], "compile": kernel == "compiled",
             "decode_kernel": "native" if kernel == "native" else "torch"}
@@ -128,6 +136,7 @@ def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[li
     try:
         compiled = kernel_of(mode) == "compiled"
         flags = ("--threads", str(threads), "--no-prefix-caching", "--quantization", WEIGHTS[weights_of(mode)],
+                 "--dtype", dtype_of(mode),
                  "--log-level", "WARNING") + KERNELS[kernel_of(mode)]
         restart_s, wait = None, {"ready_timeout": 900.0} if compiled else {}  # compiling on 2 cores: minutes
         if compiled:  # a first start fills the compile cache; the timed one below is a restart
@@ -155,24 +164,30 @@ def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[li
     return out
 
 
-def steps_part(args, model_dir: Path, mode: str, prompt_pool: list[list[int]]) -> dict[str, Any]:
+def steps_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[int]]) -> dict[str, Any]:
+    """The modes of one weight format (e.g. float32-eager and float32-native), each its own executor, stepped
+    in turn — one step of each, then again — so that a noisy stretch of the shared machine hits every mode
+    alike and the ratio between them holds."""
     blocks = (max(args.batch_list) * (args.prompt_len + args.steps + 8) // 16) + 64
-    ex = build_executor(model_dir, "cpu", "float32", kv_blocks=blocks, max_batch_tokens=4096,
-                        prefix_caching=False, **executor_options(mode))
-    out: dict[str, Any] = {}
+    exs = {m: build_executor(model_dir, "cpu", dtype_of(m), kv_blocks=blocks, max_batch_tokens=4096,
+                             prefix_caching=False, **executor_options(m)) for m in modes}
+    out: dict[str, Any] = {m: {} for m in modes}
     for b in args.batch_list:
-        batch = DecodeBatch(ex)
-        batch.prefill([prompt_pool[i % len(prompt_pool)] for i in range(b)])
-        times = []
+        batches = {m: DecodeBatch(ex) for m, ex in exs.items()}
+        for batch in batches.values():
+            batch.prefill([prompt_pool[i % len(prompt_pool)] for i in range(b)])
+        times: dict[str, list[float]] = {m: [] for m in modes}
         for i in range(args.steps + 3):
-            start = time.perf_counter()
-            batch.advance(ex.decode(batch.decode_items()))
-            if i >= 3:
-                times.append(time.perf_counter() - start)
-        batch.release()
-        ms = 1e3 * statistics.median(times)
-        out[str(b)] = {"step_ms": ms, "tok_s": b / ms * 1e3}
-        log(f"steps {mode} B={b}: {ms:.1f} ms/step")
+            for m, batch in batches.items():
+                start = time.perf_counter()
+                batch.advance(exs[m].decode(batch.decode_items()))
+                if i >= 3:
+                    times[m].append(time.perf_counter() - start)
+        for m, batch in batches.items():
+            batch.release()
+            ms = 1e3 * statistics.median(times[m])
+            out[m][str(b)] = {"step_ms": ms, "tok_s": b / ms * 1e3}
+            log(f"steps {m} B={b}: {ms:.1f} ms/step")
     return out
 
 
@@ -185,7 +200,7 @@ def quality_part(model_dir: Path, modes: list[str]) -> dict[str, Any]:
                                           prefix_caching=False, decode_kernel="torch"), encode)
     out = {}
     for mode in modes:
-        ex = build_executor(model_dir, "cpu", "float32", kv_blocks=128, max_batch_tokens=4096,
+        ex = build_executor(model_dir, "cpu", dtype_of(mode), kv_blocks=128, max_batch_tokens=4096,
                             prefix_caching=False, **executor_options(mode))
         out[mode] = ref.measure(ex).as_json()
         log(f"quality {mode}: {out[mode]['agreed_tokens']}/{out[mode]['total_tokens']} greedy tokens agree "
@@ -260,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     if "llama" in args.part_list:
         results["llama"] = llama_part(args, model_dir, threads, prompts[0])
     if "steps" in args.part_list:
-        results["steps"] = {m: steps_part(args, model_dir, m, prompts) for m in args.mode_list}
+        results["steps"] = {}
+        for w in dict.fromkeys(weights_of(m) for m in args.mode_list):  # a weight format's modes interleaved
+            results["steps"].update(steps_part(args, model_dir, [m for m in args.mode_list if weights_of(m) == w],
+                                               prompts))
     if "quality" in args.part_list:
         # float32 modes agree with the eager float32 reference to the parity tests' 1e-4: measured for fp16 / int8
         results["quality"] = quality_part(model_dir, [m for m in args.mode_list if weights_of(m) != "float32"])

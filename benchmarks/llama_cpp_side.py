@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-FORMATS = ("f32", "f16", "q8_0")
+FORMATS = ("f32", "bf16", "f16", "q8_0")
 
 
 def available() -> bool:
@@ -43,7 +43,7 @@ def write_gguf(source: Path, dest: Path, fmt: str) -> Path:
     import gguf
     from gguf import GGMLQuantizationType as Q
 
-    qtype = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}[fmt]
+    qtype = {"f32": Q.F32, "bf16": Q.BF16, "f16": Q.F16, "q8_0": Q.Q8_0}[fmt]
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(dest, arch=str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents()))
     for field in reader.fields.values():
@@ -53,8 +53,8 @@ def write_gguf(source: Path, dest: Path, fmt: str) -> Path:
             continue  # the source's (Q4_1) no longer describes the tensors
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[fmt])
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+                          "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[fmt])
     for t in reader.tensors:
         w = gguf.dequantize(t.data, t.tensor_type).astype(np.float32)  # [out, in] (GGUF's row order)
         if w.ndim == 1 or qtype == Q.F32:

@@ -63,12 +63,17 @@ def print_report(args, sides: list[dict[str, Any]], header: str, workload: str, 
     print("\nms; TTFT = first token, TPOT = (E2E - TTFT) / (tokens - 1) per request, ITL = per token "
           "(a message of k tokens counts k gaps of 1/k), E2EL = end-to-end latency.")
     if ex_metrics:
-        op = ex_metrics["ops"].get("unified_decode")
-        rpc = ex_metrics["rpcs"].get("UnifiedDecode")
-        if op:
-            print(f"executor during the timed run: {op['calls']} steps (UnifiedDecode), {op['mean_ms']:.1f} ms of "
-                  f"model work per step, busy {100 * op['busy_share']:.0f}% of the run"
-                  + (f" (RPC handler {100 * rpc['busy_share']:.0f}%)" if rpc else "")
+        # a step is one UnifiedDecode, or one Decode of several steps (the scheduler's multi-step decode)
+        ops = [ex_metrics["ops"][k] for k in ("unified_decode", "decode") if k in ex_metrics["ops"]]
+        rpcs = [ex_metrics["rpcs"][k] for k in ("UnifiedDecode", "Decode") if k in ex_metrics["rpcs"]]
+        calls = sum(o["calls"] for o in ops)
+        if calls:
+            busy = sum(o["busy_share"] for o in ops)
+            bursts = ex_metrics["ops"].get("decode", {}).get("calls", 0)
+            print(f"executor during the timed run: {calls} calls ({bursts} of them multi-step Decode bursts), "
+                  f"{sum(o['mean_ms'] * o['calls'] for o in ops) / calls:.1f} ms of model work per call, busy "
+                  f"{100 * busy:.0f}% of the run"
+                  + (f" (RPC handlers {100 * sum(r['busy_share'] for r in rpcs):.0f}%)" if rpcs else "")
                   + f"; the rest is the scheduler, streaming and round trips; "
                   f"{ex_metrics['tokens_processed']} tokens processed, {ex_metrics['tokens_sampled']} sampled")
     for s in sides[1:]:

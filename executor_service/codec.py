@@ -195,7 +195,8 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
         max_batch_tokens=info.max_batch_tokens, num_experts=info.num_experts,
         num_experts_per_tok=info.num_experts_per_tok, moe_layers=list(info.moe_layers),
         instance_id=info.instance_id, max_adapters_on_device=info.max_adapters_on_device,
-        session_ttl_ms=ms(info.session_ttl_s), resident_memory_bytes=info.resident_memory_bytes)
+        session_ttl_ms=ms(info.session_ttl_s), resident_memory_bytes=info.resident_memory_bytes,
+        quantization=info.quantization)
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     if info.kv_pool is not None:

@@ -40,6 +40,8 @@ class ExecutorConfig:
     # where the native kernel's compiled library is kept (None: ~/.cache/tandem/native).
     decode_kernel: str = "auto"
     native_cache_dir: Path | None = None
+    # CPU weights in transparent huge pages (models/huge_pages.py): auto (unless they fault in slowly here) | on | off
+    huge_pages: str = "auto"
     # LoRA: runtime loads only from inside adapter_root (None: runtime loading disabled); `adapters` are the
     # operator's preloads (name, dir); at most max_adapters_on_device adapters' weights on the device.
     adapter_root: Path | None = None

@@ -54,7 +54,7 @@ def choose_decode_step(config: ExecutorConfig, model: DecoderModel, kv: PagedKvC
         return None
     start = time.monotonic()
     try:
-        step = NativeDecode(model, kv, config.native_cache_dir)
+        step = NativeDecode(model, kv, config.native_cache_dir, config.huge_pages)
     except (RuntimeError, OSError) as exc:  # the compiler failed, or the library would not load
         if kernel == "native":
             raise ValueError(f"--decode-kernel native: {exc}") from exc

@@ -48,6 +48,8 @@ from tandem.kv_usage import KvUsage
 from models.compiled_decode import CompiledDecode
 from models.native_decode import NativeDecode
 from models.loader import load_model
+from models.huge_pages import move_parameters_to_huge_pages
+from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
 from models.moe import SparseMoeBlock
 from tandem.sampling_params import SamplingParams
 
@@ -79,10 +81,16 @@ class Executor:
         self.quantization_kernel = self.model.quantize(config.quantization)  # before packing: it skips those
         if self.quantization_kernel:
             log.info("linear weights quantized to %s (%s kernel)", config.quantization, self.quantization_kernel)
+        if self.device.type == "cpu":  # (after quantizing: the arena lives as long as any weight in it)
+            move_parameters_to_huge_pages(self.model, config.huge_pages)
         # CPU float32: oneDNN-packed copies of the linear weights for decode-sized calls. Before the KV pool
         # is sized, so that the pool's share of free memory accounts for them.
         if config.cpu_packed_weights:
             self.model.pack_cpu_weights()
+        if self.model.upcast_cpu_half_linears():  # bf16/fp16 on a CPU without oneDNN support for it
+            log.info("%s weights on a CPU without oneDNN support for them: linear calls of %d+ rows (prefill) "
+                     "multiply in float32", str(self.model.lm_head.weight.dtype).removeprefix("torch."),
+                     HALF_UPCAST_MIN_ROWS)
         cfg = self.model.config
         self.model_config = cfg
         self.generation = read_generation_defaults(config.model_dir, cfg)
@@ -295,7 +303,7 @@ class Executor:
             + (("native_decode",) if isinstance(self.decode_step, NativeDecode) else ()),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
-            resident_memory_bytes=resident_memory_bytes())
+            resident_memory_bytes=resident_memory_bytes(), quantization=self.config.quantization)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""

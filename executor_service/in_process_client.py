@@ -40,6 +40,14 @@ class InProcessExecutorClient:
             return codec.unified_response_to_pb(results, dtypes, ex.kv_usage())
         return self._relay(run)
 
+    def decode_now(self, items: Sequence[epb.DecodeItem], num_steps: int, session_id: str = "") -> epb.DecodeResponse:
+        def run() -> epb.DecodeResponse:
+            ex = self.executor
+            results, dtypes = codec.run_decode(items, lambda decoded: ex.decode(decoded, num_steps, session_id),
+                                               lambda cache_id: ex.cache_ref(cache_id, session_id))
+            return codec.decode_response_to_pb(results, dtypes, ex.kv_usage())
+        return self._relay(run)
+
     def release_now(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
         def run() -> epb.ReleaseCacheResponse:
             released, unknown = self.executor.release_cache(list(cache_ids), session_id)
@@ -61,6 +69,9 @@ class InProcessExecutorClient:
 
     async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
         return self.unified_decode_now(items, session_id)
+
+    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int, session_id: str = "") -> epb.DecodeResponse:
+        return self.decode_now(items, num_steps, session_id)
 
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
         return self.release_now(cache_ids, session_id)

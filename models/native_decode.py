@@ -16,8 +16,13 @@ multiple of 32 keeps float32 activations. The quantized modes keep FBGEMM's pack
 native step holds a second copy of their weights (float16 or int8, made from the packed one here; float32
 weights are shared, not copied).
 
-Where it runs: x86-64 CPUs with AVX2, FMA and F16C, float32 models without MoE layers, a C++ compiler on the
-PATH (g++ by default; `CXX` overrides), K/V cache in float32. `native_refusal` says why not otherwise, and
+A bfloat16 model (--dtype bfloat16) runs with its bfloat16 weights, embedding and K/V cache read in place and
+widened in registers; its activations are float32 inside the step (the eager bfloat16 forward rounds every
+op's output to bfloat16; K/V are rounded when written, as there), so its tokens may differ from the eager
+step's at near-ties, at bfloat16's own noise.
+
+Where it runs: x86-64 CPUs with AVX2, FMA and F16C, float32 or bfloat16 models without MoE layers (quantized:
+float32 only), a C++ compiler on the PATH (g++ by default; `CXX` overrides). `native_refusal` says why not otherwise, and
 the executor falls back to the PyTorch step (or refuses `--decode-kernel native`). The library is compiled
 once per source/compiler and kept in a cache directory (~2.5 s); concurrent executors share it safely.
 """
@@ -36,6 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from models.huge_pages import copy_to_huge_pages
 from models.kv_cache import PagedKvCache, decode_block_table
 from models.moe import SparseMoeBlock
 from models.quantization import Fp16Weight, Int8Weight
@@ -44,9 +50,10 @@ from models.transformer import DecoderModel, Linear
 SOURCE = Path(__file__).with_name("native") / "decode_step.cpp"
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 CPU_FLAGS = ("avx2", "fma", "f16c")
-ABI_VERSION = 1
+ABI_VERSION = 2
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "native"
-KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # weight dtype -> TdLinear.kind
+KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2, torch.bfloat16: 4}  # weight dtype -> TdLinear.kind
+DTYPES = (torch.float32, torch.bfloat16)  # a model's --dtype the step runs (its activations: float32 either way)
 INT8_DOT = 3  # int8 weights times int8 activations
 
 
@@ -66,7 +73,8 @@ class _Model(ctypes.Structure):
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("vocab", ctypes.c_int64),
                 ("n_layers", ctypes.c_int64), ("block_size", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("attn_scale", ctypes.c_float), ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
-                ("head", _Linear), ("layers", ctypes.POINTER(_Layer))]
+                ("head", _Linear), ("layers", ctypes.POINTER(_Layer)), ("bf16", ctypes.c_int32),
+                ("unused", ctypes.c_int32)]
 
 
 def _cpu_flags() -> set[str]:
@@ -100,8 +108,10 @@ def native_refusal(model: DecoderModel, kv: PagedKvCache) -> str | None:
     weight = model.model.embed_tokens.weight
     if weight.device.type != "cpu":
         return f"it runs on CPUs; this model is on {weight.device.type}"
-    if weight.dtype != torch.float32 or kv.k.dtype != torch.float32:
-        return "it needs --dtype float32 (use --quantization for fewer weight bytes)"
+    if weight.dtype not in DTYPES or kv.k.dtype != weight.dtype:
+        return f"it runs --dtype float32 or bfloat16 models, not {str(weight.dtype).removeprefix('torch.')}"
+    if weight.dtype != torch.float32 and any(isinstance(m, Linear) and m.quant is not None for m in model.modules()):
+        return "--quantization needs --dtype float32 in it"
     if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
         return "MoE layers are not in the native step"
     if any(m.in_features % 8 for m in model.modules() if isinstance(m, Linear)):
@@ -146,7 +156,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class NativeDecode:
     """The native step over a model and its KV cache; `run` has the signature of CompiledDecode.run."""
 
-    def __init__(self, model: DecoderModel, kv: PagedKvCache, cache_dir: Path | None = None) -> None:
+    def __init__(self, model: DecoderModel, kv: PagedKvCache, cache_dir: Path | None = None,
+                 huge_pages: str = "auto") -> None:
+        """huge_pages: the --huge-pages mode of the quantized modes' weight copies (models/huge_pages.py)."""
         reason = native_refusal(model, kv)
         if reason:
             raise ValueError(f"the native decode kernel cannot run here: {reason}")
@@ -158,41 +170,48 @@ class NativeDecode:
             ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self.model, self.kv = model, kv
+        self.huge_pages = huge_pages
         self._keep: list[torch.Tensor] = []  # every tensor a descriptor points into
         self._desc: _Model | None = None
         self._desc_of: tuple[torch.Tensor, int] | None = None  # (the K pool, the weights' version) described
         self._layers: ctypes.Array | None = None  # the layer descriptors _desc points into
         self.calls = 0  # decode steps that ran natively (read by tests and benchmarks)
 
-    def _linear(self, m: Linear) -> _Linear:
-        """A descriptor of m's weight in the bytes the step reads (a copy only for quantized weights)."""
+    def _weights(self, m: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+        """m's weight in the form the step reads, its scales and bias, and whether the weight is a copy
+        (quantized weights are unpacked from FBGEMM's packing; float32 ones are read in place)."""
         q = m.quant
         if q is None:
-            w, scale, bias = m.weight.detach(), None, m.bias
-        elif isinstance(q, Fp16Weight):
+            return m.weight.detach().contiguous(), None, m.bias, False
+        if isinstance(q, Fp16Weight):
             w32, bias = torch.ops.quantized.linear_unpack_fp16(q._packed)
-            w, scale = w32.to(torch.float16), None
-        elif isinstance(q, Int8Weight):
+            return w32.to(torch.float16), None, bias, True
+        if isinstance(q, Int8Weight):
             if q.qweight is not None:
-                w, scale = q.qweight, q.scales.float()
-            else:
-                qw, _ = torch.ops.quantized.linear_unpack(q._packed)
-                w, scale = qw.int_repr(), qw.q_per_channel_scales().float()
-            bias = q.bias
-        else:
-            raise ValueError(f"no native kernel for {type(q).__name__}")
-        w = w.contiguous()
-        scale, bias = (None if t is None else t.detach().float().contiguous() for t in (scale, bias))
-        self._keep.extend(t for t in (w, scale, bias) if t is not None)
-        kind = KINDS[w.dtype]
-        if kind == KINDS[torch.int8] and w.shape[1] % 32 == 0:
-            kind = INT8_DOT  # integer dot products with two-digit int8 activations (the module docstring)
-        return _Linear(kind, 0, w.data_ptr(), _ptr(scale), _ptr(bias), w.shape[0], w.shape[1])
+                return q.qweight, q.scales, q.bias, False  # (the portable kernel's own int8 weight)
+            qw, _ = torch.ops.quantized.linear_unpack(q._packed)
+            return qw.int_repr(), qw.q_per_channel_scales(), q.bias, True
+        raise ValueError(f"no native kernel for {type(q).__name__}")
+
+    def _linears(self, mods: list[Linear]) -> list[_Linear]:
+        """Descriptors of the modules' weights; the copies (quantized weights) share one huge-page arena."""
+        raw = [self._weights(m) for m in mods]
+        moved = iter(copy_to_huge_pages([w for w, _, _, copied in raw if copied], self.huge_pages))
+        out = []
+        for w, scale, bias, copied in raw:
+            w = next(moved) if copied else w
+            scale, bias = (None if t is None else t.detach().float().contiguous() for t in (scale, bias))
+            self._keep.extend(t for t in (w, scale, bias) if t is not None)
+            kind = KINDS[w.dtype]
+            if kind == KINDS[torch.int8] and w.shape[1] % 32 == 0:
+                kind = INT8_DOT  # integer dot products with two-digit int8 activations (the module docstring)
+            out.append(_Linear(kind, 0, w.data_ptr(), _ptr(scale), _ptr(bias), w.shape[0], w.shape[1]))
+        return out
 
     def _norm(self, norm: nn.Module | None) -> int | None:
         if norm is None:
             return None
-        w = norm.weight.detach().contiguous()
+        w = norm.weight.detach().float().contiguous()  # (a copy for a bfloat16 model: the step reads float32)
         self._keep.append(w)
         return w.data_ptr()
 
@@ -203,19 +222,21 @@ class NativeDecode:
         model, cfg = self.model, self.model.config
         self._keep = []
         layers = (_Layer * cfg.num_layers)()
+        mods = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        linears = self._linears(mods + [model.lm_head])
         for i, layer in enumerate(model.model.layers):
-            att, mlp = layer.self_attn, layer.mlp
+            att = layer.self_attn
             k_pool, v_pool = self.kv.k[i], self.kv.v[i]  # [blocks, block_size, kv_heads, d] views
             layers[i] = _Layer(self._norm(layer.input_layernorm), self._norm(layer.post_attention_layernorm),
-                               self._norm(att.q_norm), self._norm(att.k_norm), self._linear(att.qkv_proj),
-                               self._linear(att.o_proj), self._linear(mlp.gate_proj), self._linear(mlp.up_proj),
-                               self._linear(mlp.down_proj), k_pool.data_ptr(), v_pool.data_ptr())
+                               self._norm(att.q_norm), self._norm(att.k_norm), *linears[5 * i:5 * i + 5],
+                               k_pool.data_ptr(), v_pool.data_ptr())
         embed = model.model.embed_tokens.weight.detach()
         self._layers = layers
         self._desc = _Model(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                             cfg.vocab_size, cfg.num_layers, self.kv.block_size, cfg.rms_norm_eps,
-                            cfg.head_dim ** -0.5, embed.data_ptr(), self._norm(model.model.norm),
-                            self._linear(model.lm_head), layers)
+                            cfg.head_dim ** -0.5, embed.data_ptr(), self._norm(model.model.norm), linears[-1],
+                            layers, int(embed.dtype == torch.bfloat16), 0)
         self._keep.append(embed)
         self._desc_of = (self.kv.k, self.model.weights_version)
         return self._desc

@@ -19,6 +19,7 @@ from torch import nn
 from models.attention import AttentionMetadata
 from models.config import ModelConfig
 from models.decode_attention import DecodeMetadata
+from models.half_upcast import HalfUpcast, onednn_lacks
 from models.kv_cache import PagedKvCache
 from models.lora_batch import LoraBatch
 from models.moe import SparseMoeBlock
@@ -34,11 +35,14 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None  # opaque mkldnn tensor [out, in], set by DecoderModel.pack_cpu_weights
     quant: Int8Weight | Fp16Weight | None = None  # set by DecoderModel.quantize (models/quantization.py)
+    upcast: HalfUpcast | None = None  # set by DecoderModel.upcast_cpu_half_linears (models/half_upcast.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
         if self.quant is not None:
             return self.quant(x)
+        if self.upcast is not None and x.shape[0] >= self.upcast.min_rows and not torch.compiler.is_compiling():
+            return self.upcast.linear(x, self.weight, self.bias)
         # Compiled (models/compiled_decode.py), the compiler packs the weights itself (inductor freezing).
         if self.packed is not None and x.shape[0] <= PACKED_MAX_TOKENS and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -175,6 +179,18 @@ class DecoderModel(nn.Module):
             for m in linears:
                 m.packed = None
             return False
+        return True
+
+    def upcast_cpu_half_linears(self) -> bool:
+        """bfloat16/float16 weights on a CPU where oneDNN lacks that type: every linear layer computes calls of
+        many rows in float32 (models/half_upcast.py). A no-op elsewhere; returns whether it is on."""
+        weight = self.lm_head.weight
+        if weight.device.type != "cpu" or not onednn_lacks(weight.dtype):
+            return False
+        upcast = HalfUpcast()
+        for m in self.modules():
+            if isinstance(m, Linear) and m.quant is None:
+                m.upcast = upcast
         return True
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, cache: PagedKvCache,

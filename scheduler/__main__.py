@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from tandem.errors import TandemError
-from scheduler import speculation
+from scheduler import decode_bursts, speculation
 from scheduler.config import SchedulerConfig
 from scheduler.server import serve_async
 from tandem.security.config import add_server_flags, server_security
@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Serve tandem.generate.v1.GenerateService (streaming Generate, Tokenize, GetModelInfo; plus "
                     "grpc.health.v1 and server reflection) by batching requests continuously over Tandem "
                     "executors: each step is one UnifiedDecode with a token for every running sequence and prompt "
-                    "chunks for waiting ones. Waits for the executor to serve, then prints 'READY <addresses>' (with --http-port, the HTTP URL last).")
+                    "chunks for waiting ones (or, while only decodes run and none waits, one Decode of several "
+                    "steps: --decode-burst-ms). Waits for the executor to serve, then prints 'READY <addresses>' (with --http-port, the HTTP URL last).")
     ap.add_argument("--executor", required=True, action="append",
                     help="executor to drive: HOST:PORT, unix:PATH, or dns:///NAME:PORT for every address NAME resolves "
                          "to (e.g. a Kubernetes headless Service; looked up again every --resolve-interval). "
@@ -74,6 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_server_flags(ap)
     _add_link_flags(ap)
     speculation.add_arguments(ap)
+    decode_bursts.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
                           grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
-                          speculative=speculation.from_args(args),
+                          speculative=speculation.from_args(args), bursts=decode_bursts.from_args(args),
                           security=server_security(args), executor_tls_ca=args.executor_tls_ca,
                           executor_tls_cert=args.executor_tls_cert, executor_tls_key=args.executor_tls_key,
                           executor_tls=args.executor_tls, executor_tls_server_name=args.executor_tls_server_name,

@@ -101,6 +101,20 @@ def _item_to_pb(item: StepItem, registered_sampling: bool) -> epb.UnifiedItem:
                            prompt_len=len(req.prompt_ids) if final else None, draft_token_ids=item.drafts)
 
 
+def burst_to_pb(plan: StepPlan) -> list[epb.DecodeItem]:
+    """The Decode items of a multi-step burst (scheduler/decode_bursts.py): each sequence's last token at its
+    cache's length, its sampling (always sent: an unset DecodeItem.sampling means greedy, not the registered
+    one), and the token ids that stop it on the executor."""
+    items = []
+    for item in plan.items:
+        seq, req = item.seq, item.seq.request
+        items.append(epb.DecodeItem(cache=epb.CacheRef(cache_id=seq.cache_id, seq_len=seq.num_cached),
+                                    token_id=seq.output_ids[-1], sampling=seq.sampling_for_next_token(),
+                                    output=_output_options(req.top_logprobs), adapter=req.adapter,
+                                    stop_token_ids=sorted(seq.eos_token_ids | req.stopping.stop_token_ids)))
+    return items
+
+
 _OUTPUT_OPTIONS: dict[int, epb.OutputOptions] = {}  # by top_logprobs: built once, never mutated
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scheduler.decode_bursts import BurstConfig
 from scheduler.speculation import SpeculativeConfig
 from tandem.security.config import ServerSecurity
 
@@ -39,6 +40,8 @@ class SchedulerConfig:
     # OpenAI-compatible HTTP front (scheduler/http/) on --host: None = off, 0 = any free port (printed when ready).
     http_port: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
+    # Multi-step decode (scheduler/decode_bursts.py): --decode-burst-ms, --max-decode-steps
+    bursts: BurstConfig = field(default_factory=BurstConfig)
     security: ServerSecurity = ServerSecurity()  # this server's TLS, tokens, reflection (gRPC and HTTP alike)
     # The link to the executors: TLS when a CA or a client certificate is given (executor_tls_ca None: the
     # system's roots), mTLS with the certificate; the name their certificates must carry when it is not the
@@ -78,6 +81,7 @@ class SchedulerConfig:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in 0..65535 (0 = any free port), got {self.http_port}")
         self.speculative.validate()
+        self.bursts.validate()
         self.security.validate()
         for flag, value in (("--max-concurrent-per-token", self.max_concurrent_per_token),
                             ("--max-queued-tokens-per-token", self.max_queued_tokens_per_token)):

@@ -24,6 +24,7 @@ import grpc
 
 from scheduler import codec
 from scheduler.config import SchedulerConfig
+from scheduler.decode_bursts import DecodeBursts
 from scheduler.executor_client import ExecutorClient, ExecutorUnreachable, is_kv_exhaustion
 from scheduler.policy import Failure, SchedulingPolicy
 from scheduler.recovery import Recovery
@@ -72,6 +73,7 @@ class Engine:
         self.closed = False  # drained: the loop and the reconnect task end
         self.recovery = Recovery(self, on_health)
         self.steps = 0
+        self.bursts = DecodeBursts(cfg.bursts)
         self._wake = asyncio.Event()
         self._stall_poll_s = _STALL_POLL_S[0]
         self._stepping = False
@@ -214,17 +216,25 @@ class Engine:
                 await self._stalled()
             return
         started, losses = self.clock(), self.recovery.losses
-        items = codec.step_to_pb(plan, self._registered_sampling)
-        await self.masks.attach(plan, items)  # (returns at once when no item is constrained)
+        steps = self.bursts.steps(plan, bool(policy.waiting), policy.kv, self.info.capabilities,
+                                  self.planner.speculator is not None)
         try:
-            resp = await self.client.unified_decode(items, self.session.id)
+            if steps > 1:  # a burst: several decode steps on the executor (scheduler/decode_bursts.py)
+                resp = await self.client.decode(codec.burst_to_pb(plan), steps, self.session.id)
+            else:
+                items = codec.step_to_pb(plan, self._registered_sampling)
+                await self.masks.attach(plan, items)  # (returns at once when no item is constrained)
+                resp = await self.client.unified_decode(items, self.session.id)
         except ExecutorUnreachable as exc:
             if losses == self.recovery.losses:
                 self.recovery.lost(str(exc))
             return
         except RemoteError as exc:
             if losses == self.recovery.losses:
-                await self._step_error(plan, exc)
+                if self.bursts.refused(steps, exc):  # nothing ran: the step goes again, in fewer steps
+                    self.policy.step_refused(plan)
+                else:
+                    await self._step_error(plan, exc)
             return
         if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
             self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
@@ -235,6 +245,7 @@ class Engine:
                 self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
                 return
         self.session.renewed(started)
+        self.bursts.observe(plan, steps, self.clock() - started)
         self.steps += 1
         self._stall_poll_s = _STALL_POLL_S[0]
         outcome = policy.update(plan, codec.item_results_from_pb(resp), kv_usage_from_pb(resp.kv))
@@ -254,7 +265,7 @@ class Engine:
             output.publish()
         if outcome.drafted and self.metrics is not None:
             self.metrics.speculated(outcome.drafts, outcome.drafted, outcome.accepted)
-        self._log_stats(sum(item.count for item in plan.items))
+        self._log_stats(len(outcome.emitted) if steps > 1 else sum(item.count for item in plan.items))
 
     async def _match_prefixes(self) -> None:
         """Before admission: the waiting sequences that may be admitted get caches holding the longest prefix

@@ -64,6 +64,11 @@ class ExecutorClient(Protocol):
     async def unified_decode(self, items: Sequence[epb.UnifiedItem],
                              session_id: str = "") -> epb.UnifiedDecodeResponse: ...
 
+    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int,
+                     session_id: str = "") -> epb.DecodeResponse:
+        """num_steps device-side decode steps (capability "multi_step_decode")."""
+        ...
+
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse: ...
 
     async def create_caches(self, items: Sequence[epb.CreateCacheItem],
@@ -140,6 +145,11 @@ class GrpcExecutorClient:
     async def unified_decode(self, items: Sequence[epb.UnifiedItem],
                              session_id: str = "") -> epb.UnifiedDecodeResponse:
         return await self._call("UnifiedDecode", epb.UnifiedDecodeRequest(items=items, session_id=session_id),
+                                self._step_timeout_s)
+
+    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int,
+                     session_id: str = "") -> epb.DecodeResponse:
+        return await self._call("Decode", epb.DecodeRequest(items=items, num_steps=num_steps, session_id=session_id),
                                 self._step_timeout_s)
 
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:

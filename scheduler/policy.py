@@ -236,7 +236,8 @@ class SchedulingPolicy:
     def step_failed(self, plan: StepPlan, error: TandemError, kv_full: bool) -> list[Failure]:
         """The executor answered the step with an error; nothing of the step was written. KV exhaustion
         (blocks taken by another client): a step that carried draft tokens is planned again without them
-        first; otherwise the youngest running sequence is preempted and the step planned again. Anything else (a message over the size limit included) ends the step's requests with error."""
+        first; otherwise the youngest running sequence is preempted and the step planned again. Anything else
+        (a message over the size limit included) ends the step's requests with error."""
         self._in_flight = set()
         if kv_full:
             self.short_of_blocks = True
@@ -251,6 +252,15 @@ class SchedulingPolicy:
         for item in plan.items:
             self._end(item.seq)
         return failed
+
+    def step_refused(self, plan: StepPlan) -> None:
+        """The executor refused the step as a whole (nothing of it ran) and it will go again in another form (a
+        multi-step burst in fewer steps): every sequence stays as it was; those aborted while it ran release
+        their caches now."""
+        self._in_flight = set()
+        for item in plan.items:
+            if item.seq.finished:
+                self._release(item.seq)
 
     def preempt_for_stall(self) -> bool:
         """No item fitted the step: preempts the youngest running sequence if there is one (our own

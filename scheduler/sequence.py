@@ -68,13 +68,26 @@ class Sequence:
     def is_decoding(self) -> bool:
         return self.remaining == 1 and bool(self.output_ids)
 
+    @property
+    def prompt_end_sent(self) -> bool:
+        """Whether the executor knows where its cache's prompt ends (a final item, which carries prompt_len, was
+        applied since the cache was made). Until then the cache may hold outputs the executor counts as prompt —
+        a recomputed sequence whose reused prefix covers all but its last token — and a Decode item, which has
+        no prompt_len, would leave them out of the presence/frequency penalties."""
+        return self.registered_sampling is not None
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens it may still sample before max_new_tokens or the model's length ends it (>= 1 while live)."""
+        return self._max_len - self.num_tokens
+
     def draft_room(self) -> int:
         """Draft tokens a decoding step may verify for it: the accepted ones and the token sampled after them
         must fit max_new_tokens and the model's length; none while it is short of min_new_tokens (the EOS ban
         then differs from one position to the next)."""
         if len(self.output_ids) < self.request.stopping.min_new_tokens:
             return 0
-        return max(0, self._max_len - self.num_tokens - 1)
+        return max(0, self.tokens_left - 1)
 
     def reset_cache(self) -> None:
         """After preemption (or the executor's loss): the cache is gone; everything will be recomputed

@@ -82,6 +82,17 @@ def greedy_run(ex: Executor, prompt: list[int], steps: int, chunk: int | None = 
     return cache_id, tokens, logits
 
 
+def teacher_forced_logits(ex: Executor, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """Logits before each of `tokens` when exactly these tokens follow `prompt` (cache released after)."""
+    first = ex.prefill(prompt, output=LOGITS)
+    out, cache_id = [first.output.logits[0]], first.cache.cache_id
+    for i, token in enumerate(tokens[:-1]):
+        (d,) = ex.decode([DecodeItem(CacheRef(cache_id, len(prompt) + i), token, output=LOGITS)])
+        out.append(d.output.logits[0])
+    ex.release_cache([cache_id])
+    return out
+
+
 def mixed_batch_run(ex: Executor, prompts: list[list[int]], steps: int, release_after: dict[int, int] | None = None,
                     chunk: int = 8, adapters: Sequence[str] = (), release: bool = True,
                     on_step: Callable[[list[UnifiedItem], list[UnifiedResult]], None] | None = None,

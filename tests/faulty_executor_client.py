@@ -111,7 +111,8 @@ class FaultyExecutorClient:
         out.adapters.extend(kept)
         # The capabilities of the contract this fake plays are its own, whatever the inner executor has.
         caps = [c for c in out.capabilities
-                if c not in ("registered_sampling", "sessions", "prefix_caching", "create_cache", "kv_events")]
+                if c not in ("registered_sampling", "sessions", "prefix_caching", "create_cache", "kv_events",
+                             "multi_step_decode")]  # (every step is a UnifiedDecode here: the faults are on it)
         del out.capabilities[:]
         out.capabilities.extend(caps + (["registered_sampling"] if self.registered_sampling else []))
         return out

@@ -61,6 +61,18 @@ def wait_kv_free(executor_stub, timeout: float = 15.0) -> epb.KvUsage:
         time.sleep(0.02)
 
 
+def cancel_stream(call) -> None:
+    """Cancels a Generate stream being read and checks that it ends CANCELLED."""
+    call.cancel()
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.CANCELLED, exc
+    else:
+        raise AssertionError("a cancelled stream ended without an error")
+
+
 def rpc_error(fn, *args, **kw) -> grpc.RpcError:
     try:
         result = fn(*args, **kw)

@@ -7,10 +7,11 @@
 // separated by barriers, and each weight matrix is streamed once per step whatever the batch size.
 //
 // Layout contract (the Python side checks it before building the descriptors):
-// - activations, norms, embedding, KV cache: float32, contiguous;
-// - a linear weight is [n, k] row-major (out, in) in float32, float16 (kind 1) or int8 with one float32 scale
-//   per output row (kind 2: float32 activations; kind 3: activations as two int8 digits per block of 32, for
-//   integer dot products, see Input: k % 32 == 0); k % 8 == 0;
+// - activations and norms: float32, contiguous; embedding and KV cache float32, or both bfloat16 (TdModel.bf16:
+//   a bfloat16 model; its activations are float32 here all the same, K/V are rounded to bfloat16 when written);
+// - a linear weight is [n, k] row-major (out, in) in float32, float16 (kind 1), bfloat16 (kind 4) or int8 with
+//   one float32 scale per output row (kind 2: float32 activations; kind 3: activations as two int8 digits per
+//   block of 32, for integer dot products, see Input: k % 32 == 0); k % 8 == 0;
 // - K/V pools per layer: [num_blocks, block_size, kv_heads, head_dim];
 // - tables [B, width] int64 block ids; token t of item b is in block tables[b][t / bs] at t % bs;
 // - cos / sin [B, head_dim]: rotary for each item's position (non-interleaved halves, as HF Llama/Qwen).
@@ -36,17 +37,19 @@ struct TdLayer {
   const float* q_norm;     // [head_dim] or null (Qwen3)
   const float* k_norm;     // [head_dim] or null
   TdLinear qkv, o, gate, up, down;
-  float* k_pool;  // [num_blocks, block_size, kv_heads, head_dim]
-  float* v_pool;
+  void* k_pool;  // [num_blocks, block_size, kv_heads, head_dim], float32 or bfloat16 (TdModel.bf16)
+  void* v_pool;
 };
 
 struct TdModel {
   int64_t hidden, heads, kv_heads, head_dim, inter, vocab, n_layers, block_size;
   float eps, attn_scale;
-  const float* embed;       // [vocab, hidden]
+  const void* embed;        // [vocab, hidden], float32 or bfloat16 (bf16)
   const float* final_norm;  // [hidden]
   TdLinear head;
   const TdLayer* layers;
+  int32_t bf16;  // 1: the embedding and the K/V pools are bfloat16
+  int32_t unused;
 };
 
 }  // extern "C"
@@ -94,15 +97,16 @@ inline float exp1(float x) {  // exp256 on one value: the tails of vector loops 
   return v[0];
 }
 
-// a . b over d floats (d % 8 == 0).
-inline float dot(const float* a, const float* b, int64_t d) {
+// a . b over d values (d % 8 == 0; b float32 or bfloat16).
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
   }
-  if (i < d) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  if (i < d) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
@@ -149,60 +153,71 @@ void rotate(float* x, const float* cos, const float* sin, int64_t d) {
   }
 }
 
-// One item and one KV head: normalise and rotate its query heads and key, write key and value into the
-// cache slot of position pos, and attend the group's query heads over positions 0..pos. out: [group, d].
-void attend_group(const TdModel& m, const TdLayer& L, const float* qkv, const float* cos, const float* sin,
-                  const int64_t* table, int64_t pos, int64_t g, float* out, float* q, std::vector<float>& scores) {
-  // (No allocation in here: an exception must never leave the OpenMP team.)
-  // q: scratch [group + 1, d] (the group's queries, then the key)
-  const int64_t d = m.head_dim, kvh = m.kv_heads, group = m.heads / kvh, bs = m.block_size;
-  const int64_t ctx = pos + 1;
-  float* k = q + group * d;
-  for (int64_t j = 0; j < group; ++j) {
-    const float* src = qkv + (g * group + j) * d;
-    if (L.q_norm) rms_norm(src, L.q_norm, m.eps, d, q + j * d);
-    else std::memcpy(q + j * d, src, d * sizeof(float));
-    rotate(q + j * d, cos, sin, d);
-  }
-  const float* ksrc = qkv + (m.heads + g) * d;
-  if (L.k_norm) rms_norm(ksrc, L.k_norm, m.eps, d, k);
-  else std::memcpy(k, ksrc, d * sizeof(float));
-  rotate(k, cos, sin, d);
-  const int64_t slot = table[pos / bs] * bs + pos % bs;
-  std::memcpy(L.k_pool + (slot * kvh + g) * d, k, d * sizeof(float));
-  std::memcpy(L.v_pool + (slot * kvh + g) * d, qkv + (m.heads + kvh + g) * d, d * sizeof(float));
+// d values of src into a K/V slot (rounded to bfloat16 for a bfloat16 cache).
+inline void store_kv(float* dst, const float* src, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
+inline void store_kv(bf16_t* dst, const float* src, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = to_bf16(src[i]);
+}
 
-  float* s = scores.data();  // [group, ctx]: sized for the longest context before the team started
-  const int64_t row = kvh * d;  // floats from one token's K (or V) of this head to the next token's
-  // Scores: K read block by block through the table (no division per token), each key once for the group.
+// One item and KV heads [g0, g1): normalise and rotate their query heads and keys, write keys and values into
+// the cache slot of position pos, and attend those query heads over positions 0..pos. out: [(g1 - g0) group, d]
+// (the item's attention output from head g0 * group on). K and V are read token by token, each token's
+// rows of all the heads in range at once: one sequential pass over the item's K/V blocks (an item's rows of
+// every head are adjacent in the pool), which the prefetchers follow (a pass per head read them strided: at
+// batch 32 attention took ~20% of the step). Every head's sums run in token order either way, so a result
+// does not depend on how many heads one call covers.
+template <typename KV>
+void attend_heads(const TdModel& m, const TdLayer& L, const float* qkv, const float* cos, const float* sin,
+                  const int64_t* table, int64_t pos, int64_t g0, int64_t g1, float* out, float* q,
+                  std::vector<float>& scores) {
+  // (No allocation in here: an exception must never leave the OpenMP team.)
+  // q: scratch [(g1 - g0) (group + 1), d] (the heads' queries, then the keys)
+  const int64_t d = m.head_dim, kvh = m.kv_heads, group = m.heads / kvh, bs = m.block_size;
+  const int64_t ctx = pos + 1, ng = g1 - g0, nh = ng * group;
+  float* k = q + nh * d;
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* src = qkv + (g0 * group + h) * d;
+    if (L.q_norm) rms_norm(src, L.q_norm, m.eps, d, q + h * d);
+    else std::memcpy(q + h * d, src, d * sizeof(float));
+    rotate(q + h * d, cos, sin, d);
+  }
+  const int64_t slot = table[pos / bs] * bs + pos % bs;
+  KV* const k_pool = static_cast<KV*>(L.k_pool);
+  KV* const v_pool = static_cast<KV*>(L.v_pool);
+  for (int64_t g = 0; g < ng; ++g) {
+    const float* ksrc = qkv + (m.heads + g0 + g) * d;
+    if (L.k_norm) rms_norm(ksrc, L.k_norm, m.eps, d, k + g * d);
+    else std::memcpy(k + g * d, ksrc, d * sizeof(float));
+    rotate(k + g * d, cos, sin, d);
+    store_kv(k_pool + (slot * kvh + g0 + g) * d, k + g * d, d);
+    store_kv(v_pool + (slot * kvh + g0 + g) * d, qkv + (m.heads + kvh + g0 + g) * d, d);
+  }
+
+  float* s = scores.data();  // [nh, ctx]: sized for every head and the longest context before the team started
+  const int64_t row = kvh * d;  // floats from one token's K (or V) rows to the next token's
+  // Scores: K read block by block through the table (no division per token), each key once for its group.
   for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const float* kb = L.k_pool + (table[t0 / bs] * bs * kvh + g) * d;
+    const KV* kb = k_pool + (table[t0 / bs] * bs * kvh + g0) * d;
     const int64_t n = std::min(bs, ctx - t0);
     for (int64_t o = 0; o < n; ++o)
-      for (int64_t j = 0; j < group; ++j) s[j * ctx + t0 + o] = dot(q + j * d, kb + o * row, d) * m.attn_scale;
+      for (int64_t h = 0; h < nh; ++h)
+        s[h * ctx + t0 + o] = dot(q + h * d, kb + o * row + (h / group) * d, d) * m.attn_scale;
   }
-  for (int64_t j = 0; j < group; ++j) softmax(s + j * ctx, ctx);
-  // Output: per query head, the weighted sum of V rows, 64 columns at a time in registers.
-  for (int64_t j = 0; j < group; ++j) {
-    const float* p = s + j * ctx;
-    for (int64_t c = 0; c < d; c += 64) {
-      const int64_t lanes = std::min<int64_t>(8, (d - c) / 8);  // d % 8 == 0
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-        const float* vb = L.v_pool + (table[t0 / bs] * bs * kvh + g) * d + c;
-        const int64_t n = std::min(bs, ctx - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          const __m256 pv = _mm256_set1_ps(p[t0 + o]);
-          const float* vr = vb + o * row;
-          if (lanes == 8) {
-            for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
-          } else {
-            for (int i = 0; i < lanes; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
-          }
-        }
+  for (int64_t h = 0; h < nh; ++h) softmax(s + h * ctx, ctx);
+  // Output: the weighted sum of V rows, accumulated in out (L1) token after token.
+  std::memset(out, 0, nh * d * sizeof(float));
+  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    const KV* vb = v_pool + (table[t0 / bs] * bs * kvh + g0) * d;
+    const int64_t n = std::min(bs, ctx - t0);
+    for (int64_t o = 0; o < n; ++o) {
+      const KV* vr = vb + o * row;
+      for (int64_t h = 0; h < nh; ++h) {
+        const __m256 pv = _mm256_set1_ps(s[h * ctx + t0 + o]);
+        const KV* v = vr + (h / group) * d;
+        float* acc = out + h * d;
+        for (int64_t c = 0; c < d; c += 8)
+          _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(pv, load8(v + c), _mm256_loadu_ps(acc + c)));
       }
-      for (int i = 0; i < lanes; ++i) _mm256_storeu_ps(out + j * d + c + 8 * i, acc[i]);
     }
   }
 }
@@ -211,7 +226,7 @@ void attend_group(const TdModel& m, const TdLayer& L, const float* qkv, const fl
 
 extern "C" {
 
-int tandem_abi_version() { return 1; }
+int tandem_abi_version() { return 2; }
 
 // ids, pos: [B]; tables: [B, width]; cos, sin: [B, head_dim]; logits: [B, vocab] (written).
 // Returns 0, or 1 when scratch memory could not be allocated (nothing but this call's K/V slots written).
@@ -236,7 +251,14 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
   } catch (const std::bad_alloc&) {
     return 1;
   }
-  for (int64_t b = 0; b < B; ++b) std::memcpy(x.data() + b * H, m.embed + ids[b] * H, H * sizeof(float));
+  for (int64_t b = 0; b < B; ++b) {
+    if (m.bf16) {
+      const bf16_t* row = static_cast<const bf16_t*>(m.embed) + ids[b] * H;
+      for (int64_t i = 0; i < H; ++i) x[b * H + i] = to_float(row[i]);
+    } else {
+      std::memcpy(x.data() + b * H, static_cast<const float*>(m.embed) + ids[b] * H, H * sizeof(float));
+    }
+  }
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
@@ -244,8 +266,8 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
     std::vector<float> wide, qhk, scores;
     try {
       wide.resize(4 * max_k);
-      qhk.resize((m.heads / m.kv_heads + 1) * d);
-      scores.resize((m.heads / m.kv_heads) * max_ctx);
+      qhk.resize((m.heads + m.kv_heads) * d);
+      scores.resize(m.heads * max_ctx);
     } catch (const std::bad_alloc&) {
 #pragma omp atomic write
       failed = 1;
@@ -258,17 +280,16 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
         rms_norm_rows(x.data(), L.in_norm, m.eps, B, H, xn.data(), tid, nt);
         const Input xin{xn.data(), qhi.data(), qlo.data(), qd.data()};
         gemm(L.qkv, xin, B, qkv.data(), QKV, false, wide.data(), tid, nt);
-        // Tasks: whole items when there are enough to share (an item's K/V rows of all heads are adjacent in
-        // the pool, so one thread reads each line once), else (item, KV head) pairs.
+        // Tasks: whole items (every KV head in one pass) when there are enough to share, else (item, KV head)
+        // pairs.
         const bool by_item = B >= 2 * nt;
         int64_t t0, t1;
         share(by_item ? B : B * kvh, 1, tid, nt, t0, t1);
         for (int64_t task = t0; task < t1; ++task) {
-          for (int64_t g = by_item ? 0 : task % kvh; g < (by_item ? kvh : task % kvh + 1); ++g) {
-            const int64_t b = by_item ? task : task / kvh;
-            attend_group(m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d, tables + b * width, pos[b], g,
-                         att.data() + b * Q + g * group * d, qhk.data(), scores);
-          }
+          const int64_t b = by_item ? task : task / kvh, g0 = by_item ? 0 : task % kvh, g1 = by_item ? kvh : g0 + 1;
+          (m.bf16 ? attend_heads<bf16_t> : attend_heads<float>)(
+              m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d, tables + b * width, pos[b], g0, g1,
+              att.data() + b * Q + g0 * group * d, qhk.data(), scores);
         }
 #pragma omp barrier
         gemm(L.o, Input{att.data(), qhi.data(), qlo.data(), qd.data()}, B, x.data(), H, true, wide.data(), tid, nt);  // x += o(att)

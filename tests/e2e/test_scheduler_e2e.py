@@ -15,7 +15,7 @@ from tandem.common.v1 import common_pb2 as cpb
 
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.grpc_harness import start_for, start_scheduler_for
-from tests.scheduler_client import collect, ids_request, rpc_error, wait_kv_free
+from tests.scheduler_client import cancel_stream, collect, ids_request, rpc_error, wait_kv_free
 
 MAX_NEW = 24
 SMALL_KV_BLOCKS = 12  # x 16 tokens: 192 tokens for everyone
@@ -131,18 +131,22 @@ def test_cancelled_stream_frees_its_kv(scheduler, executor):
     call = scheduler.stub.Generate(ids_request(prompts(1, seed=4)[0], 200, stopping=pb.StoppingCriteria(
         max_new_tokens=200, ignore_eos=True)))
     next(call), next(call)
-    call.cancel()
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in call:
-            pass
-    assert err.value.code() == grpc.StatusCode.CANCELLED
+    cancel_stream(call)
     wait_kv_free(executor.stub)
     assert collect(scheduler.stub, ids_request([1, 5, 6], 3)).usage.completion_tokens >= 1  # still serving
 
 
-def test_deadline_frees_its_kv(scheduler, executor):
+@pytest.fixture(scope="module")
+def one_step_scheduler(request, executor):
+    """One decode step per executor call: 200 tokens take 200 round trips (>= 2 ms each), so a 0.1 s deadline
+    always falls mid-generation. With multi-step bursts the tiny model can finish 200 tokens inside 0.1 s on a
+    fast machine (CI did), and the test would then check nothing."""
+    return start_scheduler_for(request, executor.address, "--decode-burst-ms", "0")
+
+
+def test_deadline_frees_its_kv(one_step_scheduler, executor):
     req = ids_request(prompts(1, seed=5)[0], 200, stopping=pb.StoppingCriteria(max_new_tokens=200, ignore_eos=True))
-    err = rpc_error(lambda: list(scheduler.stub.Generate(req, timeout=0.1)))
+    err = rpc_error(lambda: list(one_step_scheduler.stub.Generate(req, timeout=0.1)))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_kv_free(executor.stub)
 

@@ -1,6 +1,6 @@
-"""Recovery with real processes: the executor SIGKILLed mid-stream and restarted on the same address — the
-streams pause and finish with exactly the tokens of a clean run (greedy and seeded sampling), none repeated;
-no silent waits: a request whose KV is held by another client of the executor ends RESOURCE_EXHAUSTED
+"""Recovery with real processes: the executor SIGKILLed mid-stream (mid-burst: multi-step decode is on) and
+restarted on the same address — the streams pause and finish with exactly the tokens of a clean run (greedy
+and seeded sampling), none repeated; no silent waits: a request whose KV is held by another client of the executor ends RESOURCE_EXHAUSTED
 within --max-queue-time, saying why; and a scheduling loop that dies of a bug still shuts down in order."""
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def test_executor_sigkilled_mid_stream_and_restarted_streams_finish_with_the_sam
     try:
         with cf.ThreadPoolExecutor(3) as pool:  # the clean run (batched together too: the same tokens)
             clean = list(pool.map(lambda r: collect(scheduler.stub, r), _requests()))
+        # the streams decode in multi-step bursts (the default): the kill below lands inside one
+        assert any(len(m.token_ids) > 1 for c in clean for m in c.messages)
         calls = [scheduler.stub.Generate(r, timeout=120) for r in _requests()]
         firsts = [next(c) for c in calls]  # every stream is running
         executor.process.kill()  # SIGKILL: its caches are gone with it

@@ -78,6 +78,7 @@ def test_soak(model_dir, setup):
                                  sampling=cpb.SamplingParams(),
                                  stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, ignore_eos=True))
         stub = pb_grpc.GenerateServiceStub(channel_box["channel"])
+        sent_at = time.monotonic()
         call = stub.Generate(req, timeout=120, wait_for_ready=True)
         tokens: list[int] = []
         try:
@@ -94,7 +95,7 @@ def test_soak(model_dir, setup):
             if exc.code() == grpc.StatusCode.CANCELLED and cancel_after is not None:
                 outcomes.append(("cancelled", n))
             else:
-                outcomes.append(("status", (exc.code(), exc.details())))
+                outcomes.append(("status", (exc.code(), exc.details(), sent_at)))
 
     def chaos(progress: list[int]) -> None:
         """On this (the main) thread: servers must be launched from a thread that outlives them, since they
@@ -113,9 +114,11 @@ def test_soak(model_dir, setup):
                 time.sleep(0.3)
                 servers["executor"] = start_executor(model_dir, *ex_args)
             elif what == "kill-scheduler":
+                scheduler_killed.append(time.monotonic())
                 servers["scheduler"].process.kill()
                 # the same port: the clients' calls wait for it (wait_for_ready) rather than fail while it is away
                 servers["scheduler"] = start_scheduler(servers["executor"].address, *sch_args)
+                scheduler_back.append(time.monotonic())
             else:
                 deadline = time.monotonic() + 30
                 while True:
@@ -141,7 +144,7 @@ def test_soak(model_dir, setup):
         await asyncio.wait_for(asyncio.gather(*(guarded(n) for n in range(REQUESTS))), timeout=600)
         await channel_box["channel"].close()
 
-    progress, channel_box, ready, failure = [0], {}, queue.Queue(), []
+    progress, channel_box, ready, failure, scheduler_killed, scheduler_back = [0], {}, queue.Queue(), [], [], []
 
     def client_thread() -> None:
         try:
@@ -171,18 +174,24 @@ def test_soak(model_dir, setup):
 
     kinds = collections.Counter(kind for kind, _ in outcomes)
     identical = sum(1 for kind, same in outcomes if kind == "ok" and same)
-    statuses = collections.Counter(code.name for kind, (code, _) in
-                                   ((k, v) for k, v in outcomes if k == "status"))
+    ended = [v for k, v in outcomes if k == "status"]  # (code, details, sent_at)
+    statuses = collections.Counter(code.name for code, _, _ in ended)
     print(f"\nsoak: {REQUESTS} requests in {elapsed:.1f}s; completed {kinds['ok']} (identical to a clean run: "
           f"{identical}), cancelled {kinds['cancelled']}, ended with a status {kinds['status']} {dict(statuses)}; "
           f"chaos {dict(figures)}; KV after TTL: {kv.free_blocks}/{kv.total_blocks} free, "
           f"{kv.active_caches} caches")
     assert len(outcomes) == REQUESTS  # every request ended
     assert identical == kinds["ok"], "a completed request differs from the clean run"
-    bad = [(c, d) for k, (c, d) in ((k, v) for k, v in outcomes if k == "status") if c not in PRECISE]
+    bad = [(c, d) for c, d, _ in ended if c not in PRECISE]
     assert not bad, bad[:5]
     assert kinds["ok"] >= REQUESTS // 2
-    # Executor restarts cost no request (recomputed); only the streams in flight on the SIGKILLed scheduler
-    # end UNAVAILABLE.
-    assert statuses["UNAVAILABLE"] <= CONCURRENCY
+    # Executor restarts cost no request (recomputed); only calls sent to the SIGKILLed scheduler end
+    # UNAVAILABLE: the streams in flight on it when it died (at most CONCURRENCY), and calls a client started
+    # on its connection after it died but before the channel saw the connection gone (wait_for_ready covers
+    # only a channel known not to be ready). None sent once the restarted scheduler served.
+    assert figures["kill-scheduler"] == len(scheduler_killed) == len(scheduler_back) == 1
+    unavailable = [(sent, d) for c, d, sent in ended if c == grpc.StatusCode.UNAVAILABLE]
+    assert sum(sent < scheduler_killed[0] for sent, _ in unavailable) <= CONCURRENCY
+    late = [(round(sent - scheduler_back[0], 3), d) for sent, d in unavailable if sent >= scheduler_back[0]]
+    assert not late, f"UNAVAILABLE for calls sent after the scheduler was back (s after, details): {late[:5]}"
 

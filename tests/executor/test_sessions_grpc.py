@@ -20,7 +20,7 @@ from tandem.server_process import ROOT
 from tests.grpc_harness import start_for
 
 KV_BLOCKS = 64
-ITEMS = 8  # caches of the long Decode (150 steps each: seconds of model work on the tiny model)
+ITEMS = 24  # caches of the long Decode (150 steps each: seconds of model work on the tiny model, native step too)
 PROMPT = [5, 6, 7, 8, 9]
 Code = grpc.StatusCode
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from executor_service.__main__ import parse_args
+from executor_service.codec import info_to_pb
 from models.quantization import Fp16Weight, Int8Weight, fbgemm_usable, quantize_per_channel
 from models.moe import SparseMoeBlock
 from models.transformer import Linear
-from executor_service.types import CacheRef, DecodeItem
-from tests.executor_driver import LOGITS, greedy_run, make_executor, mixed_batch_run
+from tests.executor_driver import greedy_run, make_executor, mixed_batch_run, teacher_forced_logits
 from tests.hf_reference import rel_err
 
 PROMPT = [1] + list(range(5, 45))
@@ -84,17 +84,6 @@ def test_quantized_executor_stays_close_to_float32(tiny_checkpoint, mode, force_
         assert greedy_run(ex, PROMPT, 8)[1] == tokens_ref
 
 
-def teacher_forced_logits(ex, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
-    """Logits before each of `tokens` when exactly these tokens follow `prompt` (cache released after)."""
-    first = ex.prefill(prompt, output=LOGITS)
-    out, cache_id = [first.output.logits[0]], first.cache.cache_id
-    for i, token in enumerate(tokens[:-1]):
-        (d,) = ex.decode([DecodeItem(CacheRef(cache_id, len(prompt) + i), token, output=LOGITS)])
-        out.append(d.output.logits[0])
-    ex.release_cache([cache_id])
-    return out
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("mode", ["int8", "fp16"])
 def test_other_architectures_quantize(tiny_checkpoint, arch, mode):
@@ -112,6 +101,7 @@ def test_other_architectures_quantize(tiny_checkpoint, arch, mode):
         ref = make_executor(model, cpu_packed_weights=False)
         ref.model.quantize("int8", force_dequant=True)
     assert isinstance(ex.model.model.layers[0].mlp, SparseMoeBlock) == (arch == "qwen3_moe")
+    assert info_to_pb(ex.info()).quantization == mode and info_to_pb(ref.info()).quantization == "none"  # GetInfo
     _, tokens_ref, logits_ref = greedy_run(ref, PROMPT, 6)
     errors = [rel_err(a, b) for a, b in zip(teacher_forced_logits(ex, PROMPT, tokens_ref), logits_ref)]
     assert max(errors) < 2e-3, errors
