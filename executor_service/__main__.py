@@ -103,7 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="where the native decode kernel's compiled library is kept (default ~/.cache/tandem/native)")
     ap.add_argument("--metrics-port", type=int,
                     help="serve Prometheus metrics (GET /metrics) on --host at this port (0 = any free port, logged "
-                         "as 'metrics on http://...'); default: none")
+                         "as 'metrics on http(s)://...'), under this server's security: https with --tls-cert (a "
+                         "client certificate with --tls-client-ca), an admin token with --auth-token-file; "
+                         "default: none")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     add_server_flags(ap)

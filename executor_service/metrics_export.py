@@ -30,6 +30,8 @@ from tandem.metrics_http import serve_metrics
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from tandem.security.guard import ServerGuard
+
     from executor_service.executor import Executor
 
 STEP_KINDS = ("prefill", "decode", "mixed", "verify")
@@ -58,9 +60,10 @@ class ExecutorExporter:
         seconds_hist.observe(seconds)
         tokens_hist.observe(tokens)
 
-    def serve(self, host: str, port: int) -> "WSGIServer":
-        """GET /metrics on host:port (0: any free port, logged) from a daemon thread; shutdown() to stop."""
-        return serve_metrics(self.registry, host, port, logging.getLogger("tandem.executor"))
+    def serve(self, host: str, port: int, guard: "ServerGuard") -> "WSGIServer":
+        """GET /metrics on host:port (0: any free port, logged) from a daemon thread, under the server's TLS and
+        tokens (tandem/metrics_http.py); shutdown() the returned server to stop it."""
+        return serve_metrics(self.registry, host, port, logging.getLogger("tandem.executor"), guard.tls, guard.authenticator)
 
 
 def _summary(name: str, doc: str, label: str, stats: dict[str, LatencySummary]) -> SummaryMetricFamily:

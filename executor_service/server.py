@@ -99,7 +99,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     signal.signal(signal.SIGHUP, lambda *_: guard.reload_now())  # certificates and tokens: re-read now
     # The metrics server first: a port in use stops us before we listen.
     exporter = ExecutorExporter(metrics, thread) if cfg.metrics_port is not None else None
-    metrics_server = exporter.serve(cfg.host, cfg.metrics_port) if exporter is not None else None
+    metrics_server = exporter.serve(cfg.host, cfg.metrics_port, guard) if exporter is not None else None
     server.start()
     log.info("%s", guard.posture(["unix socket plaintext"] if cfg.uds else None))
     log.info("listening on %s; loading %s", ", ".join(addresses), executor_cfg.model_dir)

@@ -29,6 +29,8 @@ from tandem.metrics_http import serve_metrics
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from tandem.security.guard import ServerGuard
+
     from scheduler.fleet import Fleet
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so that quantiles compare with vLLM's; inter-token latency also
@@ -106,10 +108,10 @@ class SchedulerMetrics:
         """The Prometheus text exposition of every metric, and its content type (for GET /metrics)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def serve(self, host: str, port: int) -> "WSGIServer":
-        """Serves GET /metrics on host:port (0: any free port, logged) from a daemon thread; shutdown() the
-        returned server to stop it."""
-        return serve_metrics(self.registry, host, port, logging.getLogger("tandem.scheduler"))
+    def serve(self, host: str, port: int, guard: "ServerGuard") -> "WSGIServer":
+        """GET /metrics on host:port (0: any free port, logged) from a daemon thread, under the server's TLS and
+        tokens (tandem/metrics_http.py); shutdown() the returned server to stop it."""
+        return serve_metrics(self.registry, host, port, logging.getLogger("tandem.scheduler"), guard.tls, guard.authenticator)
 
 
 def _histogram(name: str, doc: str, hist: SingleWriterHistogram) -> HistogramMetricFamily:

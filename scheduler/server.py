@@ -158,7 +158,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
                 source.reload_now()
 
     loop.add_signal_handler(signal.SIGHUP, reload_now)
-    metrics_server = metrics.serve(cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
+    metrics_server = metrics.serve(cfg.host, cfg.metrics_port, guard) if cfg.metrics_port is not None else None
     http = None
     if cfg.http_port is not None:  # the OpenAI-compatible front, on this loop (binds now: a busy port fails here)
         app = build_app(engine, workers, healthy=lambda: engine.up and not stop.is_set(), max_body_bytes=limit,

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KV_BLOCKS = 256
 # (prompt length, max_new_tokens): distinct token ids per request, so no prompt shares a cached prefix
 WORKLOAD = [(5, 3), (17, 6), (33, 2), (40, 9), (64, 4)]
-_URL = re.compile(r"metrics on (http://\S+/metrics)")
+_URL = re.compile(r"metrics on (https?://\S+/metrics)")
 _SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created", "_info")
 
 

@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 
 def _requests() -> list[pb.GenerateRequest]:
-    long = 120  # several hundred milliseconds of steps after the first token: the kill lands mid-stream
+    long = 200  # many bursts after the first token (>= 13 calls of <= 16 steps): the kill lands mid-stream
     return [ids_request([1, 7, 8, 9], long, stopping=pb.StoppingCriteria(max_new_tokens=long, ignore_eos=True)),
             ids_request([1, 300, 22, 9, 41], long, stopping=pb.StoppingCriteria(max_new_tokens=long, ignore_eos=True),
                         sampling=cpb.SamplingParams(temperature=0.9, top_k=40, seed=11)),

@@ -3,19 +3,24 @@ server and a client certificate, and a second CA whose certificates it must refu
 TLS needs the right CA; mTLS refuses a missing or wrongly signed client certificate; a missing or unknown
 token is UNAUTHENTICATED and a user token on an admin RPC PERMISSION_DENIED; health stays open; reflection
 needs a token (grpcurl -H); a rewritten token file takes effect without a restart; and a rotated certificate
-is served to new connections while a stream opened before it goes on. Nothing logs a token."""
+is served to new connections while a stream opened before it goes on. The --metrics-port follows the same
+TLS files, client CA and tokens (an admin token, as the scheduler's /metrics). Nothing logs a token."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -50,7 +55,7 @@ def executor(request, model_dir, pki, files, tmp_path_factory):
     return start_for(request, model_dir, "--kv-blocks", "64", "--adapter-root", str(root),
                      "--tls-cert", str(files / "server.pem"), "--tls-key", str(files / "server.key"),
                      "--tls-client-ca", str(pki.ca), "--auth-token-file", str(files / "tokens"),
-                     credentials=pki.credentials(client=pki))
+                     "--metrics-port", "0", credentials=pki.credentials(client=pki))
 
 
 def fresh_stub(executor, credentials: grpc.ChannelCredentials | None) -> tuple[grpc.Channel, pb_grpc.ExecutorServiceStub]:
@@ -190,6 +195,41 @@ def test_token_file_is_reread_when_it_changes(executor, files):
                == grpc.StatusCode.OK, what="the restored file")
 
 
+def metrics_url(server) -> str:
+    found = re.search(r"metrics on (https://\S+/metrics) \(needs a client certificate and an admin token\)",
+                      server.stderr())
+    assert found, "no metrics line in the log"
+    return found.group(1)
+
+
+def https_client(trust: Pki, client: Pki | None) -> httpx.Client:
+    context = ssl.create_default_context(cafile=str(trust.ca))
+    if client is not None:
+        context.load_cert_chain(*(str(p) for p in client.client()))
+    return httpx.Client(verify=context, timeout=10)
+
+
+def test_metrics_port_needs_tls_a_client_certificate_and_an_admin_token(executor, pki):
+    url = metrics_url(executor)
+    with pytest.raises(httpx.HTTPError):  # plaintext: the server expects a TLS handshake and closes
+        httpx.get(url.replace("https://", "http://"), timeout=10)
+    with https_client(pki, None) as no_cert, pytest.raises(httpx.HTTPError):  # mTLS: refused in the handshake
+        no_cert.get(url, headers={"authorization": f"Bearer {ADMIN}"})
+    with https_client(pki, pki) as http:
+        missing = http.get(url)
+        assert missing.status_code == 401 and missing.headers["www-authenticate"].startswith("Bearer")
+        assert "needs a token" in missing.text and ADMIN not in missing.text
+        assert http.get(url, headers={"authorization": f"Bearer {LATER}"}).status_code == 401  # unknown token
+        user = http.get(url, headers={"authorization": f"Bearer {USER}"})
+        assert user.status_code == 403 and "scope admin" in user.text
+        admin = http.get(url, headers={"authorization": f"Bearer {ADMIN}"})
+        assert admin.status_code == 200
+        families = {f.name: f for f in text_string_to_metric_families(admin.text)}
+        assert families["tandem:executor_kv_total_blocks"].samples[0].value == 64
+    # The server still answers model calls after the refused connections (none held a thread for long).
+    assert executor.stub.GetInfo(pb.GetInfoRequest(), metadata=bearer(USER), timeout=10).model_id
+
+
 def test_rotated_certificate_reaches_new_connections_while_a_stream_goes_on(executor, pki, files):
     """Last in the module: the executor serves the other CA's certificate afterwards."""
     events = KvEventReader(executor.stub, summary_interval_ms=60_000, metadata=bearer(ADMIN))
@@ -219,6 +259,15 @@ def test_rotated_certificate_reaches_new_connections_while_a_stream_goes_on(exec
         executor.stub.ReleaseCache(pb.ReleaseCacheRequest(cache_ids=[res.cache.cache_id]), metadata=bearer(USER),
                                    timeout=10)
         assert "certificates re-read (--tls-cert)" in executor.stderr()
+
+        def metrics_on_new_certificate():  # the metrics port follows the same files
+            with https_client(pki.other, pki) as http:
+                try:
+                    return http.get(metrics_url(executor), headers={"authorization": f"Bearer {ADMIN}"}).status_code \
+                        == 200
+                except httpx.HTTPError:
+                    return False
+        _until(metrics_on_new_certificate, what="the rotated certificate on the metrics port")
     finally:
         events.close()
 

@@ -2,13 +2,15 @@
 it over mTLS with its own token while serving TLS with tokens on gRPC and on its OpenAI-compatible HTTP front
 (with per-token limits). Greedy output equals the plaintext run's (a scheduler bound to 0.0.0.0 with
 --insecure, on the executor's plaintext Unix socket); missing and wrong tokens are UNAUTHENTICATED / 401 and a user token on
-/metrics 403, with OpenAI's error body through the official client; the per-token limit refuses only the
+/metrics 403, with OpenAI's error body through the official client (the --metrics-port too: https, admin
+token); the per-token limit refuses only the
 client over it; a server bound to 0.0.0.0 without TLS or tokens refuses to start; the README's grpcurl
 commands run as written; no token or prompt reaches a log."""
 from __future__ import annotations
 
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.conftest import ROOT
@@ -68,7 +71,7 @@ def secure(request, pki, secure_executor):
         "--auth-token-file", str(tokens), "--executor-tls-ca", str(pki.ca), "--executor-tls-cert", str(cert),
         "--executor-tls-key", str(key), "--executor-token-file", str(work / "scheduler-at-executor.token"),
         "--max-concurrent-per-token", str(MAX_CONCURRENT), "--max-queued-tokens-per-token", str(MAX_TOKENS),
-        credentials=pki.credentials())
+        "--metrics-port", "0", credentials=pki.credentials())
 
 
 def greedy(max_new: int = 24) -> pb.GenerateRequest:
@@ -136,6 +139,23 @@ def test_http_front_tls_and_tokens_with_the_openai_client(secure, pki):
         assert metrics.status_code == 200 and "tandem:scheduler_executor_losses_total" in metrics.text
     with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
         httpx.get(url.replace("https://", "http://") + "/health", timeout=10)
+
+
+def test_metrics_port_serves_https_to_an_admin_token_only(secure, pki):
+    found = re.search(r"metrics on (https://\S+/metrics) \(needs an admin token\)", secure.stderr())
+    assert found, "no metrics line in the log"
+    url = found.group(1)
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca)), timeout=10) as http:
+        missing = http.get(url)
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+        denied = http.get(url, headers={"authorization": f"Bearer {ALICE}"})
+        assert denied.status_code == 403 and "/metrics needs a token with scope admin" in denied.text
+        scraped = http.get(url, headers={"authorization": f"Bearer {ADMIN}"})
+        assert scraped.status_code == 200
+        names = {f.name for f in text_string_to_metric_families(scraped.text)}
+        assert "tandem:scheduler_executor_losses" in names  # a counter family: its name without _total
+    with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
+        httpx.get(url.replace("https://", "http://"), timeout=10)
 
 
 def test_per_token_limit_refuses_only_the_client_over_it(secure, secure_executor, pki):
