@@ -5,9 +5,10 @@ with --auth-token-file a scrape needs an admin token (`Authorization: Bearer`, P
 setting) — the same rule as the scheduler's HTTP front: the metrics are the operator's view of every client's
 traffic. Without those it is plain HTTP, open, on the server's --host (127.0.0.1 by default).
 
-The exposition is prometheus_client's WSGI app; the server is wsgiref's, one thread per connection. The TLS
-handshake runs in that connection's thread, under a timeout, so a client that connects and sends nothing
-holds neither the accept loop nor a thread for long.
+The exposition is prometheus_client's WSGI app; the server is wsgiref's, one thread per connection, at most
+MAX_CONNECTIONS at once (more are closed unanswered). The TLS handshake runs in that connection's thread,
+under a timeout, so a client that connects and sends nothing holds neither the accept loop nor a thread for
+long.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tandem.security.tokens import Scope
 from tandem.status_map import status_for
 
 CONNECTION_TIMEOUT_S = 10.0  # a connection's handshake and request must arrive within this
+MAX_CONNECTIONS = 16  # served at once (a thread each); more are closed at once: a flood costs no threads
 _HTTP_OF = {grpc.StatusCode.UNAUTHENTICATED: "401 Unauthorized", grpc.StatusCode.PERMISSION_DENIED: "403 Forbidden"}
 
 
@@ -73,6 +75,23 @@ class _Handler(WSGIRequestHandler):
 class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
     context: ssl.SSLContext | None = None  # TLS when set
+    slots: threading.BoundedSemaphore  # MAX_CONNECTIONS
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # at the cap: closed unanswered (Prometheus retries next interval)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def get_request(self) -> tuple[socket.socket, object]:
         sock, address = self.socket.accept()
@@ -102,6 +121,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, log: loggin
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family})
     server = make_server(host, port, guarded_app(make_wsgi_app(registry), authenticator), server_class, _Handler)
+    server.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
     if tls is not None:
         server.context = tls_context(tls)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from tandem import metrics_http
 from tandem.metrics_http import serve_metrics
 from tandem.security.auth import Authenticator
 from tandem.security.tls import ReloadingTls, server_paths
@@ -68,4 +69,30 @@ def test_a_silent_connection_holds_no_other_scrape(registry, pki, tmp_path, capl
     finally:
         for s in silent:
             s.close()
+        server.shutdown()
+
+
+def test_connections_past_the_cap_are_closed_and_the_slots_come_back(registry, monkeypatch):
+    monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 2)
+    server = serve_metrics(registry, "127.0.0.1", 0, logging.getLogger("t"))
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    holders = [socket.create_connection(("127.0.0.1", server.server_port)) for _ in range(2)]  # send nothing
+    try:
+        end = time.monotonic() + 10
+        while server.slots._value:  # (CPython's count) until both are accepted and hold their slots
+            assert time.monotonic() < end, "the holders were not accepted"
+            time.sleep(0.01)
+        with pytest.raises(httpx.HTTPError):  # a third connection: closed unanswered
+            httpx.get(url, timeout=10)
+        for s in holders:
+            s.close()
+        end = time.monotonic() + 10
+        while True:  # the holders' threads see EOF and free their slots
+            try:
+                assert httpx.get(url, timeout=10).status_code == 200
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < end, "the slots did not come back"
+                time.sleep(0.05)
+    finally:
         server.shutdown()
