@@ -25,6 +25,12 @@ MAX_CHAT_MESSAGES = 4096
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # ItemStatus.code -> "NOT_FOUND"
 TOKEN_MASKS = "token_masks"  # GetInfo capability: UnifiedItem.allowed_tokens is applied
 
+
+def capabilities_needed(request: GenerateRequest) -> frozenset[str]:
+    """The GetInfo capabilities an executor must list to run this request right (an executor without
+    token_masks would drop allowed_tokens as an unknown field and sample unconstrained)."""
+    return frozenset({TOKEN_MASKS}) if request.constraint is not None else frozenset()
+
 _FINISH = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORTED: pb.FINISH_REASON_ABORTED}
 

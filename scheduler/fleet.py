@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from scheduler.codec import capabilities_needed
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.executor_client import ExecutorClient
@@ -31,7 +32,7 @@ from scheduler.request_output import RequestOutput
 from scheduler.router import Candidate, PrefixIndex, choose, prompt_hashes
 from scheduler.sequence import Sequence
 from scheduler.token_masks import MaskWorker
-from tandem.errors import AdapterNotFound
+from tandem.errors import AdapterNotFound, Unsupported
 from tandem.executor.v1 import executor_pb2 as epb
 
 if TYPE_CHECKING:
@@ -99,16 +100,21 @@ class Fleet:
 
     @property
     def info(self) -> epb.GetInfoResponse:
-        """The reference model's info, with the adapters of every serving executor."""
+        """The reference model's info, with the adapters and capabilities of every serving executor (what a
+        request may ask for: _route sends it to an executor that has what it needs)."""
         serving = [e for e in self.engines if e.up]
         if len(serving) == 1:  # (the usual single executor: its own info, read on every request, not a copy)
             return serving[0].info
         first = serving[0] if serving else None
         info = epb.GetInfoResponse()
         info.CopyFrom(first.info if first is not None else self.reference)
-        names = sorted({a for e in self.engines if e.up for a in e.info.adapters})
+        names = sorted({a for e in serving for a in e.info.adapters})
         del info.adapters[:]
         info.adapters.extend(names)
+        capabilities = sorted({c for e in serving for c in e.info.capabilities})
+        if serving:
+            del info.capabilities[:]
+            info.capabilities.extend(capabilities)
         return info
 
     @property
@@ -156,6 +162,11 @@ class Fleet:
         if not fit:
             raise AdapterNotFound(f"unknown adapter {request.adapter!r}: no serving executor holds it; "
                                   f"loaded: {sorted(self.info.adapters) or 'none'}")
+        needed = capabilities_needed(request)  # (a fleet mid-upgrade may mix executor versions)
+        fit = [e for e in fit if needed <= set(e.info.capabilities)]
+        if not fit:
+            raise Unsupported(f"this request needs an executor with the capabilities {sorted(needed)}; no serving "
+                              "executor that could take it has them (upgrade the executors)")
         if len(self.engines) == 1:  # nothing to choose between: no prompt hashing on the request path
             return fit[0], []
         hashes: dict[int, list[bytes]] = {}  # by block size (executors may differ)
@@ -195,7 +206,7 @@ class Fleet:
         for seq, output in moved:
             try:
                 dst, hashes = self._route(seq.request)
-            except AdapterNotFound as exc:
+            except (AdapterNotFound, Unsupported) as exc:
                 output.fail(exc)
                 continue
             dst.adopt(seq, output)

@@ -55,6 +55,7 @@ class FaultyExecutorClient:
     max_adapters_on_device: int = 0
     max_batch_tokens: int = 0  # 0 = the inner executor's
     hidden_adapters: set[str] = field(default_factory=set)  # GetInfo leaves these out (as if not loaded)
+    hidden_capabilities: set[str] = field(default_factory=set)  # GetInfo leaves these out (an older executor)
     instance_id: str = ""
     sent: list[Sent] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)  # every method called, in order
@@ -112,7 +113,8 @@ class FaultyExecutorClient:
         # The capabilities of the contract this fake plays are its own, whatever the inner executor has.
         caps = [c for c in out.capabilities
                 if c not in ("registered_sampling", "sessions", "prefix_caching", "create_cache", "kv_events",
-                             "multi_step_decode")]  # (every step is a UnifiedDecode here: the faults are on it)
+                             "multi_step_decode")  # (every step is a UnifiedDecode here: the faults are on it)
+                and c not in self.hidden_capabilities]
         del out.capabilities[:]
         out.capabilities.extend(caps + (["registered_sampling"] if self.registered_sampling else []))
         return out
