@@ -52,6 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                          "/v1/models, /health, /tokenize, /detokenize) on --host at this port (0 = any free port; "
                          "its URL is the last word of the READY line). Default: off")
+    ap.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                    help="the names the base model answers to on the HTTP front (the request's `model`; GET "
+                         "/v1/models lists them), e.g. --served-model-name smollm2 gpt-4o-mini; responses carry the "
+                         "first. Default: the model's directory name. Adapters keep their own names")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template); "
                                         "default: the model directory the executor reports")
     for name, what in _LIMITS:  # integer limits: --max-batch-tokens N sets SchedulerConfig.max_batch_tokens
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
                           grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
+                          served_model_names=tuple(args.served_model_name),
                           speculative=speculation.from_args(args), bursts=decode_bursts.from_args(args),
                           security=server_security(args), executor_tls_ca=args.executor_tls_ca,
                           executor_tls_cert=args.executor_tls_cert, executor_tls_key=args.executor_tls_key,

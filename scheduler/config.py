@@ -39,6 +39,9 @@ class SchedulerConfig:
     metrics_port: int | None = None  # Prometheus GET /metrics on host:this (0 = any free port); None = none
     # OpenAI-compatible HTTP front (scheduler/http/) on --host: None = off, 0 = any free port (printed when ready).
     http_port: int | None = None
+    # The names the base model answers to on the HTTP front (`model`; the first is the one responses carry);
+    # empty: the model's directory name (GetInfo.model_id).
+    served_model_names: tuple[str, ...] = ()
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
     # Multi-step decode (scheduler/decode_bursts.py): --decode-burst-ms, --max-decode-steps
     bursts: BurstConfig = field(default_factory=BurstConfig)
@@ -80,6 +83,12 @@ class SchedulerConfig:
             raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in 0..65535 (0 = any free port), got {self.http_port}")
+        for name in self.served_model_names:
+            if not name.strip() or len(name) > 256 or not name.isprintable():
+                raise ValueError(f"--served-model-name: {name[:40]!r} is not a model name (1..256 printable "
+                                 "characters, not only spaces)")
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError("--served-model-name: a name is given twice")
         self.speculative.validate()
         self.bursts.validate()
         self.security.validate()

@@ -56,18 +56,27 @@ class _Front:
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
 
+    def names(self) -> tuple[str, ...]:
+        """The base model's names (--served-model-name; else its directory name): the first is the one
+        responses carry."""
+        return self.fleet.cfg.served_model_names or (self.fleet.info.model_id,)
+
+    def model_of(self, adapter: str) -> str:
+        """The `model` a response carries: the adapter's name, or the base model's first name."""
+        return adapter or self.names()[0]
+
     async def adapter_for(self, model: str | None) -> str:
-        """`model` -> the adapter to run ("" = the base model): the base model's id or "" (or unset) is the
-        base model, an adapter's name that adapter; anything else is 404 model_not_found."""
-        base = self.fleet.info.model_id
-        if not model or model == base:
+        """`model` -> the adapter to run ("" = the base model): one of the base model's names or "" (or unset)
+        is the base model, an adapter's name that adapter; anything else is 404 model_not_found."""
+        names = self.names()
+        if not model or model in names:
             return ""
         if model not in self.fleet.info.adapters:
             await self.fleet.refresh_info()  # adapters can be loaded at run time: look again before 404
         adapters = list(self.fleet.info.adapters)
         if model in adapters:
             return model
-        served = ", ".join(repr(m) for m in [base, *adapters])
+        served = ", ".join(repr(m) for m in [*names, *adapters])
         raise AdapterNotFound(f"the model {model[:_MAX_MODEL_CHARS]!r} does not exist; this server serves {served} "
                               "(GET /v1/models)")
 
@@ -154,7 +163,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
             return await front.requests([convert.chat_request(body, adapter)], n)
 
         def renderer(requests: list[GenerateRequest]) -> ChatRenderer:
-            return ChatRenderer(body.model or fleet.info.model_id, len(requests), n, front.texts,
+            return ChatRenderer(front.model_of(requests[0].adapter if requests else ""), len(requests), n, front.texts,
                                 bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                 logprobs=bool(body.logprobs))
 
@@ -170,17 +179,18 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
             return await front.requests(convert.completion_requests(body, adapter), n)
 
         def renderer(requests: list[GenerateRequest]) -> CompletionRenderer:
-            return CompletionRenderer(body.model or fleet.info.model_id, len(requests), n, front.texts,
+            return CompletionRenderer(front.model_of(requests[0].adapter if requests else ""), len(requests), n, front.texts,
                                       bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                       logprobs=body.logprobs)
 
         return await front.generate(requests, renderer, request, bool(body.stream))
 
     def cards() -> list[s.ModelCard]:
-        info = fleet.info
-        base = s.ModelCard(id=info.model_id, created=front.created, root=info.model_id, max_model_len=info.max_seq_len)
-        return [base] + [s.ModelCard(id=a, created=front.created, root=info.model_id, parent=info.model_id,
-                                     max_model_len=info.max_seq_len) for a in info.adapters]
+        info, names = fleet.info, front.names()
+        base = [s.ModelCard(id=name, created=front.created, root=info.model_id, max_model_len=info.max_seq_len)
+                for name in names]
+        return base + [s.ModelCard(id=a, created=front.created, root=info.model_id, parent=names[0],
+                                   max_model_len=info.max_seq_len) for a in info.adapters if a not in names]
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -190,7 +200,10 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str) -> Response:
         await front.adapter_for(model)  # 404 unless served
-        return _json(next(c for c in cards() if c.id == model))
+        card = next((c for c in cards() if c.id == model), None)
+        if card is None:  # "" (the base model's alias in requests) names no card
+            raise AdapterNotFound("GET /v1/models/{id} needs a model id (GET /v1/models lists them)")
+        return _json(card)
 
     @app.get("/health")
     async def health() -> Response:

@@ -29,19 +29,21 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 MAX = 12
 LONG = 200  # tokens of a request still running when the test acts on it (prompt + LONG < the model's 256)
 README_MARKER = "<!-- openai-http-curl-examples"
+SERVED_NAMES = ("smol-chat", "gpt-4o-mini")  # the small scheduler's --served-model-name
 
 
 @pytest.fixture(scope="module")
 def stack(request, model_dir, tmp_path_factory):
     """(executor, scheduler, small scheduler): the small one has room for 1 running + 1 waiting request and a
-    1 MiB body limit (429 and 413)."""
+    1 MiB body limit (429 and 413), and serves the base model under two names of its own."""
     root = tmp_path_factory.mktemp("adapters")
     make_peft_adapter(model_dir, root / "alpha", r=4, alpha=8, seed=1)
     executor = start_for(request, model_dir, "--kv-blocks", "256", "--adapter-root", str(root),
                          "--adapter", f"alpha={root / 'alpha'}")
     scheduler = start_scheduler_for(request, executor.address, "--http-port", "0")
     small = start_scheduler_for(request, executor.address, "--http-port", "0", "--max-running", "1",
-                                "--max-waiting", "1", "--max-message-mb", "1")
+                                "--max-waiting", "1", "--max-message-mb", "1",
+                                "--served-model-name", *SERVED_NAMES)
     return executor, scheduler, small
 
 
@@ -77,6 +79,23 @@ def test_models_list_the_base_model_and_adapters(client, grpc):
     models = client.models.list().data
     assert [m.id for m in models] == [base, "alpha"]
     assert client.models.retrieve("alpha").id == "alpha"
+
+
+def test_served_model_names_replace_the_directory_name(stack, client, grpc):
+    small = openai.OpenAI(base_url=f"{stack[2].process.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    cards = small.models.list().data
+    assert [m.id for m in cards] == [*SERVED_NAMES, "alpha"]
+    directory = grpc.GetModelInfo(pb.GetModelInfoRequest()).model_id
+    assert cards[0].root == directory and cards[2].parent == SERVED_NAMES[0]
+    assert small.models.retrieve(SERVED_NAMES[1]).id == SERVED_NAMES[1]
+    want = client.chat.completions.create(model="", messages=CHAT, max_tokens=MAX, temperature=0)
+    for name in SERVED_NAMES:  # either name runs the base model; the response names the first
+        got = small.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX, temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content and got.model == SERVED_NAMES[0]
+    assert small.completions.create(model="alpha", prompt="hi", max_tokens=2).model == "alpha"
+    with pytest.raises(openai.NotFoundError) as err:  # the directory name is no longer one of its names
+        small.chat.completions.create(model=directory, messages=CHAT, max_tokens=2)
+    assert "'smol-chat', 'gpt-4o-mini', 'alpha'" in err.value.body["message"]
 
 
 def test_chat_greedy_equals_grpc_whole_and_streamed(client, grpc):

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
+from scheduler.config import SchedulerConfig
 from scheduler.http import convert, errors, render
 from scheduler.http.errors import BadParameter
 from scheduler.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -133,3 +134,11 @@ def test_usage_counts_each_prompt_once_and_every_choice():
     u = render.usage([Usage(5, 3, 4), Usage(5, 2, 5), Usage(7, 1, 0), Usage(7, 4, 7)], n=2)
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (12, 10, 22)
     assert u.prompt_tokens_details.cached_tokens == 4
+
+
+@pytest.mark.parametrize("names, says", [(("a", "a"), "given twice"), (("  ",), "not a model name"),
+                                         (("x" * 257,), "not a model name"), (("a\nb",), "not a model name")])
+def test_served_model_names_are_checked(names, says):
+    SchedulerConfig("x:1", served_model_names=("ok", "fine-2")).validate()
+    with pytest.raises(ValueError, match=says):
+        SchedulerConfig("x:1", served_model_names=names).validate()
