@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the names the base model answers to on the HTTP front (the request's `model`; GET "
                          "/v1/models lists them), e.g. --served-model-name smollm2 gpt-4o-mini; responses carry the "
                          "first. Default: the model's directory name. Adapters keep their own names")
+    ap.add_argument("--chat-template", type=Path, metavar="FILE",
+                    help="a Jinja chat template (as in tokenizer_config.json's chat_template) used for chat "
+                         "requests instead of the model's own, e.g. for a model that has none. Default: the model's")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template); "
                                         "default: the model directory the executor reports")
     for name, what in _LIMITS:  # integer limits: --max-batch-tokens N sets SchedulerConfig.max_batch_tokens
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = SchedulerConfig(executor=args.executor[0], executors=tuple(args.executor),
                           resolve_interval_s=args.resolve_interval, host=args.host, port=args.port, uds=args.uds,
-                          tokenizer=args.tokenizer, max_batch_tokens=args.max_batch_tokens,
+                          tokenizer=args.tokenizer, chat_template=args.chat_template, max_batch_tokens=args.max_batch_tokens,
                           max_running=args.max_running, prefill_chunk=args.prefill_chunk,
                           default_max_new_tokens=args.default_max_new_tokens, max_waiting=args.max_waiting,
                           max_message_mb=args.max_message_mb, max_prompt_chars=args.max_prompt_chars,

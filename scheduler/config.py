@@ -18,6 +18,7 @@ class SchedulerConfig:
     port: int = 50052  # 0 = any free port (printed when ready)
     uds: str | None = None  # also listen on this Unix socket
     tokenizer: str | None = None  # dir with tokenizer.json; None = the model dir the executor reports
+    chat_template: Path | None = None  # a Jinja chat template file used instead of the model's own
     max_batch_tokens: int = 2048  # tokens per step (decodes + prefill chunks), capped by the executor's limit
     max_running: int = 64  # sequences decoding or prefilling at once
     prefill_chunk: int = 512  # most prompt tokens of one sequence per step

@@ -26,7 +26,7 @@ from scheduler.interceptor import ErrorMappingInterceptor
 from scheduler.metrics import SchedulerMetrics
 from scheduler.servicer import GenerateServicer
 from scheduler.token_limits import TokenLimits
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.tokenizer import ModelTokenizer, read_chat_template
 from tandem.security.grpc_auth import AioAuthInterceptor, everyone_user
 from tandem.security.guard import ServerGuard
 from tandem.security.tls import ClientTls, client_paths
@@ -96,6 +96,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     # Certificates and token files are read first: a bad one (or an exposed address) stops us at once.
     guard = ServerGuard(cfg.security)
     guard.check_exposure(cfg.host, cfg.port >= 0 or cfg.http_port is not None)
+    chat_template = read_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
     client_tls = ClientTls(client_paths(cfg.executor_tls_ca, cfg.executor_tls_cert, cfg.executor_tls_key),
                            cfg.executor_tls_server_name) if cfg.executor_tls_on else None
     token = ClientToken(cfg.executor_token_file) if cfg.executor_token_file is not None else None
@@ -109,7 +110,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     infos = await _first_infos(clients, cfg)
     info = next(i for i in infos if i is not None)  # the reference: every executor must serve its model
     tokenizer_dir = Path(cfg.tokenizer or info.model_dir)
-    tokenizer = ModelTokenizer(tokenizer_dir)
+    tokenizer = ModelTokenizer(tokenizer_dir, chat_template)
     if tokenizer.vocab_size > info.vocab_size:
         raise CheckpointError(f"tokenizer at {tokenizer_dir} has {tokenizer.vocab_size} tokens but the executor's "
                               f"model only {info.vocab_size}: pass the model's own tokenizer with --tokenizer")

@@ -40,10 +40,23 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class ModelTokenizer:
-    """Loads `tokenizer.json` (required), `tokenizer_config.json` and `chat_template.jinja` (optional)."""
+def read_chat_template(path: Path) -> str:
+    """The text of a --chat-template file; CheckpointError naming the flag when it cannot be used."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"--chat-template: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+    if not text.strip():
+        raise CheckpointError(f"--chat-template: {path} is empty")
+    return text
 
-    def __init__(self, model_dir: str | Path) -> None:
+
+class ModelTokenizer:
+    """Loads `tokenizer.json` (required), `tokenizer_config.json` and `chat_template.jinja` (optional).
+    chat_template: a template to use instead of the model's own (--chat-template)."""
+
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
         self.model_dir = Path(model_dir)
         path = self.model_dir / "tokenizer.json"
         if not path.is_file():
@@ -57,7 +70,8 @@ class ModelTokenizer:
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self._template_vars = {k: _token_text(config.get(k)) for k in
                                ("bos_token", "eos_token", "unk_token", "pad_token")}
-        self.chat_template = self._find_chat_template(config)
+        self.chat_template = chat_template or self._find_chat_template(config)
+        where = "--chat-template" if chat_template else str(self.model_dir)
         self._compiled = None
         if self.chat_template is not None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -69,7 +83,7 @@ class ModelTokenizer:
             try:
                 self._compiled = env.from_string(self.chat_template)
             except jinja2.TemplateSyntaxError as exc:
-                raise CheckpointError(f"{self.model_dir}: the chat template does not compile: {exc}") from exc
+                raise CheckpointError(f"{where}: the chat template does not compile: {exc}") from exc
 
     # ----------------------------------------------------------------- encoding
     def encode(self, text: str) -> list[int]:
@@ -81,7 +95,8 @@ class ModelTokenizer:
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         if self._compiled is None:
             raise Unsupported(f"model {self.model_dir.name!r} has no chat template (tokenizer_config.json "
-                              "chat_template or chat_template.jinja); send text or token_ids instead")
+                              "chat_template or chat_template.jinja; the scheduler's --chat-template gives one); "
+                              "send text or token_ids instead")
         try:
             return self._compiled.render(messages=[{"role": m.role, "content": m.content} for m in messages],
                                          add_generation_prompt=True, **self._template_vars)

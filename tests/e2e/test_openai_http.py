@@ -16,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
@@ -30,12 +31,17 @@ MAX = 12
 LONG = 200  # tokens of a request still running when the test acts on it (prompt + LONG < the model's 256)
 README_MARKER = "<!-- openai-http-curl-examples"
 SERVED_NAMES = ("smol-chat", "gpt-4o-mini")  # the small scheduler's --served-model-name
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")  # the small scheduler's --chat-template
 
 
 @pytest.fixture(scope="module")
 def stack(request, model_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     """(executor, scheduler, small scheduler): the small one has room for 1 running + 1 waiting request and a
-    1 MiB body limit (429 and 413), and serves the base model under two names of its own."""
+    1 MiB body limit (429 and 413), serves the base model under two names of its own and renders chats with
+    a template of its own (--chat-template)."""
     root = tmp_path_factory.mktemp("adapters")
     make_peft_adapter(model_dir, root / "alpha", r=4, alpha=8, seed=1)
     executor = start_for(request, model_dir, "--kv-blocks", "256", "--adapter-root", str(root),
@@ -43,7 +49,7 @@ def stack(request, model_dir, tmp_path_factory):
     scheduler = start_scheduler_for(request, executor.address, "--http-port", "0")
     small = start_scheduler_for(request, executor.address, "--http-port", "0", "--max-running", "1",
                                 "--max-waiting", "1", "--max-message-mb", "1",
-                                "--served-model-name", *SERVED_NAMES)
+                                "--served-model-name", *SERVED_NAMES, "--chat-template", str(template))
     return executor, scheduler, small
 
 
@@ -88,14 +94,24 @@ def test_served_model_names_replace_the_directory_name(stack, client, grpc):
     directory = grpc.GetModelInfo(pb.GetModelInfoRequest()).model_id
     assert cards[0].root == directory and cards[2].parent == SERVED_NAMES[0]
     assert small.models.retrieve(SERVED_NAMES[1]).id == SERVED_NAMES[1]
-    want = client.chat.completions.create(model="", messages=CHAT, max_tokens=MAX, temperature=0)
+    want = client.completions.create(model="", prompt="hi there", max_tokens=MAX, temperature=0)
     for name in SERVED_NAMES:  # either name runs the base model; the response names the first
-        got = small.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX, temperature=0)
-        assert got.choices[0].message.content == want.choices[0].message.content and got.model == SERVED_NAMES[0]
+        got = small.completions.create(model=name, prompt="hi there", max_tokens=MAX, temperature=0)
+        assert got.choices[0].text == want.choices[0].text and got.model == SERVED_NAMES[0]
+        assert small.chat.completions.create(model=name, messages=CHAT, max_tokens=2).model == SERVED_NAMES[0]
     assert small.completions.create(model="alpha", prompt="hi", max_tokens=2).model == "alpha"
     with pytest.raises(openai.NotFoundError) as err:  # the directory name is no longer one of its names
         small.chat.completions.create(model=directory, messages=CHAT, max_tokens=2)
     assert "'smol-chat', 'gpt-4o-mini', 'alpha'" in err.value.body["message"]
+
+
+def test_chat_template_flag_renders_chats(stack, model_dir):
+    rendered = "".join(f"[{m['role']}] {m['content']}\n" for m in CHAT) + "[assistant] "
+    want = AutoTokenizer.from_pretrained(model_dir)(rendered, add_special_tokens=False)["input_ids"]
+    got = httpx.post(f"{stack[2].process.http_url}/tokenize", json={"messages": CHAT}, timeout=30).json()
+    assert got["tokens"] == want
+    own = httpx.post(f"{stack[1].process.http_url}/tokenize", json={"messages": CHAT}, timeout=30).json()
+    assert own["tokens"] != want  # the other scheduler keeps the model's template
 
 
 def test_chat_greedy_equals_grpc_whole_and_streamed(client, grpc):

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tandem.errors import CheckpointError, InvalidRequest, Unsupported
-from scheduler.tokenizer import ChatMessage, ModelTokenizer
+from scheduler.tokenizer import ChatMessage, ModelTokenizer, read_chat_template
 
 TEXTS = [
     "Hello world",
@@ -198,3 +198,29 @@ def test_template_sees_special_token_variables(tiny_copy):
     assert tok.render_chat(msgs) == "<|im_start|>hi<|im_end|>"
     hf = AutoTokenizer.from_pretrained(tiny_copy)
     assert tok.encode_chat(msgs) == _hf_chat_ids(hf, msgs)
+
+
+def test_chat_template_flag_overrides_the_models_and_gives_one_to_a_model_without(tiny_copy, tmp_path):
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    msgs = [ChatMessage("system", "be brief"), ChatMessage("user", "hi")]
+    want = "<system>be brief\n<user>hi\n<assistant>"
+    assert ModelTokenizer(tiny_copy, read_chat_template(path)).render_chat(msgs) == want  # over the model's own
+    _set_config_template(tiny_copy, None)
+    (tiny_copy / "chat_template.jinja").unlink(missing_ok=True)
+    tok = ModelTokenizer(tiny_copy, read_chat_template(path))  # a model without one
+    assert tok.render_chat(msgs) == want
+    hf = AutoTokenizer.from_pretrained(tiny_copy)
+    assert tok.encode_chat(msgs) == hf(want, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("content, says", [(None, "cannot read"), ("  \n", "is empty"),
+                                           ("{% for m in messages %}", "--chat-template: the chat template does not")])
+def test_a_chat_template_file_that_cannot_be_used_names_the_flag(tiny_copy, tmp_path, content, says):
+    path = tmp_path / "chat.jinja"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(CheckpointError, match=says):
+        ModelTokenizer(tiny_copy, read_chat_template(path))
