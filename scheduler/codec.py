@@ -16,7 +16,8 @@ from scheduler.grammar import CompiledConstraint, ConstraintKind, ConstraintSpec
 from scheduler.planner import StepItem, StepPlan
 from scheduler.policy import ItemResult
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob
-from scheduler.tokenizer import ChatMessage, ModelTokenizer
+from scheduler.chat_input import chat_chars, messages_from_pb, tools_from_pb
+from scheduler.tokenizer import ModelTokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -45,7 +46,7 @@ def check_input_size(m: pb.GenerateRequest | pb.TokenizeRequest, max_chars: int)
         messages = m.messages.messages
         if len(messages) > MAX_CHAT_MESSAGES:
             raise InvalidRequest(f"input has {len(messages)} chat messages; at most {MAX_CHAT_MESSAGES}")
-        chars = sum(len(x.role) + len(x.content) for x in messages)
+        chars = chat_chars(m.messages)
         if chars > max_chars:
             raise InvalidRequest(f"input messages have {chars} characters in all; this scheduler takes at most "
                                  f"{max_chars} (--max-prompt-chars)")
@@ -67,7 +68,7 @@ def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTok
     else:
         if not m.messages.messages:
             raise InvalidRequest("input messages is empty: give at least one {role, content}")
-        ids = tok.encode_chat([ChatMessage(x.role, x.content) for x in m.messages.messages])
+        ids = tok.encode_chat(messages_from_pb(m.messages.messages), tools_from_pb(m.messages.tools))
     if not ids:
         raise InvalidRequest(f"input {kind} is empty (it tokenizes to no tokens)")
     return ids

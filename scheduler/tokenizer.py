@@ -16,9 +16,56 @@ from tandem.errors import CheckpointError, InvalidRequest, Unsupported
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool an assistant turn made (OpenAI's message.tool_calls[i]): arguments as JSON text."""
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the template describes to the model; parameters: its arguments' JSON Schema (None: none)."""
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str = ""  # a "tool" turn: the call it answers
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' / OpenAI's shape); arguments as an object when they
+    parse as one (as vLLM passes them: templates write them with tojson)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _template_tool(t: Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": t.name}
+    if t.description:
+        function["description"] = t.description
+    function["parameters"] = t.parameters if t.parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
 
 
 class _TemplateError(Exception):
@@ -92,23 +139,25 @@ class ModelTokenizer:
         runs, so a long text tokenized in a worker thread does not stall the event loop.)"""
         return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> str:
         if self._compiled is None:
             raise Unsupported(f"model {self.model_dir.name!r} has no chat template (tokenizer_config.json "
                               "chat_template or chat_template.jinja; the scheduler's --chat-template gives one); "
                               "send text or token_ids instead")
         try:
-            return self._compiled.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+            # (tools=None without tools, as transformers passes it: templates test `if tools`)
+            return self._compiled.render(messages=[_template_message(m) for m in messages],
+                                         tools=[_template_tool(t) for t in tools] or None,
                                          add_generation_prompt=True, **self._template_vars)
         except _TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the chat template failed on these messages: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
         """The rendered template's ids. The template writes its own special tokens, so none are added
         (as `apply_chat_template(tokenize=True)` does)."""
-        return self._tok.encode_batch([self.render_chat(messages)], add_special_tokens=False)[0].ids
+        return self._tok.encode_batch([self.render_chat(messages, tools)], add_special_tokens=False)[0].ids
 
     # ----------------------------------------------------------------- decoding
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from scheduler import codec
 from scheduler.fleet import Fleet
-from scheduler.http import convert, errors
+from scheduler.http import convert, errors, tool_calls
 from scheduler.http import schemas as s
 from scheduler.http.auth import TokenAuth
 from scheduler.http.body_limit import BodyLimit
@@ -165,7 +165,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         def renderer(requests: list[GenerateRequest]) -> ChatRenderer:
             return ChatRenderer(front.model_of(requests[0].adapter if requests else ""), len(requests), n, front.texts,
                                 bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
-                                logprobs=bool(body.logprobs))
+                                logprobs=bool(body.logprobs), tool_mode=tool_calls.tool_mode(body))
 
         return await front.generate(requests, renderer, request, bool(body.stream))
 

@@ -1,7 +1,8 @@
 """An OpenAI request -> tandem.generate.v1 GenerateRequest messages, the very input the gRPC servicer takes:
 from there codec.request_from_pb tokenizes (chat template included) and validates exactly as for a gRPC
 client, so both fronts generate the same text for the same request. Refuses here only what the proto cannot
-express (echo, suffix, tools, ...), naming the field.
+express (echo, suffix, ...), naming the field. Tool choices that call a function become constraints
+(scheduler/http/tool_calls.py).
 
 n > 1: the prompt is tokenized once and the domain request copied n times (choices()), with seed + i when a
 seed is given so each choice is reproducible alone.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from scheduler.http import tool_calls
 from scheduler.http.errors import BadParameter
 from scheduler.http.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
 from scheduler.request import GenerateRequest
@@ -92,21 +94,29 @@ def _content(i: int, m: ChatMessageIn) -> str:
     return "\n".join(texts)  # as vLLM joins text parts
 
 
-def chat_messages(messages: list[ChatMessageIn]) -> pb.ChatMessages:
-    return pb.ChatMessages(messages=[pb.ChatMessage(role=m.role, content=_content(i, m))
-                                     for i, m in enumerate(messages)])
+def _message(i: int, m: ChatMessageIn) -> pb.ChatMessage:
+    calls = [pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or []]
+    return pb.ChatMessage(role=m.role, content=_content(i, m), tool_calls=calls, tool_call_id=m.tool_call_id or "")
+
+
+def chat_messages(messages: list[ChatMessageIn], tools: list[pb.Tool] | None = None) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools or [])
 
 
 def chat_request(body: ChatCompletionRequest, adapter: str) -> pb.GenerateRequest:
-    if body.tools:
-        raise BadParameter("tools", "tools (function calling) are not supported by this server")
-    if body.tool_choice not in (None, "none"):
-        raise BadParameter("tool_choice", "tool_choice is not supported by this server (only \"none\")")
+    """The request of a chat completion; with a tool choice that calls (tool_calls.tool_mode) the output is
+    constrained to the call(s)."""
     if body.top_logprobs and not body.logprobs:
         raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return pb.GenerateRequest(messages=chat_messages(body.messages),
-                              **_common(body, adapter, body.top_logprobs or 0, max_tokens))
+    common = _common(body, adapter, body.top_logprobs or 0, max_tokens)
+    mode = tool_calls.tool_mode(body)
+    if mode is not None:
+        if common["constraint"] is not None:
+            raise BadParameter("tool_choice", "tool_choice makes the output a tool call and the request has another "
+                               "constraint (response_format or guided_*): give only one")
+        common["constraint"] = tool_calls.constraint(body, mode)
+    return pb.GenerateRequest(messages=chat_messages(body.messages, tool_calls.tools_pb(body)), **common)
 
 
 def prompts(body: CompletionRequest) -> list[str | list[int]]:

@@ -2,7 +2,7 @@
 text_completion, or the chunks of its SSE stream, with logprobs and usage as OpenAI documents them.
 
 finish_reason: "length" (max_tokens or the model's length), "stop" (EOS, a stop token, a stop string), "abort"
-(the server shut down before the end, as vLLM says); stop_reason (vLLM's): the stop string matched, or the
+(the server shut down before the end, as vLLM says), "tool_calls" (a tool choice's calls are complete); stop_reason (vLLM's): the stop string matched, or the
 stop token's id. usage counts each prompt once however many choices it has (prompt_tokens, cached_tokens) and
 every choice's tokens (completion_tokens).
 """
@@ -14,6 +14,7 @@ import uuid
 from functools import lru_cache
 
 from scheduler.http import schemas as s
+from scheduler.http.tool_calls import ToolCallStream, ToolMode, calls
 from scheduler.request import Delta, FinishReason, TokenLogprob
 from scheduler.request import Usage as DomainUsage
 
@@ -108,9 +109,12 @@ class _Renderer:
 class ChatRenderer(_Renderer):
     prefix = "chatcmpl"
 
-    def __init__(self, *args, logprobs: bool, **kw) -> None:
+    def __init__(self, *args, logprobs: bool, tool_mode: ToolMode | None = None, **kw) -> None:
+        """tool_mode: the output is a tool call (scheduler/http/tool_calls.py), answered as tool_calls."""
         super().__init__(*args, **kw)
         self.logprobs = logprobs
+        self.tool_mode = tool_mode
+        self.tool_streams = [ToolCallStream(tool_mode) for _ in self.text] if tool_mode is not None else []
 
     def _logprobs(self, tokens: list[TokenLogprob]) -> s.ChatLogprobs | None:
         if not self.logprobs:
@@ -131,6 +135,8 @@ class ChatRenderer(_Renderer):
 
     def chunk(self, index: int, d: Delta) -> str | None:
         self.note(index, d)
+        if self.tool_mode is not None:
+            return self._tool_chunk(index, d)
         if not d.text and d.finish_reason is None and not (self.logprobs and d.tokens):
             return None  # text held back (a possible stop string): nothing to say yet
         choice = s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=d.text or None),
@@ -139,15 +145,42 @@ class ChatRenderer(_Renderer):
                                    stop_reason=stop_reason(d))
         return self._chunk([choice])
 
+    def _tool_chunk(self, index: int, d: Delta) -> str | None:
+        stream = self.tool_streams[index]
+        finished = d.finish_reason is not None
+        calls_delta = stream.delta(d.text, finished)
+        content = None
+        if finished and stream.mode.name is None and calls_delta is None:
+            content = stream.text or None  # "required" cut before its array closed: the text as it is
+        if calls_delta is None and content is None and not finished and not (self.logprobs and d.tokens):
+            return None
+        finish = None if not finished else self._tool_finish(d, content is None)
+        choice = s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=content, tool_calls=calls_delta),
+                                   logprobs=self._logprobs(d.tokens), finish_reason=finish, stop_reason=stop_reason(d))
+        return self._chunk([choice])
+
+    @staticmethod
+    def _tool_finish(last: Delta, called: bool) -> str:
+        return "tool_calls" if called and last.finish_reason is FinishReason.STOP else _FINISH[last.finish_reason]
+
     def closing(self) -> str:
         return self._chunk([], self.usage())
+
+    def _message(self, i: int) -> tuple[s.ChatMessageOut, bool]:
+        """Choice i's message, and whether it is tool calls."""
+        if self.tool_mode is not None:
+            made = calls(self.tool_mode, self.text[i])
+            if made is not None:
+                return s.ChatMessageOut(content=None, tool_calls=made), True
+        return s.ChatMessageOut(content=self.text[i]), False
 
     def whole(self) -> s.ChatCompletion:
         choices = []
         for i, last in enumerate(self.last):
-            choices.append(s.ChatChoice(index=i, message=s.ChatMessageOut(content=self.text[i]),
-                                        logprobs=self._logprobs(self.tokens[i]),
-                                        finish_reason=_FINISH[last.finish_reason], stop_reason=stop_reason(last)))
+            message, called = self._message(i)
+            finish = self._tool_finish(last, called) if self.tool_mode is not None else _FINISH[last.finish_reason]
+            choices.append(s.ChatChoice(index=i, message=message, logprobs=self._logprobs(self.tokens[i]),
+                                        finish_reason=finish, stop_reason=stop_reason(last)))
         return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
                                 usage=self.usage())
 

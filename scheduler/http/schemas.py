@@ -28,10 +28,44 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str  # JSON text, as the response that made the call gave it
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Body):
     role: str
     content: str | list[ContentPart] | None = None  # null: an assistant turn that only called tools
     name: str | None = None  # accepted, not passed to the template
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls (passed to the template)
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers
+
+
+class FunctionIn(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the arguments' JSON Schema; unset = no arguments
+    strict: bool | None = None  # accepted: the schema is always enforced when the function must be called
+
+
+class ToolIn(_Body):
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(_Body):
@@ -88,8 +122,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # unset: "auto" with tools
+    parallel_tool_calls: bool | None = None  # with "required": false = exactly one call
 
 
 class CompletionRequest(SamplingFields):
@@ -162,9 +197,33 @@ class CompletionLogprobs(Out):
     top_logprobs: list[dict[str, float]]
 
 
+class FunctionCallOut(Out):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class FunctionCallDelta(Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Out):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatChoice(Out):
@@ -187,6 +246,7 @@ class ChatCompletion(Out):
 class ChatDelta(Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Out):

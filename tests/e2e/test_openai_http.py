@@ -265,7 +265,10 @@ def test_errors_have_the_openai_body_and_the_grpc_status(url, client):
     _error(post("/v1/completions", {"prompt": [1, -2]}), 400, "invalid_argument", "prompt")
     _error(post("/v1/completions", {"prompt": "x", "echo": True}), 400, "invalid_argument", "echo")
     _error(post("/v1/completions", {"prompt": "x", "suffix": "y"}), 400, "invalid_argument", "suffix")
-    _error(post("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "invalid_argument", "tools")
+    _error(post("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "invalid_argument",
+           "tools.0.function")  # (tool calls themselves: tests/e2e/test_structured_output.py)
+    _error(post("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400,
+           "invalid_argument", "tool_choice")  # "auto", the default with tools
     _error(post("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "invalid_argument", "messages.0.content.0")
     assert "top_p" in _error(post("/v1/completions", {"prompt": "x", "top_p": 0}), 400, "invalid_argument")

@@ -2,7 +2,8 @@
 arrays, enums, bounded numbers, required/optional properties, $ref), regexes, choices and a Lark grammar,
 greedy and sampled, every output valid; unconstrained requests in the same batch unchanged; greedy constrained
 tokens equal to transformers' greedy decoding under the same llguidance masks; invalid constraints refused with
-the library's message; the OpenAI front's response_format and guided_* extras.
+the library's message; the OpenAI front's response_format and guided_* extras, and its tool calls (a named
+function's arguments and "required" calls validate, streamed as whole, the result answered in the next turn).
 
 Schemas are bounded (maxLength, maxItems, enums, integer ranges) so that the grammar completes well within
 max_new_tokens (an output cut by the length limit could not validate)."""
@@ -198,3 +199,51 @@ def test_openai_response_format_and_guided_extras(stack):
         client.chat.completions.create(model="", messages=messages, max_tokens=8,
                                        extra_body={"guided_regex": "[a-"})
     assert "unclosed character class" in str(info.value)
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+CLOCK = {"type": "object", "additionalProperties": False, "required": ["tz"],
+         "properties": {"tz": {"type": "string", "maxLength": 8}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+
+
+def test_openai_tool_calls_named_and_required_whole_streamed_and_answered(stack):
+    executor, scheduler = stack
+    client = OpenAI(base_url=f"{scheduler.process.http_url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model="", messages=messages, tools=TOOLS, tool_choice=named,
+                                           max_tokens=MAX_NEW, temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+    chunks = list(client.chat.completions.create(model="", messages=messages, tools=TOOLS, tool_choice=named,
+                                                 max_tokens=MAX_NEW, temperature=0, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and all(d.index == 0 for d in deltas)
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments  # greedy: the same call
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    required = client.chat.completions.create(model="", messages=messages, tools=TOOLS, tool_choice="required",
+                                              max_tokens=MAX_NEW, temperature=0)
+    calls = required.choices[0].message.tool_calls
+    assert calls and required.choices[0].finish_reason == "tool_calls"
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), {"get_weather": WEATHER, "get_time": CLOCK}[c.function.name])
+
+    # The agent loop's next turn: the call and its result go back in; tool_choice none answers in text.
+    answer = client.chat.completions.create(
+        model="", tools=TOOLS, tool_choice="none", max_tokens=24, temperature=0,
+        messages=messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    with pytest.raises(BadRequestError) as info:  # "auto" (the default with tools) would need a tool parser
+        client.chat.completions.create(model="", messages=messages, tools=TOOLS, max_tokens=8)
+    assert info.value.body["param"] == "tool_choice" and "not supported" in info.value.body["message"]
+    wait_kv_free(executor.stub)

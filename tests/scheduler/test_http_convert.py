@@ -49,7 +49,7 @@ def test_sampling_and_stopping_fields_map_onto_the_proto():
 def test_chat_content_parts_and_refusals():
     parts = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert convert.chat_request(parts, "").messages.messages[0].content == "a\nb"
-    refusals = [({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    refusals = [({"tool_choice": "auto"}, "tool_choice"),
                 ({"response_format": {"type": "yaml"}}, "response_format"),
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
                  "response_format.json_schema"),

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tandem.errors import CheckpointError, InvalidRequest, Unsupported
-from scheduler.tokenizer import ChatMessage, ModelTokenizer, read_chat_template
+from scheduler.tokenizer import ChatMessage, ModelTokenizer, Tool, ToolCall, read_chat_template
 
 TEXTS = [
     "Hello world",
@@ -224,3 +224,38 @@ def test_a_chat_template_file_that_cannot_be_used_names_the_flag(tiny_copy, tmp_
         path.write_text(content)
     with pytest.raises(CheckpointError, match=says):
         ModelTokenizer(tiny_copy, read_chat_template(path))
+
+
+# A template in the shape of Qwen2.5's tool support: the tools listed in the system turn, an assistant turn's
+# calls as <tool_call> JSON (arguments written with tojson), tool results as tool turns.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|system|>Tools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n{%- endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}\n<tool_call>{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{%- endfor %}{%- endif %}"
+    "{%- if m.tool_call_id %} (for {{ m.tool_call_id }}){%- endif %}\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{%- endif %}")
+
+
+def test_tools_and_tool_calls_render_as_transformers_renders_them(tiny_copy):
+    _set_config_template(tiny_copy, TOOLS_TEMPLATE)
+    (tiny_copy / "chat_template.jinja").unlink(missing_ok=True)
+    tok, hf = ModelTokenizer(tiny_copy), AutoTokenizer.from_pretrained(tiny_copy)
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [Tool("get_weather", "the weather of a city", weather), Tool("now")]
+    msgs = [ChatMessage("user", "weather in Paris?"),
+            ChatMessage("assistant", "", (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+            ChatMessage("tool", "sunny", tool_call_id="call_1")]
+    hf_tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
+                                                  "parameters": weather}},
+                {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    hf_msgs = [{"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    want = hf.apply_chat_template(hf_msgs, tools=hf_tools, add_generation_prompt=True, tokenize=False)
+    got = tok.render_chat(msgs, tools)
+    assert got == want and '"arguments": {"city": "Paris"}' in got and "(for call_1)" in got
+    assert tok.render_chat(msgs[:1]) == hf.apply_chat_template(hf_msgs[:1], add_generation_prompt=True,
+                                                               tokenize=False)  # no tools: none listed
