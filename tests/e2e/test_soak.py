@@ -2,7 +2,9 @@
 moments, 5 % naming an adapter that is unloaded meanwhile, the executor SIGKILLed and restarted twice and
 the scheduler SIGKILLed and restarted once. Afterwards (one lease TTL later) the executor holds 0 blocks;
 every request that was not cancelled completed with exactly a clean run's tokens or ended with a precise
-status; nothing hung. Prints its figures (pytest -s shows them)."""
+status; nothing hung. The chaos lands at fixed points of progress, with requests in flight, and later
+requests wait for it (a fast machine once finished all 1,000 before the scheduler was killed). Prints its
+figures (pytest -s shows them)."""
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +33,9 @@ NEW_TOKENS = 6
 TTL_S = 2
 PROMPTS = 24
 CANCEL_SHARE, ADAPTER_SHARE = 0.20, 0.05
+# The chaos, by requests completed; request n starts only once the actions planned at n - GATE are done.
+PLAN = [(200, "kill-executor"), (320, "unload-adapter"), (450, "kill-scheduler"), (700, "kill-executor")]
+GATE = CONCURRENCY // 2
 # Statuses a request may end with, and why: the scheduler killed under it (UNAVAILABLE), its adapter unloaded
 # (NOT_FOUND), the queue full during a restart (RESOURCE_EXHAUSTED).
 PRECISE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -100,8 +105,13 @@ def test_soak(model_dir, setup):
     def chaos(progress: list[int]) -> None:
         """On this (the main) thread: servers must be launched from a thread that outlives them, since they
         die with their launching thread (setpriv --pdeathsig)."""
-        plan = [(200, "kill-executor"), (320, "unload-adapter"), (450, "kill-scheduler"), (700, "kill-executor")]
-        for at, what in plan:
+        try:
+            _chaos(progress)
+        finally:
+            actions_done[0] = len(PLAN)  # (open every gate: the clients must end even when chaos failed)
+
+    def _chaos(progress: list[int]) -> None:
+        for i, (at, what) in enumerate(PLAN):
             while progress[0] < at:
                 assert time.monotonic() - started < 600, "the soak made no progress"
                 assert clients.is_alive() or progress[0] >= REQUESTS, f"the clients stopped: {failure}"
@@ -129,6 +139,7 @@ def test_soak(model_dir, setup):
                         assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.details()
                         assert time.monotonic() < deadline, "adapter a never became unloadable"
                         time.sleep(0.05)
+            actions_done[0] = i + 1
 
     async def run(progress: list[int], channel_box: dict, ready: "queue.Queue") -> None:
         channel_box["channel"] = grpc.aio.insecure_channel(servers["scheduler"].address)
@@ -137,6 +148,10 @@ def test_soak(model_dir, setup):
         sem = asyncio.Semaphore(CONCURRENCY)
 
         async def guarded(n: int) -> None:
+            # Request n waits for every chaos action planned GATE requests before it: each action lands with
+            # requests in flight, and a fast machine cannot finish the soak before the chaos has happened.
+            while actions_done[0] < sum(1 for at, _ in PLAN if n >= at + GATE):
+                await asyncio.sleep(0.005)
             async with sem:
                 await one(n, random.Random(rng.random()), channel_box)
                 progress[0] += 1
@@ -145,6 +160,7 @@ def test_soak(model_dir, setup):
         await channel_box["channel"].close()
 
     progress, channel_box, ready, failure, scheduler_killed, scheduler_back = [0], {}, queue.Queue(), [], [], []
+    actions_done = [0]  # chaos actions carried out (PLAN order)
 
     def client_thread() -> None:
         try:
