@@ -342,7 +342,9 @@ def test_a_client_that_disconnects_frees_its_kv(stack, url):
     executor, scheduler, _ = stack
     wait_kv_free(executor.stub)
     cancelled = scheduler.stderr().count("cancelled by the client")
-    body = {"messages": CHAT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    # min_tokens: one decode step per call until then, so the request is surely still running when the client
+    # goes away (multi-step bursts finish LONG tokens of the tiny model in well under 0.1 s)
+    body = {"messages": CHAT, "max_tokens": LONG, "min_tokens": LONG, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as stream:
             events = (line for line in stream.iter_lines() if line.startswith("data:"))

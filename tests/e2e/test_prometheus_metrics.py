@@ -155,8 +155,10 @@ def test_counters_and_histograms_match_the_workload(scheduler, executor):
 def test_cancelled_stream_is_counted(scheduler, executor):
     key = 'tandem:request_failure_total{code="CANCELLED"}'
     before = scrape(scheduler).get(key, 0.0)
+    # min_new_tokens: one decode step per call until then (README: multi-step decode), so the request runs for
+    # 200 round trips and is surely still running when the cancel arrives.
     call = scheduler.stub.Generate(ids_request([1, 7, 8, 9], 200, stopping=pb.StoppingCriteria(
-        max_new_tokens=200, ignore_eos=True)))
+        max_new_tokens=200, min_new_tokens=200, ignore_eos=True)))
     next(call)
     call.cancel()
     with pytest.raises(grpc.RpcError):
