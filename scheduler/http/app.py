@@ -223,7 +223,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
             if body.add_special_tokens or body.add_generation_prompt is False:
                 raise BadParameter("add_generation_prompt", "messages are rendered with the generation prompt "
                                    "and no added special tokens, as chat completions see them")
-            m = pb.TokenizeRequest(messages=convert.chat_messages(body.messages))
+            m = pb.TokenizeRequest(messages=convert.chat_messages(body.messages, tool_calls.tools_pb(body)))
         codec.check_input_size(m, fleet.cfg.max_prompt_chars)
         tok, info = fleet.tokenizer, fleet.info
 

@@ -139,6 +139,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
+    tools: list[ToolIn] | None = None  # with messages: for the chat template, as in a chat completion
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = None

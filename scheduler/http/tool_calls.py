@@ -31,7 +31,7 @@ class ToolMode:
     tools: tuple[str, ...]
 
 
-def tools_pb(body: s.ChatCompletionRequest) -> list[pb.Tool]:
+def tools_pb(body: s.ChatCompletionRequest | s.TokenizeRequest) -> list[pb.Tool]:
     out = []
     for i, t in enumerate(body.tools or []):
         try:

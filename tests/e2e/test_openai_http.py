@@ -379,6 +379,10 @@ def test_tokenize_and_detokenize(url, grpc):
     assert text.endswith("hello world")
     _error(httpx.post(f"{url}/detokenize", json={"tokens": [10**6]}), 400, "invalid_argument")
     _error(httpx.post(f"{url}/tokenize", json={}), 400, "invalid_argument", "prompt")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert httpx.post(f"{url}/tokenize", json={"messages": CHAT, "tools": [tool]}).json()["tokens"] == chat["tokens"]
+    bad = httpx.post(f"{url}/tokenize", json={"messages": CHAT, "tools": [tool, tool]})  # (its template ignores
+    assert bad.status_code == 400 and "names an earlier tool" in bad.json()["error"]["message"]  # tools; checked)
 
 
 def _readme_curl_commands() -> list[str]:
