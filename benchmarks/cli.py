@@ -35,6 +35,20 @@ def add_batch_args(ap: argparse.ArgumentParser, defaults: dict[str, Any]) -> Non
                     help=f"tokens per sequence before decoding (default {defaults['context']})")
 
 
+def add_process_args(ap: argparse.ArgumentParser, executor_note: str) -> None:
+    """--executor-args, --scheduler-args and --request-timeout of a benchmark that starts real servers.
+    executor_note: what the benchmark's own executor flags are (the extra ones come after them)."""
+    ap.add_argument("--executor-args", default="",
+                    help="extra arguments for `python -m executor_service`, one shell-quoted string given with '=' "
+                         f"(--executor-args='--max-batch-tokens 4096'); {executor_note}")
+    ap.add_argument("--scheduler-args", default="",
+                    help="extra arguments for `python -m scheduler`, one shell-quoted string given with '=', e.g. "
+                         "--scheduler-args='--max-batch-tokens 2048 --max-running 64' (default: none, the "
+                         "scheduler's defaults)")
+    ap.add_argument("--request-timeout", type=float, default=600.0,
+                    help="gRPC deadline of each Generate call in seconds (default 600)")
+
+
 def add_device_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default float32")

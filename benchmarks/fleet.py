@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import runtime
-from benchmarks.cli import apply_preset, make_log, parser
+from benchmarks.cli import add_process_args, apply_preset, make_log, parser
 from benchmarks.cpu import CpuMeter
 from benchmarks.fleet_client import failover_run, scaling_run
 from benchmarks.fleet_failover import analyse
@@ -112,13 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--failover-executors", type=int, default=2, help="failover: executors (default 2)")
     ap.add_argument("--failover-threads", type=int, default=1, help="failover: threads per executor (default 1)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
-    ap.add_argument("--executor-args", default="",
-                    help="extra arguments for every `python -m executor_service`, one shell-quoted string given with "
-                         "'=' (after the script's own --threads, --kv-blocks, --log-level WARNING)")
-    ap.add_argument("--scheduler-args", default="",
-                    help="extra arguments for `python -m scheduler`, one shell-quoted string given with '='")
-    ap.add_argument("--request-timeout", type=float, default=600.0,
-                    help="gRPC deadline of each Generate call in seconds (default 600)")
+    add_process_args(ap, "for every executor, after the script's own --threads, --kv-blocks, --log-level WARNING")
     ap.add_argument("--out", type=Path, default=Path("bench_results/bench_fleet.json"),
                     help="JSON results file (default bench_results/bench_fleet.json)")
     ap.add_argument("--quick", action="store_true",

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import runtime
-from benchmarks.cli import apply_preset, make_log, parser
+from benchmarks.cli import add_process_args, apply_preset, make_log, parser
 from benchmarks.cpu import CpuMeter
 from benchmarks.prefix_client import TimedRun, timed_run
 from benchmarks.prefix_report import bad_records, compare, print_report, summarize_run
@@ -97,13 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of the executor (default: every usable core)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
-    ap.add_argument("--executor-args", default="",
-                    help="extra arguments for `python -m executor_service` in both modes, one shell-quoted string "
-                         "given with '=' (--executor-args='--max-batch-tokens 4096'); after the mode's own")
-    ap.add_argument("--scheduler-args", default="",
-                    help="extra arguments for `python -m scheduler`, one shell-quoted string given with '='")
-    ap.add_argument("--request-timeout", type=float, default=600.0,
-                    help="gRPC deadline of each Generate call in seconds (default 600)")
+    add_process_args(ap, "in both modes, after the mode's own")
     ap.add_argument("--out", type=Path, default=Path("bench_results/bench_prefix.json"),
                     help="JSON results file (default bench_results/bench_prefix.json)")
     ap.add_argument("--quick", action="store_true",

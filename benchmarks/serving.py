@@ -87,7 +87,7 @@ import torch
 
 from benchmarks import runtime
 from benchmarks.baselines import HfBaseline
-from benchmarks.cli import apply_preset, make_log, parser
+from benchmarks.cli import add_process_args, apply_preset, make_log, parser
 from benchmarks.cpu import CpuMeter
 from benchmarks.flops import FlopModel
 from benchmarks.measure import measure_matmul_peak
@@ -153,17 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None,
                     help=f"untimed Tandem requests before the timed run (default {DEFAULTS['warmup']}; "
                          f"baselines: one untimed generate each, unless 0)")
-    ap.add_argument("--executor-args", default="",
-                    help="extra arguments for `python -m executor_service`, one shell-quoted string given with '=' "
-                         "(--executor-args='--max-batch-tokens 4096'); they come after the script's own: "
-                         "--threads T, --kv-blocks sized for the run (unless --kv-blocks or "
-                         "--kv-memory-fraction is given here), --log-level WARNING")
-    ap.add_argument("--scheduler-args", default="",
-                    help="extra arguments for `python -m scheduler`, one shell-quoted string given with '=', e.g. "
-                         "--scheduler-args='--max-batch-tokens 2048 --max-running 64' (default: none, the "
-                         "scheduler's defaults)")
-    ap.add_argument("--request-timeout", type=float, default=600.0,
-                    help="gRPC deadline of each Generate call in seconds (default 600)")
+    add_process_args(ap, "they come after the script's own: --threads T, --kv-blocks sized for the run (unless --kv-blocks or --kv-memory-fraction is given here), --log-level WARNING")
     ap.add_argument("--peak-n", type=int, default=None,
                     help=f"matmul size of the peak measurement (default {DEFAULTS['peak_n']})")
     ap.add_argument("--peak-repeats", type=int, default=None,
