@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the names the base model answers to on the HTTP front (the request's `model`; GET "
                          "/v1/models lists them), e.g. --served-model-name smollm2 gpt-4o-mini; responses carry the "
                          "first. Default: the model's directory name. Adapters keep their own names")
+    ap.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                    help="CORS on the HTTP front: web pages of these origins (e.g. https://app.example.com; * = any) "
+                         "may call it from a browser; preflights are answered without a token, the calls still "
+                         "need one with --auth-token-file. Default: none (browsers refuse cross-origin calls)")
     ap.add_argument("--chat-template", type=Path, metavar="FILE",
                     help="a Jinja chat template (as in tokenizer_config.json's chat_template) used for chat "
                          "requests instead of the model's own, e.g. for a model that has none. Default: the model's")
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
                           grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
-                          served_model_names=tuple(args.served_model_name),
+                          served_model_names=tuple(args.served_model_name), allowed_origins=tuple(args.allowed_origins),
                           speculative=speculation.from_args(args), bursts=decode_bursts.from_args(args),
                           security=server_security(args), executor_tls_ca=args.executor_tls_ca,
                           executor_tls_cert=args.executor_tls_cert, executor_tls_key=args.executor_tls_key,

@@ -43,6 +43,7 @@ class SchedulerConfig:
     # The names the base model answers to on the HTTP front (`model`; the first is the one responses carry);
     # empty: the model's directory name (GetInfo.model_id).
     served_model_names: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # CORS on the HTTP front: browser origins allowed ("*" = any); () = none
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
     # Multi-step decode (scheduler/decode_bursts.py): --decode-burst-ms, --max-decode-steps
     bursts: BurstConfig = field(default_factory=BurstConfig)

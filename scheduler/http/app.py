@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 
 from scheduler import codec
@@ -142,15 +143,19 @@ async def _stream(generation: Generation, renderer: ChatRenderer | CompletionRen
 
 def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool], max_body_bytes: int,
               metrics: MetricsHook | None = None, authenticator: Authenticator | None = None,
-              auth_health: bool = False, limits: TokenLimits | None = None) -> FastAPI:
+              auth_health: bool = False, limits: TokenLimits | None = None,
+              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The app. healthy(): whether /health answers 200 (some executor serves and the scheduler is not shutting
     down). metrics: the /metrics body, or None (404). authenticator: bearer tokens (None or off: none asked);
-    limits: per-token shares of the completion routes."""
+    limits: per-token shares of the completion routes. allowed_origins: CORS (--allowed-origins)."""
     front = _Front(fleet, workers, limits or TokenLimits())
     app = FastAPI(title="Tandem scheduler (OpenAI-compatible)", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if authenticator is not None and authenticator.on:  # added last: outermost, before a byte of body is read
+    if authenticator is not None and authenticator.on:  # before a byte of body is read
         app.add_middleware(TokenAuth, authenticator=authenticator, auth_health=auth_health)
+    if allowed_origins:  # added last: outermost, so that a preflight (which carries no token) is answered
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
     errors.install(app)
 
     @app.post("/v1/chat/completions")

@@ -31,6 +31,7 @@ MAX = 12
 LONG = 200  # tokens of a request still running when the test acts on it (prompt + LONG < the model's 256)
 README_MARKER = "<!-- openai-http-curl-examples"
 SERVED_NAMES = ("smol-chat", "gpt-4o-mini")  # the small scheduler's --served-model-name
+ORIGIN = "https://app.example"  # the small scheduler's --allowed-origins
 CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant] {% endif %}")  # the small scheduler's --chat-template
 
@@ -40,8 +41,8 @@ def stack(request, model_dir, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     """(executor, scheduler, small scheduler): the small one has room for 1 running + 1 waiting request and a
-    1 MiB body limit (429 and 413), serves the base model under two names of its own and renders chats with
-    a template of its own (--chat-template)."""
+    1 MiB body limit (429 and 413), serves the base model under two names of its own, renders chats with
+    a template of its own (--chat-template) and allows one browser origin (CORS)."""
     root = tmp_path_factory.mktemp("adapters")
     make_peft_adapter(model_dir, root / "alpha", r=4, alpha=8, seed=1)
     executor = start_for(request, model_dir, "--kv-blocks", "256", "--adapter-root", str(root),
@@ -49,7 +50,8 @@ def stack(request, model_dir, tmp_path_factory):
     scheduler = start_scheduler_for(request, executor.address, "--http-port", "0")
     small = start_scheduler_for(request, executor.address, "--http-port", "0", "--max-running", "1",
                                 "--max-waiting", "1", "--max-message-mb", "1",
-                                "--served-model-name", *SERVED_NAMES, "--chat-template", str(template))
+                                "--served-model-name", *SERVED_NAMES, "--chat-template", str(template),
+                                "--allowed-origins", ORIGIN)
     return executor, scheduler, small
 
 
@@ -103,6 +105,25 @@ def test_served_model_names_replace_the_directory_name(stack, client, grpc):
     with pytest.raises(openai.NotFoundError) as err:  # the directory name is no longer one of its names
         small.chat.completions.create(model=directory, messages=CHAT, max_tokens=2)
     assert "'smol-chat', 'gpt-4o-mini', 'alpha'" in err.value.body["message"]
+
+
+def test_cors_allows_only_the_given_origin(stack):
+    small, plain = stack[2].process.http_url, stack[1].process.http_url
+    preflight = {"origin": ORIGIN, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    ok = httpx.options(f"{small}/v1/chat/completions", headers=preflight, timeout=30)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in ok.headers["access-control-allow-methods"]
+    assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+    other = httpx.options(f"{small}/v1/chat/completions", headers={**preflight, "origin": "https://evil.example"},
+                          timeout=30)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    call = httpx.post(f"{small}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"origin": ORIGIN},
+                      timeout=30)
+    assert call.status_code == 200 and call.headers["access-control-allow-origin"] == ORIGIN
+    none = httpx.post(f"{plain}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"origin": ORIGIN},
+                      timeout=30)  # a scheduler without --allowed-origins: no CORS headers, browsers refuse
+    assert none.status_code == 200 and "access-control-allow-origin" not in none.headers
 
 
 def test_chat_template_flag_renders_chats(stack, model_dir):

@@ -71,7 +71,7 @@ def secure(request, pki, secure_executor):
         "--auth-token-file", str(tokens), "--executor-tls-ca", str(pki.ca), "--executor-tls-cert", str(cert),
         "--executor-tls-key", str(key), "--executor-token-file", str(work / "scheduler-at-executor.token"),
         "--max-concurrent-per-token", str(MAX_CONCURRENT), "--max-queued-tokens-per-token", str(MAX_TOKENS),
-        "--metrics-port", "0", credentials=pki.credentials())
+        "--metrics-port", "0", "--allowed-origins", "https://app.example", credentials=pki.credentials())
 
 
 def greedy(max_new: int = 24) -> pb.GenerateRequest:
@@ -139,6 +139,23 @@ def test_http_front_tls_and_tokens_with_the_openai_client(secure, pki):
         assert metrics.status_code == 200 and "tandem:scheduler_executor_losses_total" in metrics.text
     with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
         httpx.get(url.replace("https://", "http://") + "/health", timeout=10)
+
+
+def test_cors_preflight_needs_no_token_and_the_call_still_does(secure, pki):
+    url = secure.process.http_url
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca)), timeout=30) as http:
+        preflight = http.options(f"{url}/v1/completions", headers={
+            "origin": "https://app.example", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == \
+            "https://app.example"
+        refused = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                            headers={"origin": "https://app.example"})
+        assert refused.status_code == 401  # readable by the page: it carries the CORS header too
+        assert refused.headers["access-control-allow-origin"] == "https://app.example"
+        ok = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       headers={"origin": "https://app.example", "authorization": f"Bearer {ALICE}"})
+        assert ok.status_code == 200
 
 
 def test_metrics_port_serves_https_to_an_admin_token_only(secure, pki):
