@@ -153,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None,
                     help=f"untimed Tandem requests before the timed run (default {DEFAULTS['warmup']}; "
                          f"baselines: one untimed generate each, unless 0)")
-    add_process_args(ap, "they come after the script's own: --threads T, --kv-blocks sized for the run (unless --kv-blocks or --kv-memory-fraction is given here), --log-level WARNING")
+    add_process_args(ap, "they come after the script's own: --threads T, --kv-blocks sized for the run (unless "
+                         "--kv-blocks or --kv-memory-fraction is given here), --log-level WARNING")
     ap.add_argument("--peak-n", type=int, default=None,
                     help=f"matmul size of the peak measurement (default {DEFAULTS['peak_n']})")
     ap.add_argument("--peak-repeats", type=int, default=None,

@@ -63,7 +63,8 @@ class ExecutorExporter:
     def serve(self, host: str, port: int, guard: "ServerGuard") -> "WSGIServer":
         """GET /metrics on host:port (0: any free port, logged) from a daemon thread, under the server's TLS and
         tokens (tandem/metrics_http.py); shutdown() the returned server to stop it."""
-        return serve_metrics(self.registry, host, port, logging.getLogger("tandem.executor"), guard.tls, guard.authenticator)
+        return serve_metrics(self.registry, host, port, logging.getLogger("tandem.executor"), guard.tls,
+                             guard.authenticator)
 
 
 def _summary(name: str, doc: str, label: str, stats: dict[str, LatencySummary]) -> SummaryMetricFamily:

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = SchedulerConfig(executor=args.executor[0], executors=tuple(args.executor),
                           resolve_interval_s=args.resolve_interval, host=args.host, port=args.port, uds=args.uds,
-                          tokenizer=args.tokenizer, chat_template=args.chat_template, max_batch_tokens=args.max_batch_tokens,
+                          tokenizer=args.tokenizer, chat_template=args.chat_template,
+                          max_batch_tokens=args.max_batch_tokens,
                           max_running=args.max_running, prefill_chunk=args.prefill_chunk,
                           default_max_new_tokens=args.default_max_new_tokens, max_waiting=args.max_waiting,
                           max_message_mb=args.max_message_mb, max_prompt_chars=args.max_prompt_chars,

@@ -62,9 +62,9 @@ class _Front:
         responses carry."""
         return self.fleet.cfg.served_model_names or (self.fleet.info.model_id,)
 
-    def model_of(self, adapter: str) -> str:
-        """The `model` a response carries: the adapter's name, or the base model's first name."""
-        return adapter or self.names()[0]
+    def model_of(self, requests: list[GenerateRequest]) -> str:
+        """The `model` a response carries: the requests' adapter's name, or the base model's first name."""
+        return (requests[0].adapter if requests else "") or self.names()[0]
 
     async def adapter_for(self, model: str | None) -> str:
         """`model` -> the adapter to run ("" = the base model): one of the base model's names or "" (or unset)
@@ -168,7 +168,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
             return await front.requests([convert.chat_request(body, adapter)], n)
 
         def renderer(requests: list[GenerateRequest]) -> ChatRenderer:
-            return ChatRenderer(front.model_of(requests[0].adapter if requests else ""), len(requests), n, front.texts,
+            return ChatRenderer(front.model_of(requests), len(requests), n, front.texts,
                                 bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                 logprobs=bool(body.logprobs), tool_mode=tool_calls.tool_mode(body))
 
@@ -184,7 +184,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
             return await front.requests(convert.completion_requests(body, adapter), n)
 
         def renderer(requests: list[GenerateRequest]) -> CompletionRenderer:
-            return CompletionRenderer(front.model_of(requests[0].adapter if requests else ""), len(requests), n, front.texts,
+            return CompletionRenderer(front.model_of(requests), len(requests), n, front.texts,
                                       bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                       logprobs=body.logprobs)
 

@@ -2,9 +2,9 @@
 text_completion, or the chunks of its SSE stream, with logprobs and usage as OpenAI documents them.
 
 finish_reason: "length" (max_tokens or the model's length), "stop" (EOS, a stop token, a stop string), "abort"
-(the server shut down before the end, as vLLM says), "tool_calls" (a tool choice's calls are complete); stop_reason (vLLM's): the stop string matched, or the
-stop token's id. usage counts each prompt once however many choices it has (prompt_tokens, cached_tokens) and
-every choice's tokens (completion_tokens).
+(the server shut down before the end, as vLLM says), "tool_calls" (a tool choice's calls are complete);
+stop_reason (vLLM's): the stop string matched, or the stop token's id. usage counts each prompt once however
+many choices it has (prompt_tokens, cached_tokens) and every choice's tokens (completion_tokens).
 """
 from __future__ import annotations
 
