@@ -92,6 +92,9 @@ def calls(mode: ToolMode, text: str) -> list[s.ToolCallOut] | None:
         made = json.loads(text)
     except ValueError:
         return None
+    if not isinstance(made, list) or not all(isinstance(c, dict) and {"name", "parameters"} <= c.keys()
+                                             for c in made):
+        return None  # (not the schema's shape: only a cut could make it so)
     return [s.ToolCallOut(id=_call_id(), function=s.FunctionCallOut(name=c["name"],
                                                                     arguments=json.dumps(c["parameters"])))
             for c in made]

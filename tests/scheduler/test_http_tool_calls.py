@@ -129,6 +129,7 @@ def test_whole_responses_carry_tool_calls():
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("now", {}),
                                                                                     ("get_weather", {"city": "A"})]
     assert len({c.id for c in calls}) == 2
+    assert tool_calls.calls(required, '[{"name": "now"}]') is None and tool_calls.calls(required, "7") is None
     cut = renderer(required)
     cut.add(0, Delta(text='[{"name": "no', finish_reason=FinishReason.LENGTH))
     (choice,) = cut.whole().choices
