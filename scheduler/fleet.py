@@ -163,7 +163,8 @@ class Fleet:
             raise AdapterNotFound(f"unknown adapter {request.adapter!r}: no serving executor holds it; "
                                   f"loaded: {sorted(self.info.adapters) or 'none'}")
         needed = capabilities_needed(request)  # (a fleet mid-upgrade may mix executor versions)
-        fit = [e for e in fit if needed <= set(e.info.capabilities)]
+        if needed:  # (most requests need nothing: no per-executor set on the request path)
+            fit = [e for e in fit if needed <= set(e.info.capabilities)]
         if not fit:
             raise Unsupported(f"this request needs an executor with the capabilities {sorted(needed)}; no serving "
                               "executor that could take it has them (upgrade the executors)")
