@@ -87,8 +87,23 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def compile_chat_template(template: str, where: str) -> jinja2.Template:
+    """A chat template compiled as transformers compiles it (sandboxed, its filters and globals);
+    CheckpointError naming `where` (the flag or the model dir) when it does not compile."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise CheckpointError(f"{where}: the chat template does not compile: {exc}") from exc
+
+
 def read_chat_template(path: Path) -> str:
-    """The text of a --chat-template file; CheckpointError naming the flag when it cannot be used."""
+    """The text of a --chat-template file, compiled once to check it (at startup, before the scheduler waits
+    for an executor); CheckpointError naming the flag when it cannot be used."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -96,6 +111,7 @@ def read_chat_template(path: Path) -> str:
             from None
     if not text.strip():
         raise CheckpointError(f"--chat-template: {path} is empty")
+    compile_chat_template(text, "--chat-template")
     return text
 
 
@@ -119,18 +135,7 @@ class ModelTokenizer:
                                ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.chat_template = chat_template or self._find_chat_template(config)
         where = "--chat-template" if chat_template else str(self.model_dir)
-        self._compiled = None
-        if self.chat_template is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-                x, indent=indent, ensure_ascii=ensure_ascii)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
-            try:
-                self._compiled = env.from_string(self.chat_template)
-            except jinja2.TemplateSyntaxError as exc:
-                raise CheckpointError(f"{where}: the chat template does not compile: {exc}") from exc
+        self._compiled = compile_chat_template(self.chat_template, where) if self.chat_template is not None else None
 
     # ----------------------------------------------------------------- encoding
     def encode(self, text: str) -> list[int]:

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 import httpx
@@ -428,3 +429,19 @@ def test_readme_curl_examples_run(url):
             assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), command
         else:
             assert "error" not in json.loads(out), command
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--chat-template", "{missing}"], "--chat-template: cannot read"),
+    (["--chat-template", "{broken}"], "--chat-template: the chat template does not compile"),
+    (["--served-model-name", "a", "a"], "--served-model-name: a name is given twice"),
+])
+def test_a_bad_flag_stops_the_scheduler_before_it_serves(tmp_path, flags, says):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    args = [a.format(missing=tmp_path / "none.jinja", broken=broken) for a in flags]
+    # (an executor that is not there: the flags are checked before the scheduler waits for one)
+    run = subprocess.run([sys.executable, "-m", "scheduler", "--executor", "127.0.0.1:1", "--port", "0",
+                          "--connect-timeout", "30", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "READY" not in run.stdout
+    assert says in run.stderr, run.stderr[-2000:]

@@ -14,6 +14,7 @@ import json
 import re
 
 import grpc
+import httpx
 import jsonschema
 import pytest
 import torch
@@ -247,3 +248,35 @@ def test_openai_tool_calls_named_and_required_whole_streamed_and_answered(stack)
         client.chat.completions.create(model="", messages=messages, tools=TOOLS, max_tokens=8)
     assert info.value.body["param"] == "tool_choice" and "not supported" in info.value.body["message"]
     wait_kv_free(executor.stub)
+
+
+def test_a_tool_call_that_fails_or_is_abandoned_leaves_its_neighbours_and_the_kv_alone(stack):
+    """Real processes: beside a plain chat stream, a tool-call request refused at validation (a choice naming
+    no tool) fails alone, and a tool-call stream the client closes after its first deltas is aborted; the
+    neighbour gets the tokens it gets alone and every KV block is free afterwards."""
+    executor, scheduler = stack
+    url = f"{scheduler.process.http_url}/v1/chat/completions"
+    plain = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 48, "temperature": 0,
+             "ignore_eos": True}
+    alone = httpx.post(url, json=plain, timeout=120).json()["choices"][0]["message"]["content"]
+    named = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": TOOLS,
+             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": MAX_NEW,
+             "temperature": 0, "stream": True}
+
+    def neighbour() -> str:
+        return httpx.post(url, json=plain, timeout=120).json()["choices"][0]["message"]["content"]
+
+    cancelled = scheduler.stderr().count("cancelled by the client")
+    with cf.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(neighbour)
+        refused = httpx.post(url, json={**named, "stream": False, "tool_choice": {
+            "type": "function", "function": {"name": "get_time_of_day"}}}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice.function.name"
+        with httpx.Client(timeout=120) as http, http.stream("POST", url, json=named) as stream:
+            chunks = (json.loads(line[len("data:"):]) for line in stream.iter_lines() if line.startswith("data: {"))
+            first = next(c for c in chunks if c["choices"] and c["choices"][0]["delta"]["tool_calls"])
+            assert first["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        # leaving the block closed the connection mid-call
+        assert beside.result(timeout=120) == alone
+    wait_kv_free(executor.stub)
+    assert scheduler.stderr().count("cancelled by the client") == cancelled + 1  # aborted, not run to its end
