@@ -201,14 +201,16 @@ class DecodeItem(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("items", "num_steps", "session_id")
+    __slots__ = ("items", "num_steps", "session_id", "release_cache_ids")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
     num_steps: int
     session_id: str
-    def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    release_cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ..., session_id: _Optional[str] = ..., release_cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
     __slots__ = ("cache", "output", "status")
@@ -221,12 +223,14 @@ class DecodeResult(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("results", "kv")
+    __slots__ = ("results", "kv", "released")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[DecodeResult]
     kv: KvUsage
-    def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+    released: int
+    def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class UnifiedItem(_message.Message):
     __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens")
@@ -253,12 +257,14 @@ class UnifiedItem(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
-    __slots__ = ("items", "session_id")
+    __slots__ = ("items", "session_id", "release_cache_ids")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[UnifiedItem]
     session_id: str
-    def __init__(self, items: _Optional[_Iterable[_Union[UnifiedItem, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    release_cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[_Union[UnifiedItem, _Mapping]]] = ..., session_id: _Optional[str] = ..., release_cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnifiedResult(_message.Message):
     __slots__ = ("cache", "output", "status")
@@ -271,12 +277,14 @@ class UnifiedResult(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
 
 class UnifiedDecodeResponse(_message.Message):
-    __slots__ = ("results", "kv")
+    __slots__ = ("results", "kv", "released")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[UnifiedResult]
     kv: KvUsage
-    def __init__(self, results: _Optional[_Iterable[_Union[UnifiedResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
+    released: int
+    def __init__(self, results: _Optional[_Iterable[_Union[UnifiedResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class ForwardVerifyRequest(_message.Message):
     __slots__ = ("cache", "token_ids", "output", "adapter", "session_id")
