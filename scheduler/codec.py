@@ -2,19 +2,22 @@
 before it is queued (each raises the domain error the status table maps to the most specific code)."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
+from collections import OrderedDict
 
 import grpc
 
-from tandem.codec import sampling_from_pb, sampling_to_pb
+from tandem.codec import kv_usage_from_pb, sampling_from_pb, sampling_to_pb
 from tandem.errors import AdapterNotFound, InvalidRequest, RemoteError, SequenceTooLong, Unsupported
 from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
 from scheduler.grammar import CompiledConstraint, ConstraintKind, ConstraintSpec, GrammarCompiler
+from scheduler.executor_info import ExecutorInfo, ExecutorStats
 from scheduler.planner import StepItem, StepPlan
-from scheduler.policy import ItemResult
+from scheduler.step_results import ItemResult
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob
 from scheduler.chat_input import chat_chars, messages_from_pb, tools_from_pb
 from scheduler.tokenizer import ModelTokenizer
@@ -80,14 +83,44 @@ def sampling_params_from_pb(m: cpb.SamplingParams, vocab_size: int) -> SamplingP
     return params
 
 
-def executor_sampling(request: GenerateRequest, eos_token_ids) -> tuple[cpb.SamplingParams, cpb.SamplingParams]:
-    """The request's sampling message for the executor, built once: (normal, before min_new_tokens)."""
-    sampling = sampling_to_pb(request.sampling)
+def executor_sampling(request: GenerateRequest, eos_token_ids) -> tuple[SamplingParams, SamplingParams]:
+    """The request's sampling for the executor, built once: (normal, before min_new_tokens)."""
+    sampling = request.sampling
     stop = request.stopping
     if not stop.min_new_tokens:
         return sampling, sampling
     eos = () if stop.ignore_eos else eos_token_ids
     return sampling, with_banned_tokens(sampling, set(eos) | stop.stop_token_ids)
+
+
+def with_banned_tokens(p: SamplingParams, token_ids) -> SamplingParams:
+    """p, never sampling token_ids (the lowest bias the contract allows), for the steps before
+    min_new_tokens — as transformers' MinNewTokensLengthLogitsProcessor masks EOS. Logprobs stay raw."""
+    return dataclasses.replace(p, logit_bias={**p.logit_bias, **{t: -100.0 for t in token_ids}})
+
+
+class _SamplingMessages:
+    """The contract's message of each SamplingParams a step sends, built once per object (a large logit_bias
+    is costly to copy into a message every step). Keyed by identity; each entry holds its object, so an id is
+    never reused while its entry lives; the oldest entries go past `size`."""
+
+    def __init__(self, size: int = 8192) -> None:
+        self._size = size
+        self._built: OrderedDict[int, tuple[SamplingParams, cpb.SamplingParams]] = OrderedDict()
+
+    def __call__(self, p: SamplingParams) -> cpb.SamplingParams:
+        entry = self._built.get(id(p))
+        if entry is not None and entry[0] is p:
+            self._built.move_to_end(id(p))
+            return entry[1]
+        m = sampling_to_pb(p)
+        self._built[id(p)] = (p, m)
+        if len(self._built) > self._size:
+            self._built.popitem(last=False)
+        return m
+
+
+_sampling_pb = _SamplingMessages()
 
 
 def step_to_pb(plan: StepPlan, registered_sampling: bool = False) -> list[epb.UnifiedItem]:
@@ -102,10 +135,20 @@ def _item_to_pb(item: StepItem, registered_sampling: bool) -> epb.UnifiedItem:
     final = item.is_final
     return epb.UnifiedItem(cache_id=seq.cache_id, token_ids=seq.token_slice(item.start, item.start + item.count),
                            pos_offset=item.start, is_final_chunk=final,
-                           sampling=seq.sampling_to_send(registered_sampling) if final else None,
+                           sampling=_sampling_to_send(seq, registered_sampling) if final else None,
                            output=_output_options(req.top_logprobs), adapter=req.adapter,
                            # read by the executor at the first final chunk only
                            prompt_len=len(req.prompt_ids) if final else None, draft_token_ids=item.drafts)
+
+
+def _sampling_to_send(seq, registered: bool) -> cpb.SamplingParams | None:
+    p = seq.sampling_to_send(registered)
+    return None if p is None else _sampling_pb(p)
+
+
+def create_cache_items(seqs) -> list[epb.CreateCacheItem]:
+    """CreateCache items looking up each sequence's tokens in the executor's prefix cache."""
+    return [epb.CreateCacheItem(token_ids=s.token_slice(0, s.num_tokens), adapter=s.request.adapter) for s in seqs]
 
 
 def burst_to_pb(plan: StepPlan) -> list[epb.DecodeItem]:
@@ -116,7 +159,7 @@ def burst_to_pb(plan: StepPlan) -> list[epb.DecodeItem]:
     for item in plan.items:
         seq, req = item.seq, item.seq.request
         items.append(epb.DecodeItem(cache=epb.CacheRef(cache_id=seq.cache_id, seq_len=seq.num_cached),
-                                    token_id=seq.output_ids[-1], sampling=seq.sampling_for_next_token(),
+                                    token_id=seq.output_ids[-1], sampling=_sampling_pb(seq.sampling_for_next_token()),
                                     output=_output_options(req.top_logprobs), adapter=req.adapter,
                                     stop_token_ids=sorted(seq.eos_token_ids | req.stopping.stop_token_ids)))
     return items
@@ -132,9 +175,18 @@ def _output_options(top_logprobs: int) -> epb.OutputOptions:
     return opts
 
 
+def executor_info_from_pb(m: epb.GetInfoResponse) -> ExecutorInfo:
+    return ExecutorInfo(model_id=m.model_id, architecture=m.architecture, vocab_size=m.vocab_size,
+                        max_seq_len=m.max_seq_len, eos_token_ids=tuple(m.eos_token_ids), kv=kv_usage_from_pb(m.kv),
+                        capabilities=frozenset(m.capabilities), adapters=tuple(sorted(m.adapters)),
+                        model_dir=m.model_dir, dtype=m.dtype, device=m.device, instance_id=m.instance_id,
+                        session_ttl_ms=m.session_ttl_ms, max_batch_tokens=m.max_batch_tokens,
+                        max_adapters_on_device=m.max_adapters_on_device)
+
+
 def item_results_from_pb(resp: epb.UnifiedDecodeResponse) -> list[ItemResult]:
-    """Per item: its cache and tokens (one; with drafts, the accepted ones first), or the error it failed with alone (an unset status is OK: an executor
-    without per-item statuses fails the whole call instead)."""
+    """Per item: its cache and tokens (one; with drafts, the accepted ones first), or the error it failed with
+    alone (an unset status is OK: an executor without per-item statuses fails the whole call instead)."""
     results = []
     for r in resp.results:
         if r.status.code:
@@ -146,16 +198,6 @@ def item_results_from_pb(resp: epb.UnifiedDecodeResponse) -> list[ItemResult]:
                        for t in r.output.tokens) if r.HasField("output") else ()
         results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, tokens))
     return results
-
-
-def with_banned_tokens(m: cpb.SamplingParams, token_ids) -> cpb.SamplingParams:
-    """A copy of m that never samples token_ids (the lowest bias the contract allows), for the steps before
-    min_new_tokens — as transformers' MinNewTokensLengthLogitsProcessor masks EOS. Logprobs stay raw."""
-    banned = cpb.SamplingParams()
-    banned.CopyFrom(m)
-    for t in token_ids:
-        banned.logit_bias[t] = -100.0
-    return banned
 
 
 def stopping_from_pb(m: pb.StoppingCriteria, prompt_len: int, max_seq_len: int, default_max_new: int,
@@ -197,7 +239,7 @@ def constraint_from_pb(m: pb.Constraint) -> ConstraintSpec:
     return ConstraintSpec(ConstraintKind(kind), getattr(m, kind))
 
 
-def compile_constraint(m: pb.GenerateRequest, info: epb.GetInfoResponse,
+def compile_constraint(m: pb.GenerateRequest, info: ExecutorInfo,
                        grammars: GrammarCompiler | None) -> CompiledConstraint | None:
     """The request's constraint compiled (None when it has none); last of the checks: it costs the most."""
     if not m.HasField("constraint"):
@@ -209,7 +251,7 @@ def compile_constraint(m: pb.GenerateRequest, info: epb.GetInfoResponse,
     return grammars.compile(spec)
 
 
-def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: epb.GetInfoResponse,
+def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorInfo,
                     default_max_new: int, grammars: GrammarCompiler | None = None) -> GenerateRequest:
     """The validated, tokenized request (run off the event loop: tokenizing and compiling a constraint take
     time). grammars: the fleet's (None: a constraint is refused)."""
@@ -246,9 +288,8 @@ _EXECUTOR_STATES = {"serving": pb.ExecutorStatus.STATE_SERVING, "unreachable": p
                     "refused": pb.ExecutorStatus.STATE_REFUSED}
 
 
-def model_info_to_pb(info: epb.GetInfoResponse, tok: ModelTokenizer, planner_budget: int, cfg,
-                     executors: list) -> pb.GetModelInfoResponse:
-    """executors: scheduler.fleet.ExecutorView of each executor."""
+def model_info_to_pb(info: ExecutorInfo, tok: ModelTokenizer, planner_budget: int, cfg,
+                     executors: list[ExecutorStats]) -> pb.GetModelInfoResponse:
     return pb.GetModelInfoResponse(
         model_id=info.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
         max_seq_len=info.max_seq_len, eos_token_ids=list(info.eos_token_ids), adapters=list(info.adapters),

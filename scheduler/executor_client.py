@@ -61,11 +61,13 @@ class ExecutorClient(Protocol):
 
     async def info(self) -> epb.GetInfoResponse: ...
 
-    async def unified_decode(self, items: Sequence[epb.UnifiedItem],
-                             session_id: str = "") -> epb.UnifiedDecodeResponse: ...
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "",
+                             release: Sequence[str] = ()) -> epb.UnifiedDecodeResponse:
+        """release: caches to release before the items run (capability "release_with_step")."""
+        ...
 
-    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int,
-                     session_id: str = "") -> epb.DecodeResponse:
+    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int, session_id: str = "",
+                     release: Sequence[str] = ()) -> epb.DecodeResponse:
         """num_steps device-side decode steps (capability "multi_step_decode")."""
         ...
 
@@ -142,15 +144,16 @@ class GrpcExecutorClient:
     async def info(self) -> epb.GetInfoResponse:
         return await self._call("GetInfo", epb.GetInfoRequest(), self._control_timeout_s)
 
-    async def unified_decode(self, items: Sequence[epb.UnifiedItem],
-                             session_id: str = "") -> epb.UnifiedDecodeResponse:
-        return await self._call("UnifiedDecode", epb.UnifiedDecodeRequest(items=items, session_id=session_id),
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "",
+                             release: Sequence[str] = ()) -> epb.UnifiedDecodeResponse:
+        return await self._call("UnifiedDecode", epb.UnifiedDecodeRequest(items=items, session_id=session_id,
+                                                                          release_cache_ids=release),
                                 self._step_timeout_s)
 
-    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int,
-                     session_id: str = "") -> epb.DecodeResponse:
-        return await self._call("Decode", epb.DecodeRequest(items=items, num_steps=num_steps, session_id=session_id),
-                                self._step_timeout_s)
+    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int, session_id: str = "",
+                     release: Sequence[str] = ()) -> epb.DecodeResponse:
+        return await self._call("Decode", epb.DecodeRequest(items=items, num_steps=num_steps, session_id=session_id,
+                                                            release_cache_ids=release), self._step_timeout_s)
 
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
         return await self._call("ReleaseCache",

@@ -10,62 +10,45 @@ engine, bounded by --executor-retry-s, then fail UNAVAILABLE. An executor back a
 (and any request still waiting for one). Executors that serve another model are refused (recovery.py's
 unfit_reason), the rest keep serving.
 
-The servicer sees the fleet as it saw one engine: submit, abort, info (adapters: those of every serving
-executor), refresh_info, tokenizer, cfg.
+The servicers see the fleet as one engine: submit, abort, info (adapters and capabilities: those of every
+serving executor), refresh_info, stats (each executor's, as plain data), tokenizer, cfg.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+import dataclasses
+from typing import Callable
 
 from scheduler.codec import capabilities_needed
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.executor_client import ExecutorClient
+from scheduler.executor_info import ExecutorInfo, ExecutorStats
 from scheduler.grammar import GrammarCompiler
 from scheduler.kv_follower import follow_kv_events
 from scheduler.request import GenerateRequest
-from scheduler.request_output import RequestOutput
+from scheduler.request_events import RequestEvents
+from scheduler.request_stream import RequestStream
 from scheduler.router import Candidate, PrefixIndex, choose, prompt_hashes
 from scheduler.sequence import Sequence
 from scheduler.token_masks import MaskWorker
 from tandem.errors import AdapterNotFound, Unsupported
-from tandem.executor.v1 import executor_pb2 as epb
-
-if TYPE_CHECKING:
-    from scheduler.metrics import SchedulerMetrics
 
 log = logging.getLogger("tandem.scheduler")
 
 
-@dataclass(frozen=True)
-class ExecutorView:
-    """One executor's state and load, for GetModelInfo."""
-    address: str
-    state: str  # "serving", "unreachable" or "refused"
-    reason: str
-    running: int
-    waiting: int
-    kv_free_blocks: int
-    kv_cached_blocks: int
-    kv_total_blocks: int
-    device: str
-    instance_id: str
-
-
 class Fleet:
-    def __init__(self, cfg: SchedulerConfig, tokenizer, info: epb.GetInfoResponse,
+    def __init__(self, cfg: SchedulerConfig, tokenizer, info: ExecutorInfo,
                  on_health: Callable[[bool], None] = lambda up: None, client_name: str = "tandem-scheduler",
-                 metrics: "SchedulerMetrics | None" = None) -> None:
+                 events: RequestEvents | None = None) -> None:
         """info: the reference executor's (the first that served): every executor must serve its model.
-        metrics: the process's Prometheus metrics (scheduler/metrics.py), which every engine reports to."""
+        events: where every engine's requests report (the process's metrics, scheduler/metrics.py)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.reference = info
-        self.metrics = metrics
+        self.events = events
         self.engines: list[Engine] = []
         self.indexes: dict[Engine, PrefixIndex] = {}
         self._owner: dict[Sequence, Engine] = {}
@@ -80,13 +63,13 @@ class Fleet:
         self.mask_worker = MaskWorker(info.vocab_size)
 
     # ----------------------------------------------------------------- executors
-    def add(self, client: ExecutorClient, info: epb.GetInfoResponse | None) -> Engine:
+    def add(self, client: ExecutorClient, info: ExecutorInfo | None) -> Engine:
         """An engine for this executor; info None (not reachable yet) or unfit: it starts lost and joins
         once its executor serves the reference model."""
         cell: list[Engine] = []
         engine = Engine(self.cfg, client, self.tokenizer, info or self.reference,
                         on_health=lambda up: self._health_changed(cell[0], up), client_name=self._client_name,
-                        arrivals=self._arrivals, metrics=self.metrics, mask_worker=self.mask_worker)
+                        arrivals=self._arrivals, events=self.events, mask_worker=self.mask_worker)
         cell.append(engine)
         self.engines.append(engine)
         self.indexes[engine] = PrefixIndex()
@@ -99,23 +82,16 @@ class Fleet:
         return any(e.up for e in self.engines)
 
     @property
-    def info(self) -> epb.GetInfoResponse:
+    def info(self) -> ExecutorInfo:
         """The reference model's info, with the adapters and capabilities of every serving executor (what a
         request may ask for: _route sends it to an executor that has what it needs)."""
         serving = [e for e in self.engines if e.up]
-        if len(serving) == 1:  # (the usual single executor: its own info, read on every request, not a copy)
+        if len(serving) == 1:  # (the usual single executor: its own info)
             return serving[0].info
-        first = serving[0] if serving else None
-        info = epb.GetInfoResponse()
-        info.CopyFrom(first.info if first is not None else self.reference)
-        names = sorted({a for e in serving for a in e.info.adapters})
-        del info.adapters[:]
-        info.adapters.extend(names)
-        capabilities = sorted({c for e in serving for c in e.info.capabilities})
-        if serving:
-            del info.capabilities[:]
-            info.capabilities.extend(capabilities)
-        return info
+        if not serving:
+            return self.reference
+        return dataclasses.replace(serving[0].info, adapters=tuple(sorted({a for e in serving for a in e.info.adapters})),
+                                   capabilities=frozenset(c for e in serving for c in e.info.capabilities))
 
     @property
     def addresses(self) -> list[str]:
@@ -127,26 +103,20 @@ class Fleet:
         first = next((e for e in self.engines if e.up), self.engines[0])
         return first.planner.max_batch_tokens
 
-    def views(self) -> list[ExecutorView]:
-        out = []
-        for e in self.engines:
-            r, kv = e.recovery, e.policy.kv
-            state = "serving" if e.up else "refused" if r.unfit else "unreachable"
-            out.append(ExecutorView(e.client.address, state, "" if e.up else (r.unfit or r.reason),
-                                    len(e.policy.running), len(e.policy.waiting), kv.free_blocks, kv.cached_blocks,
-                                    kv.total_blocks, e.info.device if e.up else "", e.info.instance_id if e.up else ""))
-        return out
+    def stats(self) -> list[ExecutorStats]:
+        """Each executor's state, load and counters, as plain data (GetModelInfo, the metrics)."""
+        return [e.stats() for e in self.engines]
 
     async def refresh_info(self) -> None:
         await asyncio.gather(*(e.refresh_info() for e in self.engines if e.up))
 
     # ----------------------------------------------------------------- requests
-    def submit(self, request: GenerateRequest) -> tuple[Sequence, RequestOutput]:
+    def submit(self, request: GenerateRequest) -> tuple[Sequence, RequestStream]:
         engine, hashes = self._route(request)
-        seq, output = engine.submit(request)
+        seq, stream = engine.submit(request)
         self._owner[seq] = engine
         self.indexes[engine].routed(hashes)
-        return seq, output
+        return seq, stream
 
     def abort(self, seq: Sequence) -> None:
         engine = self._owner.pop(seq, None)
@@ -204,13 +174,13 @@ class Fleet:
         if not any(e.up for e in self.engines if e is not src):
             return
         moved = src.take_waiting()
-        for seq, output in moved:
+        for seq, stream in moved:
             try:
                 dst, hashes = self._route(seq.request)
             except (AdapterNotFound, Unsupported) as exc:
-                output.fail(exc)
+                stream.fail(exc)
                 continue
-            dst.adopt(seq, output)
+            dst.adopt(seq, stream)
             self._owner[seq] = dst
             self.indexes[dst].routed(hashes)
         if moved:

@@ -4,11 +4,12 @@ One SchedulerMetrics per server, on a registry of its own (not prometheus_client
 several schedulers can live in one test process). Names are vLLM's where they mean the same, with `tandem:`
 for `vllm:` (dashboards and alerts written for vLLM carry over); the README lists them all.
 
-Request figures are counted as they happen: the engine reports admission (scheduler/engine.py), the
-request's output stream its tokens and its end (scheduler/request_output.py), into plain counters and
-lock-free histograms (the event loop is their one writer) that _RequestCollector exports when scraped.
-Queue lengths, KV usage and the per-executor counters the engines keep anyway are read from the fleet when
-scraped (_FleetCollector), so the scheduling loop does no metrics work for them.
+Request figures are counted as they happen: each request's stream (scheduler/request_stream.py) reports its
+admission, tokens and end through the RequestEvents hooks (scheduler/request_events.py) that SchedulerMetrics
+implements, into plain counters and lock-free histograms (the event loop is their one writer) that
+_RequestCollector exports when scraped. Queue lengths, KV usage and the per-executor counters the engines
+keep anyway are read when scraped, as plain ExecutorStats from a callable the server hands over
+(_ExecutorCollector), so the scheduling loop does no metrics work for them and nothing here reads an engine.
 
 Exposed through render() (the HTTP front's GET /metrics) and, with --metrics-port, serve() (a plain
 prometheus_client HTTP server, for a scheduler without the HTTP front).
@@ -16,12 +17,13 @@ prometheus_client HTTP server, for a scheduler without the HTTP front).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scheduler.executor_info import ExecutorStats
 from scheduler.request import FinishReason
 from tandem.histogram import SingleWriterHistogram
 from tandem.metrics_http import serve_metrics
@@ -30,8 +32,6 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from tandem.security.guard import ServerGuard
-
-    from scheduler.fleet import Fleet
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so that quantiles compare with vLLM's; inter-token latency also
 # gets finer ones below vLLM's first (10 ms), where GPU decode steps fall.
@@ -69,9 +69,9 @@ class SchedulerMetrics:
         self.registry.register(_RequestCollector(self))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
-    def watch(self, fleet: "Fleet") -> None:
-        """Exports the fleet's queue lengths, KV usage and per-executor counters, read when scraped."""
-        self.registry.register(_FleetCollector(fleet))
+    def watch(self, executors: Callable[[], list[ExecutorStats]]) -> None:
+        """Exports each executor's queue lengths, KV usage and counters, read from executors() when scraped."""
+        self.registry.register(_ExecutorCollector(executors))
 
     # ----------------------------------------------------------------- request lifecycle
     def admitted(self, queued_s: float) -> None:
@@ -165,12 +165,12 @@ class _RequestCollector(Collector):
         yield from (success, failure)
 
 
-class _FleetCollector(Collector):
+class _ExecutorCollector(Collector):
     """Per executor (label `executor`: its address): requests running and waiting, KV usage, whether it
-    serves, and the counters its engine keeps (steps, preemptions, losses)."""
+    serves, and the counters its engine keeps (step calls, preemptions, losses)."""
 
-    def __init__(self, fleet: "Fleet") -> None:
-        self.fleet = fleet
+    def __init__(self, executors: Callable[[], list[ExecutorStats]]) -> None:
+        self.executors = executors
 
     def collect(self) -> Iterator[Metric]:
         labels = ["executor"]
@@ -199,18 +199,17 @@ class _FleetCollector(Collector):
         mask_wait = CounterMetricFamily("tandem:scheduler_token_mask_wait_seconds", "Time the scheduling loop "
                                         "waited for token masks before sending a step, in seconds (what steps "
                                         "paid for them).", labels=labels)
-        for engine, view in zip(list(self.fleet.engines), self.fleet.views()):
+        for view in self.executors():
             name = [view.address]
             running.add_metric(name, view.running)
             waiting.add_metric(name, view.waiting)
             used = view.kv_total_blocks - view.kv_free_blocks
             kv.add_metric(name, used / view.kv_total_blocks if view.kv_total_blocks else 0.0)
             up.add_metric(name, 1.0 if view.state == "serving" else 0.0)
-            preemptions.add_metric(name, engine.policy.preemptions)
-            steps.add_metric(name, engine.steps)
-            losses.add_metric(name, engine.recovery.losses)
-            stats = engine.masks.stats
-            masks.add_metric(name, stats.masks)
-            mask_s.add_metric(name, stats.compute_s)
-            mask_wait.add_metric(name, stats.wait_s)
+            preemptions.add_metric(name, view.preemptions)
+            steps.add_metric(name, view.step_calls)
+            losses.add_metric(name, view.losses)
+            masks.add_metric(name, view.masks)
+            mask_s.add_metric(name, view.mask_compute_s)
+            mask_wait.add_metric(name, view.mask_wait_s)
         yield from (running, waiting, kv, up, preemptions, steps, losses, masks, mask_s, mask_wait)

@@ -1,20 +1,15 @@
 """The scheduling policy as a synchronous object: no asyncio, no I/O.
 
 It owns the waiting and running queues, admission, the step plan (scheduler/planner.py) and the preemption
-choice, and applies a step's results. A thin async loop (scheduler/engine.py) moves data between it, the
+choice, and applies a step's results. Time comes from an injected clock, so tests drive it by hand. A thin async loop (scheduler/engine.py) moves data between it, the
 executor client and the client streams, in the shape of vLLM V1's `schedule()` / `update_from_output()`:
 
     plan = policy.schedule()                   # which sequences, how many tokens (preemptions applied)
-    results = <the executor runs plan.items>   # one UnifiedDecode
+    ids = policy.take_releases()               # caches to release on the executor (before plan.items run)
+    results = <the executor runs plan.items>   # one step call (the releases ride with it)
     outcome = policy.update(plan, results, kv) # tokens appended, finished and failed sequences retired
-    ids = policy.take_releases()               # caches the loop must release on the executor
 
-Admission (the planner's rules, scheduler/planner.py): oldest first, never skipping the head; a request is
-admitted when its whole prompt fits the free KV blocks of the executor's last answer (not the pool size) and,
-with an executor that reports max_adapters_on_device, when its adapter is one the running requests already
-use or a slot is free — so running requests never use more adapters than the executor has slots, every
-step stays within the limit, and no running sequence is ever left out of a step for its adapter. A request
-whose adapter has no slot waits (and everyone behind it) until a running adapter's last request ends.
+Admission and the step plan follow the planner's rules (scheduler/planner.py).
 
 Failure rules (each returns the requests that end, with their error, for the loop to report):
 - an item the executor failed alone (its result's status) ends that request only; the step's others go on;
@@ -26,7 +21,6 @@ Failure rules (each returns the requests that end, with their error, for the loo
   has taken too long (fail_all);
 - a request waits at most max_queue_time_s (from when it entered the queue, or from the executor's return)
   to be admitted: expire_waiting() ends it RESOURCE_EXHAUSTED with the reason the planner gave for the head.
-Time comes from an injected clock, so tests drive it by hand.
 """
 from __future__ import annotations
 
@@ -34,57 +28,19 @@ import bisect
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from scheduler.config import SchedulerConfig
 from scheduler.planner import Planner, StepPlan
 from scheduler.prefix_wait import shared_prefix
-from scheduler.request import Finish, TokenLogprob
 from scheduler.sequence import Sequence, Status
 from scheduler.speculation import Speculator
+from scheduler.step_results import Emitted, Failure, ItemResult, StepOutcome
 from tandem.errors import AdapterNotFound, CapacityExceeded, RemoteError, TandemError
 from tandem.kv_usage import KvUsage
 
 log = logging.getLogger("tandem.scheduler")
 MAX_MATCH_PER_STEP = 256  # CreateCache items per call (the executor's limit)
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    """The executor's answer for one item of a step (domain form of tandem.executor.v1.UnifiedResult)."""
-
-    cache_id: str
-    seq_len: int  # tokens the cache holds after the step
-    # Sampled after a final chunk: one token, or with draft tokens the accepted drafts and the token after them.
-    tokens: tuple[TokenLogprob, ...] = ()
-    error: TandemError | None = None  # the item failed alone: nothing of it was written, its cache is as it was
-
-
-@dataclass(frozen=True)
-class Emitted:
-    """A token a step gave a live sequence, and the stop it caused (None: the sequence goes on)."""
-
-    seq: Sequence
-    token: TokenLogprob
-    finish: Finish | None
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A request the policy ended, and the error its client gets."""
-
-    seq: Sequence
-    error: TandemError
-
-
-@dataclass
-class StepOutcome:
-    emitted: list[Emitted] = field(default_factory=list)
-    failed: list[Failure] = field(default_factory=list)
-    drafts: int = 0  # items of the step that carried draft tokens (speculative decoding) ...
-    drafted: int = 0  # ... their draft tokens ...
-    accepted: int = 0  # ... and those accepted
 
 
 class SchedulingPolicy:
@@ -96,8 +52,7 @@ class SchedulingPolicy:
                                max_adapters)
         self.kv = kv
         self.clock = clock
-        # Drafts for decoding sequences (--speculative); the engine hands it to the planner while the executor
-        # verifies drafts (capability "speculative_drafts").
+        # Drafts (--speculative): the engine hands it to the planner while the executor verifies drafts.
         self.speculator = Speculator(cfg.speculative) if cfg.speculative.enabled else None
         self.running: list[Sequence] = []  # admitted, oldest arrival first
         self.waiting: list[Sequence] = []  # new or preempted, oldest arrival first
@@ -138,7 +93,7 @@ class SchedulingPolicy:
                 f"(x {self.kv.block_size} tokens); shorten the request")
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence (check_admissible first)."""
+        """Queues a new sequence (check_admissible first), or one moved from another engine."""
         self._enqueue(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -153,10 +108,6 @@ class SchedulingPolicy:
             seq.cache_id = ""
         self._forget(seq)
         seq.status = Status.FINISHED
-
-    def finish(self, seq: Sequence) -> None:
-        """Ends a sequence the request side stopped (a stop string in the text)."""
-        self.abort(seq)
 
     @property
     def has_work(self) -> bool:
@@ -402,8 +353,9 @@ class SchedulingPolicy:
         return ended
 
     # ----------------------------------------------------------------- caches
-    def take_releases(self) -> list[str]:
-        ids, self._to_release = self._to_release, []
+    def take_releases(self, limit: int | None = None) -> list[str]:
+        """The caches to release on the executor now (at most limit; the rest stay pending)."""
+        ids, self._to_release = self._to_release[:limit], self._to_release[len(self._to_release[:limit]):]
         return ids
 
     def release_failed(self, cache_ids: list[str]) -> None:

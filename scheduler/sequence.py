@@ -1,6 +1,6 @@
 """One request's token state inside the scheduler: its tokens, where its KV cache stands, and the stops it can
 see in token ids (EOS, stop token ids, length). What goes back to the client — text, stop strings, deltas —
-is the request side's RequestOutput (scheduler/request_output.py)."""
+is the request side's RequestStream (scheduler/request_stream.py)."""
 from __future__ import annotations
 
 import enum
@@ -8,7 +8,7 @@ from typing import Sequence as Seq
 
 from scheduler.constraint import TokenConstraint
 from scheduler.request import Finish, FinishReason, GenerateRequest
-from tandem.common.v1 import common_pb2 as cpb
+from tandem.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -19,7 +19,7 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request: GenerateRequest, arrival: int, eos_token_ids: Seq[int], max_seq_len: int,
-                 sampling: tuple[cpb.SamplingParams, cpb.SamplingParams] | None = None) -> None:
+                 sampling: tuple[SamplingParams, SamplingParams] | None = None) -> None:
         self.request = request
         self.arrival = arrival  # order of submission: smaller = older
         self.status = Status.WAITING
@@ -34,10 +34,10 @@ class Sequence:
         self.drafted_tokens = 0  # speculative decoding: draft tokens sent for verification ...
         self.accepted_tokens = 0  # ... and those the executor accepted
         self.queued_at = 0.0  # when it last entered the waiting queue (the policy's clock)
-        # The executor's SamplingParams messages, built once: (normal, before min_new_tokens).
-        self.executor_sampling = sampling or (cpb.SamplingParams(), cpb.SamplingParams())
+        # The executor's sampling, built once: (normal, before min_new_tokens).
+        self.executor_sampling = sampling or (request.sampling, request.sampling)
         # The one of them registered with the current cache (sent on a final item the executor applied).
-        self.registered_sampling: cpb.SamplingParams | None = None
+        self.registered_sampling: SamplingParams | None = None
         stop = request.stopping
         self.eos_token_ids = frozenset(() if stop.ignore_eos else eos_token_ids)  # the EOS ids that stop it
         self._max_len = min(len(request.prompt_ids) + stop.max_new_tokens, max_seq_len)
@@ -109,13 +109,13 @@ class Sequence:
         if not self.preemptions and not self.output_ids:
             self.prefix_hit = cached_tokens
 
-    def sampling_for_next_token(self) -> cpb.SamplingParams:
+    def sampling_for_next_token(self) -> SamplingParams:
         """The sampling message for the token sampled after this step: EOS and stop tokens are banned
         while fewer than min_new_tokens exist."""
         normal, early = self.executor_sampling
         return early if len(self.output_ids) < self.request.stopping.min_new_tokens else normal
 
-    def sampling_to_send(self, registered: bool) -> cpb.SamplingParams | None:
+    def sampling_to_send(self, registered: bool) -> SamplingParams | None:
         """The sampling message a final item carries. With an executor that registers sampling with the cache
         (registered=True), None (unset: the registered parameters) unless the cache has none yet or they
         change (the min_new_tokens switch) — so a large logit_bias travels once per cache."""

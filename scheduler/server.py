@@ -15,8 +15,9 @@ from tandem.grpc_setup import add_health_reflection_and_ports
 from tandem.errors import CheckpointError, RemoteError
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2, generate_pb2_grpc
+from scheduler import codec, discovery
 from scheduler.config import SchedulerConfig
-from scheduler import discovery
+from scheduler.executor_info import ExecutorInfo
 from scheduler.fleet import Fleet
 from scheduler.recovery import unfit_reason
 from scheduler.executor_client import ExecutorRefusedCredentials, ExecutorUnreachable, GrpcExecutorClient
@@ -36,14 +37,14 @@ log = logging.getLogger("tandem.scheduler")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
-async def _first_infos(clients: list[GrpcExecutorClient], cfg: SchedulerConfig) -> list[epb.GetInfoResponse | None]:
+async def _first_infos(clients: list[GrpcExecutorClient], cfg: SchedulerConfig) -> list[ExecutorInfo | None]:
     """GetInfo of every executor, polled until at least one serves (they may still be loading their model);
     None for those that do not answer yet (they join later). An error answer is an executor we cannot use."""
     deadline = time.monotonic() + cfg.connect_timeout_s
     last_note = 0.0
     while True:
         answers = await asyncio.gather(*(c.info() for c in clients), return_exceptions=True)
-        infos = [a if isinstance(a, epb.GetInfoResponse) else None for a in answers]
+        infos = [codec.executor_info_from_pb(a) if isinstance(a, epb.GetInfoResponse) else None for a in answers]
         if any(infos):
             return infos
         for a in answers:
@@ -132,13 +133,13 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds,
                                                 guard.grpc_credentials(), cfg.security.reflection)
     metrics = SchedulerMetrics()
-    engine = Fleet(cfg, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
-                   client_name=f"tandem-scheduler {addresses[0]}", metrics=metrics)
-    metrics.watch(engine)
+    fleet = Fleet(cfg, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
+                  client_name=f"tandem-scheduler {addresses[0]}", events=metrics)
+    metrics.watch(fleet.stats)
     lost = []
     for client, its_info in zip(clients, infos):
         unfit = unfit_reason(info, its_info, client.address) if its_info is not None else ""
-        e = engine.add(client, its_info if its_info is not None and not unfit else None)
+        e = fleet.add(client, its_info if its_info is not None and not unfit else None)
         if its_info is None:
             lost.append((e, f"executor {client.address} does not serve yet; it joins once it does"))
         elif unfit:
@@ -146,7 +147,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
             lost.append((e, unfit))
     # Tokenizing and chat templating run here, off the event loop (`tokenizers` releases the GIL).
     workers = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenize")
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, workers, limits), server)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(fleet, workers, limits), server)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -162,7 +163,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     metrics_server = metrics.serve(cfg.host, cfg.metrics_port, guard) if cfg.metrics_port is not None else None
     http = None
     if cfg.http_port is not None:  # the OpenAI-compatible front, on this loop (binds now: a busy port fails here)
-        app = build_app(engine, workers, healthy=lambda: engine.up and not stop.is_set(), max_body_bytes=limit,
+        app = build_app(fleet, workers, healthy=lambda: fleet.up and not stop.is_set(), max_body_bytes=limit,
                         metrics=metrics.render, authenticator=guard.authenticator,
                         auth_health=cfg.security.auth_health, limits=limits, allowed_origins=cfg.allowed_origins)
         http = HttpFront(app, cfg.host, cfg.http_port, guard.tls)
@@ -171,39 +172,39 @@ async def serve_async(cfg: SchedulerConfig) -> int:
         http.start()
     for e, reason in lost:
         e.recovery.lost(reason)
-    await engine.start()  # the sessions; an executor already gone is reconnected to
-    await set_health(engine.up)
-    engine_task = loop.create_task(engine.run(), name="engine")
-    tasks = [loop.create_task(_rediscover(engine, cfg, new_client), name="discovery")] \
+    await fleet.start()  # the sessions; an executor already gone is reconnected to
+    await set_health(fleet.up)
+    fleet_task = loop.create_task(fleet.run(), name="fleet")
+    tasks = [loop.create_task(_rediscover(fleet, cfg, new_client), name="discovery")] \
         if any(discovery.is_dns(t) for t in cfg.targets) else []
     log.info("%s", guard.posture(_link_posture(client_tls, token, limits)
                                  + (["unix socket plaintext"] if cfg.uds else [])))
     log.info("serving %s (%s) from executors %s on %s; tokenizer %s; budget %d tokens/step, max %d running",
-             info.model_id, info.architecture, ", ".join(engine.addresses), ", ".join(addresses), tokenizer_dir,
-             engine.max_batch_tokens, cfg.max_running)
+             info.model_id, info.architecture, ", ".join(fleet.addresses), ", ".join(addresses), tokenizer_dir,
+             fleet.max_batch_tokens, cfg.max_running)
     if http is not None:
         log.info("OpenAI-compatible HTTP on %s (/v1/chat/completions, /v1/completions, /v1/models)", http.url)
     # A line scripts can wait for: the gRPC addresses (the first is the TCP one), then the HTTP URL if on.
     print(f"READY {' '.join(addresses + ([http.url] if http is not None else []))}", flush=True)
 
     stop_wait = loop.create_task(stop.wait())
-    done, _ = await asyncio.wait({stop_wait, engine_task}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({stop_wait, fleet_task}, return_when=asyncio.FIRST_COMPLETED)
     code, grace_s = 0, cfg.grace_s
-    if engine_task in done:  # the loop died (a bug): end every stream, free what we hold, exit non-zero
+    if fleet_task in done:  # the loop died (a bug): end every stream, free what we hold, exit non-zero
         stop_wait.cancel()
-        log.error("the scheduling loop failed; shutting down", exc_info=engine_task.exception())
+        log.error("the scheduling loop failed; shutting down", exc_info=fleet_task.exception())
         code, grace_s = 1, 0.0
     log.info("shutting down: running requests get up to %.0fs to finish", grace_s)
     await set_health(False)
-    await engine.drain(grace_s)
+    await fleet.drain(grace_s)
     if http is not None:
         await http.stop()
     await server.stop(5.0)
-    engine_task.cancel()
+    fleet_task.cancel()
     for t in tasks:
         t.cancel()
     workers.shutdown(wait=False, cancel_futures=True)
-    await engine.close()
+    await fleet.close()
     if metrics_server is not None:
         metrics_server.shutdown()
     log.info("stopped")

@@ -1,4 +1,4 @@
-"""GenerateService over gRPC (asyncio): proto -> domain -> one engine call -> proto. Status codes come from
+"""GenerateService over gRPC (asyncio): proto -> domain -> one fleet call -> proto. Status codes come from
 the interceptor (scheduler/interceptor.py); nothing here picks one.
 
 Inputs are size-checked on the event loop (lengths only), then tokenized and chat-templated in a worker
@@ -21,24 +21,24 @@ T = TypeVar("T")
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
-    def __init__(self, engine: Fleet, workers: Executor | None = None, limits: TokenLimits | None = None) -> None:
-        self.engine = engine
+    def __init__(self, fleet: Fleet, workers: Executor | None = None, limits: TokenLimits | None = None) -> None:
+        self.fleet = fleet
         self._workers = workers  # None: the event loop's default thread pool
         self._limits = limits or TokenLimits()  # per-token shares (the caller: CURRENT_PRINCIPAL, set by auth)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
-        engine = self.engine
+        fleet = self.fleet
         with self._limits.enter(CURRENT_PRINCIPAL.get()) as lease:
-            codec.check_input_size(request, engine.cfg.max_prompt_chars)
-            if request.adapter and request.adapter not in engine.info.adapters:
-                await engine.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
-            req = await self._off_loop(codec.request_from_pb, request, engine.tokenizer, engine.info,
-                                       engine.cfg.default_max_new_tokens, engine.grammars)
+            codec.check_input_size(request, fleet.cfg.max_prompt_chars)
+            if request.adapter and request.adapter not in fleet.info.adapters:
+                await fleet.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
+            req = await self._off_loop(codec.request_from_pb, request, fleet.tokenizer, fleet.info,
+                                       fleet.cfg.default_max_new_tokens, fleet.grammars)
             lease.charge(cost([req]))
-            seq, output = engine.submit(req)
+            seq, stream = fleet.submit(req)
             try:
                 while True:
-                    event = await output.events.get()
+                    event = await stream.events.get()
                     if isinstance(event, TandemError):
                         raise event
                     if event.finish_reason is not None:
@@ -47,22 +47,22 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     if event.finish_reason is not None:
                         return
             finally:
-                engine.abort(seq)  # a no-op for a finished sequence; frees the cache of a cancelled one
+                fleet.abort(seq)  # a no-op for a finished sequence; frees the cache of a cancelled one
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        tok = self.engine.tokenizer
-        codec.check_input_size(request, self.engine.cfg.max_prompt_chars)
+        tok = self.fleet.tokenizer
+        codec.check_input_size(request, self.fleet.cfg.max_prompt_chars)
 
         def tokenize() -> pb.TokenizeResponse:
-            ids = codec.prompt_ids_from_pb(request, tok, self.engine.info.vocab_size)
+            ids = codec.prompt_ids_from_pb(request, tok, self.fleet.info.vocab_size)
             return pb.TokenizeResponse(token_ids=ids, pieces=tok.pieces(ids))
 
         return await self._off_loop(tokenize)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
-        e = self.engine
-        await e.refresh_info()  # adapters may have been loaded or unloaded on the executor since
-        return codec.model_info_to_pb(e.info, e.tokenizer, e.max_batch_tokens, e.cfg, e.views())
+        fleet = self.fleet
+        await fleet.refresh_info()  # adapters may have been loaded or unloaded on the executor since
+        return codec.model_info_to_pb(fleet.info, fleet.tokenizer, fleet.max_batch_tokens, fleet.cfg, fleet.stats())
 
     async def _off_loop(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)

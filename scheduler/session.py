@@ -67,6 +67,12 @@ class ExecutorSession:
         """A KeepAlive got no useful answer: try again in `seconds` rather than at once."""
         self._renewed_at = self._clock() + seconds - self.ttl_s / 3
 
+    def forget(self) -> str:
+        """The executor was lost: the session is no longer ours to use. Returns its id (to close it if that
+        same executor answers again)."""
+        session_id, self.id = self.id, ""
+        return session_id
+
     async def close(self) -> None:
         """Closes the session: the executor releases every cache it still holds. Idempotent."""
         session_id, self.id = self.id, ""

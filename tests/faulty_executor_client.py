@@ -113,7 +113,7 @@ class FaultyExecutorClient:
         # The capabilities of the contract this fake plays are its own, whatever the inner executor has.
         caps = [c for c in out.capabilities
                 if c not in ("registered_sampling", "sessions", "prefix_caching", "create_cache", "kv_events",
-                             "multi_step_decode")  # (every step is a UnifiedDecode here: the faults are on it)
+                             "multi_step_decode", "release_with_step")  # (every step is a UnifiedDecode here: the faults are on it)
                 and c not in self.hidden_capabilities]
         del out.capabilities[:]
         out.capabilities.extend(caps + (["registered_sampling"] if self.registered_sampling else []))
@@ -195,7 +195,10 @@ class FaultyExecutorClient:
             raise RemoteError(name, f"executor {self.address}: injected {name}")
         return self._info(await self.inner.info())
 
-    async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "",
+                             release: Sequence[str] = ()) -> epb.UnifiedDecodeResponse:
+        # (this fake plays an executor without "release_with_step": releases must come as ReleaseCache calls)
+        assert not release, "release_cache_ids sent to an executor that does not list release_with_step"
         fault = self._fault()
         # a network client yields to the event loop while the step runs; so does this one (once, at least)
         await asyncio.sleep(fault.delay_s if fault is not None and fault.kind in ("late", "late-status") else 0)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from scheduler.fleet import Fleet
 from scheduler.request import Delta, GenerateRequest
-from scheduler.request_output import RequestOutput
+from scheduler.request_stream import RequestStream
 from scheduler.token_limits import Lease
 from tandem.errors import TandemError
 
@@ -43,12 +43,12 @@ class Generation:
         self._events: asyncio.Queue = asyncio.Queue()
         self._open = len(self._runs)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._pump(i, output)) for i, (_, output) in enumerate(self._runs)]
+        self._tasks = [loop.create_task(self._pump(i, stream)) for i, (_, stream) in enumerate(self._runs)]
         self._watch = loop.create_task(self._watch_disconnect(receive))
 
-    async def _pump(self, index: int, output: RequestOutput) -> None:
+    async def _pump(self, index: int, stream: RequestStream) -> None:
         while True:
-            event = await output.events.get()
+            event = await stream.events.get()
             self._events.put_nowait((index, event))
             if isinstance(event, TandemError) or event.finish_reason is not None:
                 return

@@ -8,6 +8,7 @@ from typing import Callable
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import Delta
+from scheduler.codec import executor_info_from_pb
 from tandem.errors import TandemError
 
 
@@ -19,7 +20,7 @@ class Running:
         self.client = client
         self.health: list[bool] = []
         cfg.setdefault("reconnect_interval_s", 0.01)
-        self.engine = Engine(SchedulerConfig("faulty", **cfg), client, tokenizer, client.info_now(),
+        self.engine = Engine(SchedulerConfig("faulty", **cfg), client, tokenizer, executor_info_from_pb(client.info_now()),
                              on_health=self.health.append, client_name="tandem-scheduler test")
 
     async def __aenter__(self) -> Engine:

@@ -41,9 +41,9 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    async def decode(self, items, num_steps, session_id=""):
+    async def decode(self, items, num_steps, session_id="", release=()):
         self.bursts.append((len(items), num_steps))
-        return await self.inner.decode(items, num_steps, session_id)
+        return await self.inner.decode(items, num_steps, session_id, release=release)
 
 
 def kv(free: int = 100) -> KvUsage:

@@ -24,6 +24,7 @@ from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import Fault, FaultyExecutorClient
 from tests.scheduler.engine_harness import Running, collect, tokens, until
+from scheduler.codec import executor_info_from_pb
 
 WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "tag"],
@@ -103,10 +104,10 @@ def test_a_restart_recomputes_constrained_requests_to_the_same_tokens(model_dir,
 class MaskIgnoringClient(InProcessExecutorClient):
     """An executor that drops every token mask (as one that does not know the field would)."""
 
-    async def unified_decode(self, items, session_id: str = ""):
+    async def unified_decode(self, items, session_id: str = "", release=()):
         for it in items:
             it.ClearField("allowed_tokens")
-        return await super().unified_decode(items, session_id)
+        return await super().unified_decode(items, session_id, release=release)
 
 
 def test_a_token_outside_the_mask_fails_the_request(model_dir, tokenizer, grammars):
@@ -119,12 +120,10 @@ def test_a_token_outside_the_mask_fails_the_request(model_dir, tokenizer, gramma
 
 
 def test_constraints_need_an_executor_that_applies_masks(model_dir, tokenizer, grammars):
-    info = InProcessExecutorClient(make_executor(model_dir, kv_blocks=8)).info_now()
+    info = executor_info_from_pb(InProcessExecutorClient(make_executor(model_dir, kv_blocks=8)).info_now())
     m = pb.GenerateRequest(text="hi", constraint=pb.Constraint(regex="a+"))
     assert codec.request_from_pb(m, tokenizer, info, 8, grammars).constraint is not None
-    old = type(info)()
-    old.CopyFrom(info)
-    old.capabilities.remove("token_masks")
+    old = dataclasses.replace(info, capabilities=info.capabilities - {"token_masks"})
     with pytest.raises(Unsupported, match="token_masks"):
         codec.request_from_pb(m, tokenizer, old, 8, grammars)
 

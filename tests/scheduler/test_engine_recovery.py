@@ -4,6 +4,8 @@ restart or the loss of our session; the retry window; per-item failures; errors 
 slow control calls; sessions (open, renew, close) and executors without them."""
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import pytest
@@ -152,14 +154,15 @@ def test_an_executor_back_with_another_model_fails_the_queue_clearly(client, tok
         async with Running(faulty, tokenizer) as engine:
             _, out = engine.submit(request("a"))
             await until(lambda: not engine.up, "the executor's loss")
-            engine.info.vocab_size += 1  # as if it had served another model before
+            was = engine.info
+            engine.info = dataclasses.replace(was, vocab_size=was.vocab_size + 1)  # as if it served another model
             faulty.down = False
             err = (await collect(out))[-1]
             assert "another vocabulary size" in str(err) and "restart the scheduler" in str(err)
             with pytest.raises(ExecutorUnreachable, match="another vocabulary size"):
                 engine.submit(request("b"))
             assert not engine.up
-            engine.info.vocab_size -= 1  # the right one is back
+            engine.info = was  # the right one is back
             await until(lambda: engine.up, "the fitting executor")
     scenario(run())
 

@@ -21,6 +21,7 @@ from tandem.errors import Unsupported
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import FaultyExecutorClient
 from tests.scheduler.engine_harness import collect, tokens
+from scheduler.codec import executor_info_from_pb
 
 WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
 
@@ -37,9 +38,9 @@ def client(model_dir, address: str, hidden: set[str]) -> FaultyExecutorClient:
 
 async def serve(clients: list[FaultyExecutorClient], tokenizer, work) -> object:
     """A fleet over clients with its loops running; work(fleet) is awaited; every block free afterwards."""
-    fleet = Fleet(SchedulerConfig(clients[0].address, reconnect_interval_s=0.01), tokenizer, clients[0].info_now())
+    fleet = Fleet(SchedulerConfig(clients[0].address, reconnect_interval_s=0.01), tokenizer, executor_info_from_pb(clients[0].info_now()))
     for c in clients:
-        fleet.add(c, c.info_now())
+        fleet.add(c, executor_info_from_pb(c.info_now()))
     await fleet.start()
     task = asyncio.create_task(fleet.run())
     try:

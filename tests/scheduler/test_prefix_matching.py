@@ -16,6 +16,7 @@ from scheduler.sequence import Sequence
 from tandem.codec import kv_usage_from_pb
 from tandem.executor.v1 import executor_pb2 as epb
 from tests.executor_driver import make_executor
+from scheduler.codec import executor_info_from_pb
 
 SYSTEM = [1] + [5 + (i * 7) % 300 for i in range(63)]  # 64 tokens: 4 blocks of 16
 
@@ -55,9 +56,9 @@ def test_requests_after_the_first_reuse_the_shared_prefix_and_match_a_run_withou
     info = client.info_now()
     assert "prefix_caching" in info.capabilities
     reqs = [_request(n, [400 + n, 401 + n, 402]) for n in range(4)]
-    first = _run(Engine(SchedulerConfig(executor="in-process", max_running=1), client, tok, info), reqs)
+    first = _run(Engine(SchedulerConfig(executor="in-process", max_running=1), client, tok, executor_info_from_pb(info)), reqs)
     off = InProcessExecutorClient(make_executor(model_dir, kv_blocks=64, prefix_caching=False))
-    plain = _run(Engine(SchedulerConfig(executor="in-process", max_running=1), off, tok, off.info_now()), reqs)
+    plain = _run(Engine(SchedulerConfig(executor="in-process", max_running=1), off, tok, executor_info_from_pb(off.info_now())), reqs)
     assert [ids for ids, _ in first] == [ids for ids, _ in plain]
     assert first[0][1].cached_tokens == 0 and all(u.cached_tokens == 64 for _, u in first[1:])
     assert all(u.cached_tokens == 0 for _, u in plain)
@@ -116,9 +117,9 @@ def test_a_burst_sharing_a_prompt_computes_it_once_and_matches_a_run_without_it(
     written and reuse it (rather than all computing it side by side)."""
     reqs = [_request(n, [410 + n, 5, 6]) for n in range(8)]
     cfg = SchedulerConfig(executor="in-process", max_running=8, prefill_chunk=16)
-    burst = _run(Engine(cfg, client, tok, client.info_now()), reqs)
+    burst = _run(Engine(cfg, client, tok, executor_info_from_pb(client.info_now())), reqs)
     off = InProcessExecutorClient(make_executor(model_dir, kv_blocks=64, prefix_caching=False))
-    plain = _run(Engine(cfg, off, tok, off.info_now()), reqs)
+    plain = _run(Engine(cfg, off, tok, executor_info_from_pb(off.info_now())), reqs)
     assert [ids for ids, _ in burst] == [ids for ids, _ in plain]
     assert burst[0][1].cached_tokens == 0 and all(u.cached_tokens == len(SYSTEM) for _, u in burst[1:])
     assert client.executor.prefix_stats().hit_tokens == 7 * len(SYSTEM)

@@ -1,4 +1,4 @@
-"""scheduler.sequence.Sequence (token state, token-id stops) and scheduler.request_output.RequestOutput (text,
+"""scheduler.sequence.Sequence (token state, token-id stops) and scheduler.request_stream.RequestStream (text,
 stop strings, deltas) with SmolLM2's tokenizer, glued as the engine glues them."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from tandem.errors import Unavailable
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob, Usage
-from scheduler.request_output import RequestOutput
+from scheduler.request_stream import RequestStream
 from scheduler.sequence import Sequence, Status
 
 EOS = 2  # <|im_end|>
@@ -17,16 +17,16 @@ MAX_SEQ_LEN = 8192
 
 
 class Tracked:
-    """A Sequence and its RequestOutput, fed as scheduler/engine.py feeds them; other attributes are the
+    """A Sequence and its RequestStream, fed as scheduler/engine.py feeds them; other attributes are the
     sequence's."""
 
-    def __init__(self, seq: Sequence, out: RequestOutput) -> None:
+    def __init__(self, seq: Sequence, out: RequestStream) -> None:
         self.seq, self.out, self.events = seq, out, out.events
 
     def append(self, token: TokenLogprob) -> None:
         finish = self.seq.append(token.token_id)
         if self.out.add(token, finish, self.seq.preemptions) is not None and finish is None:
-            self.seq.status = Status.FINISHED  # a stop string (the engine: policy.finish)
+            self.seq.status = Status.FINISHED  # a stop string (the engine: policy.abort)
 
     def publish(self) -> None:
         self.out.publish()
@@ -53,7 +53,7 @@ def make(tok, prompt: str = "Hello", max_new: int = 50, eos=(EOS,), max_seq_len:
          keep_special: bool = False, arrival: int = 0, **stopping) -> Tracked:
     request = GenerateRequest("req-1", tuple(tok.encode(prompt)), StoppingCriteria(max_new, **stopping),
                               keep_special_tokens=keep_special)
-    return Tracked(Sequence(request, arrival, eos, max_seq_len), RequestOutput(request, tok))
+    return Tracked(Sequence(request, arrival, eos, max_seq_len), RequestStream(request, tok))
 
 
 def lp(token_id: int) -> TokenLogprob:

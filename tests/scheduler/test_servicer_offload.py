@@ -19,6 +19,7 @@ from tandem.errors import InvalidRequest, SequenceTooLong, TandemError
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import FaultyExecutorClient
+from scheduler.codec import executor_info_from_pb
 
 BIG = 2_000_000  # characters of the large prompt (2 MB): seconds of tokenizing on one core
 
@@ -56,7 +57,7 @@ def test_a_large_prompt_is_tokenized_while_another_stream_gets_tokens(model_dir,
         deltas = [0]
         counting = CountingTokenizer(tokenizer, deltas)
         client = FaultyExecutorClient(InProcessExecutorClient(make_executor(model_dir, kv_blocks=64)))
-        engine = Engine(SchedulerConfig("faulty", max_prompt_chars=BIG), client, counting, client.info_now())
+        engine = Engine(SchedulerConfig("faulty", max_prompt_chars=BIG), client, counting, executor_info_from_pb(client.info_now()))
         engine.grammars = None  # (the servicer's fleet compiles constraints; a bare engine has none)
         servicer = GenerateServicer(engine, ThreadPoolExecutor(1))
         loop_task = asyncio.create_task(engine.run())

@@ -1,31 +1,29 @@
-"""One request's stream back to its client: incremental detokenization, stop strings, logprobs and the pending
+"""RequestStream: one request's stream back to its client: incremental detokenization, stop strings, logprobs and the pending
 delta, and the queue the servicer reads. Owned by the request side; the scheduling policy never sees it.
 
 The Sequence (scheduler/sequence.py) decides the stops it can see in token ids (EOS, stop token ids, length);
 this object decides the one only text shows (a stop string) and tells the engine, which then finishes the
 sequence in the policy.
 
-It also keeps the request's timeline (queued, admitted, each token, end) and hands it to the metrics
-(scheduler/metrics.py), when the engine gave it some.
+It also keeps the request's timeline (queued, admitted, each token, end) and reports it to the request events
+(scheduler/request_events.py: the metrics implement them), when it was given some.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.request import Delta, Finish, FinishReason, GenerateRequest, TokenLogprob, Usage
+from scheduler.request_events import RequestEvents
 from scheduler.stop_strings import StopStringMatcher
 from tandem.errors import TandemError
 from tandem.status_map import status_for
 
-if TYPE_CHECKING:
-    from scheduler.metrics import SchedulerMetrics
 
-
-class RequestOutput:
-    def __init__(self, request: GenerateRequest, tokenizer, metrics: "SchedulerMetrics | None" = None,
+class RequestStream:
+    def __init__(self, request: GenerateRequest, tokenizer, metrics: RequestEvents | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Created when the request is queued: its latencies count from here."""
         self.request = request

@@ -1,0 +1,25 @@
+"""What a request's stream reports as it goes (queue time, tokens, its end): the hooks the metrics implement
+(scheduler/metrics.py). A protocol here, at the bottom, so that the streams and the engines report without
+importing the metrics."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler.request import FinishReason
+
+
+class RequestEvents(Protocol):
+    def admitted(self, queued_s: float) -> None:
+        """First admitted into a batch after queued_s seconds in the queue."""
+
+    def first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None: ...
+
+    def next_token(self, itl_s: float) -> None: ...
+
+    def finished(self, reason: FinishReason, e2e_s: float, prompt_tokens: int, generated_tokens: int) -> None: ...
+
+    def failed(self, code: str) -> None:
+        """Ended with an error: code is the gRPC status name (CANCELLED: the client went away)."""
+
+    def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
+        """A step verified `drafts` sequences' drafts, `drafted` tokens in all, and accepted `accepted`."""
