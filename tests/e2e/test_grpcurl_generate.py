@@ -1,4 +1,5 @@
-"""The scheduler through the real `grpcurl` binary: the README's commands work with reflection alone."""
+"""The scheduler through the real `grpcurl` binary: the documented commands (README.md, docs/serving.md) work with
+reflection alone."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import re
 import pytest
 
 from tandem.generate.v1 import generate_pb2 as pb
+from tests.docs_text import docs_text
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import collect
 from tests.executor.test_grpcurl import GRPCURL, field, grpcurl
@@ -68,10 +70,11 @@ def test_error_reaches_grpcurl(server):
 
 
 def test_readme_constrained_generate_command(server):
-    """README "Structured output": a regex constraint through grpcurl (a random model, so only the mask makes
-    the text a phone number)."""
+    """docs/serving.md "Structured output": a regex constraint through grpcurl (a random model, so only the mask
+    makes the text a phone number); the body is the documented command's."""
     body = {"text": "My phone number is", "constraint": {"regex": "[0-9]{3}-[0-9]{4}"},
             "stopping": {"maxNewTokens": 16}}
+    assert f"-d '{json.dumps(body)}'" in docs_text("docs/serving.md")
     messages = json_stream(grpcurl(server, f"{SERVICE}/Generate", data=body).stdout)
     text = "".join(m.get("text", "") for m in messages)
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text

@@ -3,7 +3,7 @@ against real processes (tiny llama executor with a LoRA adapter loaded, schedule
 text equals the gRPC Generate text of the same request (chat and completions, whole and streamed, sync and
 async clients), n > 1 with seeds, logprobs shapes, stop sequences, usage, an adapter chosen by `model`, every
 error with its HTTP status and OpenAI error body, a client that disconnects frees its KV, /tokenize,
-/detokenize, /health, and the README's curl examples."""
+/detokenize, /health, and the documented curl examples (docs/serving.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +23,7 @@ from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.conftest import ROOT
+from tests.docs_text import docs_text
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.lora_fixtures import make_peft_adapter
 from tests.scheduler_client import collect, wait_kv_free
@@ -408,9 +409,9 @@ def test_tokenize_and_detokenize(url, grpc):
 
 
 def _readme_curl_commands() -> list[str]:
-    """The shell commands of the README block after the marker (backslash continuations joined)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert README_MARKER in text, f"README.md lost its marker {README_MARKER}"
+    """The shell commands of the docs block after the marker (backslash continuations joined)."""
+    text = docs_text()  # README.md + docs/*.md: the block lives in docs/serving.md
+    assert text.count(README_MARKER) == 1, f"README.md + docs/*.md must hold the marker {README_MARKER} once"
     block = re.search(r"```bash\n(.*?)```", text[text.index(README_MARKER):], re.DOTALL).group(1)
     return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip() and not c.startswith("#")]
 

@@ -1,9 +1,9 @@
 """Prometheus metrics of both real processes (tiny llama; --metrics-port 0, the port read from the log line
 `metrics on http://...`): both /metrics parse; after a known workload the scheduler's counters equal what
 was sent and its histograms counted every request and token; every executor forward is observed once in the
-step histograms; KV gauges add up; a cancelled stream is counted; every metric the Grafana dashboard and the
-README name exists (and every exported one is in the README). Plus, in process: registries are per instance,
-and the lock-free histogram's buckets follow Prometheus' `le`."""
+step histograms; KV gauges add up; a cancelled stream is counted; every metric the Grafana dashboard and
+docs/metrics.md name exists (and every exported one is in docs/metrics.md). Plus, in process: registries are
+per instance, and the lock-free histogram's buckets follow Prometheus' `le`."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scheduler.metrics import SchedulerMetrics
 from tandem.generate.v1 import generate_pb2 as pb
 from tandem.histogram import SingleWriterHistogram
+from tests.docs_text import docs_text
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import collect, ids_request, wait_kv_free
 
@@ -207,14 +208,11 @@ def test_dashboard_uses_only_exported_metrics(scheduler, executor):
 
 
 def test_readme_lists_every_tandem_metric(scheduler, executor):
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Metrics (Prometheus)"):]
-    section = section[:section.index("\n## ")]
-    documented = _metric_names(section)
+    documented = _metric_names(docs_text("docs/metrics.md"))  # the metrics page, as the README's section was
     exported = {f for f in families(scheduler) | families(executor)
                 if f.startswith("tandem:") and not f.endswith("_created")}
     missing = {f for f in exported if f not in documented and f + "_total" not in documented}
-    assert not missing, f"missing from the README: {sorted(missing)}"
+    assert not missing, f"missing from docs/metrics.md: {sorted(missing)}"
     # (CUDA-only and MoE-only metrics are documented though this CPU, dense run does not export them)
     extra = documented - _exported(scheduler) - _exported(executor)
     assert extra <= {"tandem:executor_device_memory_allocated_bytes", "tandem:executor_device_memory_reserved_bytes",

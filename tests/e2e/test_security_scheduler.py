@@ -4,8 +4,8 @@ it over mTLS with its own token while serving TLS with tokens on gRPC and on its
 --insecure, on the executor's plaintext Unix socket); missing and wrong tokens are UNAUTHENTICATED / 401 and a user token on
 /metrics 403, with OpenAI's error body through the official client (the --metrics-port too: https, admin
 token); the per-token limit refuses only the
-client over it; a server bound to 0.0.0.0 without TLS or tokens refuses to start; the README's grpcurl
-commands run as written; no token or prompt reaches a log."""
+client over it; a server bound to 0.0.0.0 without TLS or tokens refuses to start; the documented grpcurl
+commands (docs/security.md) run as written; no token or prompt reaches a log."""
 from __future__ import annotations
 
 import re
@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.conftest import ROOT
+from tests.docs_text import docs_text
 from tests.executor.test_grpcurl import GRPCURL
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import collect
@@ -38,7 +39,7 @@ README_MARKER = "<!-- security-grpcurl-examples"
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("work") / "certs")  # the README's layout: certs/ in the cwd
+    return make_pki(tmp_path_factory.mktemp("work") / "certs")  # the documented layout: certs/ in the cwd
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +204,8 @@ def test_per_token_limit_refuses_only_the_client_over_it(secure, secure_executor
 
 
 def _readme_grpcurl_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert README_MARKER in text, f"README.md lost its marker {README_MARKER}"
+    text = docs_text()  # README.md + docs/*.md: the block lives in docs/security.md
+    assert text.count(README_MARKER) == 1, f"README.md + docs/*.md must hold the marker {README_MARKER} once"
     block = re.search(r"```bash\n(.*?)```", text[text.index(README_MARKER):], re.DOTALL).group(1)
     return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip() and not c.startswith("#")]
 

@@ -1,5 +1,6 @@
-"""The README's quality bounds of --quantization on the real default model (SmolLM2-135M-Instruct) against
-float32 on the same weights (benchmarks/quality.py measures; bench_decode's quality part prints the same):
+"""The quality bounds of --quantization that docs/performance.md states, on the real default model
+(SmolLM2-135M-Instruct) against float32 on the same weights (benchmarks/quality.py measures; `python -m benchmarks
+decode --parts quality` prints the same; tests/contract/test_docs.py checks the page states these bounds):
 
 - fp16 (float16 weights, float32 compute): every greedy token of the 4 parity prompts (32 each) identical,
   mean NLL of the fixed text within 0.002 nats/token;
