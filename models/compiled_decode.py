@@ -16,7 +16,7 @@ for a compile once the warm-up ran.
 
 `warm_up` compiles before the server reports READY. Inductor's on-disk cache (the compile cache directory)
 keeps the compiled C++ kernels across restarts; torch does not cache AOT graphs compiled with freezing, so a
-restart still traces and lowers the graph (SmolLM2 on 2 CPU cores: ~2 minutes either way, README).
+restart still traces and lowers the graph (SmolLM2 on 2 CPU cores: ~2 minutes either way, docs/performance.md).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ fewer bytes per step is the point.
 
 The float weights are dropped once quantized (the Linear keeps an empty `weight` of the right dtype and
 device, so code reading `weight.dtype` / `.device` still works); with tied embeddings the LM head's
-weight is the embedding's and stays. Quality against float32 and speed: README, *Decode speed*.
+weight is the embedding's and stays. Quality against float32 and speed: docs/performance.md.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="executor to drive: HOST:PORT, unix:PATH, or dns:///NAME:PORT for every address NAME resolves "
                          "to (e.g. a Kubernetes headless Service; looked up again every --resolve-interval). "
                          "Repeat it for several executors: each runs its own batch, new requests go to the best "
-                         "scored (free KV, queued tokens, cached prefix: see README), and a lost executor's requests "
+                         "scored (free KV, queued tokens, cached prefix: see docs/fleet.md), and a lost executor's requests "
                          "are recomputed on the others. All must serve the same model")
     ap.add_argument("--resolve-interval", type=float, default=_D.resolve_interval_s,
                     help=f"seconds between DNS lookups of dns:/// executor targets (default {_D.resolve_interval_s:.0f})")
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _add_link_flags(ap: argparse.ArgumentParser) -> None:
     """The scheduler as a client of its executors, and the per-token shares of its own clients."""
-    g = ap.add_argument_group("to the executors, and per-token limits (README: Security)")
+    g = ap.add_argument_group("to the executors, and per-token limits (docs/security.md)")
     g.add_argument("--executor-tls-ca", type=Path, metavar="PEM",
                    help="connect to the executors over TLS and check their certificates against this PEM CA")
     g.add_argument("--executor-tls-cert", type=Path, metavar="PEM",

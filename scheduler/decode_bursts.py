@@ -2,7 +2,7 @@
 several decode steps in one call (Decode with num_steps, feeding each sampled token back on the device), so
 the per-call cost — the gRPC round trip, both processes' Python, the scheduler's bookkeeping — is paid once
 per burst instead of once per token. At batch 1 on a small model that cost is 3-5 ms against a 9-25 ms step
-(README: Decode speed).
+(docs/performance.md).
 
 What it costs: tokens reach the client in bursts (one message per call), and a request arriving during a
 burst waits for its end. Both are bounded by time, not by a count: a burst lasts about --decode-burst-ms

@@ -2,7 +2,7 @@
 schema, any JSON object, a regex, a choice among strings, a Lark or GBNF grammar) becomes a CompiledConstraint
 from which every sequence of the request starts its own matcher (scheduler/constraint.py).
 
-Why llguidance (README "Structured output" has the figures, scripts/bench_structured.py measures them): its
+Why llguidance (docs/performance.md has the figures, `python -m benchmarks structured` measures them): its
 masks for a batch of 32 cost less than xgrammar's on SmolLM2's and Qwen's vocabularies, it covers more of
 JSON Schema, and it imports neither torch nor transformers (the scheduler stays torch-free; xgrammar's Python
 package imports both).

@@ -2,7 +2,7 @@
 
 One SchedulerMetrics per server, on a registry of its own (not prometheus_client's global one, so that
 several schedulers can live in one test process). Names are vLLM's where they mean the same, with `tandem:`
-for `vllm:` (dashboards and alerts written for vLLM carry over); the README lists them all.
+for `vllm:` (dashboards and alerts written for vLLM carry over); docs/metrics.md lists them all.
 
 Request figures are counted as they happen: each request's stream (scheduler/request_stream.py) reports its
 admission, tokens and end through the RequestEvents hooks (scheduler/request_events.py) that SchedulerMetrics

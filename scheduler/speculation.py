@@ -33,7 +33,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     # Decoding sequences in a step above which nobody drafts (verification would cost more than it saves).
-    max_batch: int = 4  # measured: chat at 8 decoding ran 0.79x, at 4 1.09x (README, bench_spec)
+    max_batch: int = 4  # measured: chat at 8 decoding ran 0.79x, at 4 1.09x (docs/performance.md, benchmarks spec)
 
     @property
     def enabled(self) -> bool:

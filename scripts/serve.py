@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, required=True, help="HF model directory (scripts/serve passes the default)")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address both servers bind (default 127.0.0.1); another one needs TLS or tokens in "
-                         "--executor-args/--scheduler-args, or --insecure there (README: Security)")
+                         "--executor-args/--scheduler-args, or --insecure there (docs/security.md)")
     ap.add_argument("--port", type=int, default=50052, help="scheduler (GenerateService) port (default 50052)")
     ap.add_argument("--http-port", type=int, default=8000,
                     help="the scheduler's OpenAI-compatible HTTP port (default 8000; 0 = any free port; -1 = off)")
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print("Try it yourself (the server has reflection: no .proto needed):\n", flush=True)
         print(f"  {grpcurl_hint(scheduler.address)}\n", flush=True)
         if scheduler.http_url:
-            print("or over HTTP, the OpenAI way (see README: OpenAI-compatible HTTP):\n", flush=True)
+            print("or over HTTP, the OpenAI way (see docs/serving.md):\n", flush=True)
             print(f"  {curl_hint(scheduler.http_url)}\n", flush=True)
         if args.no_wait:
             return 0

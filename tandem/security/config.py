@@ -32,7 +32,7 @@ class ServerSecurity:
 
 
 def add_server_flags(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("security (README: Security)")
+    g = ap.add_argument_group("security (docs/security.md)")
     g.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this PEM certificate chain (with --tls-key); "
                                                  "re-read on change or SIGHUP without dropping open streams")
     g.add_argument("--tls-key", type=Path, metavar="PEM", help="the PEM private key of --tls-cert")

@@ -25,7 +25,7 @@ def check_exposure(host: str, listens_on_tcp: bool, tls: bool, tokens: bool, ins
     raise InsecureBinding(
         f"refusing to listen on {host} (not loopback) with neither TLS nor tokens: anyone who reaches the port "
         "could generate, read caches and load adapters. Give --tls-cert/--tls-key and/or --auth-token-file "
-        "(README: Security), or --insecure if the network itself is trusted")
+        "(docs/security.md), or --insecure if the network itself is trusted")
 
 
 def posture_line(tls: bool, mtls: bool, tokens: str | None, reflection: bool, health_open: bool,
