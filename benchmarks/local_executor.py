@@ -20,8 +20,8 @@ def build_executor(model_dir: Path, device: str, dtype: str, kv_blocks: int, max
 
 
 class DecodeState:
-    """B sequences decoding together: each one's cache id, length and the token to feed next. Reads the
-    Executor's results and an executor server's response messages alike (the same field names)."""
+    """B sequences decoding together: each one's cache id, length and next token. Reads the Executor's results
+    and an executor server's response messages alike (the same field names)."""
 
     def __init__(self) -> None:
         self.caches: list[str] = []
@@ -36,7 +36,6 @@ class DecodeState:
             self.tokens.append(r.output.tokens[0].token_id)
 
     def advance(self, results: Sequence[Any]) -> None:
-        """Takes each sequence's new length and last sampled token from a decode call's results."""
         self.lengths = [r.cache.seq_len for r in results]
         self.tokens = [r.output.tokens[-1].token_id for r in results]
 
@@ -52,16 +51,14 @@ class DecodeBatch(DecodeState):
         self.ex = ex
 
     def prefill(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str] | None = None) -> None:
-        """Starts one cache per prompt (prompt i on adapters[i]; greedy, tokens mode) in unified_decode calls
-        of at most the executor's max_batch_tokens tokens."""
+        """One cache per prompt (prompt i on adapters[i]; greedy) in unified_decode calls of at most the
+        executor's max_batch_tokens tokens."""
         pairs = list(zip(prompts, adapters or [""] * len(prompts)))
         for group in token_budget_groups(pairs, self.ex.config.max_batch_tokens, size=lambda pair: len(pair[0])):
-            self.add(self.ex.unified_decode([UnifiedItem(tuple(p), output=TOKENS_ONLY, adapter=a)
-                                             for p, a in group]))
+            self.add(self.ex.unified_decode([UnifiedItem(tuple(p), output=TOKENS_ONLY, adapter=a) for p, a in group]))
 
     def decode_items(self, output: OutputOptions = TOKENS_ONLY, adapters: Sequence[str] | None = None
                      ) -> list[DecodeItem]:
-        """One DecodeItem per sequence, feeding its next token at its length."""
         adapters = adapters or [""] * len(self.caches)
         return [DecodeItem(CacheRef(c, n), t, output=output, adapter=a)
                 for c, n, t, a in zip(self.caches, self.lengths, self.tokens, adapters)]

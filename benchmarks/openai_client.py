@@ -1,86 +1,90 @@
-"""An asyncio client of an OpenAI-compatible chat endpoint (Tandem's scheduler with --http-port, or vLLM):
-streamed greedy chat requests of an exact output length, closed loop (N in flight) or open loop (given
-arrival times), each request's timings in the same Record as benchmarks/serving_client.py (gRPC) fills.
+"""The one load client of the serving, prefix, speculation and structured benchmarks: asyncio + httpx against
+the scheduler's OpenAI-compatible HTTP front (or any server with vLLM's extras), streamed requests, closed loop
+(N in flight) or open loop (given arrival times), each request's timings in a Record.
 
-Each request asks for `logprobs` with vLLM's `return_tokens_as_token_ids`, so every SSE chunk says exactly
-which tokens it carries ("token_id:<id>"): a chunk's token count and the output ids come from there, not from
-guessing tokens out of text (a chunk may carry several tokens, or none while text is held back). The
-server must support those extras and `ignore_eos` (Tandem and vLLM do); OpenAI's own API does not.
-"""
+A prompt is token ids (POST /v1/completions: the ids are used as they are) or a str (POST /v1/chat/completions:
+one user message, rendered with the model's chat template). Every request asks for logprobs with vLLM's
+`return_tokens_as_token_ids`, so each SSE chunk says exactly which tokens it carries ("token_id:<id>"): token
+counts and output ids come from there, not from guessing tokens out of text."""
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from typing import Any
+import urllib.request
+from typing import Any, Awaitable, Callable, Sequence
 
 import httpx
 
-from benchmarks import request_loops as loops
 from benchmarks.request_metrics import Record
 
-CHAT_PATH = "/v1/chat/completions"
+Prompt = list[int] | str
 _TOKEN_PREFIX = "token_id:"
 
 
 def make_client(url: str, concurrency: int) -> httpx.AsyncClient:
-    """An HTTP client for `url` (e.g. "http://127.0.0.1:8000") with a connection per request in flight."""
+    """An HTTP client for `url` (http://HOST:PORT) with a connection per request in flight."""
+    n = max(concurrency, 1)
     return httpx.AsyncClient(base_url=url, timeout=None,
-                             limits=httpx.Limits(max_connections=max(concurrency, 1),
-                                                 max_keepalive_connections=max(concurrency, 1)))
+                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
 
 
-def chat_payload(index: int, prompt: str, output_len: int, tag: str, model: str = "") -> dict[str, Any]:
-    """A greedy streamed chat request of exactly output_len tokens (EOS ignored)."""
-    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": output_len,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "logprobs": True, "return_tokens_as_token_ids": True, "user": f"bench-{tag}-{index}"}
-
-
-def _token_ids(chunk: dict[str, Any]) -> list[int]:
-    ids = []
-    for choice in chunk.get("choices") or ():
-        for t in ((choice.get("logprobs") or {}).get("content") or ()):
-            token = t["token"]
-            ids.append(int(token[len(_TOKEN_PREFIX):]) if token.startswith(_TOKEN_PREFIX) else -1)
-    return ids
+def request_body(prompt: Prompt, output_len: int, greedy_exact: bool = True, **extra: Any) -> tuple[str, dict]:
+    """(path, JSON body): greedy, streamed, usage at the end; greedy_exact: EOS ignored (exactly output_len
+    tokens). extra: more body fields (min_tokens, guided_grammar, ...)."""
+    body: dict[str, Any] = {"model": "", "max_tokens": output_len, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}, "return_tokens_as_token_ids": True, **extra}
+    if greedy_exact:
+        body["ignore_eos"] = True
+    if isinstance(prompt, str):
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}], "logprobs": True}
+    return "/v1/completions", {**body, "prompt": list(prompt), "logprobs": 0}
 
 
 def _note(rec: Record, chunk: dict[str, Any], t: float) -> None:
-    if "error" in chunk:  # an error after the stream began (vLLM and Tandem send it as an event)
+    if "error" in chunk:  # an error after the stream began
         rec.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
         return
-    ids = _token_ids(chunk)
-    if ids:
-        rec.messages.append((t, len(ids)))
-        rec.output_ids.extend(ids)
     for choice in chunk.get("choices") or ():
+        lp = choice.get("logprobs") or {}
+        tokens = [c["token"] for c in lp.get("content") or ()] or list(lp.get("tokens") or ())
+        ids = [int(tok[len(_TOKEN_PREFIX):]) if tok.startswith(_TOKEN_PREFIX) else -1 for tok in tokens]
+        if ids:
+            rec.messages.append((t, len(ids)))
+            rec.output_ids.extend(ids)
         if choice.get("finish_reason"):
             rec.finish_reason = choice["finish_reason"]
     u = chunk.get("usage")
     if u:
-        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        details = u.get("completion_tokens_details") or {}
         rec.usage = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-                     "cached_tokens": cached}
-        rec.prompt_len = u["prompt_tokens"]  # the chat template's tokens included
+                     "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                     "accepted_tokens": details.get("accepted_prediction_tokens", 0),
+                     "drafted_tokens": details.get("accepted_prediction_tokens", 0)
+                     + details.get("rejected_prediction_tokens", 0)}
+        rec.prompt_len = u["prompt_tokens"]  # a chat prompt's length is known once rendered
 
 
-async def send_one(client: httpx.AsyncClient, rec: Record, prompt: str, output_len: int, tag: str,
-                   timeout: float, model: str = "") -> Record:
-    """Streams one chat request and fills rec: start/end, (time, tokens) of each token-carrying chunk, output
-    ids, finish_reason ("length" / "stop"), usage (prompt_len becomes usage.prompt_tokens), or error."""
-    payload = chat_payload(rec.index, prompt, output_len, tag, model)
+async def send(client: httpx.AsyncClient, rec: Record, prompt: Prompt, output_len: int, timeout: float,
+               **body: Any) -> Record:
+    """Streams one request into rec: start/end, (time, tokens) of each token-carrying chunk, output ids, finish
+    reason ("length" / "stop"), usage, or error. body: request_body's options."""
+    path, payload = request_body(prompt, output_len, **body)
 
     async def stream() -> None:
-        async with client.stream("POST", CHAT_PATH, json=payload) as response:
+        async with client.stream("POST", path, json=payload) as response:
             if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                rec.error = f"HTTP {response.status_code}: {_message(body)}"
+                text = (await response.aread()).decode(errors="replace")
+                try:
+                    text = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    text = text[:200]
+                rec.error = f"HTTP {response.status_code}: {text}"
                 return
             async for line in response.aiter_lines():
-                t = time.perf_counter()
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    _note(rec, json.loads(line[len("data: "):]), t)
+                    _note(rec, json.loads(line[len("data: "):]), time.perf_counter())
 
     rec.start = time.perf_counter()
     try:
@@ -91,26 +95,63 @@ async def send_one(client: httpx.AsyncClient, rec: Record, prompt: str, output_l
     return rec
 
 
-def _message(body: str) -> str:
-    try:
-        return json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return body[:200]
+async def closed_loop(n: int, concurrency: int, send_i: Callable[[int], Awaitable[Any]]) -> None:
+    """Requests 0..n-1, `concurrency` in flight: each finished one starts the next."""
+    todo = iter(range(n))
+
+    async def worker() -> None:
+        for i in todo:  # one shared iterator
+            await send_i(i)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
 
 
-async def closed_loop(client: httpx.AsyncClient, prompts: list[str], output_len: int, concurrency: int, tag: str,
-                      timeout: float, model: str = "") -> list[Record]:
-    """Every prompt once, `concurrency` in flight: each finished request starts the next."""
-    records = [Record(i, 0) for i in range(len(prompts))]
-    await loops.closed_loop(len(prompts), concurrency,
-                            lambda i: send_one(client, records[i], prompts[i], output_len, tag, timeout, model))
+async def open_loop(records: list[Record], arrivals: list[float], cap: int | None,
+                    send_i: Callable[[int], Awaitable[Any]]) -> None:
+    """Request i due at arrivals[i] s from now; with `cap`, a due request waits for a slot and its clock
+    (Record.start) starts when it is sent."""
+    slots = asyncio.Semaphore(cap) if cap else None
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        records[i].arrival = time.perf_counter()
+        if slots is None:
+            await send_i(i)
+        else:
+            async with slots:
+                await send_i(i)
+
+    tasks = []
+    for i, offset in enumerate(arrivals):
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(i)))
+    await asyncio.gather(*tasks)
+
+
+async def run(url: str, prompts: Sequence[Prompt], output_len: int, concurrency: int | None, timeout: float,
+              arrivals: list[float] | None = None, **body: Any) -> list[Record]:
+    """Every prompt once: closed loop with `concurrency` in flight, or (arrivals given) open loop capped at
+    `concurrency` when it is set. body: request_body's options."""
+    records = [Record(i, 0 if isinstance(p, str) else len(p)) for i, p in enumerate(prompts)]
+    async with make_client(url, concurrency or len(prompts)) as client:
+        def send_i(i: int) -> Awaitable[Record]:
+            return send(client, records[i], prompts[i], output_len, timeout, **body)
+        if arrivals is None:
+            await closed_loop(len(prompts), concurrency or len(prompts), send_i)
+        else:
+            await open_loop(records, arrivals, concurrency, send_i)
     return records
 
 
-async def open_loop(client: httpx.AsyncClient, prompts: list[str], output_len: int, arrivals: list[float],
-                    cap: int | None, tag: str, timeout: float, model: str = "") -> list[Record]:
-    """Prompt i sent at arrivals[i] seconds from the start (at most `cap` in flight when given)."""
-    records = [Record(i, 0) for i in range(len(prompts))]
-    await loops.open_loop(records, arrivals, cap,
-                          lambda i: send_one(client, records[i], prompts[i], output_len, tag, timeout, model))
-    return records
+def counters(url: str, names: Sequence[str]) -> dict[str, float]:
+    """Prometheus counters of a scheduler's GET /metrics (exact sample names, summed over their labels)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
+        if m and m.group(1) in out:
+            out[m.group(1)] += float(m.group(2))
+    return out

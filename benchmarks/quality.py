@@ -1,17 +1,8 @@
-"""Quality of a low-precision weight mode against float32 on the same checkpoint (bench_decode's quality part
-and tests/executor/test_quantization_quality.py):
-
-- greedy agreement: each parity prompt (chat prompts rendered with the model's ChatML template) decoded
-  greedily for `steps` tokens in both modes; how many leading tokens agree (a small model's greedy path may
-  legitimately fork at a near-tie, after which everything differs: the count up to the first fork);
-- top-1 agreement: float32's greedy continuation fed to the mode (teacher-forced) and how many of its argmax
-  predictions equal float32's tokens: a near-tie costs one position, not the rest;
-- log-likelihood: mean negative log-likelihood per token of a fixed English text (FIXED_TEXT) under each mode,
-  teacher-forced; the difference to float32 is the bound the README states.
-
-Teacher-forced means one decode call per token (after a prefill of the first): the path generation runs, so
-the figures measure the mode's decode kernel (the native step's int8 activations included).
-"""
+"""Quality of a low-precision weight mode against float32 on the same checkpoint (the decode benchmark's quality
+part and tests/executor/test_quantization_quality.py): leading greedy tokens that agree on 4 chat prompts, the
+teacher-forced argmax agreement (a near-tie costs one position, not the rest), and the mean NLL of a fixed text.
+Teacher-forced means one decode call per token after a prefill: the path generation runs, so the figures measure
+the mode's decode kernel."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,5 +1,5 @@
-"""Workloads: random prompts (fixed seed), grouping them under a per-call token budget, arrival times, and
-the KV blocks a workload needs."""
+"""Workloads: random prompts (fixed seed) from a model's regular vocabulary, grouping them under a per-call
+token budget, Poisson arrival times, and the KV blocks a workload needs."""
 from __future__ import annotations
 
 import json
@@ -17,21 +17,18 @@ KV_SLACK_BLOCKS = 16  # on top of what the workload's caches hold
 
 
 def kv_blocks(sequences: int, tokens: int) -> int:
-    """KV pool blocks for `sequences` caches of up to `tokens` tokens each (the executor's default block
-    size), plus some slack."""
+    """KV pool blocks for `sequences` caches of up to `tokens` tokens each, plus some slack."""
     return sequences * ceil_div(tokens, DEFAULT_BLOCK_SIZE) + KV_SLACK_BLOCKS
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    """[batch, length] token ids drawn uniformly with torch from [3, vocab)."""
+    """[batch, length] token ids drawn uniformly from [3, vocab) (skipping the usual pad/bos/eos ids)."""
     gen = torch.Generator().manual_seed(seed)
-    low = min(3, vocab - 1)  # skip the usual special ids (pad/bos/eos)
-    return torch.randint(low, vocab, (batch, length), generator=gen)
+    return torch.randint(min(3, vocab - 1), vocab, (batch, length), generator=gen)
 
 
 def token_budget_groups(items: Sequence[T], limit: int, size: Callable[[T], int] = len) -> list[list[T]]:
-    """Consecutive groups of items of at most `limit` tokens together (an item larger than the limit alone),
-    one group per call of an executor that takes at most `limit` tokens."""
+    """Consecutive groups of at most `limit` tokens together (a larger item alone): one per executor call."""
     groups: list[list[T]] = []
     cur: list[T] = []
     total = 0
@@ -45,48 +42,40 @@ def token_budget_groups(items: Sequence[T], limit: int, size: Callable[[T], int]
     return groups
 
 
-def prompt_vocabulary(model_dir: Path | None, vocab_size: int, special_ids: Sequence[int]) -> np.ndarray:
-    """Token ids a random prompt may use: below both the model's and the tokenizer's vocabulary size
-    (a tiny checkpoint's embedding table is padded past its tokenizer), minus the tokenizer's added tokens
-    and the given special ids (bos/eos/pad)."""
-    limit, banned = vocab_size, {int(i) for i in special_ids if i is not None}
-    tok_file = model_dir / "tokenizer.json" if model_dir else None
-    if tok_file is not None and tok_file.is_file():
+def model_vocabulary(model_dir: Path, cfg: Any) -> np.ndarray:
+    """Token ids a random prompt may use: below both the model's and the tokenizer's vocabulary size (a tiny
+    checkpoint's embedding table is padded past its tokenizer), minus the tokenizer's added tokens and the
+    bos / eos / pad ids (config.json, generation_config.json), so that the ids survive a detokenize round trip."""
+    from models.config import read_generation_defaults
+    gen = read_generation_defaults(model_dir, cfg)
+    raw = json.loads((model_dir / "config.json").read_text())
+    banned = {int(i) for i in (cfg.bos_token_id, gen.bos_token_id, raw.get("pad_token_id"), *cfg.eos_token_ids,
+                               *gen.eos_token_ids) if i is not None}
+    limit = cfg.vocab_size
+    tok_file = model_dir / "tokenizer.json"
+    if tok_file.is_file():
         data = json.loads(tok_file.read_text(encoding="utf-8"))
         vocab = (data.get("model") or {}).get("vocab") or {}
         added = {int(t["id"]) for t in data.get("added_tokens", [])}
-        size = max(list(vocab.values() if isinstance(vocab, dict) else range(len(vocab))) + list(added),
-                   default=vocab_size - 1) + 1
-        limit = min(limit, size)
+        ids = list(vocab.values() if isinstance(vocab, dict) else range(len(vocab))) + list(added)
+        limit = min(limit, max(ids, default=limit - 1) + 1)
         banned |= added
     else:  # no tokenizer to read: skip the low ids, where most vocabularies keep their special tokens
-        banned |= set(range(min(32, vocab_size // 4)))
+        banned |= set(range(min(32, limit // 4)))
     allowed = np.array([i for i in range(limit) if i not in banned], dtype=np.int64)
     if allowed.size == 0:
         raise SystemExit("error: no regular token ids to draw prompts from")
     return allowed
 
 
-def model_vocabulary(model_dir: Path, cfg: Any) -> np.ndarray:
-    """prompt_vocabulary of a model directory, banning its bos / eos / pad ids (config.json and
-    generation_config.json); cfg: the executor's ModelConfig of model_dir."""
-    from models.config import read_generation_defaults
-    gen = read_generation_defaults(model_dir, cfg)
-    raw = json.loads((model_dir / "config.json").read_text())
-    special = [cfg.bos_token_id, gen.bos_token_id, raw.get("pad_token_id"), *cfg.eos_token_ids, *gen.eos_token_ids]
-    return prompt_vocabulary(model_dir, cfg.vocab_size, special)
-
-
 def vocabulary_prompts(n: int, length: int, allowed: np.ndarray, seed: int, stream: int) -> list[list[int]]:
-    """n prompts of `length` ids drawn uniformly with numpy from `allowed`; `stream` separates timed and
-    warm-up prompts."""
-    rng = np.random.default_rng([seed, stream])
-    return rng.choice(allowed, size=(n, length)).tolist()
+    """n prompts of `length` ids drawn uniformly from `allowed`; `stream` separates independent prompt sets
+    (timed, warm-up, ...) so that changing one size leaves the others' ids alone."""
+    return np.random.default_rng([seed, stream]).choice(allowed, size=(n, length)).tolist()
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """Arrival offsets (s) of n requests: the first at 0, then exponential gaps of mean 1 / rate."""
-    rng = np.random.default_rng([seed, 2])
-    gaps = rng.exponential(1.0 / rate, size=n)
+    gaps = np.random.default_rng([seed, 2]).exponential(1.0 / rate, size=n)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()

@@ -1,0 +1,65 @@
+"""`python -m benchmarks NAME [args]`: one entry point for every benchmark (`--help` lists them,
+`NAME --help` gives a benchmark's flags). Each prints its tables on stdout and writes JSON (--out)."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+# NAME -> (module:function, one line). Modules are imported only when their benchmark runs: most import torch.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "decode": ("decode:main", "decode speed per weight mode (stream, steps, llama.cpp peer, quality vs float32)"),
+    "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC, and where the gRPC time goes"),
+    "fleet": ("fleet:main", "one scheduler over several executors: scaling, and failover after a SIGKILL"),
+    "forward": ("forward:main", "Tandem's in-process forward vs transformers' (decode and prefill, GFLOP/s)"),
+    "lora": ("lora:main", "multi-LoRA decode throughput: base vs 1 vs N distinct adapters in a batch"),
+    "moe": ("forward:main_moe", "the forward comparison on a Qwen3-MoE checkpoint (synthetic by default)"),
+    "prefix": ("prefix:main", "automatic prefix caching on vs off: shared system prompt and multi-turn chats"),
+    "serving": ("serving:main", "concurrent streamed requests through the OpenAI front vs transformers generate"),
+    "spec": ("spec:main", "n-gram speculative decoding on vs off, copy-heavy and chat workloads"),
+    "startup": ("startup:main", "executor time to READY, memory and first-request latency, cold and warm"),
+    "step_profile": ("step_profile:main", "in-process scheduler-like serving loop vs transformers generate"),
+    "structured": ("structured:main", "grammar engines (mask time, coverage) and constrained-decoding overhead"),
+}
+OMP_WAIT_POLICIES = ("passive", "active", "unset")
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = [f"  {name.ljust(width)}  {desc}" for name, (_, desc) in BENCHMARKS.items()]
+    return ("usage: python -m benchmarks NAME [args]   (python -m benchmarks NAME --help: its flags)\n\n"
+            "Tandem's benchmarks; each prints tables on stdout and writes JSON (--out). See docs/benchmarks.md.\n\n"
+            "benchmarks:\n" + "\n".join(lines))
+
+
+def apply_omp_wait_policy(argv: list[str]) -> None:
+    """--omp-wait-policy (the executor benchmark's): libgomp reads OMP_WAIT_POLICY once, when torch is imported,
+    so it is set here, before the benchmark's module imports torch; server subprocesses inherit it."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == "--omp-wait-policy" and i + 1 < len(argv):
+            value = argv[i + 1].lower()
+        elif a.startswith("--omp-wait-policy="):
+            value = a.split("=", 1)[1].lower()
+    if value == "unset":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    elif value in OMP_WAIT_POLICIES:
+        os.environ["OMP_WAIT_POLICY"] = value.upper()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    apply_omp_wait_policy(rest)
+    module, function = BENCHMARKS[name][0].split(":")
+    return getattr(importlib.import_module(f"benchmarks.{module}"), function)(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""`python -m benchmarks`: --help lists every benchmark NAME (the old scripts/bench_NAME.py suffixes) with a
+description, NAME --help gives its flags, an unknown NAME fails with the list."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+NAMES = ["decode", "executor", "fleet", "forward", "lora", "moe", "prefix", "serving", "spec", "startup",
+         "step_profile", "structured"]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_help_lists_every_benchmark_with_a_description():
+    proc = bench("--help")
+    assert proc.returncode == 0
+    listed = [line.split()[0] for line in proc.stdout.split("benchmarks:\n", 1)[1].splitlines() if line.strip()]
+    assert listed == NAMES
+    assert all(len(line.split()) > 3 for line in proc.stdout.split("benchmarks:\n", 1)[1].splitlines())
+    assert not list(ROOT.glob("scripts/bench_*.py"))  # the old wrappers are gone
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_benchmark_has_its_own_help(name):
+    proc = bench(name, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: python -m benchmarks {name}") and "--out" in proc.stdout
+
+
+def test_an_unknown_name_fails_with_the_list():
+    proc = bench("nope")
+    assert proc.returncode == 2 and "unknown benchmark 'nope'" in proc.stderr and "step_profile" in proc.stderr
