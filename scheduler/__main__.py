@@ -10,6 +10,7 @@ from pathlib import Path
 from tandem.errors import TandemError
 from scheduler import decode_bursts, speculation
 from scheduler.config import SchedulerConfig
+from scheduler.http import limits as http_limits
 from scheduler.server import serve_async
 from tandem.security.config import add_server_flags, server_security
 
@@ -89,6 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _add_link_flags(ap)
     speculation.add_arguments(ap)
     decode_bursts.add_arguments(ap)
+    http_limits.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -110,8 +112,9 @@ def _add_link_flags(ap: argparse.ArgumentParser) -> None:
                         "`authorization: Bearer`, on every call; re-read on change. An admin token also lets the "
                         "scheduler follow their KV events (prefix-aware routing with several executors)")
     g.add_argument("--max-concurrent-per-token", type=int, metavar="N",
-                   help="Generate calls / HTTP completion requests one token may have in flight; more are "
-                        "RESOURCE_EXHAUSTED / 429 for that token only (needs --auth-token-file; default: no limit)")
+                   help="choices one token may have in flight: a Generate call is one, an HTTP completion request "
+                        "prompts x n; more are RESOURCE_EXHAUSTED / 429 for that token only, a request with more "
+                        "choices than N alone is 400 (needs --auth-token-file; default: no limit)")
     g.add_argument("--max-queued-tokens-per-token", type=int, metavar="N",
                    help="tokens (prompt + max new tokens) one token's requests in flight may hold; a request "
                         "over it is RESOURCE_EXHAUSTED / 429 (needs --auth-token-file; default: no limit)")
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                           grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
                           served_model_names=tuple(args.served_model_name), allowed_origins=tuple(args.allowed_origins),
                           speculative=speculation.from_args(args), bursts=decode_bursts.from_args(args),
+                          http_limits=http_limits.from_args(args),
                           security=server_security(args), executor_tls_ca=args.executor_tls_ca,
                           executor_tls_cert=args.executor_tls_cert, executor_tls_key=args.executor_tls_key,
                           executor_tls=args.executor_tls, executor_tls_server_name=args.executor_tls_server_name,

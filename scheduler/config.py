@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler.decode_bursts import BurstConfig
+from scheduler.http.limits import HttpLimits
 from scheduler.speculation import SpeculativeConfig
 from tandem.security.config import ServerSecurity
 
@@ -44,6 +45,8 @@ class SchedulerConfig:
     # empty: the model's directory name (GetInfo.model_id).
     served_model_names: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # CORS on the HTTP front: browser origins allowed ("*" = any); () = none
+    # The HTTP front's read timeouts, connection caps and prompts per request (--http-*-timeout-s, ...).
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
     # Multi-step decode (scheduler/decode_bursts.py): --decode-burst-ms, --max-decode-steps
     bursts: BurstConfig = field(default_factory=BurstConfig)
@@ -93,6 +96,7 @@ class SchedulerConfig:
             raise ValueError("--served-model-name: a name is given twice")
         self.speculative.validate()
         self.bursts.validate()
+        self.http_limits.validate()
         self.security.validate()
         for flag, value in (("--max-concurrent-per-token", self.max_concurrent_per_token),
                             ("--max-queued-tokens-per-token", self.max_queued_tokens_per_token)):

@@ -165,8 +165,9 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     if cfg.http_port is not None:  # the OpenAI-compatible front, on this loop (binds now: a busy port fails here)
         app = build_app(fleet, workers, healthy=lambda: fleet.up and not stop.is_set(), max_body_bytes=limit,
                         metrics=metrics.render, authenticator=guard.authenticator,
-                        auth_health=cfg.security.auth_health, limits=limits, allowed_origins=cfg.allowed_origins)
-        http = HttpFront(app, cfg.host, cfg.http_port, guard.tls)
+                        auth_health=cfg.security.auth_health, limits=limits, allowed_origins=cfg.allowed_origins,
+                        http_limits=cfg.http_limits)
+        http = HttpFront(app, cfg.host, cfg.http_port, guard.tls, cfg.http_limits)
     await server.start()
     if http is not None:
         http.start()

@@ -1,9 +1,11 @@
 """Per-token shares of the scheduler (--max-concurrent-per-token, --max-queued-tokens-per-token): one client
 that floods the server is refused RESOURCE_EXHAUSTED / 429 while every other token's calls go on.
 
-What counts is generation: each Generate call and each HTTP completion request is one request in flight from
-arrival to its last token (checked before tokenizing: a refused call costs nothing); its tokens are its
-prompts' lengths plus the max_new_tokens of every choice (checked once tokenized), held until it ends.
+What counts is generation, in choices: a Generate call is one choice, an HTTP completion request as many as
+it asks for (prompts x n), all in flight from arrival to the last token (checked before tokenizing: a refused
+call costs nothing; a request with more choices than the whole share is INVALID_ARGUMENT / 400, since no retry
+can help it); its tokens are its prompts' lengths plus the max_new_tokens of every choice (checked once
+tokenized), held until it ends.
 Tokenize, GetModelInfo and the model listings are cheap and not counted. Everything runs on the scheduler's
 event loop, so plain counters suffice.
 """
@@ -13,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from scheduler.request import GenerateRequest
-from tandem.errors import TokenLimitExceeded
+from tandem.errors import InvalidRequest, TokenLimitExceeded
 from tandem.security.tokens import Principal
 
 
@@ -26,9 +28,10 @@ class Lease:
     """One request's share: charge() its tokens once known, release() when it ends (idempotent). A context
     manager that releases on exit."""
 
-    def __init__(self, limits: "TokenLimits | None", key: str | None) -> None:
+    def __init__(self, limits: "TokenLimits | None", key: str | None, choices: int = 1) -> None:
         self._limits = limits
         self._key = key
+        self._choices = choices
         self._tokens = 0
         self._open = limits is not None and key is not None
 
@@ -40,7 +43,7 @@ class Lease:
     def release(self) -> None:
         if self._open:
             self._open = False
-            self._limits._release(self._key, self._tokens)
+            self._limits._release(self._key, self._choices, self._tokens)
 
     def __enter__(self) -> "Lease":
         return self
@@ -63,17 +66,22 @@ class TokenLimits:
     def on(self) -> bool:
         return self.max_concurrent is not None or self.max_tokens is not None
 
-    def enter(self, principal: Principal | None) -> Lease:
-        """A new request of `principal`; TokenLimitExceeded when it already has max_concurrent in flight."""
+    def enter(self, principal: Principal | None, choices: int = 1) -> Lease:
+        """A new request of `principal` with `choices` choices (prompts x n; a Generate call has one):
+        TokenLimitExceeded when they would bring its choices in flight past max_concurrent, InvalidRequest when
+        they are more than max_concurrent alone."""
         if not self.on or principal is None:
             return Lease(None, None)
-        key = principal.fingerprint
-        if self.max_concurrent is not None and self._running[key] >= self.max_concurrent:
-            raise TokenLimitExceeded(f"this token already has {self._running[key]} requests in flight, its limit "
-                                     f"(--max-concurrent-per-token {self.max_concurrent}); retry when one has "
-                                     "finished")
-        self._running[key] += 1
-        return Lease(self, key)
+        key, cap = principal.fingerprint, self.max_concurrent
+        if cap is not None and choices > cap:
+            raise InvalidRequest(f"this request has {choices} choices (prompts x n) and a token may have at most "
+                                 f"{cap} in flight (--max-concurrent-per-token {cap}); ask for fewer")
+        if cap is not None and self._running[key] + choices > cap:
+            raise TokenLimitExceeded(f"this token already has {self._running[key]} choices in flight; this "
+                                     f"request's {choices} would pass its limit (--max-concurrent-per-token {cap}); "
+                                     "retry when some have finished")
+        self._running[key] += choices
+        return Lease(self, key, choices)
 
     def _charge(self, key: str, tokens: int) -> None:
         held = self._tokens[key]
@@ -84,13 +92,13 @@ class TokenLimits:
                                      "finished, or ask for fewer tokens")
         self._tokens[key] += tokens
 
-    def _release(self, key: str, tokens: int) -> None:
-        self._running[key] -= 1
+    def _release(self, key: str, choices: int, tokens: int) -> None:
+        self._running[key] -= choices
         self._tokens[key] -= tokens
         if self._running[key] <= 0:  # forget idle tokens: the counters stay as small as the active clients
             del self._running[key]
             self._tokens.pop(key, None)
 
     def in_flight(self, principal: Principal) -> tuple[int, int]:
-        """(requests, tokens) `principal` has in flight now."""
+        """(choices, tokens) `principal` has in flight now."""
         return self._running[principal.fingerprint], self._tokens[principal.fingerprint]

@@ -27,6 +27,7 @@ from scheduler.http.auth import TokenAuth
 from scheduler.http.body_limit import BodyLimit
 from scheduler.http.errors import BadParameter
 from scheduler.http.generation import ClientGone, Generation
+from scheduler.http.limits import HttpLimits
 from scheduler.http.render import DONE, ChatRenderer, CompletionRenderer, TokenTexts, sse
 from scheduler.request import GenerateRequest
 from scheduler.token_limits import Lease, TokenLimits, cost
@@ -47,10 +48,11 @@ def _json(payload: s.Out) -> Response:
 class _Front:
     """What the routes share: the fleet, the tokenizer workers, the token text cache, the per-token limits."""
 
-    def __init__(self, fleet: Fleet, workers: Executor | None, limits: TokenLimits) -> None:
+    def __init__(self, fleet: Fleet, workers: Executor | None, limits: TokenLimits, max_prompts: int) -> None:
         self.fleet = fleet
         self.workers = workers
         self.limits = limits
+        self.max_prompts = max_prompts  # --max-prompts-per-request
         self.texts = TokenTexts(fleet.tokenizer)
         self.created = int(time.time())
 
@@ -92,12 +94,13 @@ class _Front:
                                       for m in messages))
         return [choice for r in done for choice in convert.choices(r, n)]
 
-    async def generate(self, make_requests: Callable[[], Awaitable[list[GenerateRequest]]],
+    async def generate(self, choices: int, make_requests: Callable[[], Awaitable[list[GenerateRequest]]],
                        make_renderer: Callable[[list[GenerateRequest]], ChatRenderer | CompletionRenderer],
                        request: Request, stream: bool) -> Response:
-        """One completion request under the caller's token share: counted before tokenizing, charged its
-        tokens after; the share is held until the generation ends (Generation.close releases it)."""
-        lease = self.limits.enter(CURRENT_PRINCIPAL.get())
+        """One completion request of `choices` choices (prompts x n) under the caller's token share: counted
+        before tokenizing, charged its tokens after; the share is held until the generation ends
+        (Generation.close releases it)."""
+        lease = self.limits.enter(CURRENT_PRINCIPAL.get(), choices)
         try:
             requests = await make_requests()
             lease.charge(cost(requests))
@@ -144,11 +147,12 @@ async def _stream(generation: Generation, renderer: ChatRenderer | CompletionRen
 def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool], max_body_bytes: int,
               metrics: MetricsHook | None = None, authenticator: Authenticator | None = None,
               auth_health: bool = False, limits: TokenLimits | None = None,
-              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+              allowed_origins: tuple[str, ...] = (), http_limits: HttpLimits | None = None) -> FastAPI:
     """The app. healthy(): whether /health answers 200 (some executor serves and the scheduler is not shutting
     down). metrics: the /metrics body, or None (404). authenticator: bearer tokens (None or off: none asked);
-    limits: per-token shares of the completion routes. allowed_origins: CORS (--allowed-origins)."""
-    front = _Front(fleet, workers, limits or TokenLimits())
+    limits: per-token shares of the completion routes. allowed_origins: CORS (--allowed-origins). http_limits:
+    prompts per request (the connection limits are the server's: serve.py)."""
+    front = _Front(fleet, workers, limits or TokenLimits(), (http_limits or HttpLimits()).max_prompts)
     app = FastAPI(title="Tandem scheduler (OpenAI-compatible)", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if authenticator is not None and authenticator.on:  # before a byte of body is read
@@ -172,7 +176,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
                                 bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                 logprobs=bool(body.logprobs), tool_mode=tool_calls.tool_mode(body))
 
-        return await front.generate(requests, renderer, request, bool(body.stream))
+        return await front.generate(n, requests, renderer, request, bool(body.stream))
 
     @app.post("/v1/completions")
     async def completions(body: s.CompletionRequest, request: Request) -> Response:
@@ -181,14 +185,15 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
 
         async def requests() -> list[GenerateRequest]:
             adapter = await front.adapter_for(body.model)
-            return await front.requests(convert.completion_requests(body, adapter), n)
+            return await front.requests(convert.completion_requests(body, adapter, front.max_prompts), n)
 
         def renderer(requests: list[GenerateRequest]) -> CompletionRenderer:
             return CompletionRenderer(front.model_of(requests), len(requests), n, front.texts,
                                       bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                       logprobs=body.logprobs)
 
-        return await front.generate(requests, renderer, request, bool(body.stream))
+        choices = len(convert.prompts(body, front.max_prompts)) * n  # 400 past --max-prompts-per-request
+        return await front.generate(choices, requests, renderer, request, bool(body.stream))
 
     def cards() -> list[s.ModelCard]:
         info, names = fleet.info, front.names()

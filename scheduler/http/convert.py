@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from scheduler.http import tool_calls
 from scheduler.http.errors import BadParameter
+from scheduler.http.limits import HttpLimits
 from scheduler.http.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
 from scheduler.request import GenerateRequest
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as pb
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise (gRPC's unset is greedy)
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: "²".isdigit() is true and int() refuses it
 
 
 def sampling(body: SamplingFields) -> cpb.SamplingParams:
@@ -32,7 +35,7 @@ def sampling(body: SamplingFields) -> cpb.SamplingParams:
     if body.seed is not None:
         m.seed = body.seed
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= 2**32:
+        if not _TOKEN_ID_KEY.fullmatch(key) or int(key) >= 2**32:
             raise BadParameter("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {key!r:.40}")
         m.logit_bias[int(key)] = bias
     return m
@@ -119,8 +122,9 @@ def chat_request(body: ChatCompletionRequest, adapter: str) -> pb.GenerateReques
     return pb.GenerateRequest(messages=chat_messages(body.messages, tool_calls.tools_pb(body)), **common)
 
 
-def prompts(body: CompletionRequest) -> list[str | list[int]]:
-    """The prompts of a completion request: a string, strings, token ids, or lists of token ids."""
+def prompts(body: CompletionRequest, max_prompts: int = HttpLimits.max_prompts) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, strings, token ids, or lists of token ids; at most
+    max_prompts of them (--max-prompts-per-request)."""
     p = body.prompt
     if isinstance(p, str):
         return [p]
@@ -128,10 +132,14 @@ def prompts(body: CompletionRequest) -> list[str | list[int]]:
         raise BadParameter("prompt", "prompt is empty")
     if all(isinstance(x, int) for x in p):
         return [list(p)]
+    if len(p) > max_prompts:
+        raise BadParameter("prompt", f"prompt holds {len(p)} prompts; this server takes at most {max_prompts} per "
+                           "request (--max-prompts-per-request): send them in several requests")
     return list(p)
 
 
-def completion_requests(body: CompletionRequest, adapter: str) -> list[pb.GenerateRequest]:
+def completion_requests(body: CompletionRequest, adapter: str,
+                        max_prompts: int = HttpLimits.max_prompts) -> list[pb.GenerateRequest]:
     """One GenerateRequest per prompt."""
     if body.echo:
         raise BadParameter("echo", "echo is not supported by this server")
@@ -141,7 +149,7 @@ def completion_requests(body: CompletionRequest, adapter: str) -> list[pb.Genera
         raise BadParameter("best_of", "best_of other than n is not supported by this server")
     common = _common(body, adapter, body.logprobs or 0, body.max_tokens)
     out = []
-    for p in prompts(body):
+    for p in prompts(body, max_prompts):
         if isinstance(p, str):
             out.append(pb.GenerateRequest(text=p, **common))
         else:

@@ -2,10 +2,13 @@
 "code"}} with an HTTP status. tandem/status_map.py picks the gRPC status of a domain error (the one place that
 decides); HTTP_STATUS_OF below only translates it, so a request fails the same way over HTTP and gRPC.
 `code` is the gRPC status name in lower case ("invalid_argument", "resource_exhausted", ...), or
-"model_not_found" for a `model` this server does not serve.
+"model_not_found" for a `model` this server does not serve; errors that only HTTP has (an unknown route, a
+body that does not parse, a timeout reading it) carry the name of the gRPC status of the same meaning
+(CODE_OF_HTTP_STATUS), never null.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -34,6 +37,13 @@ HTTP_STATUS_OF: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 _TYPE_OF = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+# The `code` of an error raised as a bare HTTP status (starlette's HTTPException, the connection guard).
+CODE_OF_HTTP_STATUS: dict[int, str] = {
+    400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
+    405: "method_not_allowed", 408: "deadline_exceeded", 413: "resource_exhausted", 415: "invalid_argument",
+    422: "invalid_argument", 429: "resource_exhausted", 500: "internal", 501: "unimplemented",
+    503: "unavailable", 504: "deadline_exceeded",
+}
 
 
 class BadParameter(InvalidRequest):
@@ -50,8 +60,25 @@ def error_type(status: int) -> str:
     return "server_error" if status >= 500 else "invalid_request_error"
 
 
+def code_of(status: int) -> str:
+    return CODE_OF_HTTP_STATUS.get(status, "internal" if status >= 500 else "invalid_argument")
+
+
 def body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+    """The OpenAI error body; code None: the status's (code_of). Text that is not valid Unicode (a lone
+    surrogate quoted back) is escaped: the body must encode as UTF-8 whatever the message holds."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code or code_of(status)}}
+
+
+def raw_response(status: int, reason: str, message: str, code: str | None = None) -> bytes:
+    """A whole HTTP/1.1 response with the error body and `Connection: close`, as bytes, for the connection
+    guard (scheduler/http/connections.py), which answers below the app."""
+    content = json.dumps(body(status, message, None, code)).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(content)}\r\n"
+            "connection: close\r\n\r\n").encode() + content
 
 
 def response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -72,20 +99,42 @@ def of_exception(exc: Exception) -> tuple[int, dict[str, Any]]:
 
 
 def validation_param(loc: tuple[Any, ...]) -> str | None:
-    """`messages.0.content` from pydantic's ('body', 'messages', 0, 'content', 'str'): the field path, without
-    the union-member tags pydantic adds ('str', 'list[constrained-int]', ...)."""
+    """`messages.0.content.1.text` from pydantic's ('body', 'messages', 0, 'content', 'list[ContentPart]', 1,
+    'text'): the field path, without the union-member tags pydantic adds ('str', 'list[constrained-int]',
+    'NamedToolChoice', ...); it stops at a dict key (logit_bias's)."""
     parts = []
     for p in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(p, int):
             parts.append(str(p))
-        elif isinstance(p, str) and p.isidentifier() and p not in _TYPE_TAGS:
+        elif not isinstance(p, str):
+            break
+        elif p in _TYPE_TAGS or "[" in p or p[:1].isupper():  # a union member's tag (fields are snake_case)
+            continue
+        elif p.isidentifier():
             parts.append(p)
         else:
             break
     return ".".join(parts) or None
 
 
+def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of pydantic's errors (one per union member tried), the one that says most: a value's own error before a
+    union member's type mismatch, then the deepest: for prompt [1, 2, 2**40] "prompt.2: ... less than or equal
+    to 4294967295", not "prompt.0: Input should be a valid string"."""
+    return max(errors, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))),
+               default={"loc": (), "msg": "invalid request body"})
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _unreadable(cause: BaseException) -> str:
+    """The message of a body FastAPI could not read for a reason other than bad JSON syntax."""
+    if isinstance(cause, ValueError) and "digits" in str(cause):  # Python reads integers of <= 4300 digits
+        return "the body holds a number with too many digits to read; integers here fit in 64 bits"
+    if isinstance(cause, (UnicodeDecodeError, RecursionError)):
+        return f"the body is not valid JSON ({type(cause).__name__}): send UTF-8 JSON of reasonable nesting depth"
+    return "the body could not be read as JSON: send a JSON object with content-type application/json"
 
 
 def install(app: FastAPI) -> None:
@@ -99,17 +148,28 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
+        first = _most_specific(list(exc.errors()))
+        loc = tuple(first.get("loc", ()))
         if first.get("type") == "json_invalid":  # its loc is a character position, not a field
-            return response(400, f"the body is not valid JSON: {first['msg']}", None, "invalid_argument")
-        param = validation_param(tuple(first.get("loc", ())))
+            where = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+            detail = (first.get("ctx") or {}).get("error") or first["msg"]
+            return response(400, f"the body is not valid JSON: {detail}{where}", None, "invalid_argument")
+        if loc in (("body",), ()) and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            return response(400, "the body must be a JSON object, sent with content-type application/json"
+                            + ("" if first.get("type") != "missing" else f" ({first['msg']})"), None,
+                            "invalid_argument")
+        param = validation_param(loc)
         message = f"{param}: {first['msg']}" if param else f"invalid request body: {first['msg']}"
         return response(400, message, param, "invalid_argument")
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "resource_exhausted"}.get(exc.status_code)
-        return response(exc.status_code, str(exc.detail), None, code)
+        message = str(exc.detail)
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body
+            message = _unreadable(exc.__cause__)
+        elif exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):  # routing's
+            message = f"{request.method} {request.url.path[:200]}: {message.lower()} (routes: docs/serving.md)"
+        return response(exc.status_code, message, None, code_of(exc.status_code))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

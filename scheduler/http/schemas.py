@@ -4,22 +4,67 @@ Requests are validated strictly (a string where a number belongs is refused, nev
 field) and unknown fields are ignored, as OpenAI does. Every optional field also takes JSON null. Value ranges
 that the scheduler's own validation already checks (temperature, top_p, penalties, logit_bias values, stop
 strings, token ids against the vocabulary) are left to it, so HTTP and gRPC clients get the same messages;
-the bounds here are those the proto cannot carry (a negative seed or token id) or that only HTTP has (n).
+the bounds here are those the proto cannot carry (every integer has its wire type's range: uint32 counts,
+uint64 seed; floats are finite) or that only HTTP has (n).
+
+Every string of a request body, however deep (message contents, names, stop strings, tool and response_format
+schemas, dict keys), must be valid Unicode: JSON can escape a lone UTF-16 surrogate ("\\ud800"), which no
+UTF-8 encoder (protobuf, the tokenizer) takes. One validator on the base class refuses it for every field,
+naming the field (400), before anything is converted.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 16  # choices per request (n): each is a request of its own in the scheduler's queue
-TokenId = Annotated[int, Field(ge=0, lt=2**32)]  # uint32 on the wire; < vocab_size is checked by the scheduler
+UINT32_MAX = 2**32 - 1
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]  # uint32 on the wire; < vocab_size is checked by the scheduler
+Count = Annotated[int, Field(ge=1, le=UINT32_MAX)]  # a uint32 number of tokens, at least 1
+Float = Annotated[float, Field(allow_inf_nan=False)]  # 1e999 parses as inf: refused here, naming the field
+
+
+def _bad_text(value: Any, path: str = "") -> str | None:
+    """The path ("" = the value itself; ".2", ".key") of the first string in value, a dict key included, that
+    is not valid Unicode (a lone surrogate); None if there is none. Models inside were checked by their own
+    validator."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _bad_text(k, f"{path}.{k!r:.40}") if isinstance(k, str) else None
+            found = found if found is not None else _bad_text(v, f"{path}.{k:.40}")
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            if not isinstance(v, (int, float, bool)) and (found := _bad_text(v, f"{path}.{i}")) is not None:
+                return found
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        where = _bad_text(value)
+        if where is not None:
+            at = f" (at {where.lstrip('.')})" if where else ""
+            raise PydanticCustomError("string_unicode", "a string{at} holds a lone UTF-16 surrogate (an escape such "
+                                      "as \\ud800 without its pair): strings must be valid Unicode", {"at": at})
+        return value
 
 
 # ----------------------------------------------------------------- requests
@@ -87,23 +132,23 @@ class ResponseFormat(_Body):
 class SamplingFields(_Body):
     """What chat and text completions share: the model, sampling, stopping, n, streaming; vLLM's extras."""
     model: str | None = None  # the base model id or an adapter name; unset or "" = the base model
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None  # unset = 1.0, as OpenAI
-    top_p: float | None = None
+    max_tokens: Count | None = None
+    temperature: Float | None = None  # unset = 1.0, as OpenAI
+    top_p: Float | None = None
     n: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None  # token id (as a string, as JSON keys are) -> bias
     seed: int | None = Field(None, ge=0, lt=2**64)
     user: str | None = None  # accepted, unused
     # vLLM's extra sampling parameters
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0 = off
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1, le=UINT32_MAX)  # -1 or 0 = off
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
@@ -119,7 +164,7 @@ class SamplingFields(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolIn] | None = None
@@ -132,7 +177,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # only best_of == n is served
 
 
 class TokenizeRequest(_Body):

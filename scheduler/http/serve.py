@@ -7,6 +7,9 @@ own signal handling is left out: the scheduler's loop owns SIGTERM/SIGINT and dr
 
 With TLS (the scheduler's --tls-cert/--tls-key, --tls-client-ca for mTLS) uvicorn serves https from the same
 files; they are re-read for new connections when they change (tandem/security/tls.py: reloading_ssl_context).
+
+Connections are uvicorn's h11 protocol under a guard (connections.py): read deadlines for headers and bodies,
+caps on open connections in all and per client address (HttpLimits, the --http-* flags).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from scheduler.http.connections import ConnectionGuard, protocol_class
+from scheduler.http.limits import HttpLimits
 from tandem.security.tls import ReloadingTls, reloading_ssl_context
 
 log = logging.getLogger("tandem.scheduler")
@@ -63,17 +68,20 @@ def _tls_settings(tls: ReloadingTls | None) -> dict:
 
 class HttpFront:
     """The app on host:port (0 = any free port): .url once constructed; start() serves, stop() ends. tls: the
-    server's certificates (https; mTLS when they include a client CA), or None (http)."""
+    server's certificates (https; mTLS when they include a client CA), or None (http). limits: read deadlines
+    and connection caps."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, tls: ReloadingTls | None = None) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls: ReloadingTls | None = None,
+                 limits: HttpLimits | None = None) -> None:
         self._sock = _listen(host, port)
         bound = self._sock.getsockname()[1]
         self.url = f"{'https' if tls is not None else 'http'}://{f'[{host}]' if ':' in host else host}:{bound}"
         # log_config None: the scheduler's logging setup stays as it is; no access log (paths and clients of
         # every request are not worth a line each).
+        self.guard = ConnectionGuard(limits or HttpLimits())
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=_GRACEFUL_S, server_header=False, backlog=_BACKLOG,
-                                **_tls_settings(tls))
+                                http=protocol_class(self.guard), **_tls_settings(tls))
         config.load()  # builds the SSL context now: a certificate that does not load fails the startup
         self._server = _Server(config)
         self._task: asyncio.Task | None = None

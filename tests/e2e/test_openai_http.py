@@ -285,7 +285,7 @@ def test_errors_have_the_openai_body_and_the_grpc_status(url, client):
     _error(post("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": 5}]}), 400,
            "invalid_argument", "messages.0.content")
     _error(post("/v1/chat/completions", {"max_tokens": 2}), 400, "invalid_argument", "messages")
-    _error(post("/v1/completions", {"prompt": [1, -2]}), 400, "invalid_argument", "prompt")
+    _error(post("/v1/completions", {"prompt": [1, -2]}), 400, "invalid_argument", "prompt.1")
     _error(post("/v1/completions", {"prompt": "x", "echo": True}), 400, "invalid_argument", "echo")
     _error(post("/v1/completions", {"prompt": "x", "suffix": "y"}), 400, "invalid_argument", "suffix")
     _error(post("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "invalid_argument",

@@ -126,7 +126,11 @@ def test_every_domain_error_gets_a_client_http_status():
 def test_validation_locations_become_params():
     assert errors.validation_param(("body", "temperature")) == "temperature"
     assert errors.validation_param(("body", "messages", 0, "content", "str")) == "messages.0.content"
-    assert errors.validation_param(("body", "prompt", "list[constrained-int]", 1)) == "prompt"
+    assert errors.validation_param(("body", "prompt", "list[constrained-int]", 1)) == "prompt.1"
+    assert errors.validation_param(("body", "messages", 0, "content", "list[ContentPart]", 1, "text")) \
+        == "messages.0.content.1.text"
+    assert errors.validation_param(("body", "tool_choice", "NamedToolChoice", "function")) == "tool_choice.function"
+    assert errors.validation_param(("body", "logit_bias", "12", "[key]")) == "logit_bias"  # stops at a dict key
     assert errors.validation_param(("body",)) is None
 
 
