@@ -10,11 +10,10 @@ import torch
 from executor_service.kv_events import BlocksStored, KvEvent
 from executor_service.metrics import LatencySummary, MetricsSnapshot
 from executor_service.prefix_cache import PrefixCacheStats
-from executor_service.request_validation import name_item, renumber_item
+from executor_service.request_validation import check_release_with_step, name_item, renumber_item
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
-                                    DecodeResult, ExecutorInfo, OutputMode,
-                                    OutputOptions, SequenceOutput, SessionLease, SessionListing, UnifiedItem,
-                                    UnifiedResult)
+                                    DecodeResult, ExecutorInfo, OutputMode, OutputOptions, SequenceOutput,
+                                    SessionLease, SessionListing, StepResults, UnifiedItem, UnifiedResult)
 from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported)
 from tandem.errors import InvalidRequest, TandemError
 from tandem.executor.v1 import executor_pb2 as pb
@@ -96,12 +95,18 @@ class ParsedItems(Generic[M, T]):
     dtypes: list[int]
     errors: list[TandemError | None]
 
-    def run(self, call: Callable[[list[T]], list[R]], failed: Callable[[M, TandemError], R]) -> list[R]:
+    def run(self, call: Callable[[list[T]], StepResults[R]], failed: Callable[[M, TandemError], R],
+            release_only: Callable[[], int]) -> StepResults[R]:
         """call(the converted items), then one result per request item in order: failed(message, error) for
         those that did not convert. When none converted, call is not made (unless the request had no items:
-        the call's own error then)."""
-        results = iter(call(self.items) if self.items or not self.messages else [])
-        out = []
+        the call's own error then): release_only() is, the step's release alone (it returns the count)."""
+        if self.items or not self.messages:
+            ran = call(self.items)
+            released = ran.released
+        else:
+            ran, released = StepResults(), release_only()
+        results = iter(ran)
+        out: StepResults[R] = StepResults(released=released)
         for n, (m, e) in enumerate(zip(self.messages, self.errors)):
             if e is not None:
                 out.append(failed(m, e))
@@ -129,22 +134,33 @@ def items_from_pb(messages: Sequence[M], convert: Callable[[M], tuple[T, int]]) 
     return parsed
 
 
-def run_unified(messages: Sequence[pb.UnifiedItem], unified_decode: Callable[[list[UnifiedItem]], list[UnifiedResult]],
-                cache_ref: Callable[[str], CacheRef]) -> tuple[list[UnifiedResult], list[int]]:
+def release_ids_from_pb(ids: Sequence[str]) -> list[str]:
+    """A step request's release_cache_ids (InvalidRequest over MAX_RELEASE_WITH_STEP, before any is released)."""
+    check_release_with_step(ids)
+    return list(ids)
+
+
+def run_unified(messages: Sequence[pb.UnifiedItem],
+                unified_decode: Callable[[list[UnifiedItem]], StepResults[UnifiedResult]],
+                cache_ref: Callable[[str], CacheRef],
+                release_only: Callable[[], int] = lambda: 0) -> tuple[StepResults[UnifiedResult], list[int]]:
     """A UnifiedDecode's items -> the executor call -> one result per item (those that did not convert carry
-    their error and their cache as it is), with each item's logits dtype."""
+    their error and their cache as it is), with each item's logits dtype. release_only: frees the request's
+    release ids when no item converted (the executor is then not called), returning how many."""
     parsed = items_from_pb(messages, unified_item_from_pb)
-    return parsed.run(unified_decode, lambda m, e: UnifiedResult(cache_ref(m.cache_id), None, e)), parsed.dtypes
+    return (parsed.run(unified_decode, lambda m, e: UnifiedResult(cache_ref(m.cache_id), None, e), release_only),
+            parsed.dtypes)
 
 
-def run_decode(messages: Sequence[pb.DecodeItem], decode: Callable[[list[DecodeItem]], list[DecodeResult]],
-               cache_ref: Callable[[str], CacheRef]) -> tuple[list[DecodeResult], list[int]]:
+def run_decode(messages: Sequence[pb.DecodeItem], decode: Callable[[list[DecodeItem]], StepResults[DecodeResult]],
+               cache_ref: Callable[[str], CacheRef],
+               release_only: Callable[[], int] = lambda: 0) -> tuple[StepResults[DecodeResult], list[int]]:
     """As run_unified, for a Decode's items."""
     def failed(m: pb.DecodeItem, error: TandemError) -> DecodeResult:
         return DecodeResult(cache_ref(m.cache.cache_id), SequenceOutput(), error)
 
     parsed = items_from_pb(messages, decode_item_from_pb)
-    return parsed.run(decode, failed), parsed.dtypes
+    return parsed.run(decode, failed, release_only), parsed.dtypes
 
 
 def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
@@ -156,9 +172,9 @@ def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
                        allowed_tokens=m.allowed_tokens or None), dtype
 
 
-def unified_response_to_pb(results: list[UnifiedResult], logits_dtypes: list[int],
+def unified_response_to_pb(results: StepResults[UnifiedResult], logits_dtypes: list[int],
                            kv: KvUsage) -> pb.UnifiedDecodeResponse:
-    out = pb.UnifiedDecodeResponse(kv=kv_usage_to_pb(kv))
+    out = pb.UnifiedDecodeResponse(kv=kv_usage_to_pb(kv), released=results.released)
     for r, dtype in zip(results, logits_dtypes):
         res = out.results.add(cache=cache_to_pb(r.cache), status=item_status_to_pb(r.error))
         if r.output is not None:
@@ -166,11 +182,12 @@ def unified_response_to_pb(results: list[UnifiedResult], logits_dtypes: list[int
     return out
 
 
-def decode_response_to_pb(results: list[DecodeResult], logits_dtypes: list[int], kv: KvUsage) -> pb.DecodeResponse:
+def decode_response_to_pb(results: StepResults[DecodeResult], logits_dtypes: list[int],
+                          kv: KvUsage) -> pb.DecodeResponse:
     return pb.DecodeResponse(
         results=[pb.DecodeResult(cache=cache_to_pb(r.cache), output=sequence_output_to_pb(r.output, d),
                                  status=item_status_to_pb(r.error))
-                 for r, d in zip(results, logits_dtypes)], kv=kv_usage_to_pb(kv))
+                 for r, d in zip(results, logits_dtypes)], kv=kv_usage_to_pb(kv), released=results.released)
 
 
 def release_response_to_pb(released: int, unknown: list[str], kv: KvUsage) -> pb.ReleaseCacheResponse:

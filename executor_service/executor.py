@@ -1,4 +1,5 @@
-"""The in-process Executor: owns the model, the paged KV cache and the sampler; usable without a network.
+"""The in-process Executor: serves the operations of the executor API over a model stack (the model, the
+paged KV pool, the decode step: built by model_stack.py); usable without a network.
 
 Its operations descend from the reference `ModelExecutor` trait (prefill, decode, batch decode,
 unified_decode, forward_verify, truncate_kv, release_cache). Every operation validates its request before
@@ -15,45 +16,32 @@ model call.
 """
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Sequence
 
-
 from executor_service.adapters import AdapterRegistry
-from executor_service.batch import BatchItem, BatchRunner
-from executor_service.cache_table import CacheState, CacheStore, CacheTable
+from executor_service.batch_step import BatchStep
+from executor_service.cache_table import CacheStore, CacheTable
 from executor_service.config import ExecutorConfig
-from executor_service.decode_kernel import choose_decode_step
 from executor_service.decode_steps import MAX_DECODE_STEPS, run_decode_steps  # noqa: F401  (re-exported)
 from executor_service.kv_events import KvEventHub, Subscription
-from executor_service.kv_sizing import build_kv_pool
 from executor_service.memory_probe import resident_memory_bytes
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
+from executor_service.model_stack import ModelStack, build_model_stack
 from executor_service.op_lock import OpLock
 from executor_service.prefix_cache import PrefixCache, PrefixCacheStats
-from executor_service.request_validation import PlannedItem, RequestValidator, name_item
+from executor_service.request_validation import RequestValidator, check_release_with_step, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
-                                    DecodeResult, ExecutorInfo,
-                                    OutputOptions, PrefillResult, SequenceOutput, SessionLease, SessionListing,
-                                    UnifiedItem, UnifiedResult, VerifyResult)
-from models.config import read_generation_defaults
-from tandem.errors import (AdapterInUse, CacheStateConflict, InvalidRequest, PositionMismatch,
-                           TandemError)
-from tandem.kv_usage import KvUsage
-from models.compiled_decode import CompiledDecode
-from models.native_decode import NativeDecode
-from models.loader import load_model
-from models.huge_pages import move_parameters_to_huge_pages
-from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
+                                    DecodeResult, ExecutorInfo, OutputOptions, PrefillResult, SessionLease,
+                                    SessionListing, StepResults, UnifiedItem, UnifiedResult, VerifyResult)
 from models.moe import SparseMoeBlock
+from tandem.errors import AdapterInUse, CacheStateConflict, InvalidRequest, PositionMismatch, TandemError
+from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
-
-log = logging.getLogger("tandem.executor")
 
 CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
                 "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling",
@@ -64,41 +52,31 @@ CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_
                 # issue 14: UnifiedItem/DecodeItem.draft_token_ids verified in the batch
                 "speculative_drafts",
                 # issue 18: UnifiedItem.allowed_tokens (token masks for constrained decoding) is applied
-                "token_masks")
+                "token_masks",
+                # issue 30: release_cache_ids of UnifiedDecode and Decode, released before the items run
+                "release_with_step")
 
 
 class Executor:
-    """The façade of the in-process API. Its parts, each in a file named for it: request validation
-    (request_validation.py), the cache table (cache_table.py), the batch run (batch.py), adapters
-    (adapters.py), metrics (metrics.py)."""
+    """The façade of the in-process API. Its parts, each in a file named for it: the model stack
+    (model_stack.py), request validation (request_validation.py), the cache table (cache_table.py), one step
+    over a session's caches (batch_step.py) and its packed forward (batch.py), adapters (adapters.py),
+    metrics (metrics.py)."""
 
-    def __init__(self, config: ExecutorConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        """clock: monotonic seconds for leases and cache ages (tests pass a fake one)."""
+    def __init__(self, config: ExecutorConfig, stack: ModelStack | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """stack: the model stack to serve (model_stack.py), built from config when None; one executor per
+        stack (its KV pool holds this executor's caches). clock: monotonic seconds for leases and cache ages
+        (tests pass a fake one)."""
         self.config = config
         self.instance_id = uuid.uuid4().hex  # a restart is visible to clients as a new id
-        self.device = config.resolve_device()
-        self.model = load_model(config.model_dir, self.device, config.dtype, progress=config.progress)
-        self.quantization_kernel = self.model.quantize(config.quantization)  # before packing: it skips those
-        if self.quantization_kernel:
-            log.info("linear weights quantized to %s (%s kernel)", config.quantization, self.quantization_kernel)
-        if self.device.type == "cpu":  # (after quantizing: the arena lives as long as any weight in it)
-            move_parameters_to_huge_pages(self.model, config.huge_pages)
-        # CPU float32: oneDNN-packed copies of the linear weights for decode-sized calls. Before the KV pool
-        # is sized, so that the pool's share of free memory accounts for them.
-        if config.cpu_packed_weights:
-            self.model.pack_cpu_weights()
-        if self.model.upcast_cpu_half_linears():  # bf16/fp16 on a CPU without oneDNN support for it
-            log.info("%s weights on a CPU without oneDNN support for them: linear calls of %d+ rows (prefill) "
-                     "multiply in float32", str(self.model.lm_head.weight.dtype).removeprefix("torch."),
-                     HALF_UPCAST_MIN_ROWS)
-        cfg = self.model.config
-        self.model_config = cfg
-        self.generation = read_generation_defaults(config.model_dir, cfg)
-        dtype = self.model.lm_head.weight.dtype
-        self.kv, self.kv_pool = build_kv_pool(config, self.device, cfg, dtype)  # sized and logged there
-        self.decode_step = choose_decode_step(config, self.model, self.kv)  # ValueError: a refused combination
-        self.compiled = self.decode_step if isinstance(self.decode_step, CompiledDecode) else None
-        self.runner = BatchRunner(self.model, self.kv, config.attention_bound(), self.decode_step)
+        self.stack = stack = stack if stack is not None else build_model_stack(config)
+        # What other code reads of the stack, under the names it always had.
+        self.device, self.model, self.model_config = stack.device, stack.model, stack.model_config
+        self.generation, self.quantization_kernel = stack.generation, stack.quantization_kernel
+        self.kv, self.kv_pool, self.runner = stack.kv, stack.kv_pool, stack.runner
+        self.decode_step, self.compiled = stack.decode_step, stack.compiled
+        cfg, dtype = stack.model_config, stack.dtype
         self.events = KvEventHub(config.max_kv_subscribers, config.kv_events_buffer)
         self.prefix = PrefixCache(self.kv, config.prefix_caching, self.events)
         self.adapters = AdapterRegistry(cfg, self.device, dtype, config.adapter_root, config.max_adapters_on_device,
@@ -110,6 +88,7 @@ class Executor:
         self._store = CacheStore(clock)
         self._scope: CacheTable | None = None  # the session view of the operation in progress
         self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters)
+        self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics)
         self._lock = OpLock()
 
     # ----------------------------------------------------------------- operations
@@ -135,24 +114,31 @@ class Executor:
             state.prompt_len = result.cache.seq_len  # every Prefill chunk is prompt
             return PrefillResult(result.cache, result.output, state.cached_tokens)
 
-    def unified_decode(self, items: Sequence[UnifiedItem], session: str = ANONYMOUS) -> list[UnifiedResult]:
+    def unified_decode(self, items: Sequence[UnifiedItem], session: str = ANONYMOUS,
+                       release: Sequence[str] = ()) -> StepResults[UnifiedResult]:
         """One packed forward over a mix of prefill chunks and decodes; output for final chunks only. An item
         that is wrong on its own gets its error in its result (and writes nothing); the others run. Raises
         only for the call as a whole (no items, over max_batch_tokens, KV pool full, device out of memory),
-        and then nothing was written."""
+        and then nothing was written. release: caches of the session freed first, as release_cache frees
+        them, in the same operation (their blocks serve this call's items; they stay freed if the call then
+        fails); at most MAX_RELEASE_WITH_STEP, else InvalidRequest before any is. results.released: how many."""
+        check_release_with_step(release)
         with self._op("unified_decode", session):
-            return self._run(items)
+            released = self._release(release)[0] if release else 0
+            return StepResults(self._run(items), released)
 
-    def decode(self, items: Sequence[DecodeItem], num_steps: int = 1,
-               session: str = ANONYMOUS) -> list[DecodeResult]:
+    def decode(self, items: Sequence[DecodeItem], num_steps: int = 1, session: str = ANONYMOUS,
+               release: Sequence[str] = ()) -> StepResults[DecodeResult]:
         """Feeds each item's token at its cache's position and samples the next, num_steps times, feeding
         each sampled token back. An item stops early at one of its stop tokens or at the model's length
         limit; if the KV pool fills after the first step, every item stops there (partial results). An item
         wrong on its own fails alone (its result's error). Any other failure, at any step, raises with every
-        cache as it was before the call."""
+        cache as it was before the call. release: as unified_decode's."""
+        check_release_with_step(release)
         with self._op("decode", session):
-            return run_decode_steps(items, num_steps, self._caches, self.kv, self._validator, self._run,
-                                    self.model_config.max_position_embeddings)
+            released = self._release(release)[0] if release else 0
+            return StepResults(run_decode_steps(items, num_steps, self._caches, self.kv, self._validator, self._run,
+                                                self.model_config.max_position_embeddings), released)
 
     def forward_verify(self, cache: CacheRef, token_ids: Sequence[int], output: OutputOptions = OutputOptions(),
                        adapter: str = "", session: str = ANONYMOUS) -> VerifyResult:
@@ -163,17 +149,7 @@ class Executor:
             if not cache.cache_id:
                 raise InvalidRequest("forward_verify needs the cache_id of an existing cache (prefill first)")
             item = UnifiedItem(tuple(token_ids), cache.cache_id, cache.seq_len, True, None, output, adapter)
-            (planned,) = self._validator.batch([item], self._caches)
-            if isinstance(planned, TandemError):
-                raise planned
-            # Predictions are greedy, whatever sampling the cache has registered (which stays registered).
-            batch = [BatchItem(item, planned.state, SamplingParams())]
-            start = time.perf_counter()
-            outputs = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
-            self.metrics.record_step("verify", time.perf_counter() - start, len(token_ids))
-            self._count(outputs, batch)
-            self.metrics.tokens_processed += len(token_ids)
-            positions = outputs[0] or []
+            positions = self._step.verify(item, self._caches)
             return VerifyResult(self._caches.ref(cache.cache_id), positions)
 
     def truncate_cache(self, cache_id: str, new_len: int, session: str = ANONYMOUS) -> CacheRef:
@@ -191,16 +167,7 @@ class Executor:
         """Frees every named cache of the session. Idempotent: unknown ids (another session's included) are
         returned, not an error."""
         with self._op("release_cache", session, control=True):
-            released, unknown = 0, []
-            for cid in cache_ids:
-                state = self._caches.pop(cid)
-                if state is None:
-                    unknown.append(cid)
-                    continue
-                self.kv.release(state.table)
-                released += 1
-            self.metrics.caches_released += released
-            return released, unknown
+            return self._release(cache_ids)
 
     def create_caches(self, items: Sequence[CreateCacheItem], session: str = ANONYMOUS) -> list[CreateCacheResult]:
         """Creates a cache per prompt, holding the longest cached prefix of it (whole blocks, never the whole
@@ -214,7 +181,7 @@ class Executor:
                 except TandemError as exc:
                     results.append(CreateCacheResult(CacheRef("", 0), 0, name_item(exc, n)))
                     continue
-                state = self._new_state(it.adapter, it.cache_salt)
+                state = self._step.new_state(it.adapter, it.cache_salt)
                 state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root)
                 state.tokens = list(it.token_ids[:state.cached_tokens])
                 self.metrics.caches_created += 1
@@ -293,14 +260,13 @@ class Executor:
             model_id=self.config.model_dir.name, model_dir=str(self.config.model_dir), architecture=cfg.architecture,
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            max_seq_len=cfg.max_position_embeddings, dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
+            max_seq_len=cfg.max_position_embeddings, dtype=str(self.stack.dtype).removeprefix("torch."),
             device=str(self.device), eos_token_ids=self.generation.eos_token_ids,
             bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(), instance_id=self.instance_id,
             max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
             capabilities=CAPABILITIES + (("prefix_caching",) if self.prefix.enabled else ())
-            + (("compiled_decode",) if self.compiled is not None else ())
-            + (("native_decode",) if isinstance(self.decode_step, NativeDecode) else ()),
+            + self.stack.capabilities(),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
             resident_memory_bytes=resident_memory_bytes(), quantization=self.config.quantization)
@@ -343,6 +309,20 @@ class Executor:
                 self._scope = None
                 self.metrics.record_op(name, time.perf_counter() - start, waited)
 
+    def _release(self, cache_ids: Sequence[str]) -> tuple[int, list[str]]:
+        """Frees the named caches of the operation's session (release_cache, and the release ids of step
+        calls); returns (how many, the ids it did not hold)."""
+        released, unknown = 0, []
+        for cid in cache_ids:
+            state = self._caches.pop(cid)
+            if state is None:
+                unknown.append(cid)
+                continue
+            self.kv.release(state.table)
+            released += 1
+        self.metrics.caches_released += released
+        return released, unknown
+
     def _release_session(self, session: Session) -> int:
         """Frees every cache of a session (under the model lock: no call can be extending them)."""
         states = self._store.pop_session(session.session_id)
@@ -351,69 +331,7 @@ class Executor:
         return len(states)
 
     def _run(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
-        planned = self._validator.batch(items, self._caches)
-        ok = [p for p in planned if isinstance(p, PlannedItem)]
-        # A new cache takes its item's adapter and sampling (an existing one's adapter is validated equal).
-        batch = [BatchItem(p.item, p.state or self._new_state(p.item.adapter, sampling=p.sampling), p.sampling)
-                 for p in ok]
-        outputs: list[list[SequenceOutput] | None] = []
-        if batch:  # reserves KV first; on any error puts every cache back and re-raises
-            kind = _step_kind(batch)  # (before the run: it marks prompts done)
-            start = time.perf_counter()
-            outputs = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
-            self.metrics.record_step(kind, time.perf_counter() - start, sum(len(b.item.token_ids) for b in batch))
-            self._count(outputs, batch)
-        ran = iter(zip(batch, outputs))
-        results = []
-        for item, p in zip(items, planned):
-            if not isinstance(p, PlannedItem):
-                results.append(UnifiedResult(self._caches.ref(item.cache_id or ""), None, p))
-                continue
-            b, outs = next(ran)
-            if item.sampling is not None:
-                b.state.sampling = item.sampling  # registered once the item succeeded
-            results.append(UnifiedResult(self._register(p, b.state), outs[0] if outs else None))
-        return results
-
-    def _adapter_weights(self, batch: list[BatchItem]) -> dict:
-        names = {b.item.adapter for b in batch if b.item.adapter}
-        for b in batch:
-            if b.item.adapter:
-                self.adapters.count_request(b.item.adapter)
-        if not names:
-            return {}
-        moves = self.adapters.moves
-        weights = self.adapters.on_device(names)
-        if self.adapters.moves != moves:  # weights moved in or out: stacked copies may hold stale tensors
-            self.runner.lora_stacks.clear()
-        return weights
+        return self._step.run(items, self._caches)
 
     def _adapter_info(self, name: str) -> AdapterInfo:
         return next(a for a in self.list_adapters() if a.name == name)
-
-    def _new_state(self, adapter: str, cache_salt: str = "", sampling: SamplingParams = SamplingParams()) -> CacheState:
-        root = self.prefix.root(adapter, self.adapters.digest(adapter), cache_salt)
-        return CacheState(adapter=adapter, sampling=sampling, root=root)
-
-    def _count(self, outputs: list[list[SequenceOutput] | None], batch: list[BatchItem]) -> None:
-        """After a successful forward: counters, and the blocks it filled join the prefix cache."""
-        for b in batch:
-            self.prefix.seal(b.state.table, b.state.tokens, b.state.root, b.state.adapter)
-        self.metrics.forward_passes += 1
-        self.metrics.tokens_sampled += sum(len(o.tokens) for outs in outputs if outs for o in outs)
-
-    def _register(self, planned: PlannedItem, state: CacheState) -> CacheRef:
-        """Names a cache created by a successful forward (ids are only handed out once state exists)."""
-        if planned.state is not None:
-            cache_id = planned.item.cache_id or ""
-        else:
-            cache_id = self._caches.add(state)
-            self.metrics.caches_created += 1
-        self.metrics.tokens_processed += len(planned.item.token_ids)
-        return CacheRef(cache_id, state.table.length)
-
-
-def _step_kind(batch: list[BatchItem]) -> str:
-    """prefill: every item writes prompt tokens; decode: every item's cache is past its prompt; else mixed."""
-    decodes = sum(b.state.prompt_len is not None for b in batch)
-    return "decode" if decodes == len(batch) else "prefill" if not decodes else "mixed"

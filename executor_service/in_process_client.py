@@ -32,19 +32,27 @@ class InProcessExecutorClient:
     def info_now(self) -> epb.GetInfoResponse:
         return self._relay(lambda: codec.info_to_pb(self.executor.info()))
 
-    def unified_decode_now(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
+    def unified_decode_now(self, items: Sequence[epb.UnifiedItem], session_id: str = "", *,
+                           release: Sequence[str] = ()) -> epb.UnifiedDecodeResponse:
+        """release: the request's release_cache_ids (freed before the items run; the response's `released`)."""
         def run() -> epb.UnifiedDecodeResponse:  # per-item statuses, exactly as the gRPC servicer builds them
-            ex = self.executor
-            results, dtypes = codec.run_unified(items, lambda decoded: ex.unified_decode(decoded, session_id),
-                                                lambda cache_id: ex.cache_ref(cache_id, session_id))
+            ex, ids = self.executor, codec.release_ids_from_pb(release)
+            results, dtypes = codec.run_unified(
+                items, lambda decoded: ex.unified_decode(decoded, session_id, ids),
+                lambda cache_id: ex.cache_ref(cache_id, session_id),
+                lambda: ex.release_cache(ids, session_id)[0] if ids else 0)
             return codec.unified_response_to_pb(results, dtypes, ex.kv_usage())
         return self._relay(run)
 
-    def decode_now(self, items: Sequence[epb.DecodeItem], num_steps: int, session_id: str = "") -> epb.DecodeResponse:
+    def decode_now(self, items: Sequence[epb.DecodeItem], num_steps: int, session_id: str = "", *,
+                   release: Sequence[str] = ()) -> epb.DecodeResponse:
+        """release: as unified_decode_now's."""
         def run() -> epb.DecodeResponse:
-            ex = self.executor
-            results, dtypes = codec.run_decode(items, lambda decoded: ex.decode(decoded, num_steps, session_id),
-                                               lambda cache_id: ex.cache_ref(cache_id, session_id))
+            ex, ids = self.executor, codec.release_ids_from_pb(release)
+            results, dtypes = codec.run_decode(
+                items, lambda decoded: ex.decode(decoded, num_steps, session_id, ids),
+                lambda cache_id: ex.cache_ref(cache_id, session_id),
+                lambda: ex.release_cache(ids, session_id)[0] if ids else 0)
             return codec.decode_response_to_pb(results, dtypes, ex.kv_usage())
         return self._relay(run)
 
@@ -67,11 +75,13 @@ class InProcessExecutorClient:
     async def info(self) -> epb.GetInfoResponse:
         return self.info_now()
 
-    async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "") -> epb.UnifiedDecodeResponse:
-        return self.unified_decode_now(items, session_id)
+    async def unified_decode(self, items: Sequence[epb.UnifiedItem], session_id: str = "", *,
+                             release: Sequence[str] = ()) -> epb.UnifiedDecodeResponse:
+        return self.unified_decode_now(items, session_id, release=release)
 
-    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int, session_id: str = "") -> epb.DecodeResponse:
-        return self.decode_now(items, num_steps, session_id)
+    async def decode(self, items: Sequence[epb.DecodeItem], num_steps: int, session_id: str = "", *,
+                     release: Sequence[str] = ()) -> epb.DecodeResponse:
+        return self.decode_now(items, num_steps, session_id, release=release)
 
     async def release(self, cache_ids: Sequence[str], session_id: str = "") -> epb.ReleaseCacheResponse:
         return self.release_now(cache_ids, session_id)
@@ -79,7 +89,8 @@ class InProcessExecutorClient:
     async def list_adapters(self) -> epb.ListAdaptersResponse:
         return self.list_adapters_now()
 
-    async def create_caches(self, items: Sequence[epb.CreateCacheItem], session_id: str = "") -> epb.CreateCacheResponse:
+    async def create_caches(self, items: Sequence[epb.CreateCacheItem],
+                            session_id: str = "") -> epb.CreateCacheResponse:
         return self.create_caches_now(items, session_id)
 
     async def open_session(self, client_name: str) -> epb.OpenSessionResponse:

@@ -21,6 +21,15 @@ from tandem.token_mask import allows_any, mask_bytes
 MAX_CREATE_ITEMS = 256  # caches one CreateCache may create
 MAX_CACHE_SALT_CHARS = 256
 MAX_DRAFT_TOKENS = 32  # per item: more than a handful is rarely accepted, and each costs a KV slot and a row
+MAX_RELEASE_WITH_STEP = 4096  # cache ids one step call (UnifiedDecode, Decode) may release before its items
+
+
+def check_release_with_step(cache_ids: Sequence[str]) -> None:
+    """The release ids of a step call: at most MAX_RELEASE_WITH_STEP (checked before any is released)."""
+    if len(cache_ids) > MAX_RELEASE_WITH_STEP:
+        raise InvalidRequest(f"release_cache_ids names {len(cache_ids)} caches; a step call releases at most "
+                             f"{MAX_RELEASE_WITH_STEP}: release the rest with ReleaseCache (any number of ids) "
+                             "or in the next step calls")
 
 
 @dataclass(frozen=True)

@@ -90,17 +90,21 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     @_on_model_thread
     def Decode(self, request, context):
         ex = self.ex
-        session = request.session_id
-        results, dtypes = codec.run_decode(request.items, lambda items: ex.decode(items, request.num_steps, session),
-                                           lambda cache_id: ex.cache_ref(cache_id, session))
+        session, release = request.session_id, codec.release_ids_from_pb(request.release_cache_ids)
+        results, dtypes = codec.run_decode(
+            request.items, lambda items: ex.decode(items, request.num_steps, session, release),
+            lambda cache_id: ex.cache_ref(cache_id, session),
+            lambda: ex.release_cache(release, session)[0] if release else 0)
         return codec.decode_response_to_pb(results, dtypes, ex.kv_usage())
 
     @_on_model_thread
     def UnifiedDecode(self, request, context):
         ex = self.ex
-        session = request.session_id
-        results, dtypes = codec.run_unified(request.items, lambda items: ex.unified_decode(items, session),
-                                            lambda cache_id: ex.cache_ref(cache_id, session))
+        session, release = request.session_id, codec.release_ids_from_pb(request.release_cache_ids)
+        results, dtypes = codec.run_unified(
+            request.items, lambda items: ex.unified_decode(items, session, release),
+            lambda cache_id: ex.cache_ref(cache_id, session),
+            lambda: ex.release_cache(release, session)[0] if release else 0)
         return codec.unified_response_to_pb(results, dtypes, ex.kv_usage())
 
     @_on_model_thread

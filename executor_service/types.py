@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Iterable, TypeVar
 
 import torch
 
 from tandem.errors import TandemError
 from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
+
+R = TypeVar("R")
 
 
 class OutputMode(enum.Enum):
@@ -107,6 +110,16 @@ class DecodeResult:
     cache: CacheRef
     output: SequenceOutput  # one TokenOutput per step taken
     error: TandemError | None = None  # as UnifiedResult.error: this item failed alone and wrote nothing
+
+
+class StepResults(list[R]):
+    """What a step call (unified_decode, decode) returns: its results, one per item in order (a plain list to
+    callers that want only those), and `released`: how many caches the call's release ids freed before its
+    items ran (ids the session did not hold are not counted)."""
+
+    def __init__(self, results: Iterable[R] = (), released: int = 0) -> None:
+        super().__init__(results)
+        self.released = released
 
 
 @dataclass

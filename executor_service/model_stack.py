@@ -1,0 +1,89 @@
+"""The executor's model stack: the model loaded, quantized and laid out for the device, the paged KV pool
+sized beside it, the decode step chosen, and the batch runner over them. `build_model_stack` does every
+step of that, in its order, once; the Executor (executor_service/executor.py) only serves operations on
+what it built.
+
+Order matters: quantize before packing (packing skips quantized weights) and before huge pages (the arena
+lives as long as any weight in it); pack before sizing the KV pool, so that the pool's share of free memory
+accounts for the packed copies; the decode step is chosen last, over the model and the pool it runs on.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.batch import BatchRunner
+from executor_service.config import ExecutorConfig
+from executor_service.decode_kernel import DecodeStep, choose_decode_step
+from executor_service.kv_sizing import build_kv_pool
+from executor_service.types import KvPoolSizing
+from models.compiled_decode import CompiledDecode
+from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
+from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
+from models.huge_pages import move_parameters_to_huge_pages
+from models.kv_cache import PagedKvCache
+from models.loader import load_model
+from models.native_decode import NativeDecode
+from models.transformer import DecoderModel
+
+log = logging.getLogger("tandem.executor")
+
+
+@dataclass(frozen=True)
+class ModelStack:
+    """What build_model_stack built. The objects themselves are live (the runner keeps LoRA stacks, the pool
+    its blocks); the stack only fixes which ones they are."""
+
+    device: torch.device
+    model: DecoderModel
+    model_config: ModelConfig
+    generation: GenerationDefaults  # stopping ids from generation_config.json (else config.json)
+    quantization_kernel: str | None  # the kernel of --quantization; None: weights as loaded
+    kv: PagedKvCache
+    kv_pool: KvPoolSizing  # how the pool was sized, and why
+    decode_step: DecodeStep | None  # all-decode batches run it; None: the eager forward
+    runner: BatchRunner
+
+    @property
+    def compiled(self) -> CompiledDecode | None:
+        """The decode step when it is the torch.compile'd one (--compile)."""
+        return self.decode_step if isinstance(self.decode_step, CompiledDecode) else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (of the LM head: quantized linears keep it as their output dtype)."""
+        return self.model.lm_head.weight.dtype
+
+    def capabilities(self) -> tuple[str, ...]:
+        """GetInfo capability names that depend on the decode step."""
+        return ((("compiled_decode",) if self.compiled is not None else ())
+                + (("native_decode",) if isinstance(self.decode_step, NativeDecode) else ()))
+
+
+def build_model_stack(config: ExecutorConfig) -> ModelStack:
+    """Loads the model of config.model_dir onto config's device and builds everything a batch runs on.
+    Raises ValueError for a combination that cannot run (the CLI exits 2 with the message)."""
+    device = config.resolve_device()
+    model = load_model(config.model_dir, device, config.dtype, progress=config.progress)
+    kernel = model.quantize(config.quantization)  # before packing: it skips those
+    if kernel:
+        log.info("linear weights quantized to %s (%s kernel)", config.quantization, kernel)
+    if device.type == "cpu":  # (after quantizing: the arena lives as long as any weight in it)
+        move_parameters_to_huge_pages(model, config.huge_pages)
+    # CPU float32: oneDNN-packed copies of the linear weights for decode-sized calls. Before the KV pool is
+    # sized, so that the pool's share of free memory accounts for them.
+    if config.cpu_packed_weights:
+        model.pack_cpu_weights()
+    if model.upcast_cpu_half_linears():  # bf16/fp16 on a CPU without oneDNN support for it
+        log.info("%s weights on a CPU without oneDNN support for them: linear calls of %d+ rows (prefill) "
+                 "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),
+                 HALF_UPCAST_MIN_ROWS)
+    cfg, dtype = model.config, model.lm_head.weight.dtype
+    kv, kv_pool = build_kv_pool(config, device, cfg, dtype)  # sized and logged there
+    decode_step = choose_decode_step(config, model, kv)  # ValueError: a refused combination
+    return ModelStack(device=device, model=model, model_config=cfg,
+                      generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
+                      kv=kv, kv_pool=kv_pool, decode_step=decode_step,
+                      runner=BatchRunner(model, kv, config.attention_bound(), decode_step))
