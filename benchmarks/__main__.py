@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 # NAME -> (module:function, one line). Modules are imported only when their benchmark runs: most import torch.
@@ -21,7 +20,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "step_profile": ("step_profile:main", "in-process scheduler-like serving loop vs transformers generate"),
     "structured": ("structured:main", "grammar engines (mask time, coverage) and constrained-decoding overhead"),
 }
-OMP_WAIT_POLICIES = ("passive", "active", "unset")
 
 
 def usage() -> str:
@@ -30,21 +28,6 @@ def usage() -> str:
     return ("usage: python -m benchmarks NAME [args]   (python -m benchmarks NAME --help: its flags)\n\n"
             "Tandem's benchmarks; each prints tables on stdout and writes JSON (--out). See docs/benchmarks.md.\n\n"
             "benchmarks:\n" + "\n".join(lines))
-
-
-def apply_omp_wait_policy(argv: list[str]) -> None:
-    """--omp-wait-policy (the executor benchmark's): libgomp reads OMP_WAIT_POLICY once, when torch is imported,
-    so it is set here, before the benchmark's module imports torch; server subprocesses inherit it."""
-    value = None
-    for i, a in enumerate(argv):
-        if a == "--omp-wait-policy" and i + 1 < len(argv):
-            value = argv[i + 1].lower()
-        elif a.startswith("--omp-wait-policy="):
-            value = a.split("=", 1)[1].lower()
-    if value == "unset":
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    elif value in OMP_WAIT_POLICIES:
-        os.environ["OMP_WAIT_POLICY"] = value.upper()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     if name not in BENCHMARKS:
         print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    apply_omp_wait_policy(rest)
     module, function = BENCHMARKS[name][0].split(":")
     return getattr(importlib.import_module(f"benchmarks.{module}"), function)(rest)
 

@@ -7,8 +7,9 @@ import importlib.util
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -128,11 +129,32 @@ def model_dir(arg: Path | str | None) -> Path:
         raise SystemExit(f"error: cannot prepare the default model ({exc}); pass --model DIR")
 
 
-def serving_setup(args: argparse.Namespace) -> tuple[int, Path, Any]:
-    """What a benchmark that starts servers does first: SIGTERM becomes SystemExit (so finally blocks stop the
-    servers), --threads, the model directory and its ModelConfig. Returns (threads, model_dir, config)."""
-    from models.config import ModelConfig
+@contextmanager
+def stack(model_dir: Path, executor_flags: list[str], scheduler_flags: list[str] = ()) -> Iterator[list[Any]]:
+    """[executor, scheduler]: real server processes, the scheduler with its OpenAI HTTP front, quiet logs unless the
+    flags say otherwise; both stopped on the way out (the scheduler first: it drains; stop() is idempotent)."""
+    from tandem import server_process
+    servers: list[Any] = []
+    try:
+        servers.append(server_process.launch_executor(model_dir, "--log-level", "WARNING", *executor_flags))
+        servers.append(server_process.launch_scheduler(servers[0].address, "--http-port", "0", "--log-level",
+                                                       "WARNING", *scheduler_flags))
+        yield servers
+    finally:
+        for s in reversed(servers):
+            s.stop()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM becomes SystemExit, so that finally blocks stop the servers a benchmark started."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def serving_setup(args: argparse.Namespace) -> tuple[int, Path, Any]:
+    """What a benchmark that starts servers does first: stop_on_sigterm, --threads, the model directory and its
+    ModelConfig. Returns (threads, model_dir, config)."""
+    from models.config import ModelConfig
+    stop_on_sigterm()
     threads = set_threads(getattr(args, "threads", None))
     directory = model_dir(args.model)
     return threads, directory, ModelConfig.from_dir(directory)

@@ -14,7 +14,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from benchmarks.cli import add_common, add_sizes, choices, int_list, make_log, parse, parser, prepare_script, serving_setup
+from benchmarks.cli import (add_common, add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
+                            serving_setup)
 from benchmarks.local_executor import DecodeBatch, build_executor
 from benchmarks.quality import QualityReference
 from benchmarks.report import table, machine_info, model_json, write_json
@@ -66,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def stream_one(address: str, prompt: list[int], gen: int) -> dict[str, float]:
     """One greedy request streamed through Generate: TTFT and decode tokens/s after the first token."""
-    req = gpb.GenerateRequest(request_id="bench-decode", token_ids=gpb.TokenIds(ids=prompt), sampling=cpb.SamplingParams(),
+    req = gpb.GenerateRequest(request_id="bench-decode", token_ids=gpb.TokenIds(ids=prompt),
+                              sampling=cpb.SamplingParams(),
                               stopping=gpb.StoppingCriteria(max_new_tokens=gen, ignore_eos=True))
     stamps: list[tuple[float, int]] = []
     with grpc.insecure_channel(address) as channel:
@@ -160,7 +162,8 @@ def write_gguf(source: Path, dest: Path, fmt: str) -> Path:
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(dest, arch=str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents()))
     for field in reader.fields.values():
-        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or \
+                field.name.startswith("GGUF."):
             continue  # written by GGUFWriter itself, or no longer true of the tensors
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
@@ -274,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if "quality" in args.part_list:
         results["quality"] = quality_part(model_dir, [m for m in args.mode_list if weights_of(m) != "float32"])
     print_tables(args, results, f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, CPU")
-    config = {k: getattr(args, k) for k in ("modes", "parts", "batches", "prompt_len", "gen", "requests", "steps",
-                                            "quick")} | {"model": str(model_dir), "threads": threads}
+    config = {k: v for k, v in vars(args).items() if k != "out"} | {"model": str(model_dir), "threads": threads}
     path = write_json(args.out, {"benchmark": "bench_decode", "config": config, "machine": machine_info("cpu"),
                                  "model": model_json(model_dir, cfg), **results})
     log(f"wrote {path}")

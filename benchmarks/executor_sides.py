@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
 
 from benchmarks.local_executor import DecodeBatch, DecodeState
@@ -16,7 +15,6 @@ from benchmarks.measure import Clock, median_seconds
 from benchmarks.workloads import token_budget_groups
 from executor_service import codec
 from executor_service.executor import Executor
-from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
 from executor_service.types import OutputMode, OutputOptions
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -36,7 +34,8 @@ class Config:
 
 def make_configs(multi_steps: int) -> dict[str, Config]:
     f32, bf16 = pb.LOGITS_DTYPE_FLOAT32, pb.LOGITS_DTYPE_BFLOAT16
-    return {c.name: c for c in (Config("tokens", OutputMode.TOKENS, f32, 1), Config("logits/f32", OutputMode.LOGITS, f32, 1),
+    return {c.name: c for c in (Config("tokens", OutputMode.TOKENS, f32, 1),
+                                Config("logits/f32", OutputMode.LOGITS, f32, 1),
                                 Config("logits/bf16", OutputMode.LOGITS, bf16, 1),
                                 Config(f"tokens/x{multi_steps}", OutputMode.TOKENS, f32, multi_steps))}
 
@@ -94,7 +93,8 @@ class InProcSide(TimedSide, DecodeBatch):
 
 
 class GrpcSide(TimedSide, DecodeState):
-    def __init__(self, stub: pb_grpc.ExecutorServiceStub, max_batch_tokens: int, device: torch.device, pid: int) -> None:
+    def __init__(self, stub: pb_grpc.ExecutorServiceStub, max_batch_tokens: int, device: torch.device,
+                 pid: int) -> None:
         super().__init__()
         self.stub, self.max_batch_tokens, self.device, self.server_pid = stub, max_batch_tokens, device, pid
         self.last_request: Any = None
@@ -147,26 +147,6 @@ def micro_breakdown(inproc: InProcSide, grpc_side: GrpcSide, repeats: int) -> di
              "codec_out": lambda: codec.decode_response_to_pb(results, [d for _, d in items], inproc.ex.kv_usage()),
              "resp_serialize": resp.SerializeToString, "resp_parse": lambda: pb.DecodeResponse.FromString(resp_bytes)}
     return {k: 1e3 * median_seconds(fn, repeats) for k, fn in parts.items()}
-
-
-def interceptor_overhead_ms(repeats: int = 2000) -> float:
-    """Extra ms per call of the server's ErrorMappingInterceptor wrapper around a no-op unary handler."""
-    def noop(request: Any, context: Any) -> None:
-        return None
-
-    details = type("Details", (), {"method": "/tandem.executor.v1.ExecutorService/Decode", "invocation_metadata": ()})()
-    wrapped = ErrorMappingInterceptor(RpcMetrics()).intercept_service(
-        lambda _: grpc.unary_unary_rpc_method_handler(noop), details).unary_unary
-    best = []
-    for fn in (noop, wrapped):
-        runs = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                fn(None, None)
-            runs.append((time.perf_counter() - t0) / repeats)
-        best.append(min(runs))
-    return 1e3 * (best[1] - best[0])
 
 
 def empty_rpc_ms(stub: pb_grpc.ExecutorServiceStub, n: int) -> dict[str, float]:

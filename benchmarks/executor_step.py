@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import sys
 import time
 from typing import Any
 
 import grpc
 
 from benchmarks.cli import (add_common, add_device_args, add_sizes, int_list, make_log, model_dir, parse, parser,
-                            set_threads, torch_device)
-from benchmarks.executor_sides import (Config, GrpcSide, InProcSide, empty_rpc_ms, interceptor_overhead_ms,
-                                       make_configs, micro_breakdown)
+                            set_threads, stop_on_sigterm, torch_device)
+from benchmarks.executor_sides import Config, GrpcSide, InProcSide, empty_rpc_ms, make_configs, micro_breakdown
 from benchmarks.local_executor import build_executor
 from benchmarks.measure import machine_busy_s, other_cores, process_cpu_s, time_stats
 from benchmarks.report import format_table, machine_info, model_json, model_line, write_json
@@ -51,8 +48,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--configs", default=None,
                     help="comma subset of tokens, logits/f32, logits/bf16, tokens/xN (default: all)")
     add_device_args(ap)
-    ap.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"), type=str.lower, default=None,
-                    help="OMP_WAIT_POLICY of both sides (unset = libgomp's default; default: the environment's)")
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="both sides' per-call token limit (8192)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for the server's READY")
@@ -90,7 +85,8 @@ def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, 
             if timed:
                 inproc.reset_timing()
                 remote.reset_timing()
-                op0, srv0, busy0, wall0 = inproc.op_stats(), remote.server_stats(), machine_busy_s(), time.perf_counter()
+                op0, srv0 = inproc.op_stats(), remote.server_stats()
+                busy0, wall0 = machine_busy_s(), time.perf_counter()
                 cpu0 = (time.process_time(), process_cpu_s(remote.server_pid) or 0.0)
             for step in range(steps):
                 for side in ((inproc, remote) if step % 2 == 0 else (remote, inproc)):
@@ -106,7 +102,8 @@ def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, 
     bench_cpu, srv_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]  # this process also runs the gRPC client
     i_call, g_call = statistics.median(i_calls), statistics.median(g_calls)
     inproc_op, srv_op, srv_rpc = between(op0, op1), between(srv0["op"], srv1["op"]), between(srv0["rpc"], srv1["rpc"])
-    client = {s: mean_ms(side.parts["build"]) + mean_ms(side.parts["read"]) for s, side in (("i", inproc), ("g", remote))}
+    client = {s: mean_ms(side.parts["build"]) + mean_ms(side.parts["read"])
+              for s, side in (("i", inproc), ("g", remote))}
     breakdown = {  # means over the timed calls, ms per call
         "inproc_call": mean_ms(i_calls), "grpc_call": mean_ms(g_calls), "overhead": mean_ms(g_calls) - mean_ms(i_calls),
         "inproc_op": inproc_op, "server_op": srv_op, "server_rpc": srv_rpc,
@@ -164,7 +161,7 @@ def print_report(args, rows: list[dict[str, Any]], header: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks stop the server
+    stop_on_sigterm()
     threads, device, directory = set_threads(args.threads), torch_device(args.device), model_dir(args.model)
     max_steps = max(c.num_steps for c in args.config_list)
     per_seq = args.context + 1 + (args.warmup + args.steps) * max_steps
@@ -188,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         info = stub.GetInfo(pb.GetInfoRequest(), timeout=30)
         log(f"server {address} and in-process executor ready in {time.perf_counter() - t0:.1f}s")
         if per_seq > ex.model_config.max_position_embeddings:
-            raise SystemExit(f"error: {per_seq} tokens per sequence; the model takes {ex.model_config.max_position_embeddings}")
+            raise SystemExit(f"error: {per_seq} tokens per sequence; the model takes "
+                             f"{ex.model_config.max_position_embeddings}")
         inproc, remote = InProcSide(ex), GrpcSide(stub, max_batch_tokens, device, server.proc.pid)
         empty = {"before": empty_rpc_ms(stub, args.empty_rpcs)}
-        interceptor_ms = interceptor_overhead_ms()
         rows = []
         for b in args.batch_list:
             for cfg in args.config_list:
@@ -213,13 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {device}  dtype: {args.dtype}  threads per side: {threads}  OMP_WAIT_POLICY: {policy}  context "
         f"{args.context}, {args.steps} timed calls after {args.warmup} per side and configuration; medians",
         f"empty RPC round trip: {empty['before']['median_ms']:.3f} ms before, {empty['after']['median_ms']:.3f} ms "
-        f"after; interceptor wrapper: {interceptor_ms * 1e3:.2f} us per call"])
+        f"after"])
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "config_list")} | {
         "configs": [c.name for c in args.config_list], "threads_per_side": threads, "kv_blocks": kv,
         "omp_wait_policy": policy}
     path = write_json(args.out, {"benchmark": "bench_executor", "model": model_json(directory, ex.model_config),
                                  "machine": machine_info(device), "settings": settings, "server": server_info,
-                                 "server_exit_code": code, "empty_rpc": empty, "interceptor_overhead_ms": interceptor_ms,
-                                 "rows": rows})
+                                 "server_exit_code": code, "empty_rpc": empty, "rows": rows})
     log(f"wrote {path}")
     return 0

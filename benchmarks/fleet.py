@@ -1,7 +1,6 @@
-"""Fleet benchmark: one scheduler over several executors as a client sees it: (1) scaling, the same workload on one
-executor with T threads and on N executors sharing the cores (--configs EXECUTORSxTHREADS); (2) failover, a batch
-of long streams during which one executor is SIGKILLed, against a clean run of the same streams. Method and how
-to read the tables: docs/benchmarks.md."""
+"""Fleet benchmark: one scheduler over several executors as a client sees it: (1) scaling, the same workload on
+one executor with T threads and on N executors sharing the cores (--configs EXECUTORSxTHREADS); (2) failover, long
+streams during which one executor is SIGKILLed, against a clean run of the same streams. See docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +15,8 @@ from typing import Any
 import grpc
 
 from benchmarks import executor_metrics
-from benchmarks.cli import add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser, serving_setup
+from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+                            serving_setup)
 from benchmarks.fleet_failover import analyse, failover_run, stream
 from benchmarks.measure import CpuMeter
 from benchmarks.openai_client import closed_loop
@@ -61,8 +61,8 @@ class Fleet:
         log(f"{n} executor(s) x {threads} thread(s) and scheduler {self.address} ready in {self.startup_s:.1f}s")
 
     def pids(self) -> dict[str, int]:
-        return {**{f"executor-{i}": e.proc.pid for i, e in enumerate(self.executors)}, "scheduler": self.scheduler.proc.pid,
-                "client": os.getpid()}
+        return {**{f"executor-{i}": e.proc.pid for i, e in enumerate(self.executors)},
+                "scheduler": self.scheduler.proc.pid, "client": os.getpid()}
 
     def sigkill(self, index: int) -> float:
         """SIGKILLs an executor (no drain); returns the perf_counter instant just before the signal."""
@@ -90,7 +90,8 @@ async def closed(fleet: Fleet, prompts: list[list[int]], output_len: int, concur
     records = [Record(i, len(p)) for i, p in enumerate(prompts)]
     async with grpc.aio.insecure_channel(fleet.address) as channel:
         stub = gpb_grpc.GenerateServiceStub(channel)
-        await closed_loop(len(prompts), concurrency, lambda i: stream(stub, records[i], prompts[i], output_len, timeout))
+        await closed_loop(len(prompts), concurrency,
+                          lambda i: stream(stub, records[i], prompts[i], output_len, timeout))
     if any(r.error for r in records):
         raise RuntimeError(f"a request failed: {next(r.error for r in records if r.error)}")
     return records
@@ -198,11 +199,6 @@ def print_failover(f: dict[str, Any]) -> None:
     print(f"\ntokens recomputed {s['recomputed_tokens']} (prompts {s['recomputed_prompt_tokens']}); the executors "
           f"processed {s['executor_extra_tokens']} tokens beyond a clean run (expected "
           f"{s['expected_executor_extra_tokens']}, give or take the step lost with the executor)\n")
-    print(format_table(f["per_stream"], [("index", "stream"), ("moved", "moved"), ("tokens_before_kill", "before kill"),
-                                         ("median_gap_before_kill_ms", "gap before ms", 0),
-                                         ("next_token_after_kill_ms", "kill->next ms", 0),
-                                         ("pause_ms", "largest gap after ms", 0), ("resume_after_kill_ms", "kill->resume ms", 0),
-                                         ("recomputed_tokens", "recomputed"), ("identical_to_clean", "= clean")]))
     agree = f["agreement_with_clean"] or {"identical": 0, "compared": 0}
     print(f"\nevery stream completed with exactly {f['output_len']} tokens: {'yes' if f['all_completed'] else 'NO'}; "
           f"tokens identical to the clean run (greedy): {agree['identical']}/{agree['compared']}; failover / clean "
@@ -214,7 +210,8 @@ def failover(args, model_dir: Path, flags: list[str], prompts: list[list[int]], 
     """The failover run on a fresh fleet (and the clean run on another, unless scaling hosted it)."""
     runs, warm = {}, vocabulary_prompts(args.warmup, args.failover_input_len, allowed, args.seed, stream=4)
     for name in (["clean"] if clean is None else []) + ["failover"]:
-        fleet = Fleet(model_dir, args.failover_executors, args.failover_threads, flags, shlex.split(args.scheduler_args))
+        fleet = Fleet(model_dir, args.failover_executors, args.failover_threads, flags,
+                      shlex.split(args.scheduler_args))
         try:
             if warm:
                 asyncio.run(closed(fleet, warm, args.failover_output_len, len(warm), args.request_timeout))

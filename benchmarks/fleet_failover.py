@@ -1,11 +1,6 @@
 """The fleet benchmark's streams over gRPC Generate (its usage counts preemptions, which tell a moved stream) and
-its failover run: every stream at once, the executor running the most of them SIGKILLed once every stream has
-`kill_after` tokens, the streams followed to their end; then what each stream saw around the kill.
-
-A stream *moved* when its usage counts a preemption (the benchmark sizes every KV pool for the whole batch, so no
-capacity preemption muddles it). Its *resume* is the message ending its largest gap after the kill (the first
-message after the kill may be a token sampled just before it); every token streamed before the resume is
-recomputed with the prompt. It *paused* when that gap is >= PAUSE_FACTOR x its median gap before the kill."""
+its failover run: every stream at once, the busiest executor SIGKILLed once every stream has `kill_after` tokens;
+then what each stream saw around the kill (moved, resume, pause, recompute: docs/benchmarks.md defines them)."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +19,7 @@ from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
-PAUSE_FACTOR = 5.0
+PAUSE_FACTOR = 5.0  # paused: the largest gap after the kill >= this x the median gap before it
 
 
 async def stream(stub: Any, rec: Record, prompt: list[int], output_len: int, timeout: float,
@@ -84,7 +79,8 @@ async def failover_run(fleet: Any, prompts: list[list[int]], output_len: int, ki
                         "streams_finished_before": sum(1 for r in records if r.end), "victim_counters": at_kill,
                         "tokens_streamed_before": sum(r.output_len for r in records)}
         await streams
-        states = json_format.MessageToDict(await model_info(stub), preserving_proto_field_name=True).get("executors", [])
+        states = json_format.MessageToDict(await model_info(stub), preserving_proto_field_name=True)
+    states = states.get("executors", [])
     dead = info["index"] if info else None
     after = [None if i == dead else executor_metrics.snapshot(a) for i, a in enumerate(addresses)]
     return {"records": records, "before": before, "after": after, "kill": info, "states_after": states}

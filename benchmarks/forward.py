@@ -32,8 +32,9 @@ MOE_SYNTHETIC = dict(hidden_size=256, intermediate_size=768, num_attention_heads
                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=8192)
 MOE_DEFAULT_ARGS = ["--batches", "1,8,32", "--prefill-len", "0"]
 COLUMNS = [("phase", "phase"), ("batch", "batch"), ("context", "ctx"), ("tandem_ms", "tandem ms"), ("hf_ms", "hf ms"),
-           ("hf_over_tandem", "hf/tandem"), ("hf_over_tandem_cpu", "cpu hf/tandem"), ("tandem_tok_s", "tandem tok/s", 1),
-           ("hf_tok_s", "hf tok/s", 1), ("tandem_gflops", "tandem GFLOP/s", 1), ("tandem_pct_peak", "tandem %peak", 1),
+           ("hf_over_tandem", "hf/tandem"), ("hf_over_tandem_cpu", "cpu hf/tandem"),
+           ("tandem_tok_s", "tandem tok/s", 1), ("hf_tok_s", "hf tok/s", 1), ("tandem_gflops", "tandem GFLOP/s", 1),
+           ("tandem_pct_peak", "tandem %peak", 1),
            ("hf_gflops", "hf GFLOP/s", 1), ("hf_pct_peak", "hf %peak", 1), ("hf_lm_head_rows", "hf lm-head rows")]
 
 

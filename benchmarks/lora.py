@@ -27,8 +27,9 @@ ALL_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 QUICK = {"batch": 8, "steps": 3, "warmup": 1, "context": 16}
 DEFAULTS = {"batch": 32, "steps": 16, "warmup": 2, "context": 128}
 COLUMNS = [("config", "config"), ("adapters", "adapters"), ("batch", "batch"), ("ms_per_step", "ms/step"),
-           ("min_ms", "min ms"), ("tok_s", "tok/s", 1), ("ratio_to_base", "xbase", 3), ("ratio_to_base_min", "xbase min", 3),
-           ("ratio_to_base_cpu", "xbase cpu", 3), ("lora_gflop_per_step", "LoRA GFLOP", 3), ("lora_flop_pct", "LoRA %", 1),
+           ("min_ms", "min ms"), ("tok_s", "tok/s", 1), ("ratio_to_base", "xbase", 3),
+           ("ratio_to_base_min", "xbase min", 3), ("ratio_to_base_cpu", "xbase cpu", 3),
+           ("lora_gflop_per_step", "LoRA GFLOP", 3), ("lora_flop_pct", "LoRA %", 1),
            ("lora_flop_pct_all_adapters", "all-adapt %", 1), ("tokens_differ_from_base", "differ", 2)]
 log = make_log("bench_lora")
 
@@ -48,11 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "largest of --adapter-counts)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank r (default 16)")
     ap.add_argument("--alpha", type=float, default=32.0, help="lora_alpha (default 32)")
-    ap.add_argument("--target-modules", default=ALL_TARGETS, help=f"modules the adapters target (default {ALL_TARGETS})")
+    ap.add_argument("--target-modules", default=ALL_TARGETS, help=f"modules the adapters target ({ALL_TARGETS})")
     ap.add_argument("--adapter-dir", type=Path, default=None, help="keep the adapters here and reuse matching ones "
                     "on later runs (default: a temporary directory)")
-    ap.add_argument("--max-adapters-on-device", type=int, default=None, help="default max(8, --num-adapters)")
-    ap.add_argument("--max-lora-rank", type=int, default=None, help="default max(64, --rank)")
     add_device_args(ap)
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="the Executor's per-call token limit")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts and adapter weights")
@@ -66,10 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--adapter-counts: distinct integers >= 0, at most --batch")
     args.num_adapters = max(counts) if args.num_adapters is None else args.num_adapters
     args.target_list = [m.strip() for m in args.target_modules.split(",") if m.strip()]
-    if args.num_adapters < max(counts) or not args.target_list or min(args.batch, args.context, args.steps, args.rank) < 1:
+    if args.num_adapters < max(counts) or not args.target_list or \
+            min(args.batch, args.context, args.steps, args.rank) < 1:
         ap.error("--num-adapters >= the largest count; --batch, --context, --steps, --rank >= 1; a target module")
-    args.max_adapters_on_device = args.max_adapters_on_device or max(8, args.num_adapters)
-    args.max_lora_rank = args.max_lora_rank or max(64, args.rank)
     return args
 
 
@@ -167,7 +165,8 @@ def time_rounds(configs: list[Config], prompts: list[list[int]], args, device: t
     finally:
         for c in configs:
             c.release()
-    return {"other_processes_cores": other_cores(busy0, busy1, cpu1 - cpu0, wall1 - wall0), "timed_wall_s": wall1 - wall0}
+    return {"other_processes_cores": other_cores(busy0, busy1, cpu1 - cpu0, wall1 - wall0),
+            "timed_wall_s": wall1 - wall0}
 
 
 def table_rows(configs: list[Config], args, lora_per_token: float, base_flops: float) -> list[dict[str, Any]]:
@@ -208,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         per_seq = args.context + 1 + args.warmup + args.steps
         kv = kv_blocks(len(specs) * args.batch, per_seq)  # every configuration's caches at once
         ex = build_executor(directory, args.device, args.dtype, kv, max(args.max_batch_tokens, args.context),
-                            adapter_root=root, max_adapters_on_device=args.max_adapters_on_device,
-                            max_lora_rank=args.max_lora_rank)
+                            adapter_root=root, max_adapters_on_device=max(8, args.num_adapters),
+                            max_lora_rank=max(64, args.rank))
         cfg = ex.model_config
         if per_seq > cfg.max_position_embeddings:
             raise SystemExit(f"error: {per_seq} tokens per sequence; the model takes {cfg.max_position_embeddings}")
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if (load["other_processes_cores"] or 0) > 0.25:
         print(f"note: other processes kept {load['other_processes_cores']:.2f} cores busy while timing")
     payload = {"benchmark": "bench_lora", "model": model_json(directory, cfg), "machine": machine_info(device),
-               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} | {"kv_blocks": kv},
+               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {"kv_blocks": kv},
                "load": load, "adapters": {"creation": creation, "load_adapter_s": load_s,
                                           "lora_flops_per_token": lora_per_token}, "rows": rows,
                "ratios": {r["config"]: r.get("ratio_to_base") for r in rows}}

@@ -1,11 +1,6 @@
-"""The one load client of the serving, prefix, speculation and structured benchmarks: asyncio + httpx against
-the scheduler's OpenAI-compatible HTTP front (or any server with vLLM's extras), streamed requests, closed loop
-(N in flight) or open loop (given arrival times), each request's timings in a Record.
-
-A prompt is token ids (POST /v1/completions: the ids are used as they are) or a str (POST /v1/chat/completions:
-one user message, rendered with the model's chat template). Every request asks for logprobs with vLLM's
-`return_tokens_as_token_ids`, so each SSE chunk says exactly which tokens it carries ("token_id:<id>"): token
-counts and output ids come from there, not from guessing tokens out of text."""
+"""The one load client of the serving, prefix, spec and structured benchmarks: asyncio + httpx against the
+scheduler's OpenAI front, streamed requests (token ids -> /v1/completions, text -> /v1/chat/completions), closed or
+open loop; vLLM's `return_tokens_as_token_ids` logprobs say exactly which tokens each SSE chunk carries."""
 from __future__ import annotations
 
 import asyncio

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from benchmarks import executor_metrics, openai_client
-from benchmarks.cli import add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser, serving_setup
+from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+                            serving_setup, stack)
 from benchmarks.measure import CpuMeter, cores_text, summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record, agreement, aggregate, exact
 from benchmarks.workloads import KV_SLACK_BLOCKS, model_vocabulary, vocabulary_prompts
 from models.kv_cache import DEFAULT_BLOCK_SIZE
-from tandem import server_process
 from tandem.ceil_div import ceil_div
 
 WORKLOADS = ("system-prompt", "multi-turn")
@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_sizes(ap, DEFAULTS, {"system-tokens": "tokens of the shared system prompt",
                              "questions": "system-prompt: requests, each its own question",
                              "question-tokens": "tokens of a question / a user message",
-                             "conversations": "multi-turn: conversations", "turns": "multi-turn: turns per conversation",
+                             "conversations": "multi-turn: conversations",
+                             "turns": "multi-turn: turns per conversation",
                              "output-len": "generated tokens per request, exactly",
                              "concurrency": "system-prompt: requests in flight; multi-turn: conversations in flight",
                              "warmup": "untimed requests (unrelated prompts) before each timed run"})
@@ -147,12 +148,8 @@ def run_mode(args, model_dir: Path, workload: str, mode: str, prompts: Prompts, 
              ) -> tuple[dict[str, Any], list[Record]]:
     """Fresh executor + scheduler, warm-up, the timed workload between two executor snapshots, servers stopped."""
     flags = ["--threads", str(threads), "--kv-blocks", str(args.kv_blocks or kv_pool_blocks(args, workload)),
-             "--log-level", "WARNING", *MODE_EXECUTOR_ARGS[mode], *shlex.split(args.executor_args)]
-    servers = []
-    try:
-        servers.append(server_process.launch_executor(model_dir, *flags))
-        servers.append(server_process.launch_scheduler(servers[0].address, "--http-port", "0", "--log-level",
-                                                       "WARNING", *shlex.split(args.scheduler_args)))
+             *MODE_EXECUTOR_ARGS[mode], *shlex.split(args.executor_args)]
+    with stack(model_dir, flags, shlex.split(args.scheduler_args)) as servers:
         url = servers[1].http_url
         if prompts.warmup:
             asyncio.run(openai_client.run(url, prompts.warmup, args.output_len, args.concurrency, args.request_timeout))
@@ -170,11 +167,9 @@ def run_mode(args, model_dir: Path, workload: str, mode: str, prompts: Prompts, 
         if any(r.error for r in records):
             log(f"a request failed; scheduler log tail:\n{servers[1].log(4000)}\nexecutor:\n{servers[0].log(4000)}")
         codes = {s.name: s.stop() for s in reversed(servers)}
-    finally:
-        for s in servers:
-            s.stop()
     side = aggregate(f"{workload}/{mode}", records, output_len=args.output_len)
-    late = [r.metrics()["ttft"] for r in records if r.tags.get("turn", 0) >= LATE_TURN and r.error is None and r.messages]
+    late = [r.metrics()["ttft"] for r in records
+            if r.tags.get("turn", 0) >= LATE_TURN and r.error is None and r.messages]
     side.update(workload=workload, mode=mode, cpu=cpu, prefix=prefix_stats(records, work), executor_work=work,
                 ttft_late_turns_ms=summarize(late, 1e3) if workload == "multi-turn" else None,
                 servers={"executor_command": servers[0].args, "exit_codes": codes})
@@ -222,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for s in (s for modes in runs.values() for s in modes.values()):
         p = s["prefix"]
-        rows.append({**s, "hit_rate": p["hit_rate"], "sent": p["prompt_tokens_sent"], "computed": p["prompt_tokens_computed"],
+        rows.append({**s, "hit_rate": p["hit_rate"], "sent": p["prompt_tokens_sent"],
+                     "computed": p["prompt_tokens_computed"],
                      "computed_pct": None if p["computed_fraction"] is None else 100 * p["computed_fraction"],
                      "processed": p["executor_prompt_tokens_processed"], "other_cores": s["cpu"]["other_cores"],
                      "cores": cores_text(s["cpu"], ("executor", "scheduler", "client")),
@@ -240,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"and off")
     if bad:
         print(f"ERROR: {bad} requests failed or did not produce exactly the output length (see stderr)")
-    config = {k: v for k, v in vars(args).items() if k != "out"} | {"threads": threads, "block_size": DEFAULT_BLOCK_SIZE}
+    config = {k: v for k, v in vars(args).items() if k != "out"} | {"threads": threads,
+                                                                     "block_size": DEFAULT_BLOCK_SIZE}
     results = {"benchmark": "bench_prefix", "config": config, "machine": machine_info("cpu"),
                "model": model_json(model_dir, cfg), "runs": runs, "comparisons": compare, "agreement": agree,
                "all_exact_output_len": bad == 0}

@@ -1,8 +1,6 @@
-"""Quality of a low-precision weight mode against float32 on the same checkpoint (the decode benchmark's quality
-part and tests/executor/test_quantization_quality.py): leading greedy tokens that agree on 4 chat prompts, the
-teacher-forced argmax agreement (a near-tie costs one position, not the rest), and the mean NLL of a fixed text.
-Teacher-forced means one decode call per token after a prefill: the path generation runs, so the figures measure
-the mode's decode kernel."""
+"""Quality of a low-precision weight mode against float32 on the same checkpoint (decode's quality part and
+tests/executor/test_quantization_quality.py): leading greedy tokens that agree, teacher-forced argmax agreement
+(a near-tie costs one position, not the rest) and the mean NLL of a fixed text, through the decode kernel."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,7 +28,7 @@ def chat_prompt(question: str) -> str:
 
 
 def greedy_tokens(ex: Executor, prompt: Sequence[int], steps: int) -> list[int]:
-    """Greedy continuation of `prompt` by the executor, one decode call per token (cache released after)."""
+    """Greedy continuation of `prompt`, one decode call per token."""
     res = ex.prefill(list(prompt))
     cache_id, tokens = res.cache.cache_id, [res.output.tokens[0].token_id]
     for _ in range(steps - 1):
@@ -41,8 +39,7 @@ def greedy_tokens(ex: Executor, prompt: Sequence[int], steps: int) -> list[int]:
 
 
 def teacher_forced_logits(ex: Executor, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-    """Logits [len(tokens), vocab] before each of `tokens` when exactly these follow `prompt`: a prefill, then one
-    decode call per token (cache released after)."""
+    """Logits [len(tokens), vocab] before each of `tokens` when exactly these follow `prompt`."""
     first = ex.prefill(list(prompt), output=LOGITS)
     cache_id, out = first.cache.cache_id, [first.output.logits]
     for i, token in enumerate(tokens[:-1]):
@@ -66,12 +63,7 @@ def top1_matches(ex: Executor, prompt: Sequence[int], tokens: Sequence[int]) -> 
 
 
 def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclass
@@ -96,8 +88,7 @@ class Quality:
 class QualityReference:
     """float32's greedy tokens and NLL, computed once, to compare every other mode with."""
 
-    def __init__(self, ex: Executor, encode, steps: int = 32) -> None:
-        """encode: text -> token ids (no special tokens added)."""
+    def __init__(self, ex: Executor, encode, steps: int = 32) -> None:  # encode: text -> ids, no special tokens
         self.steps = steps
         self.prompts = [encode(chat_prompt(q)) for q in QUESTIONS]
         self.text = encode(FIXED_TEXT)[:ex.model_config.max_position_embeddings - 1]  # a tiny test model's is short
@@ -105,8 +96,7 @@ class QualityReference:
         self.nll = mean_nll(ex, self.text)
 
     def measure(self, ex: Executor, free_running: bool = True) -> Quality:
-        """free_running False: skip the greedy runs (agreement reported as -1 per prompt), for a test that
-        bounds only the teacher-forced figures."""
+        """free_running False: no greedy runs (agreement -1 per prompt), for the teacher-forced figures alone."""
         agreement = [leading_agreement(greedy_tokens(ex, p, self.steps), ref) if free_running else -1
                      for p, ref in zip(self.prompts, self.tokens)]
         top1 = [top1_matches(ex, p, ref) for p, ref in zip(self.prompts, self.tokens)]

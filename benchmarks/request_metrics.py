@@ -51,7 +51,8 @@ class Record:
         ms = {k: None if m[k] is None else m[k] * 1e3 for k in ("ttft", "latency", "tpot")}
         return {"index": self.index, **self.tags, "prompt_len": self.prompt_len, "output_len": self.output_len,
                 "start_s": self.start - t0, "end_s": self.end - t0, "ttft_ms": ms["ttft"],
-                "latency_ms": ms["latency"], "tpot_ms": ms["tpot"], "message_times_s": [t - t0 for t, _ in self.messages],
+                "latency_ms": ms["latency"], "tpot_ms": ms["tpot"],
+                "message_times_s": [t - t0 for t, _ in self.messages],
                 "message_tokens": [n for _, n in self.messages], "finish_reason": self.finish_reason,
                 "usage": self.usage, "error": self.error, "output_ids": self.output_ids}
 

@@ -9,29 +9,28 @@ import json
 import os
 import shlex
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from benchmarks import openai_client
 from benchmarks.baselines import HfBaseline
-from benchmarks.cli import add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser, serving_setup
+from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+                            serving_setup, stack)
 from benchmarks.flops import FlopModel
-from benchmarks.measure import CpuMeter, cores_text, matmul_peak
+from benchmarks.measure import CpuMeter, cores_text
 from benchmarks.report import format_table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record, aggregate, agreement, exact
 from benchmarks.workloads import kv_blocks, model_vocabulary, poisson_arrivals, vocabulary_prompts
-from tandem import server_process
 
 BASELINES = ("hf", "hf-serial")
 QUICK = {"num_requests": 4, "input_len": 16, "output_len": 8, "concurrency": 2, "warmup": 1,
-         "hf_serial_requests": 0, "peak_n": 256, "peak_repeats": 3}
+         "hf_serial_requests": 0}
 DEFAULTS = {"num_requests": 32, "input_len": 128, "output_len": 64, "concurrency": 32, "warmup": 2,
-            "hf_serial_requests": 8, "peak_n": 2048, "peak_repeats": 7}
+            "hf_serial_requests": 8}
 THROUGHPUT = [("name", "side"), ("completed", "done"), ("exact_output_len", "exact len"), ("duration_s", "duration s"),
               ("request_throughput", "req/s", 3), ("output_throughput", "out tok/s", 1),
-              ("total_token_throughput", "total tok/s", 1), ("gflops", "GFLOP/s", 1), ("pct_peak", "% peak", 1),
+              ("total_token_throughput", "total tok/s", 1), ("gflops", "GFLOP/s", 1),
               ("tandem_over_side", "tandem/side", 2), ("cores", "cores"), ("other_cores", "other cores")]
 LATENCY = [("name", "side")] + [(f"{m}_{s}", f"{label} {s}", 1) for m, label in (
     ("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")) for s in ("mean", "p50", "p99")]
@@ -49,8 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                             "flight (no cap unless given)",
                              "warmup": "untimed requests first (baselines: one untimed generate, unless 0)",
                              "hf-serial-requests": "hf-serial: time only the first K prompts and extrapolate the "
-                                                   "duration to all (0 = all)",
-                             "peak-n": "matmul size of the peak measurement", "peak-repeats": "timed matmuls per peak"})
+                                                   "duration to all (0 = all)"})
     ap.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals at this many "
                     "requests/s (default: closed loop)")
     ap.add_argument("--baseline", default="", help="comma list run after Tandem on the same prompts: hf (batched "
@@ -59,7 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "(default: --concurrency, or every request with an uncapped --request-rate)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
     add_process_args(ap)
-    args = parse(ap, argv, QUICK, DEFAULTS, keep_unset=("concurrency",) if any(a.startswith("--request-rate") for a in argv or []) else ())
+    open_loop = any(a.startswith("--request-rate") for a in argv or [])  # no cap on in-flight unless asked
+    args = parse(ap, argv, QUICK, DEFAULTS, keep_unset=("concurrency",) if open_loop else ())
     if min(args.input_len, args.output_len, args.num_requests, args.concurrency or 1) < 1 or args.warmup < 0:
         ap.error("--input-len, --output-len, --num-requests and --concurrency must be >= 1, --warmup >= 0")
     if args.request_rate is not None and not args.request_rate > 0:
@@ -67,22 +66,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.baselines = choices(args.baseline, BASELINES, "--baseline") if args.baseline else []
     args.hf_batch_size = max(1, min(args.hf_batch_size or args.concurrency or args.num_requests, args.num_requests))
     return args
-
-
-def start_servers(args, model_dir: Path, threads: int) -> list[server_process.ServerProcess]:
-    """An executor (KV pool sized for the run unless --executor-args sizes it) and a scheduler with its HTTP front."""
-    user = shlex.split(args.executor_args)
-    flags = ["--threads", str(threads), "--log-level", "WARNING"]
-    if not has_flag(user, "--kv-blocks", "--kv-memory-fraction"):
-        in_flight = args.concurrency or args.num_requests
-        flags += ["--kv-blocks", str(kv_blocks(in_flight + max(args.warmup, 1), args.input_len + args.output_len))]
-    executor = server_process.launch_executor(model_dir, *flags, *user)
-    try:
-        return [executor, server_process.launch_scheduler(executor.address, "--http-port", "0", "--log-level",
-                                                          "WARNING", *shlex.split(args.scheduler_args))]
-    except BaseException:
-        executor.stop()
-        raise
 
 
 def run_tandem(args, url: str, prompts: list[list[int]], warmup: list[list[int]], pids: dict[str, int]
@@ -122,14 +105,16 @@ def print_report(sides: list[dict[str, Any]], header: list[str], bad: int) -> No
     print("\n".join(header) + "\n")
     rows = [{**s, "cores": cores_text(s["cpu"], ("executor", "scheduler", "client")),
              "other_cores": s["cpu"]["other_cores"],
-             **{f"{m}_{st}": s[f"{m}_ms"][st] for m in ("ttft", "tpot", "itl", "e2el") for st in ("mean", "p50", "p99")}}
+             **{f"{m}_{st}": s[f"{m}_ms"][st] for m in ("ttft", "tpot", "itl", "e2el")
+                for st in ("mean", "p50", "p99")}}
             for s in sides]
     print(format_table(rows, THROUGHPUT))
     print("\ncores: executor/scheduler/client (tandem) or this process (baselines), CPU s per wall s; other cores: "
           "the rest of the machine meanwhile (above ~0.2 the timings were disturbed). tandem/side: tandem output "
           "tok/s / the side's.\n")
     print(format_table(rows, LATENCY))
-    print("\nms; TTFT = first token, TPOT = (E2E - TTFT) / (tokens - 1) per request, ITL = per token, E2EL = end to end.")
+    print("\nms; TTFT = first token, TPOT = (E2E - TTFT) / (tokens - 1) per request, ITL = per token, E2EL = end "
+          "to end.")
     for s in sides[1:]:
         a = s["agreement_with_tandem"]
         if a:
@@ -145,20 +130,22 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --target needs --model DIR (the model it serves: prompts, FLOPs, baselines)")
     threads, model_dir, cfg = serving_setup(args)
     if args.input_len + args.output_len > cfg.max_position_embeddings:
-        raise SystemExit(f"error: --input-len + --output-len is past the model's {cfg.max_position_embeddings} positions")
+        raise SystemExit(f"error: --input-len + --output-len is past the model's {cfg.max_position_embeddings}")
     flop_model = FlopModel.from_config(cfg)
     flops = flop_model.request(args.input_len, args.output_len)
     allowed = model_vocabulary(model_dir, cfg)
     prompts = vocabulary_prompts(args.num_requests, args.input_len, allowed, args.seed, stream=0)
     warmup = vocabulary_prompts(args.warmup, args.input_len, allowed, args.seed, stream=1)
     mode = (f"closed loop, {args.concurrency} in flight" if args.request_rate is None else
-            f"Poisson {args.request_rate:g} req/s" + (f", at most {args.concurrency} in flight" if args.concurrency else ""))
-    log(f"model {model_dir}; {args.num_requests} x ({args.input_len} in, {args.output_len} out), {mode}; {threads} threads")
-    peaks = [matmul_peak("cpu", torch.float32, n=args.peak_n, repeats=args.peak_repeats)]
-    servers: list[server_process.ServerProcess] = []
-    try:
-        t = time.perf_counter()
-        servers = [] if args.target else start_servers(args, model_dir, threads)
+            f"Poisson {args.request_rate:g} req/s" + (f", at most {args.concurrency} in flight"
+                                                       if args.concurrency else ""))
+    log(f"model {model_dir}; {args.num_requests} x ({args.input_len} in, {args.output_len} out), {mode}")
+    user = shlex.split(args.executor_args)
+    flags = ["--threads", str(threads)] + ([] if has_flag(user, "--kv-blocks", "--kv-memory-fraction") else [
+        "--kv-blocks", str(kv_blocks((args.concurrency or args.num_requests) + max(args.warmup, 1),
+                                     args.input_len + args.output_len))]) + user  # a pool for the whole run
+    t = time.perf_counter()
+    with nullcontext([]) if args.target else stack(model_dir, flags, shlex.split(args.scheduler_args)) as servers:
         url = args.target or servers[1].http_url
         pids = {"client": os.getpid(), **{s.name: s.proc.pid for s in servers}}
         log(f"serving at {url} (ready in {time.perf_counter() - t:.1f}s)")
@@ -166,26 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         if servers and any(r.error for r in records):
             log(f"a request failed; scheduler log tail:\n{servers[1].log(4000)}\nexecutor:\n{servers[0].log(4000)}")
         codes = {s.name: s.stop() for s in reversed(servers)}
-    finally:
-        for s in reversed(servers):
-            s.stop()
     tandem = aggregate("tandem", records, flops_per_request=flops, output_len=args.output_len) | {"cpu": cpu}
     bad = [r for r in records if not exact(r, args.output_len)]
     for r in bad[:5]:
         log(f"request {r.index}: error {r.error}, {r.output_len} tokens, usage {r.usage}, finish {r.finish_reason}")
     sides = [tandem] + (run_baselines(args, model_dir, prompts, records, flops) if args.baselines else [])
-    peaks.append(matmul_peak("cpu", torch.float32, n=args.peak_n, repeats=args.peak_repeats))
-    peak = max(p["gflops"] for p in peaks)  # before and after: the higher counts
     for s in sides:
-        s["pct_peak"] = 100.0 * s["gflops"] / peak if s["gflops"] else None
         s["tandem_over_side"] = tandem["output_throughput"] / s["output_throughput"] if s["output_throughput"] else None
-    print_report(sides, [f"model: {model_dir.name} ({cfg.architecture})  threads: {threads}  fp32 matmul peak: "
-                         f"{peak:.1f} GFLOP/s", f"workload: {args.num_requests} requests x ({args.input_len} prompt, "
+    print_report(sides, [f"model: {model_dir.name} ({cfg.architecture})  threads: {threads}",
+                         f"workload: {args.num_requests} requests x ({args.input_len} prompt, "
                          f"{args.output_len} output tokens), {mode}, seed {args.seed}; tandem = {url}"], len(bad))
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"threads": threads, "mode": mode}
     results = {"benchmark": "bench_serving", "config": config, "machine": machine_info("cpu"),
                "model": model_json(model_dir, cfg) | {"flops_per_request": flops},
-               "peak": {"gflops": peak, "before": peaks[0], "after": peaks[1]},
                "servers": {s.name: {"address": s.address, "pid": s.proc.pid, "command": s.args} for s in servers}
                | ({"http_url": url, "exit_codes": codes} if servers else {"http_url": url}),
                "all_exact_output_len": not bad, "sides": {s["name"]: s for s in sides},

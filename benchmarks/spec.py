@@ -125,7 +125,8 @@ def measure(args, urls: dict[str, str], workload: str, concurrency: int) -> dict
         before = openai_client.counters(urls[mode], COUNTERS)
         t0 = time.perf_counter()
         # greedy, up to --output-len tokens, ending at EOS: speculation must not change the output
-        recs = asyncio.run(openai_client.run(urls[mode], texts, args.output_len, concurrency, 600.0, greedy_exact=False))
+        recs = asyncio.run(openai_client.run(urls[mode], texts, args.output_len, concurrency, 600.0,
+                                             greedy_exact=False))
         walls[mode] += time.perf_counter() - t0
         after = openai_client.counters(urls[mode], COUNTERS)
         if mode == "on":
@@ -133,7 +134,8 @@ def measure(args, urls: dict[str, str], workload: str, concurrency: int) -> dict
         records[mode].append(recs)
         log(f"{workload} c={concurrency} {mode}: {sum(len(r.output_ids) for r in recs)} tokens in {walls[mode]:.1f}s")
     sides = {m: side_summary([r for rs in records[m] for r in rs], walls[m]) for m in ("off", "on")}
-    identical = sum(a.output_ids == b.output_ids for ra, rb in zip(records["off"], records["on"]) for a, b in zip(ra, rb))
+    identical = sum(a.output_ids == b.output_ids
+                    for ra, rb in zip(records["off"], records["on"]) for a, b in zip(ra, rb))
     drafts, drafted, accepted = (delta[k] for k in COUNTERS)
     return {"workload": workload, "concurrency": concurrency, "requests": len(texts), "sides": sides,
             "ratio": sides["on"]["tokens_per_s"] / sides["off"]["tokens_per_s"], "identical": identical,
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model_dir.name} ({cfg.architecture}), executor {threads} threads, greedy, max {args.output_len} "
           f"new tokens; speculative: {args.spec_args}; rounds {args.rounds}")
     print(table([{"workload": c["workload"], "conc": c["concurrency"], "req": c["requests"],
-                  "off tok/s": fmt(c["sides"]["off"]["tokens_per_s"], 1), "on tok/s": fmt(c["sides"]["on"]["tokens_per_s"], 1),
+                  "off tok/s": fmt(c["sides"]["off"]["tokens_per_s"], 1),
+                  "on tok/s": fmt(c["sides"]["on"]["tokens_per_s"], 1),
                   "on/off": f"{c['ratio']:.2f}x", "identical": f"{c['identical']}/{c['compared']}",
                   "accept": "-" if c["acceptance_rate"] is None else f"{100 * c['acceptance_rate']:.0f}%",
                   "acc/draft": fmt(c["mean_accepted_per_draft"], 2),

@@ -7,17 +7,14 @@ import argparse
 import os
 import re
 import shlex
-import signal
 import statistics
-import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, choices, make_log, model_dir, parse, parser
+from benchmarks.cli import add_common, add_sizes, choices, make_log, model_dir, parse, parser, stop_on_sigterm
 from benchmarks.measure import machine_busy_s, other_cores, process_cpu_s
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
@@ -33,9 +30,8 @@ QUICK = {"configs": "defaults", "repeats": 1, "cold": False, "prompt_len": 16, "
 DEFAULTS = {"configs": ",".join(CONFIGS), "repeats": 3, "cold": True, "prompt_len": 128, "decode_steps": 4}
 RPC_TIMEOUT_S = 300.0
 _READY_IN = re.compile(r"ready in ([0-9.]+)s")
-_LISTENING = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+: listening on", re.MULTILINE)
 COLUMNS = [("config", "config"), ("cache", "page cache"), ("runs", "runs"), ("kv_blocks", "KV blocks"),
-           ("ready_s", "READY s"), ("ready_in_s", "ready-in s"), ("imports_s", "imports s"),
+           ("ready_s", "READY s"), ("ready_in_s", "ready-in s"),
            ("rss_mb", "RSS@READY MB", 0), ("peak_mb", "peak MB", 0), ("first_ms", "1st req ms", 0),
            ("second_ms", "2nd req ms", 0), ("first_prefill_ms", "1st prefill ms", 0),
            ("second_prefill_ms", "2nd prefill ms", 0), ("other_cores", "other cores")]
@@ -111,23 +107,19 @@ def request(stub: pb_grpc.ExecutorServiceStub, prompt: list[int], steps: int) ->
 
 
 def info_of(stub: pb_grpc.ExecutorServiceStub) -> dict[str, Any]:
-    """The KV pool as GetInfo states it (kv_pool / resident_memory_bytes where the contract has them)."""
+    """The KV pool as GetInfo states it, and why that size."""
     info = stub.GetInfo(pb.GetInfoRequest(), timeout=RPC_TIMEOUT_S)
-    out: dict[str, Any] = {"kv_blocks": info.kv.total_blocks, "dtype": info.dtype, "vocab_size": info.vocab_size}
-    fields = info.DESCRIPTOR.fields_by_name
-    if "kv_pool" in fields and info.HasField("kv_pool"):
-        p = info.kv_pool
-        out["kv_pool"] = {"blocks": p.blocks, "tokens": p.tokens, "bytes": p.bytes, "reason": p.reason}
-    if "resident_memory_bytes" in fields:
-        out["resident_memory_bytes"] = info.resident_memory_bytes
-    return out
+    p = info.kv_pool
+    return {"kv_blocks": info.kv.total_blocks, "dtype": info.dtype, "vocab_size": info.vocab_size,
+            "resident_memory_bytes": info.resident_memory_bytes,
+            "kv_pool": {"blocks": p.blocks, "tokens": p.tokens, "bytes": p.bytes, "reason": p.reason}}
 
 
 def start_once(directory: Path, flags: list[str], cold: bool, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """One start with `flags`: READY time, memory, two requests, a clean stop."""
     if cold:
         evict(directory)
-    busy, spawned_at, t = machine_busy_s(), time.time(), time.perf_counter()
+    busy, t = machine_busy_s(), time.perf_counter()
     server = server_process.launch_executor(directory, *flags, ready_timeout=args.ready_timeout)
     try:
         ready_s = time.perf_counter() - t
@@ -141,11 +133,9 @@ def start_once(directory: Path, flags: list[str], cold: bool, args: argparse.Nam
         after, text = proc_memory(server.proc.pid), server.log()
     finally:
         code = server.stop()
-    ready_in, listening = _READY_IN.search(text), _LISTENING.search(text)
-    imports = None if not listening else max(  # the log's asctime: local wall-clock time, ms resolution
-        0.0, datetime.strptime(listening.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - spawned_at)
+    ready_in = _READY_IN.search(text)
     return {"cold": cold, "ready_s": ready_s,
-            "ready_in_s": float(ready_in.group(1)) if ready_in else None, "imports_s": imports,
+            "ready_in_s": float(ready_in.group(1)) if ready_in else None,
             "executor_cpu_to_ready_s": cpu, "other_cores_to_ready": others, "rss_at_ready_bytes": at_ready["rss"],
             "peak_at_ready_bytes": at_ready["peak"], "peak_bytes": after["peak"], "info": info,
             "first_request": first, "second_request": second, "exit_code": code}
@@ -160,7 +150,7 @@ def summarize(name: str, runs: list[dict[str, Any]], cold: bool) -> dict[str, An
     mb = 1 / (1 << 20)
     return {"config": name, "cache": "cold" if cold else "warm", "runs": len(runs),
             "kv_blocks": runs[0]["info"]["kv_blocks"], "ready_s": med("ready_s"), "ready_in_s": med("ready_in_s"),
-            "imports_s": med("imports_s"), "rss_mb": med("rss_at_ready_bytes", scale=mb),
+            "rss_mb": med("rss_at_ready_bytes", scale=mb),
             "peak_mb": med("peak_bytes", scale=mb), "first_ms": med("first_request", "total_ms"),
             "second_ms": med("second_request", "total_ms"), "first_prefill_ms": med("first_request", "prefill_ms"),
             "second_prefill_ms": med("second_request", "prefill_ms"),
@@ -169,7 +159,7 @@ def summarize(name: str, runs: list[dict[str, Any]], cold: bool) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks stop the server
+    stop_on_sigterm()
     directory = model_dir(args.model).resolve()
     cold_ok = bool(args.cold and evict(directory))
     if args.cold and not cold_ok:
@@ -195,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         reason = r["runs"][0]["info"].get("kv_pool", {}).get("reason")
         if reason:
             print(f"  {r['config']}: KV pool {reason}")
-    out = write_json(args.out, {"benchmark": "bench_startup", "config": {k: v for k, v in vars(args).items() if k != "out"},
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    out = write_json(args.out, {"benchmark": "bench_startup", "config": config,
                                 "machine": machine_info("cpu"), "cold_available": cold_ok,
                                 "model": {"dir": str(directory), "name": directory.name}, "rows": rows,
                                 "results": results})

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-import models.transformer as transformer
 from benchmarks.baselines import generate_greedy, load_causal_lm
 from benchmarks.cli import add_common, make_log, model_dir, parser
 from benchmarks.local_executor import build_executor
@@ -34,8 +33,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-hf", action="store_true", help="Tandem only")
-    ap.add_argument("--compare-unpacked", action="store_true",
-                    help="also run Tandem with its oneDNN-packed linear path off (F.linear for every call), interleaved")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.prompt_len, args.gen, args.repeats = 8, 16, 8, 1
@@ -100,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     tandem_serve(ex, prompts[:4], 4, args.budget)  # warm up both sides
     if hf is not None:
         hf_generate(hf, ids[:4], 4)
-    sides = ["tandem"] + (["unpacked"] if args.compare_unpacked else []) + (["hf"] if hf is not None else [])
+    sides = ["tandem"] + (["hf"] if hf is not None else [])
     rows = []
     for rep in range(args.repeats):
         row: dict[str, Any] = {"repeat": rep}
@@ -108,18 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             if side == "hf":
                 row["hf_total_s"], h_tokens = hf_generate(hf, ids, args.gen)
                 continue
-            packed = transformer.PACKED_MAX_TOKENS
-            if side == "unpacked":
-                transformer.PACKED_MAX_TOKENS = 0  # every linear call takes F.linear
-            try:
-                run = tandem_serve(ex, prompts, args.gen, args.budget)
-            finally:
-                transformer.PACKED_MAX_TOKENS = packed
-            row.update({f"{side}_{k}": v for k, v in run.items() if k not in ("tokens", "steps")})
-            if side == "tandem":
-                t_tokens = run["tokens"]
-        if args.compare_unpacked:
-            row["unpacked_over_tandem"] = row["unpacked_total_s"] / row["tandem_total_s"]
+            run = tandem_serve(ex, prompts, args.gen, args.budget)
+            row.update({f"tandem_{k}": v for k, v in run.items() if k not in ("tokens", "steps")})
+            t_tokens = run["tokens"]
         if hf is not None:
             row["hf_over_tandem"] = row["hf_total_s"] / row["tandem_total_s"]
             row["same_tokens"] = sum(a == b for a, b in zip(t_tokens, h_tokens))
@@ -127,14 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"repeat {rep}: tandem {row['tandem_total_s']:.2f}s" + (f", hf {row['hf_total_s']:.2f}s" if hf else ""))
     cols = [("repeat", "rep"), ("tandem_total_s", "tandem s"), ("tandem_prefill_phase_s", "prefill s"),
             ("tandem_decode_phase_s", "decode s"), ("tandem_decode_step_median_ms", "decode step ms", 1)]
-    if args.compare_unpacked:
-        cols += [("unpacked_total_s", "unpacked s"), ("unpacked_over_tandem", "unpacked/tandem", 3)]
     if hf is not None:
         cols += [("hf_total_s", "hf generate s"), ("hf_over_tandem", "hf/tandem", 3),
                  ("same_tokens", f"same tokens /{args.requests}")]
     print(format_table(rows, cols))
     summary = {k: statistics.median(r[k] for r in rows) for k in ("tandem_total_s", "tandem_decode_step_median_ms",
-                                                                  "unpacked_over_tandem", "hf_over_tandem")
+                                                                  "hf_over_tandem")
                if k in rows[0]}
     print("medians: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()) + "  (hf/tandem > 1: Tandem faster)")
     payload = {"benchmark": "bench_step_profile", "model": str(directory), "machine": machine_info("cpu"),

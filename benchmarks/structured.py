@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 
 from benchmarks import openai_client
-from benchmarks.cli import add_common, add_sizes, choices, int_list, make_log, parse, parser, serving_setup
+from benchmarks.cli import add_common, add_sizes, choices, int_list, make_log, parse, parser, serving_setup, stack
 from benchmarks.report import format_table, machine_info, model_json, table, write_json
 from benchmarks.structured_engines import (FEATURES, OVERHEAD_GRAMMAR, OVERHEAD_QUESTION, TRAJECTORIES, EngineError,
                                            load, model_vocabulary)
-from tandem import server_process
 from tandem.token_mask import mask_words
 
 ENGINES, PARTS = ("llguidance", "xgrammar"), ("engines", "overhead")
@@ -40,7 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=600.0, help="deadline per request in s")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.batch_list = int_list(args.batches, "--batches")
-    args.part_list, args.engine_list = choices(args.parts, PARTS, "--parts"), choices(args.engines, ENGINES, "--engines")
+    args.part_list = choices(args.parts, PARTS, "--parts")
+    args.engine_list = choices(args.engines, ENGINES, "--engines")
     if min(args.steps, args.repeats) < 1 or args.output_len < 2:
         ap.error("--steps and --repeats must be >= 1, --output-len >= 2")
     return args
@@ -72,12 +72,13 @@ def time_masks(engine: Any, compiled: list[Any], vocab: Any, batch: int, steps: 
             engine.advance(m, tok)
             pos[i] = (pos[i] + 1) % len(path)
             if pos[i] == 0:
-                engine.reset(m)
+                m.reset()  # both engines' matchers
         advance_ms.append((time.perf_counter() - start) * 1e3)
     ms = sorted(fill_ms)
     return {"vocab": vocab.name, "engine": engine.name, "batch": batch, "steps": steps,
             "mask_ms_mean": statistics.fmean(ms), "mask_ms_p50": ms[len(ms) // 2],
-            "mask_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "mask_us_per_row": statistics.fmean(ms) * 1e3 / batch,
+            "mask_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+            "mask_us_per_row": statistics.fmean(ms) * 1e3 / batch,
             "advance_ms_mean": statistics.fmean(advance_ms), "violations": violations}
 
 
@@ -144,34 +145,10 @@ def run_batch(url: str, batch: int, constrained: bool, output_len: int, timeout:
             "mask_ms_per_request": d["tandem:scheduler_token_mask_seconds_total"] * 1e3 / batch}
 
 
-def sampler_cost(vocab_size: int, batch: int, reps: int = 30) -> dict[str, float]:
-    """The executor's sampler alone, here, on random [batch, vocab] logits, greedy, without and with a mask of 500
-    allowed tokens on every row: best of `reps` interleaved calls, ms (what applying the masks adds to a step)."""
-    import torch
-    from models.sampler import Sampler, SamplingRow
-    from tandem.sampling_params import SamplingParams
-    from tandem.token_mask import pack
-    rng, sampler, logits = np.random.default_rng(0), Sampler(vocab_size), torch.randn(batch, vocab_size)
-    mask = lambda: pack(rng.choice(vocab_size, min(500, vocab_size), replace=False), vocab_size)  # noqa: E731
-    rows = {"plain": [SamplingRow(SamplingParams(), [1], 0, 1) for _ in range(batch)],
-            "masked": [SamplingRow(SamplingParams(), [1], 0, 1, 0, mask()) for _ in range(batch)]}
-    best = {"plain": float("inf"), "masked": float("inf")}
-    for _ in range(reps):
-        for name, r in rows.items():
-            start = time.perf_counter()
-            sampler.sample(logits, r)
-            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    return {"sampler_plain_ms": best["plain"], "sampler_masked_ms": best["masked"],
-            "sampler_extra_ms": best["masked"] - best["plain"]}
-
-
-def overhead_part(args, model_dir: Any, threads: int, vocab_size: int) -> dict[str, Any]:
+def overhead_part(args, model_dir: Any, threads: int) -> dict[str, Any]:
     """One executor + scheduler serve every run; per batch size, plain and constrained alternate (plain,
     constrained, constrained, plain, ...) over --repeats pairs to spread the machine's drift over both."""
-    servers = []
-    try:
-        servers.append(server_process.launch_executor(model_dir, "--threads", str(threads), "--log-level", "WARNING"))
-        servers.append(server_process.launch_scheduler(servers[0].address, "--http-port", "0", "--log-level", "WARNING"))
+    with stack(model_dir, ["--threads", str(threads)]) as servers:
         url = servers[1].http_url
         for constrained in (False, True):  # warm-up: the grammar compiled, llguidance's tokenizer built
             run_batch(url, 1, constrained, min(args.output_len, 8), args.request_timeout)
@@ -181,9 +158,6 @@ def overhead_part(args, model_dir: Any, threads: int, vocab_size: int) -> dict[s
                 for constrained in ((False, True) if r % 2 == 0 else (True, False)):
                     runs.append(run_batch(url, batch, constrained, args.output_len, args.request_timeout))
                     log(f"batch {batch} {runs[-1]['mode']}: TPOT {runs[-1]['tpot_ms']:.1f} ms")
-    finally:
-        for s in reversed(servers):
-            s.stop()
     rows = []
     for batch in args.batch_list:
         mine = [r for r in runs if r["batch"] == batch]
@@ -194,8 +168,7 @@ def overhead_part(args, model_dir: Any, threads: int, vocab_size: int) -> dict[s
                      **{k: statistics.fmean(r[k] for r in con) for k in ("mask_ms_per_step", "mask_wait_ms_per_step",
                                                                          "mask_ms_per_request")},
                      "masks_per_request": statistics.fmean(r["masks"] / batch for r in con),
-                     "all_exact_output_len": all(r["exact_output_len"] == batch for r in mine),
-                     **sampler_cost(vocab_size, batch)})
+                     "all_exact_output_len": all(r["exact_output_len"] == batch for r in mine)})
     return {"runs": runs, "summary": rows}
 
 
@@ -214,7 +187,8 @@ def print_report(header: str, results: dict[str, Any]) -> None:
         names = list(eng["coverage"])
         if names:
             print("\nJSON Schema coverage (compiles, accepts a valid output, rejects an invalid one)")
-            print(table([{"feature": f, **{n: eng["coverage"][n][f] for n in names}} for f in eng["coverage"][names[0]]]))
+            print(table([{"feature": f, **{n: eng["coverage"][n][f] for n in names}}
+                         for f in eng["coverage"][names[0]]]))
             print("supported: " + ", ".join(f"{n} {sum(v == 'yes' for v in c.values())}/{len(c)}"
                                             for n, c in eng["coverage"].items()))
     over = results.get("overhead")
@@ -223,7 +197,7 @@ def print_report(header: str, results: dict[str, Any]) -> None:
         print(format_table(over["summary"], [
             ("batch", "batch"), ("plain_tpot_ms", "plain TPOT ms", 1), ("constrained_tpot_ms", "constrained ms", 1),
             ("overhead_pct", "overhead %", 1), ("mask_ms_per_step", "mask ms/step", 3),
-            ("mask_wait_ms_per_step", "waited ms/step", 3), ("sampler_extra_ms", "sampler +ms", 2),
+            ("mask_wait_ms_per_step", "waited ms/step", 3),
             ("mask_ms_per_request", "mask ms/request", 2), ("masks_per_request", "masks/request", 1)]))
 
 
@@ -234,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if "engines" in args.part_list:
         results["engines"] = engines_part(args, model_dir, cfg)
     if "overhead" in args.part_list:
-        results["overhead"] = overhead_part(args, model_dir, threads, cfg.vocab_size)
+        results["overhead"] = overhead_part(args, model_dir, threads)
     print_report(f"model: {model_dir.name}  ({cfg.architecture}, vocab {cfg.vocab_size})  threads: {threads}", results)
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"threads": threads}
     path = write_json(args.out, {"benchmark": "bench_structured", "config": config, "machine": machine_info("cpu"),

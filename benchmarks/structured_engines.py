@@ -1,9 +1,6 @@
-"""The structured-output benchmark's grammar engines behind one small interface, set up as the scheduler sets up
-llguidance (JSON without free whitespace, separators ", " and ": ", masks as int32 words [batch, ceil(vocab / 32)]
-filled for the whole batch by the engine's parallel batch call): llguidance (scheduler/grammar.py) and xgrammar
-(optional: measured when installed); the model's vocabulary as bytes per token id, so both see the same tokens;
-and what the benchmark runs: grammars with a valid output each, the JSON Schema features whose support it checks,
-and the never-ending JSON-lines grammar of the overhead runs."""
+"""The structured benchmark's grammar engines behind one interface, set up as the scheduler sets up llguidance
+(JSON without free whitespace, masks as int32 words filled by the engine's parallel batch call): llguidance and
+xgrammar (measured when installed); the model's vocabulary as bytes per id; the cases (structured_cases.json)."""
 from __future__ import annotations
 
 import json
@@ -45,17 +42,12 @@ class Llguidance:
         self.tok = vocab.tokenizer
         self.executor = llguidance.LLExecutor()
 
-    @staticmethod
-    def version() -> str:
-        return llguidance.__version__
+    version = staticmethod(lambda: llguidance.__version__)
 
     def compile(self, kind: str, text: str) -> Any:
-        if kind == "json_schema":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-        elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(text)
-        else:
-            grammar = llguidance.grammar_from("grammar", text)
+        """kind: json_schema or regex (the trajectories' and features' kinds)."""
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS) \
+            if kind == "json_schema" else llguidance.LLMatcher.grammar_from_regex(text)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tok)
         if error and not error.startswith("WARNING"):
             raise EngineError(error)
@@ -73,9 +65,6 @@ class Llguidance:
     def advance(self, m: Any, token: int) -> bool:
         return m.consume_token(token)
 
-    def reset(self, m: Any) -> None:
-        m.reset()
-
     def accepts(self, compiled: Any, text: str) -> bool:
         m = llguidance.LLMatcher(self.tok, compiled, log_level=0)
         ids = self.tok.tokenize_bytes(text.encode())
@@ -89,15 +78,12 @@ class Xgrammar:
         import xgrammar  # optional (it imports torch and transformers): measured only when installed
         self.xgr = xgrammar
         self.tok = vocab.tokenizer  # only to tokenize the coverage texts the same way for both engines
-        info = xgrammar.TokenizerInfo(list(vocab.tokens),
-                                      xgrammar.VocabType.RAW, vocab_size=vocab.n_vocab, stop_token_ids=[vocab.eos])
+        info = xgrammar.TokenizerInfo(list(vocab.tokens), xgrammar.VocabType.RAW, vocab_size=vocab.n_vocab,
+                                      stop_token_ids=[vocab.eos])
         self.compiler = xgrammar.GrammarCompiler(info)
         self.batch = xgrammar.BatchGrammarMatcher()
 
-    @staticmethod
-    def version() -> str:
-        from importlib.metadata import version
-        return version("xgrammar")
+    version = staticmethod(lambda: __import__("importlib.metadata").metadata.version("xgrammar"))
 
     def compile(self, kind: str, text: str) -> Any:
         try:
@@ -105,9 +91,7 @@ class Xgrammar:
                 return self.compiler.compile_json_schema(text, any_whitespace=False,
                                                          separators=(JSON_OPTIONS["item_separator"],
                                                                      JSON_OPTIONS["key_separator"]))
-            if kind == "regex":
-                return self.compiler.compile_regex(text)
-            return self.compiler.compile_grammar(_lark_to_ebnf(text))
+            return self.compiler.compile_regex(text)
         except Exception as exc:  # xgrammar raises RuntimeError / its own errors for unsupported input
             raise EngineError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
 
@@ -121,23 +105,17 @@ class Xgrammar:
     def advance(self, m: Any, token: int) -> bool:
         return m.accept_token(token)
 
-    def reset(self, m: Any) -> None:
-        m.reset()
-
     def accepts(self, compiled: Any, text: str) -> bool:
         m = self.xgr.GrammarMatcher(compiled)
         return all(m.accept_token(t) for t in self.tok.tokenize_bytes(text.encode())) and m.is_completed()
 
 
-def _lark_to_ebnf(text: str) -> str:
-    """The workloads' grammars are written in the Lark subset both engines read once `start` is `root` and
-    `:` is `::=` (xgrammar takes GBNF)."""
-    return "\n".join(line.replace("start:", "root ::=", 1) if line.startswith("start:") else
-                     line.replace(":", " ::=", 1) for line in text.strip().splitlines())
-
 def load(name: str, vocab: Vocabulary) -> Any:
     """The engine, or raises ImportError when it is not installed."""
     return {"llguidance": Llguidance, "xgrammar": Xgrammar}[name](vocab)
+
+
+CASES = json.loads((Path(__file__).with_name("structured_cases.json")).read_text(encoding="utf-8"))
 
 
 @dataclass(frozen=True)
@@ -148,42 +126,6 @@ class Trajectory:
     output: str  # a valid output the matchers consume
 
 
-_ITEM = {"type": "object", "additionalProperties": False, "required": ["sku", "qty", "price"],
-         "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-                        "qty": {"type": "integer", "minimum": 1, "maximum": 999},
-                        "price": {"type": "number", "minimum": 0}}}
-TRAJECTORIES = [
-    Trajectory("person", "json_schema", json.dumps({
-        "type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags", "address"],
-        "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0,
-                                                                             "maximum": 150},
-                       "email": {"type": "string", "format": "email"},
-                       "tags": {"type": "array", "items": {"enum": ["admin", "staff", "guest"]}, "maxItems": 3},
-                       "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
-                                   "properties": {"city": {"type": "string"},
-                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}),
-               '{"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["admin", "staff"], '
-               '"address": {"city": "London", "zip": "12345"}}'),
-    Trajectory("order_ref", "json_schema", json.dumps({
-        "$defs": {"item": _ITEM}, "type": "object", "additionalProperties": False, "required": ["id", "items"],
-        "properties": {"id": {"type": "integer"}, "items": {"type": "array", "items": {"$ref": "#/$defs/item"},
-                                                            "minItems": 1},
-                       "note": {"type": ["string", "null"]}}}),
-               '{"id": 9001, "items": [{"sku": "ABC-1234", "qty": 2, "price": 9.99}, '
-               '{"sku": "XYZ-0001", "qty": 10, "price": 0.5}], "note": null}'),
-    Trajectory("any_of", "json_schema", json.dumps({
-        "type": "array", "maxItems": 8, "items": {"anyOf": [
-            {"type": "object", "additionalProperties": False, "required": ["kind", "radius"],
-             "properties": {"kind": {"const": "circle"}, "radius": {"type": "number", "exclusiveMinimum": 0}}},
-            {"type": "object", "additionalProperties": False, "required": ["kind", "w", "h"],
-             "properties": {"kind": {"const": "rect"}, "w": {"type": "integer"}, "h": {"type": "integer"}}}]}}),
-               '[{"kind": "circle", "radius": 2.5}, {"kind": "rect", "w": 3, "h": 4}, '
-               '{"kind": "circle", "radius": 1}]'),
-    Trajectory("phone_regex", "regex", r"\+[0-9]{1,3} \([0-9]{3}\) [0-9]{3}-[0-9]{4}( ext\. [0-9]{1,5})?",
-               "+44 (207) 946-0958 ext. 123"),
-]
-
-
 @dataclass(frozen=True)
 class Feature:
     name: str
@@ -192,58 +134,10 @@ class Feature:
     invalid: str  # a well-formed JSON output it rejects
 
 
-_OBJ = {"type": "object", "additionalProperties": False}
-FEATURES = [
-    Feature("nested objects", {**_OBJ, "required": ["a"], "properties": {"a": {**_OBJ, "required": ["b"],
-                                                                                "properties": {"b": {"type": "integer"}}}}},
-            '{"a": {"b": 1}}', '{"a": {"c": 1}}'),
-    Feature("required / optional", {**_OBJ, "required": ["a"], "properties": {"a": {"type": "integer"},
-                                                                             "b": {"type": "integer"}}},
-            '{"a": 1}', '{"b": 1}'),
-    Feature("enum", {"enum": ["red", "green", 3]}, '"green"', '"blue"'),
-    Feature("const", {"const": "fixed"}, '"fixed"', '"other"'),
-    Feature("integer bounds", {"type": "integer", "minimum": 10, "maximum": 20}, "15", "25"),
-    Feature("exclusive bounds", {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, "0.5", "1"),
-    Feature("multipleOf", {"type": "integer", "multipleOf": 5}, "15", "12"),
-    Feature("string length", {"type": "string", "minLength": 2, "maxLength": 3}, '"abc"', '"abcd"'),
-    Feature("pattern", {"type": "string", "pattern": "^[a-z]+-[0-9]+$"}, '"ab-12"', '"ab12"'),
-    Feature("format: date-time", {"type": "string", "format": "date-time"}, '"2024-01-02T03:04:05Z"', '"yesterday"'),
-    Feature("format: email", {"type": "string", "format": "email"}, '"a@b.org"', '"not an email"'),
-    Feature("format: uuid", {"type": "string", "format": "uuid"}, '"123e4567-e89b-12d3-a456-426614174000"',
-            '"123"'),
-    Feature("array min/maxItems", {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2},
-            "[1, 2]", "[1, 2, 3]"),
-    Feature("prefixItems (tuples)", {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
-                                     "items": False}, '[1, "a"]', '["a", 1]'),
-    Feature("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 2]", "[1, 1]"),
-    Feature("$ref / $defs", {"$defs": {"p": {"type": "integer"}}, "type": "array", "items": {"$ref": "#/$defs/p"}},
-            "[1, 2]", '["x"]'),
-    Feature("recursive $ref", {"$defs": {"node": {**_OBJ, "required": ["v"], "properties": {
-        "v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}}}, "$ref": "#/$defs/node"},
-            '{"v": 1, "next": {"v": 2}}', '{"v": 1, "next": {"w": 2}}'),
-    Feature("anyOf", {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 2}]}, '"ab"', '"abc"'),
-    Feature("oneOf", {"oneOf": [{"type": "integer"}, {"type": "boolean"}]}, "true", '"x"'),
-    Feature("allOf", {"allOf": [{**_OBJ, "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                                {"type": "object", "required": ["a"]}]}, '{"a": 1}', '{"b": 1}'),
-    Feature("type lists / null", {"type": ["integer", "null"]}, "null", '"x"'),
-    Feature("additionalProperties schema", {"type": "object", "additionalProperties": {"type": "integer"}},
-            '{"k": 1}', '{"k": "v"}'),
-    Feature("patternProperties", {"type": "object", "patternProperties": {"^x-": {"type": "integer"}},
-                                  "additionalProperties": False}, '{"x-a": 1}', '{"y": 1}'),
-    Feature("minProperties / maxProperties", {"type": "object", "minProperties": 1, "maxProperties": 1,
-                                              "additionalProperties": {"type": "integer"}}, '{"a": 1}', "{}"),
-    Feature("if / then / else", {"if": {"type": "integer"}, "then": {"minimum": 5}, "else": {"type": "string"}},
-            "7", "3"),
-    Feature("not", {"not": {"type": "string"}}, "1", '"x"'),
-    Feature("dependentRequired", {"type": "object", "dependentRequired": {"a": ["b"]},
-                                  "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
-            '{"a": 1, "b": 2}', '{"a": 1}'),
-]
-
-# The step-overhead runs: JSON objects, one per line, for ever (the grammar is never complete, so every
-# request runs its whole --output-len; EOS is held off by min_new_tokens as in the unconstrained runs).
-LINE_SCHEMA = {**_ITEM, "properties": {**_ITEM["properties"], "name": {"type": "string", "maxLength": 24}},
-               "required": ["sku", "name", "qty", "price"], "x-guidance": JSON_OPTIONS}
-OVERHEAD_GRAMMAR = 'start: (item "\\n")+\nitem: %json ' + json.dumps(LINE_SCHEMA)
-OVERHEAD_QUESTION = ("List products of a hardware store, one JSON object per line with sku, name, qty and "
-                     "price.")
+TRAJECTORIES = [Trajectory(**t) for t in CASES["trajectories"]]
+FEATURES = [Feature(**f) for f in CASES["features"]]
+# The overhead runs: JSON objects, one per line, for ever (the grammar is never complete, so every request runs its
+# whole length; EOS is held off by min_tokens as in the unconstrained runs).
+OVERHEAD_GRAMMAR = 'start: (item "\\n")+\nitem: %json ' + json.dumps({**CASES["overhead_line_schema"],
+                                                                     "x-guidance": JSON_OPTIONS})
+OVERHEAD_QUESTION = CASES["overhead_question"]

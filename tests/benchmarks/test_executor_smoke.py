@@ -26,11 +26,10 @@ def test_executor_quick(model_dir, run_bench):
 
 def test_step_profile_quick(model_dir, run_bench):
     proc, data = run_bench("step_profile", "--quick", "--model", str(model_dir), "--threads", "1",
-                           "--compare-unpacked")
+                           "--no-hf")
     (row,) = data["rows"]
-    assert row["tandem_total_s"] > 0 and row["unpacked_over_tandem"] > 0 and row["hf_over_tandem"] > 0
-    assert 0 <= row["same_tokens"] <= 8 and row["tandem_decode_steps"] > 0
-    assert "hf/tandem" in proc.stdout
+    assert row["tandem_total_s"] > 0 and row["tandem_decode_steps"] > 0 and "hf_total_s" not in row
+    assert "decode step ms" in proc.stdout
 
 
 def test_startup_quick_cold(model_dir, run_bench):

@@ -18,7 +18,8 @@ def test_fleet_quick(model_dir, run_bench):
     assert list(scaling["runs"]) == ["1x2", "2x1"] and scaling["all_exact_output_len"] is True
     for name, side in scaling["runs"].items():
         assert side["requests"] == side["completed"] == side["exact_output_len"] == 8
-        assert len(side["executor_work"]) == side["executors"] and sum(w["requests"] for w in side["executor_work"]) == 8
+        work = side["executor_work"]
+        assert len(work) == side["executors"] and sum(w["requests"] for w in work) == 8
         assert sum(w["tokens_sampled"] for w in side["executor_work"]) == 8 * 8
         assert all(c == 0 for c in side["exit_codes"].values()), side["exit_codes"]  # SIGTERM -> clean drain
     assert all(v > 0 for v in scaling["ratios"]["2x1"].values())

@@ -54,7 +54,8 @@ def test_prefix_both_workloads(model_dir, run_bench):
     turns_seen = [(r["conversation"], r["turn"]) for r in data["runs"]["multi-turn"]["on"]["per_request"]]
     assert turns_seen == [(c, t) for c in range(conversations) for t in range(1, turns + 1)]
     assert data["runs"]["multi-turn"]["on"]["ttft_late_turns_ms"]["n"] == conversations
-    assert [c["metric"] for c in data["comparisons"] if c["ratio"] is not None] == ["prompt tokens computed / sent (on)"]
+    measured = [c["metric"] for c in data["comparisons"] if c["ratio"] is not None]  # one mode: no on/off ratio
+    assert measured == ["prompt tokens computed / sent (on)"]
     assert "hit rate" in proc.stdout and "cache on" in proc.stdout
 
 
