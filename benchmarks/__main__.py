@@ -35,12 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in BENCHMARKS:
+    if (name := argv[0]) not in BENCHMARKS:
         print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, function = BENCHMARKS[name][0].split(":")
-    return getattr(importlib.import_module(f"benchmarks.{module}"), function)(rest)
+    return getattr(importlib.import_module(f"benchmarks.{module}"), function)(argv[1:])
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "micro-repeats": "repeats of each serialisation micro-timing"})
     ap.add_argument("--multi-steps", type=int, default=8, help="num_steps of the multi-step configuration (8)")
     ap.add_argument("--configs", default=None,
-                    help="comma subset of tokens, logits/f32, logits/bf16, tokens/xN (default: all)")
+                    help="comma subset of tokens, logits/f32, logits/bf16, tokens/xN, tokens+ReleaseCache, "
+                         "tokens+release-in-step (default: all)")
     add_device_args(ap)
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="both sides' per-call token limit (8192)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
@@ -74,8 +75,7 @@ def between(before: tuple[int, float], after: tuple[int, float]) -> float | None
 
 
 def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, vocab: int, args) -> dict[str, Any]:
-    """Both sides prefill the same prompts, warm up, then time their calls alternately (in-process first on even
-    steps): the row of both sides' times, ratios, CPU use and breakdown."""
+    """Both sides prefill the same prompts, warm up, then time their calls alternately: the row of both sides."""
     prompts = random_prompts(batch, args.context, vocab, args.seed + batch).tolist()
     try:
         inproc.prefill(prompts)
@@ -129,8 +129,7 @@ def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, 
 
 
 def derive(rows: list[dict[str, Any]]) -> None:
-    """The multi-step rows' per-token time over the tokens row's, per side, and their quotient (< 1: amortising
-    the round trip over N steps helps gRPC)."""
+    """Multi-step rows: per-token time over the tokens row's, per side, and their quotient (< 1: N steps help gRPC)."""
     single = {r["batch"]: r for r in rows if r["config"] == "tokens"}
     for r in rows:
         one = single.get(r["batch"])
@@ -143,11 +142,8 @@ def derive(rows: list[dict[str, Any]]) -> None:
 def print_report(args, rows: list[dict[str, Any]], header: list[str]) -> None:
     print("\n".join(header) + "\n")
     print(format_table(rows, COLUMNS))
-    print("\ngrpc/inproc: median call time over gRPC / in-process (request building and response reading included "
-          "on both sides); min ratio: of the fastest calls; xN/x1: per-token time of the multi-step call / the "
-          "tokens row's; g/i: grpc xN/x1 / inproc xN/x1.\n\nwhere the gRPC time goes (ms per call, means): op diff = "
-          "server executor - in-process executor; servicer = handler - executor; transport = stub call - handler; "
-          "client diff = client build+read difference; micro: pieces timed alone here.\n")
+    print("\ncolumns (docs/benchmarks.md): grpc/inproc = median call time over gRPC / in-process; xN/x1 and g/i = "
+          "what N steps per call buy; where the gRPC time goes (ms per call, means):\n")
     print(format_table([{**r["breakdown_ms"], "config": r["config"], "batch": r["batch"]} for r in rows], BREAKDOWN))
     busy = [f"{r['config']}@{r['batch']} ({r['other_processes_cores']:.2f})" for r in rows
             if (r["other_processes_cores"] or 0) > 0.25]

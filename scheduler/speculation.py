@@ -5,7 +5,7 @@ exactly the one of one token per step, and a step returns the accepted drafts pl
 pay when a decode step is bound by reading the weights (small batches): checking k more positions then costs
 little more than one. They cost when the step is already compute bound (large batches), so:
 - no drafts at all when the step has more decoding sequences than --speculative-max-batch (a measured
-  default: scripts/bench_spec.py);
+  default: python -m benchmarks spec);
 - per sequence, the draft length adapts: after a fully accepted draft it grows by one (up to
   --num-speculative-tokens), after a partly accepted one it is the accepted length + 1, and after drafts
   accepted not at all the sequence sits out 2, 4, ... 16 steps before it drafts again;
@@ -66,7 +66,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help=f"shortest n-gram tried (default {d.ngram_min})")
     g.add_argument("--speculative-max-batch", type=int, default=d.max_batch, metavar="N",
                    help="no drafts in a step with more decoding requests than this: verification then costs more "
-                        f"than it saves (default {d.max_batch}, measured with scripts/bench_spec.py; 0 = never draft)")
+                        f"than it saves (default {d.max_batch}, measured with python -m benchmarks spec; 0 = never draft)")
 
 
 def from_args(args: argparse.Namespace) -> SpeculativeConfig:

@@ -2,7 +2,7 @@
 server processes where the benchmark starts them, sane JSON. No timing assertions (shared, noisy machine)."""
 from __future__ import annotations
 
-CONFIGS = {"tokens", "logits/f32", "logits/bf16", "tokens/x8"}
+CONFIGS = {"tokens", "logits/f32", "logits/bf16", "tokens/x8", "tokens+ReleaseCache", "tokens+release-in-step"}
 
 
 def test_executor_quick(model_dir, run_bench):
