@@ -28,11 +28,14 @@ from tandem.errors import DeviceOutOfMemory
 from tandem.sampling_params import SamplingParams
 
 
-@dataclass
-class BatchItem:
+@dataclass(frozen=True)
+class PlannedItem:
+    """One item of a call, checked against the cache table (executor_service/request_validation.py) and then run
+    in the batch: the one type an item has between the codec and the model."""
+
     item: UnifiedItem
-    state: CacheState
-    sampling: SamplingParams  # what the item samples with: its own, else the cache's registered ones
+    state: CacheState | None  # None until the call runs: a new cache (the batch run always has one)
+    sampling: SamplingParams  # the item's own, else those registered with its cache (greedy for a new cache)
 
 
 class BatchRunner:
@@ -48,7 +51,7 @@ class BatchRunner:
         self.lora_stacks = LoraStacks()  # the executor clears it whenever adapters load, unload or move
         self.max_attention_elements = max_attention_elements  # see models/attention.py (None: no split)
 
-    def run(self, batch: list[BatchItem], all_positions: bool = False,
+    def run(self, batch: list[PlannedItem], all_positions: bool = False,
             adapters: Callable[[], dict[str, LoraWeights]] | None = None) -> list[list[SequenceOutput] | None]:
         """Per item: None for a non-final chunk, else one SequenceOutput per position asked for (the last
         position, or every position of the item when all_positions). adapters: called once the KV is
@@ -80,7 +83,7 @@ class BatchRunner:
             snap.restore(self.kv)
 
     @staticmethod
-    def _commit(batch: list[BatchItem]) -> None:
+    def _commit(batch: list[PlannedItem]) -> None:
         """Records every written token, drafts included (rejected ones are rolled back after sampling)."""
         for b in batch:
             b.state.table.length += len(b.item.token_ids)
@@ -92,7 +95,7 @@ class BatchRunner:
             b.state.tokens.extend(b.item.draft_token_ids)
 
     @torch.inference_mode()
-    def _forward(self, batch: list[BatchItem], all_positions: bool,
+    def _forward(self, batch: list[PlannedItem], all_positions: bool,
                  adapters: dict[str, LoraWeights]) -> tuple[torch.Tensor, list[int]]:
         if self.decode_step is not None and all(len(b.item.token_ids) == 1 and not b.item.draft_token_ids
                                                 and b.item.is_final_chunk and not b.item.adapter for b in batch):
@@ -127,7 +130,7 @@ class BatchRunner:
         return self.model(input_ids, meta, self.kv, rows, lora), rows_per_item  # logits: [R, vocab]
 
     @torch.inference_mode()
-    def _outputs(self, batch: list[BatchItem], logits: torch.Tensor,
+    def _outputs(self, batch: list[PlannedItem], logits: torch.Tensor,
                  rows_per_item: list[int]) -> list[list[SequenceOutput] | None]:
         sample_rows: list[int] = []
         sampling: list[SamplingRow] = []
@@ -191,7 +194,7 @@ class BatchRunner:
             row += count
         return results
 
-    def _keep_accepted(self, b: BatchItem, drafts: int, accepted: int) -> None:
+    def _keep_accepted(self, b: PlannedItem, drafts: int, accepted: int) -> None:
         """Rolls the cache back past the rejected drafts: blocks, length and tokens (whole blocks go back
         to the pool; the rejected tail of the last kept block is overwritten by the next write)."""
         keep = b.state.table.length - (drafts - accepted)

@@ -11,11 +11,11 @@ import time
 from typing import Sequence
 
 from executor_service.adapters import AdapterRegistry
-from executor_service.batch import BatchItem, BatchRunner
+from executor_service.batch import BatchRunner, PlannedItem
 from executor_service.cache_table import CacheState, CacheTable
 from executor_service.metrics import ExecutorMetrics
 from executor_service.prefix_cache import PrefixCache
-from executor_service.request_validation import PlannedItem, RequestValidator
+from executor_service.request_validation import RequestValidator
 from executor_service.types import CacheRef, SequenceOutput, UnifiedItem, UnifiedResult
 from tandem.errors import TandemError
 from tandem.sampling_params import SamplingParams
@@ -36,8 +36,8 @@ class BatchStep:
         planned = self.validator.batch(items, caches)
         ok = [p for p in planned if isinstance(p, PlannedItem)]
         # A new cache takes its item's adapter and sampling (an existing one's adapter is validated equal).
-        batch = [BatchItem(p.item, p.state or self.new_state(p.item.adapter, sampling=p.sampling), p.sampling)
-                 for p in ok]
+        batch = [p if p.state is not None
+                 else PlannedItem(p.item, self.new_state(p.item.adapter, sampling=p.sampling), p.sampling) for p in ok]
         outputs: list[list[SequenceOutput] | None] = []
         if batch:  # reserves KV first; on any error puts every cache back and re-raises
             kind = _step_kind(batch)  # (before the run: it marks prompts done)
@@ -64,7 +64,7 @@ class BatchStep:
         if isinstance(planned, TandemError):
             raise planned
         # Predictions are greedy, whatever sampling the cache has registered (which stays registered).
-        batch = [BatchItem(item, planned.state, SamplingParams())]
+        batch = [PlannedItem(item, planned.state, SamplingParams())]
         start = time.perf_counter()
         outputs = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
         self.metrics.record_step("verify", time.perf_counter() - start, len(item.token_ids))
@@ -76,7 +76,7 @@ class BatchStep:
         root = self.prefix.root(adapter, self.adapters.digest(adapter), cache_salt)
         return CacheState(adapter=adapter, sampling=sampling, root=root)
 
-    def _adapter_weights(self, batch: list[BatchItem]) -> dict:
+    def _adapter_weights(self, batch: list[PlannedItem]) -> dict:
         names = {b.item.adapter for b in batch if b.item.adapter}
         for b in batch:
             if b.item.adapter:
@@ -89,7 +89,7 @@ class BatchStep:
             self.runner.lora_stacks.clear()
         return weights
 
-    def _count(self, outputs: list[list[SequenceOutput] | None], batch: list[BatchItem]) -> None:
+    def _count(self, outputs: list[list[SequenceOutput] | None], batch: list[PlannedItem]) -> None:
         """After a successful forward: counters, and the blocks it filled join the prefix cache."""
         for b in batch:
             self.prefix.seal(b.state.table, b.state.tokens, b.state.root, b.state.adapter)
@@ -107,7 +107,7 @@ class BatchStep:
         return CacheRef(cache_id, state.table.length)
 
 
-def _step_kind(batch: list[BatchItem]) -> str:
+def _step_kind(batch: list[PlannedItem]) -> str:
     """prefill: every item writes prompt tokens; decode: every item's cache is past its prompt; else mixed."""
     decodes = sum(b.state.prompt_len is not None for b in batch)
     return "decode" if decodes == len(batch) else "prefill" if not decodes else "mixed"

@@ -7,10 +7,10 @@ that fails one gets its domain error (its message naming the item) and the other
 contract's per-item statuses promise."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from executor_service.adapters import AdapterRegistry
+from executor_service.batch import PlannedItem
 from executor_service.cache_table import CacheState, CacheTable
 from executor_service.types import CreateCacheItem, UnifiedItem
 from models.config import ModelConfig
@@ -30,13 +30,6 @@ def check_release_with_step(cache_ids: Sequence[str]) -> None:
         raise InvalidRequest(f"release_cache_ids names {len(cache_ids)} caches; a step call releases at most "
                              f"{MAX_RELEASE_WITH_STEP}: release the rest with ReleaseCache (any number of ids) "
                              "or in the next step calls")
-
-
-@dataclass(frozen=True)
-class PlannedItem:
-    item: UnifiedItem
-    state: CacheState | None  # None: a new cache
-    sampling: SamplingParams  # the item's own, else those registered with its cache (greedy for a new cache)
 
 
 class RequestValidator:
