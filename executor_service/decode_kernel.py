@@ -3,10 +3,11 @@
 A decode call here is one whose items each add one token without LoRA or drafts (executor_service/batch.py
 picks per call); everything else always runs the eager PyTorch forward on the same KV cache.
 
-- native: the C++ step (models/native_decode.py); refused, with the reason, where it cannot run.
+- native: the C++ step (models/native_decode.py), built at the first start where its cache lacks it; refused,
+  with the reason, where it cannot run (the CPU, the model, no compiler) or its build fails.
 - torch: the eager PyTorch forward, or the torch.compile'd one with --compile (models/compiled_decode.py).
-- auto (default): native where it can run and --compile was not asked for, else torch; the log says which
-  and why.
+- auto (default): native where it can run (and builds) and --compile was not asked for, else torch; the log
+  says which and why.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from executor_service.config import ExecutorConfig
 from models.compiled_decode import CompiledDecode, set_compile_cache_dir
 from models.kv_cache import PagedKvCache
-from models.native_decode import NativeDecode, native_refusal
+from models.native_decode import NativeBuild, NativeDecode, native_refusal
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -34,9 +35,11 @@ class DecodeStep(Protocol):
             pasts: Sequence[int]) -> torch.Tensor: ...  # float32 logits [B, vocab]
 
 
-def choose_decode_step(config: ExecutorConfig, model: DecoderModel, kv: PagedKvCache) -> DecodeStep | None:
-    """The decode step for this configuration (None: the eager forward). Raises ValueError for a combination
-    that cannot run (the CLI exits 2 with the message)."""
+def choose_decode_step(config: ExecutorConfig, model: DecoderModel, kv: PagedKvCache,
+                       build: NativeBuild | None = None) -> DecodeStep | None:
+    """The decode step for this configuration (None: the eager forward). build: how the native kernel is built
+    (default: into config.native_cache_dir with $CXX or g++). Raises ValueError for a combination that cannot
+    run (the CLI exits 2 with the message)."""
     kernel = config.decode_kernel
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"unknown --decode-kernel {kernel!r}; choose {', '.join(DECODE_KERNELS)}")
@@ -46,7 +49,8 @@ def choose_decode_step(config: ExecutorConfig, model: DecoderModel, kv: PagedKvC
         return _compile(config, model, kv)
     if kernel == "torch":
         return None
-    reason = native_refusal(model, kv)
+    build = build or NativeBuild(config.native_cache_dir)
+    reason = native_refusal(model, kv, build)
     if reason is not None:
         if kernel == "native":
             raise ValueError(f"--decode-kernel native cannot run here: {reason}")
@@ -54,11 +58,11 @@ def choose_decode_step(config: ExecutorConfig, model: DecoderModel, kv: PagedKvC
         return None
     start = time.monotonic()
     try:
-        step = NativeDecode(model, kv, config.native_cache_dir, config.huge_pages)
-    except (RuntimeError, OSError) as exc:  # the compiler failed, or the library would not load
+        step = NativeDecode(model, kv, build, config.huge_pages)
+    except (RuntimeError, OSError) as exc:  # the build failed, or the library would not load
         if kernel == "native":
             raise ValueError(f"--decode-kernel native: {exc}") from exc
-        log.warning("decode steps run the PyTorch forward: the native kernel could not be built (%s)", exc)
+        log.warning("decode steps run the PyTorch forward: the native kernel could not be built or loaded (%s)", exc)
         return None
     log.info("decode steps run the native kernel (ready in %.1f s)", time.monotonic() - start)
     return step

@@ -22,24 +22,39 @@ op's output to bfloat16; K/V are rounded when written, as there), so its tokens 
 step's at near-ties, at bfloat16's own noise.
 
 Where it runs: x86-64 CPUs with AVX2, FMA and F16C, float32 or bfloat16 models without MoE layers (quantized:
-float32 only), a C++ compiler on the PATH (g++ by default; `CXX` overrides). `native_refusal` says why not otherwise, and
-the executor falls back to the PyTorch step (or refuses `--decode-kernel native`). The library is compiled
-once per source/compiler and kept in a cache directory (~2.5 s); concurrent executors share it safely.
+float32 only), with a C++ compiler (g++ by default; `NativeBuild.cxx`, else `CXX`, overrides) and ninja to build
+it. `native_refusal` says why not otherwise, and the executor falls back to the PyTorch step (or refuses
+`--decode-kernel native`).
+
+How it is built and called: models/native/ (decode_step.cpp, the step; op.cpp, its torch binding) is built with
+torch.utils.cpp_extension into a library that registers the op `torch.ops.tandem.decode_step` and the class
+`torch.classes.tandem.DecodeModel` (TORCH_LIBRARY), linked against torch and its OpenMP runtime. The tensors
+are the only description of the layout: a DecodeModel, made once from the weight and KV-pool tensors, checks
+them in C++ and holds them; each step passes the step's tensors (token ids, positions, block tables, rotary),
+which the op checks too. The library is built once per (sources, compiler, torch, flags) into a cache
+directory (~/.cache/tandem/native by default; the image prebuilds it: `python -m models.native_decode`), by
+`torch.utils.cpp_extension.load` in a child process (its compiler comes through the child's environment, and
+one process loads one library of the op), and installed there atomically; concurrent executors share it.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import json
+import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from models.huge_pages import copy_to_huge_pages
 from models.kv_cache import PagedKvCache, decode_block_table
@@ -47,34 +62,33 @@ from models.moe import SparseMoeBlock
 from models.quantization import Fp16Weight, Int8Weight
 from models.transformer import DecoderModel, Linear
 
-SOURCE = Path(__file__).with_name("native") / "decode_step.cpp"
-FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+log = logging.getLogger("tandem.native")
+
+SOURCE_DIR = Path(__file__).with_name("native")
+SOURCES = ("decode_step.cpp", "op.cpp")  # (+ the headers they include: every .h in SOURCE_DIR)
+NAME = "tandem_decode_step"
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")  # cpp_extension adds -fPIC, -std and torch's own
+LDFLAGS = ("-fopenmp",)  # libgomp.so.1: at run time the one torch has loaded (the same soname)
 CPU_FLAGS = ("avx2", "fma", "f16c")
-ABI_VERSION = 2
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "native"
-KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2, torch.bfloat16: 4}  # weight dtype -> TdLinear.kind
+BUILD_SECONDS = 30  # the log line's estimate of a first build (measured 22-30 s on 2 busy cores)
+BUILD_TIMEOUT_S = 900  # a build that has not finished by then failed (and a lock file that old is stale)
 DTYPES = (torch.float32, torch.bfloat16)  # a model's --dtype the step runs (its activations: float32 either way)
-INT8_DOT = 3  # int8 weights times int8 activations
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("unused", ctypes.c_int32), ("w", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+@dataclass(frozen=True)
+class NativeBuild:
+    """How the kernel is built: into cache_dir (None: ~/.cache/tandem/native), with the C++ compiler cxx (a
+    name on the PATH or a path; None: $CXX, else g++)."""
+    cache_dir: Path | None = None
+    cxx: str | None = None
 
+    def compiler_name(self) -> str:
+        return self.cxx or os.environ.get("CXX") or "g++"
 
-class _Layer(ctypes.Structure):
-    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate", _Linear), ("up", _Linear),
-                ("down", _Linear), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("vocab", ctypes.c_int64),
-                ("n_layers", ctypes.c_int64), ("block_size", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("attn_scale", ctypes.c_float), ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
-                ("head", _Linear), ("layers", ctypes.POINTER(_Layer)), ("bf16", ctypes.c_int32),
-                ("unused", ctypes.c_int32)]
+    def compiler(self) -> str | None:
+        """The compiler's path (None: not found)."""
+        return shutil.which(self.compiler_name())
 
 
 def _cpu_flags() -> set[str]:
@@ -88,23 +102,34 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def compiler() -> str | None:
-    """The C++ compiler the library is built with: $CXX, else g++ (None: neither on the PATH)."""
-    return shutil.which(os.environ.get("CXX") or "g++")
+def _ninja_dir() -> str | None:
+    """The directory of the ninja that cpp_extension runs: the PATH's, else the `ninja` package's (a venv's
+    bin/ is not on the PATH of a server started as .venv/bin/python)."""
+    found = shutil.which("ninja")
+    if found:
+        return os.path.dirname(found)
+    try:
+        import ninja  # the PyPI package (a runtime dependency)
+    except ImportError:
+        return None
+    return ninja.BIN_DIR if os.path.exists(os.path.join(ninja.BIN_DIR, "ninja")) else None
 
 
-def machine_refusal() -> str | None:
-    """Why this machine cannot run the native step (its CPU, no compiler); None when it can."""
+def machine_refusal(build: NativeBuild | None = None) -> str | None:
+    """Why this machine cannot run the native step (its CPU, no compiler or ninja); None when it can."""
+    build = build or NativeBuild()
     missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    if compiler() is None:
-        return "no C++ compiler (g++, or $CXX) on the PATH to build it"
+    if build.compiler() is None:
+        return f"no C++ compiler ({build.compiler_name()}) on the PATH to build it"
+    if _ninja_dir() is None:
+        return "no ninja (pip install ninja) to build it"
     return None
 
 
-def native_refusal(model: DecoderModel, kv: PagedKvCache) -> str | None:
-    """Why this model (on this machine) cannot run the native step; None when it can."""
+def native_refusal(model: DecoderModel, kv: PagedKvCache, build: NativeBuild | None = None) -> str | None:
+    """Why this model (on this machine, built as `build` says) cannot run the native step; None when it can."""
     weight = model.model.embed_tokens.weight
     if weight.device.type != "cpu":
         return f"it runs on CPUs; this model is on {weight.device.type}"
@@ -114,68 +139,117 @@ def native_refusal(model: DecoderModel, kv: PagedKvCache) -> str | None:
         return "--quantization needs --dtype float32 in it"
     if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
         return "MoE layers are not in the native step"
-    if any(m.in_features % 8 for m in model.modules() if isinstance(m, Linear)):
-        return "a linear layer's input size is not a multiple of 8"
-    return machine_refusal()
+    if any(m.in_features % 8 for m in model.modules() if isinstance(m, Linear)) or model.config.head_dim % 8:
+        return "a linear layer's input size or the head size is not a multiple of 8"
+    return machine_refusal(build)
 
 
-def build_library(cache_dir: Path | None = None) -> Path:
-    """Compiles decode_step.cpp (and the header it includes) once per (sources, compiler, flags) into cache_dir (default
-    ~/.cache/tandem/native) and returns the library's path. Raises RuntimeError if the compiler fails."""
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++, or $CXX) on the PATH")
-    source = b"".join(f.read_bytes() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h"))
+def _key(cxx: str) -> str:
+    """What the library depends on: its sources, the compiler, torch (its headers and ABI), Python and flags."""
+    source = b"".join(f.read_bytes() for f in sorted(SOURCE_DIR.iterdir()) if f.suffix in (".cpp", ".h"))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(source + repr((version, FLAGS)).encode()).hexdigest()[:16]
-    directory = cache_dir or DEFAULT_CACHE_DIR
+    facts = (os.path.realpath(cxx), version, torch.__version__, sys.version_info[:2], CFLAGS, LDFLAGS)
+    return hashlib.sha256(source + repr(facts).encode()).hexdigest()[:16]
+
+
+# The child's build: torch.utils.cpp_extension.load (ninja, torch's include and library paths and flags);
+# loading the library there checks it links.
+_BUILD = """
+import json, sys
+from torch.utils import cpp_extension
+try:
+    cpp_extension.load(**json.loads(sys.argv[1]), verbose=False, is_python_module=False)
+except Exception as exc:  # the reason (a compiler's errors are in its message), not a traceback
+    sys.exit(f"{type(exc).__name__}: {exc}")
+"""
+
+
+def build_library(build: NativeBuild | None = None) -> Path:
+    """Builds the kernel once per (sources, compiler, torch, flags) into the cache directory and returns the
+    library's path (already there: no build). Raises RuntimeError if the build fails or takes over
+    BUILD_TIMEOUT_S."""
+    build = build or NativeBuild()
+    cxx = build.compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler ({build.compiler_name()}) on the PATH")
+    key = _key(cxx)
+    directory = build.cache_dir or DEFAULT_CACHE_DIR
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError:  # a read-only home: a private directory for this process
         directory = Path(tempfile.mkdtemp(prefix="tandem-native-"))
-    target = directory / f"tandem_decode_step-{key}.so"
+    target = directory / f"{NAME}-{key}.so"
     if target.exists():
         return target
+    work = directory / f"build-{key}"  # cpp_extension's build directory (ninja file, objects, its lock)
+    work.mkdir(exist_ok=True)
+    lock = work / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > BUILD_TIMEOUT_S:
+        lock.unlink(missing_ok=True)  # left by a build that was killed: cpp_extension would wait on it forever
+    log.info("building the native decode step (first start, ~%d s)...", BUILD_SECONDS)
+    start = time.monotonic()
+    env = dict(os.environ, CXX=cxx, PATH=os.pathsep.join(filter(None, (_ninja_dir(), os.environ.get("PATH")))))
+    spec = {"name": NAME, "sources": [str(SOURCE_DIR / s) for s in SOURCES], "extra_cflags": list(CFLAGS),
+            "extra_ldflags": list(LDFLAGS), "build_directory": str(work)}
+    args = [sys.executable, "-c", _BUILD, json.dumps(spec)]
+    child = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)  # its own process group: a timeout stops ninja and g++ too
+    try:
+        output, _ = child.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        raise RuntimeError(f"building the native decode step took over {BUILD_TIMEOUT_S} s") from None
+    if child.returncode != 0:
+        raise RuntimeError(f"building the native decode step failed: {output.strip()[-4000:]}")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling the native decode step failed:\n{done.stderr[-4000:]}")
+        shutil.copyfile(work / f"{NAME}.so", tmp)
         os.replace(tmp, target)  # atomic: executors building at once each install a whole library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    log.info("built the native decode step in %.1f s (%s)", time.monotonic() - start, target)
     return target
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+_loaded: Path | None = None  # the library whose op this process runs (one: TORCH_LIBRARY registers once)
+_load_lock = threading.Lock()
+
+
+def load_kernel(build: NativeBuild | None = None) -> Path:
+    """Builds the kernel (if its cache lacks it) and loads it into this process once; returns the library the
+    process runs. A later call with another cache directory builds there but keeps the loaded op (the same
+    sources: another library would register torch.ops.tandem a second time)."""
+    global _loaded
+    with _load_lock:
+        path = build_library(build)
+        if _loaded is None:
+            torch.ops.load_library(str(path))
+            _loaded = path
+        return _loaded
 
 
 class NativeDecode:
     """The native step over a model and its KV cache; `run` has the signature of CompiledDecode.run."""
 
-    def __init__(self, model: DecoderModel, kv: PagedKvCache, cache_dir: Path | None = None,
+    def __init__(self, model: DecoderModel, kv: PagedKvCache, build: NativeBuild | None = None,
                  huge_pages: str = "auto") -> None:
-        """huge_pages: the --huge-pages mode of the quantized modes' weight copies (models/huge_pages.py)."""
-        reason = native_refusal(model, kv)
+        """Builds (first start) and loads the kernel, and describes the model to it. huge_pages: the
+        --huge-pages mode of the quantized modes' weight copies (models/huge_pages.py). Raises ValueError where
+        it cannot run (native_refusal's reason, or a layout op.cpp refuses), RuntimeError if the build fails."""
+        reason = native_refusal(model, kv, build)
         if reason:
             raise ValueError(f"the native decode kernel cannot run here: {reason}")
-        self.lib = ctypes.CDLL(str(build_library(cache_dir)))
-        if self.lib.tandem_abi_version() != ABI_VERSION:
-            raise RuntimeError("the native decode library does not match this Tandem version")
-        self.lib.tandem_decode_step.restype = ctypes.c_int
-        self.lib.tandem_decode_step.argtypes = [
-            ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self.library = load_kernel(build)
+        self.step = torch.ops.tandem.decode_step.default  # (tests replace it to inject a failure)
         self.model, self.kv = model, kv
         self.huge_pages = huge_pages
-        self._keep: list[torch.Tensor] = []  # every tensor a descriptor points into
-        self._desc: _Model | None = None
+        self._desc: torch.ScriptObject | None = None  # a tandem.DecodeModel: holds every tensor it points into
         self._desc_of: tuple[torch.Tensor, int] | None = None  # (the K pool, the weights' version) described
-        self._layers: ctypes.Array | None = None  # the layer descriptors _desc points into
         self.calls = 0  # decode steps that ran natively (read by tests and benchmarks)
+        self._describe()  # now: a layout the kernel refuses fails the start, not the first step
 
     def _weights(self, m: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
         """m's weight in the form the step reads, its scales and bias, and whether the weight is a copy
@@ -193,76 +267,78 @@ class NativeDecode:
             return qw.int_repr(), qw.q_per_channel_scales(), q.bias, True
         raise ValueError(f"no native kernel for {type(q).__name__}")
 
-    def _linears(self, mods: list[Linear]) -> list[_Linear]:
-        """Descriptors of the modules' weights; the copies (quantized weights) share one huge-page arena."""
+    def _linears(self, mods: list[Linear]) -> tuple[list[torch.Tensor], list[torch.Tensor | None],
+                                                    list[torch.Tensor | None]]:
+        """The modules' weights, scales and biases as the kernel reads them; the copies (quantized weights)
+        share one huge-page arena."""
         raw = [self._weights(m) for m in mods]
         moved = iter(copy_to_huge_pages([w for w, _, _, copied in raw if copied], self.huge_pages))
-        out = []
+        weights, scales, biases = [], [], []
         for w, scale, bias, copied in raw:
-            w = next(moved) if copied else w
-            scale, bias = (None if t is None else t.detach().float().contiguous() for t in (scale, bias))
-            self._keep.extend(t for t in (w, scale, bias) if t is not None)
-            kind = KINDS[w.dtype]
-            if kind == KINDS[torch.int8] and w.shape[1] % 32 == 0:
-                kind = INT8_DOT  # integer dot products with two-digit int8 activations (the module docstring)
-            out.append(_Linear(kind, 0, w.data_ptr(), _ptr(scale), _ptr(bias), w.shape[0], w.shape[1]))
-        return out
+            weights.append(next(moved) if copied else w)
+            scales.append(_float(scale))
+            biases.append(_float(bias))
+        return weights, scales, biases
 
-    def _norm(self, norm: nn.Module | None) -> int | None:
-        if norm is None:
-            return None
-        w = norm.weight.detach().float().contiguous()  # (a copy for a bfloat16 model: the step reads float32)
-        self._keep.append(w)
-        return w.data_ptr()
-
-    def _describe(self) -> _Model:
-        """The descriptors (built once; again if the cache's pools were replaced or the weights changed)."""
+    def _describe(self) -> torch.ScriptObject:
+        """The model as the kernel reads it (made once; again if the cache's pools were replaced or the weights
+        changed)."""
         if self._desc is not None and self._desc_of[0] is self.kv.k and self._desc_of[1] == self.model.weights_version:
             return self._desc
         model, cfg = self.model, self.model.config
-        self._keep = []
-        layers = (_Layer * cfg.num_layers)()
-        mods = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-        linears = self._linears(mods + [model.lm_head])
-        for i, layer in enumerate(model.model.layers):
-            att = layer.self_attn
-            k_pool, v_pool = self.kv.k[i], self.kv.v[i]  # [blocks, block_size, kv_heads, d] views
-            layers[i] = _Layer(self._norm(layer.input_layernorm), self._norm(layer.post_attention_layernorm),
-                               self._norm(att.q_norm), self._norm(att.k_norm), *linears[5 * i:5 * i + 5],
-                               k_pool.data_ptr(), v_pool.data_ptr())
-        embed = model.model.embed_tokens.weight.detach()
-        self._layers = layers
-        self._desc = _Model(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                            cfg.vocab_size, cfg.num_layers, self.kv.block_size, cfg.rms_norm_eps,
-                            cfg.head_dim ** -0.5, embed.data_ptr(), self._norm(model.model.norm), linears[-1],
-                            layers, int(embed.dtype == torch.bfloat16), 0)
-        self._keep.append(embed)
+        layers = model.model.layers
+        mods = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        weights, scales, biases = self._linears(mods + [model.lm_head])
+        norms = [_float(n.weight) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        qk_norms = [None if n is None else _float(n.weight) for layer in layers
+                    for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+        self._desc = torch.classes.tandem.DecodeModel(
+            model.model.embed_tokens.weight.detach(), _float(model.model.norm.weight), norms, qk_norms, weights,
+            scales, biases, self.kv.k, self.kv.v, cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
         self._desc_of = (self.kv.k, self.model.weights_version)
         return self._desc
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int]) -> torch.Tensor:
         """One decode step: item i feeds token_ids[i] at position pasts[i] of the cache whose blocks are
-        tables[i] (already reserved for it). Returns float32 logits [B, vocab]."""
+        tables[i] (already reserved for it). Returns float32 logits [B, vocab]. Raises ValueError for a token
+        id or position the kernel refuses (nothing written), torch.OutOfMemoryError if its scratch memory
+        could not be allocated."""
         desc = self._describe()
-        rows, bs = len(token_ids), self.kv.block_size
-        vocab = self.model.config.vocab_size
+        rows = len(token_ids)
         if rows == 0:
-            return torch.empty(0, vocab, dtype=torch.float32)
-        ids = np.asarray(token_ids, dtype=np.int64)
-        if ids.min() < 0 or ids.max() >= vocab:  # the C++ step reads embed[id] unchecked
-            raise ValueError(f"token ids must be in [0, {vocab})")
-        table = decode_block_table(tables, pasts, bs, rows)
-        width = table.shape[1]
-        positions = np.asarray(pasts, dtype=np.int64)
-        cos, sin = self.model.rotary.cos_sin(torch.from_numpy(positions), torch.float32)  # [B, head_dim] each
-        cos, sin = cos.contiguous(), sin.contiguous()
-        logits = torch.empty(rows, vocab, dtype=torch.float32)
-        failed = self.lib.tandem_decode_step(ctypes.byref(desc), rows, ids.ctypes.data, positions.ctypes.data,
-                                             table.ctypes.data, width, cos.data_ptr(), sin.data_ptr(),
-                                             logits.data_ptr(), torch.get_num_threads())
-        if failed:
-            raise torch.OutOfMemoryError("the native decode step could not allocate its scratch memory")
+            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))  # (numpy: a third of torch.tensor's time)
+        positions = torch.from_numpy(np.asarray(pasts, dtype=np.int64))
+        table = torch.from_numpy(decode_block_table(tables, pasts, self.kv.block_size, rows))  # [B, width] int64
+        cos, sin = self.model.rotary.cos_sin(positions, torch.float32)  # [B, head_dim] each
+        logits = self.step(desc, ids, positions, table, cos.contiguous(), sin.contiguous())
         self.calls += 1
         return logits
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t as float32, contiguous (a copy only where it is not already: a bfloat16 model's norms, say)."""
+    return None if t is None else t.detach().float().contiguous()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m models.native_decode [--cache-dir DIR] [--cxx CXX]`: builds the kernel into the cache (an
+    image build runs it, so that executors start with it built) and prints the library's path."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m models.native_decode", description=main.__doc__)
+    ap.add_argument("--cache-dir", type=Path, default=None, help=f"default {DEFAULT_CACHE_DIR}")
+    ap.add_argument("--cxx", default=None, help="the C++ compiler (default $CXX, else g++)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(build_library(NativeBuild(args.cache_dir, args.cxx)))
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

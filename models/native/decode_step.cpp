@@ -6,16 +6,8 @@
 // copy). Here a step is one call: one OpenMP team of the executor's threads runs every phase of every layer,
 // separated by barriers, and each weight matrix is streamed once per step whatever the batch size.
 //
-// Layout contract (the Python side checks it before building the descriptors):
-// - activations and norms: float32, contiguous; embedding and KV cache float32, or both bfloat16 (TdModel.bf16:
-//   a bfloat16 model; its activations are float32 here all the same, K/V are rounded to bfloat16 when written);
-// - a linear weight is [n, k] row-major (out, in) in float32, float16 (kind 1), bfloat16 (kind 4) or int8 with
-//   one float32 scale per output row (kind 2: float32 activations; kind 3: activations as two int8 digits per
-//   block of 32, for integer dot products, see Input: k % 32 == 0); k % 8 == 0;
-// - K/V pools per layer: [num_blocks, block_size, kv_heads, head_dim];
-// - tables [B, width] int64 block ids; token t of item b is in block tables[b][t / bs] at t % bs;
-// - cos / sin [B, head_dim]: rotary for each item's position (non-interleaved halves, as HF Llama/Qwen).
-// Built with -mavx2 -mfma -mf16c; the caller checks the CPU has them.
+// Layouts: decode_step.h; op.cpp (the torch op that calls this step) checks them. Built with -mavx2 -mfma
+// -mf16c; the caller checks the CPU has them.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -27,32 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_step.h"
 #include "gemm.h"
-
-extern "C" {
-
-struct TdLayer {
-  const float* in_norm;    // [hidden]
-  const float* post_norm;  // [hidden]
-  const float* q_norm;     // [head_dim] or null (Qwen3)
-  const float* k_norm;     // [head_dim] or null
-  TdLinear qkv, o, gate, up, down;
-  void* k_pool;  // [num_blocks, block_size, kv_heads, head_dim], float32 or bfloat16 (TdModel.bf16)
-  void* v_pool;
-};
-
-struct TdModel {
-  int64_t hidden, heads, kv_heads, head_dim, inter, vocab, n_layers, block_size;
-  float eps, attn_scale;
-  const void* embed;        // [vocab, hidden], float32 or bfloat16 (bf16)
-  const float* final_norm;  // [hidden]
-  TdLinear head;
-  const TdLayer* layers;
-  int32_t bf16;  // 1: the embedding and the K/V pools are bfloat16
-  int32_t unused;
-};
-
-}  // extern "C"
 
 namespace {
 
@@ -224,15 +192,8 @@ void attend_heads(const TdModel& m, const TdLayer& L, const float* qkv, const fl
 
 }  // namespace
 
-extern "C" {
-
-int tandem_abi_version() { return 2; }
-
-// ids, pos: [B]; tables: [B, width]; cos, sin: [B, head_dim]; logits: [B, vocab] (written).
-// Returns 0, or 1 when scratch memory could not be allocated (nothing but this call's K/V slots written).
-int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const int64_t* pos, const int64_t* tables,
+int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const int64_t* pos, const int64_t* tables,
                        int64_t width, const float* cos, const float* sin, float* logits, int threads) {
-  const TdModel& m = *mp;
   const int64_t H = m.hidden, d = m.head_dim, Q = m.heads * d, QKV = Q + 2 * m.kv_heads * d, I = m.inter;
   const int64_t max_ctx = B ? *std::max_element(pos, pos + B) + 1 : 1;
   const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
@@ -315,5 +276,3 @@ int tandem_decode_step(const TdModel* mp, int64_t B, const int64_t* ids, const i
   }
   return failed;
 }
-
-}  // extern "C"

@@ -1,6 +1,6 @@
 // The linear layers' kernels of the native decode step (models/native/decode_step.cpp includes this file):
 // y = x @ W^T + b for float32, float16 and int8 weights, a batch of M activation rows against rows [n0, n1) of
-// the weight, shared over an OpenMP team. Layouts: see decode_step.cpp.
+// the weight, shared over an OpenMP team. Layouts: decode_step.h.
 #pragma once
 
 #include <immintrin.h>
@@ -14,18 +14,7 @@
 #include <type_traits>
 #include <vector>
 
-extern "C" {
-
-struct TdLinear {
-  int32_t kind;  // 0 float32, 1 float16, 2 int8 (+ scale), 3 int8 (+ scale) times int8 activations, 4 bfloat16
-  int32_t unused;
-  const void* w;       // [n, k]
-  const float* scale;  // [n] (int8) or null
-  const float* bias;   // [n] or null
-  int64_t n, k;
-};
-
-}  // extern "C"
+#include "decode_step.h"
 
 namespace {
 

@@ -1,15 +1,16 @@
 """The native decode kernel (`--decode-kernel native`, models/native_decode.py) against transformers and the
 PyTorch step: greedy runs on every dense architecture (Qwen2's biases, Qwen3's q/k norms), mixed batches with
 chunks and releases, LoRA beside native base steps, quantized weights, batch invariance, a failed step that
-changes nothing, the choice of kernel (auto / native / torch / --compile) and its refusals, the library's
-build cache, and a real executor process.
+changes nothing, the op's own checks of what it is given, the choice of kernel (auto / native / torch /
+--compile) and its refusals and fallbacks (no compiler, a failed build), the library's build cache, and a real
+executor process.
 
 `auto` is the default, so the rest of the suite runs its decode steps natively too wherever it can; the
 eager step (`--decode-kernel torch`) is checked against transformers here.
 """
 from __future__ import annotations
 
-import ctypes
+import os
 import random
 import subprocess
 import sys
@@ -20,7 +21,8 @@ import torch
 from executor_service.config import ExecutorConfig
 from executor_service.decode_kernel import choose_decode_step
 from executor_service.types import CacheRef, DecodeItem
-from models.native_decode import ABI_VERSION, NativeDecode, build_library, machine_refusal
+from models.native_decode import (NativeBuild, NativeDecode, build_library, load_kernel, machine_refusal,
+                                  native_refusal)
 from tests.executor.test_lora_parity import ADAPTERS, Setup as LoraSetup
 from tests.executor_driver import (LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run,
                                    teacher_forced_logits)
@@ -29,7 +31,7 @@ from tests.hf_reference import HfReference, rel_err
 TOL = 1e-4
 STEPS = 24
 
-# Everything but the choice/refusal test needs the kernel: an x86-64 CPU with AVX2/FMA/F16C and g++.
+# The tests need the kernel: an x86-64 CPU with AVX2/FMA/F16C, g++ and ninja.
 pytestmark = pytest.mark.skipif(machine_refusal() is not None, reason=f"native kernel: {machine_refusal()}")
 
 
@@ -160,7 +162,7 @@ def test_the_descriptors_follow_weights_changed_in_place(tiny_checkpoint):
 
 
 def test_a_failed_native_step_changes_nothing(tiny_checkpoint, monkeypatch):
-    """The C++ step reporting a failure (its scratch allocation, injected here) fails the call with
+    """The op failing (its scratch allocation raises torch.OutOfMemoryError; injected here) fails the call with
     RESOURCE_EXHAUSTED's error and leaves every cache and the pool as they were; the next step runs."""
     from tandem.errors import DeviceOutOfMemory
     ex = make_executor(tiny_checkpoint("llama"), decode_kernel="native")
@@ -169,14 +171,10 @@ def test_a_failed_native_step_changes_nothing(tiny_checkpoint, monkeypatch):
     items = [DecodeItem(CacheRef(r.cache.cache_id, r.cache.seq_len), r.output.tokens[0].token_id, output=LOGITS)
              for r in results]
 
-    class Failing:
-        def __init__(self, lib):
-            self.lib = lib
+    def failing(*args):
+        raise torch.OutOfMemoryError("the native decode step could not allocate its scratch memory")
 
-        def tandem_decode_step(self, *args):
-            return 1
-
-    monkeypatch.setattr(ex.decode_step, "lib", Failing(ex.decode_step.lib))
+    monkeypatch.setattr(ex.decode_step, "step", failing)
     with pytest.raises(DeviceOutOfMemory):
         ex.decode(items)
     assert ex.kv_usage() == usage
@@ -184,6 +182,41 @@ def test_a_failed_native_step_changes_nothing(tiny_checkpoint, monkeypatch):
     monkeypatch.undo()
     assert [d.cache.seq_len for d in ex.decode(items)] == [13, 17]
     ex.release_cache([r.cache.cache_id for r in results])
+
+
+def test_the_op_checks_what_it_is_given(tiny_checkpoint):
+    """torch.ops.tandem.decode_step and tandem.DecodeModel: the dispatcher checks argument types against the
+    schema, the C++ side each tensor's dtype, shape and layout and every index it would read through (token
+    ids, positions, block ids), naming what is wrong, before the step touches anything."""
+    ex = make_executor(tiny_checkpoint("qwen3"), decode_kernel="native")
+    step = ex.decode_step
+    desc, vocab, d = step._describe(), ex.model.config.vocab_size, ex.model.config.head_dim
+    ids, pos, table = torch.tensor([5, 7]), torch.tensor([0, 3]), torch.tensor([[1], [2]])
+    cos = sin = torch.zeros(2, d)
+    pool = ex.kv.k.clone()
+    assert step.step(desc, ids, pos, table, cos, sin).shape == (2, vocab)  # (blocks 1 and 2 are free here)
+    op = torch.ops.tandem.decode_step
+    with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor'"):
+        op(desc, [5, 7], pos, table, cos, sin)  # the dispatcher: not a tensor
+    bad = [((ids.int(), pos, table, cos, sin), TypeError, "token_ids must be Long, not Int"),
+           ((ids, pos, table, cos.double(), sin), TypeError, "cos must be Float, not Double"),
+           ((ids, pos, table, cos[:, :8], sin), ValueError, rf"cos must have shape \[2, {d}\], not \[2, 8\]"),
+           ((ids, pos, torch.tensor([[1, 2], [0, 0]]).t(), cos, sin), ValueError, "block_tables must be contiguous"),
+           ((torch.tensor([5, vocab]), pos, table, cos, sin), ValueError, f"token ids must be in \\[0, {vocab}\\)"),
+           ((ids, torch.tensor([0, 4 * ex.kv.block_size]), table, cos, sin), ValueError, "not covered by its block"),
+           ((ids, pos, torch.tensor([[1], [ex.kv.num_blocks]]), cos, sin), ValueError, "names block")]
+    ex.kv.k.copy_(pool)
+    for args, error, message in bad:
+        with pytest.raises(error, match=message):
+            op(desc, *args)
+        assert torch.equal(ex.kv.k, pool)  # refused before anything was written
+    cfg = ex.model.config
+    with pytest.raises(TypeError, match="v_cache must be Float, not BFloat16"):
+        torch.classes.tandem.DecodeModel(ex.model.model.embed_tokens.weight, ex.model.model.norm.weight, [], [], [],
+                                         [], [], ex.kv.k, ex.kv.v.bfloat16(), cfg.num_heads, 1e-6, 1.0)
+    with pytest.raises(ValueError, match="weights: 5 per layer"):
+        torch.classes.tandem.DecodeModel(ex.model.model.embed_tokens.weight, ex.model.model.norm.weight, [], [], [],
+                                         [], [], ex.kv.k, ex.kv.v, cfg.num_heads, 1e-6, 1.0)
 
 
 def test_kernel_choice_and_refusals(tiny_checkpoint):
@@ -204,26 +237,36 @@ def test_kernel_choice_and_refusals(tiny_checkpoint):
         make_executor(llama, dtype="bfloat16", quantization="fp16", decode_kernel="native")
 
 
-def test_the_library_is_built_once_per_cache_dir(tmp_path, monkeypatch):
-    first = build_library(tmp_path)
+def test_the_library_is_built_once_per_cache_dir(tmp_path):
+    """The library is built into the cache once per (sources, compiler, torch, flags) and reused after that; a
+    build that fails says so; the process keeps the one library it loaded."""
+    first = build_library()  # (the tests above built it into the default cache)
     stamp = first.stat().st_mtime_ns
-    assert build_library(tmp_path) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
-    assert ctypes.CDLL(str(first)).tandem_abi_version() == ABI_VERSION
-    monkeypatch.setattr("models.native_decode.compiler", lambda: "/bin/false")
-    with pytest.raises(RuntimeError, match="compiling the native decode step failed"):
-        build_library(tmp_path / "other")
+    assert build_library(NativeBuild()) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert load_kernel() == load_kernel(NativeBuild()) and hasattr(torch.ops.tandem, "decode_step")
+    with pytest.raises(RuntimeError, match="building the native decode step failed"):
+        build_library(NativeBuild(tmp_path, cxx="/bin/false"))  # a compiler that fails
+    assert not list(tmp_path.glob("*.so"))
 
 
-def test_a_compiler_failure_falls_back_under_auto(tiny_checkpoint, monkeypatch, caplog, tmp_path):
-    monkeypatch.setattr("models.native_decode.compiler", lambda: "/bin/false")
+def test_no_compiler_or_a_failed_build_falls_back_under_auto(tiny_checkpoint, caplog, tmp_path):
+    """No compiler (a path that is not there): native_refusal says so, auto runs the PyTorch step and
+    --decode-kernel native is refused with the reason. A compiler that fails: the same, from the build."""
     model_dir = tiny_checkpoint("llama")
     ex = make_executor(model_dir, decode_kernel="torch")
-    with caplog.at_level("WARNING", logger="tandem.executor"):
-        step = choose_decode_step(ExecutorConfig(model_dir, native_cache_dir=tmp_path), ex.model, ex.kv)
-    assert step is None and "could not be built" in caplog.text
-    with pytest.raises(ValueError, match="--decode-kernel native"):
-        choose_decode_step(ExecutorConfig(model_dir, decode_kernel="native", native_cache_dir=tmp_path),
-                           ex.model, ex.kv)
+    missing = NativeBuild(tmp_path, cxx=str(tmp_path / "no-such-g++"))
+    assert native_refusal(ex.model, ex.kv, missing) == f"no C++ compiler ({missing.cxx}) on the PATH to build it"
+    failing = NativeBuild(tmp_path, cxx="/bin/false")
+    for build, logged in ((missing, "the native kernel does not apply: no C++ compiler"),
+                          (failing, "could not be built or loaded")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="tandem.executor"):
+            assert choose_decode_step(ExecutorConfig(model_dir), ex.model, ex.kv, build) is None
+        assert logged in caplog.text
+    with pytest.raises(ValueError, match=r"native cannot run here: no C\+\+ compiler"):
+        choose_decode_step(ExecutorConfig(model_dir, decode_kernel="native"), ex.model, ex.kv, missing)
+    with pytest.raises(ValueError, match="--decode-kernel native: building the native decode step failed"):
+        choose_decode_step(ExecutorConfig(model_dir, decode_kernel="native"), ex.model, ex.kv, failing)
 
 
 def test_real_executor_process_serves_native_steps(tiny_checkpoint):
@@ -262,3 +305,8 @@ def test_real_executor_process_serves_native_steps(tiny_checkpoint):
     done = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(tiny_checkpoint("qwen3_moe")),
                            "--decode-kernel", "native", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "MoE layers are not in the native step" in done.stderr
+    # an executor whose compiler ($CXX of its environment) is not there: the flag exits 2 saying so
+    done = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(model_dir), "--decode-kernel",
+                           "native", "--port", "0"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, CXX="/nonexistent/g++"))
+    assert done.returncode == 2 and "no C++ compiler (/nonexistent/g++)" in done.stderr

@@ -1,0 +1,51 @@
+// The native decode step's view of a model: plain structs of pointers into tensors that op.cpp checked, and
+// the step itself (decode_step.cpp). Nothing here knows torch; op.cpp is the only file that builds these.
+//
+// Layout (op.cpp checks every tensor against it when the model is described, and the per-step tensors
+// each call):
+// - activations and norms: float32, contiguous; embedding and KV cache float32, or both bfloat16 (TdModel.bf16:
+//   a bfloat16 model; its activations are float32 here all the same, K/V are rounded to bfloat16 when written);
+// - a linear weight is [n, k] row-major (out, in) in float32, float16 (kind 1), bfloat16 (kind 4) or int8 with
+//   one float32 scale per output row (kind 2: float32 activations; kind 3: activations as two int8 digits per
+//   block of 32, for integer dot products, see Input in gemm.h: k % 32 == 0); k % 8 == 0;
+// - K/V pools per layer: [num_blocks, block_size, kv_heads, head_dim];
+// - tables [B, width] int64 block ids; token t of item b is in block tables[b][t / bs] at t % bs;
+// - cos / sin [B, head_dim]: rotary for each item's position (non-interleaved halves, as HF Llama/Qwen).
+#pragma once
+
+#include <cstdint>
+
+struct TdLinear {
+  int32_t kind;  // 0 float32, 1 float16, 2 int8 (+ scale), 3 int8 (+ scale) times int8 activations, 4 bfloat16
+  const void* w;       // [n, k]
+  const float* scale;  // [n] (int8) or null
+  const float* bias;   // [n] or null
+  int64_t n, k;
+};
+
+struct TdLayer {
+  const float* in_norm;    // [hidden]
+  const float* post_norm;  // [hidden]
+  const float* q_norm;     // [head_dim] or null (Qwen3)
+  const float* k_norm;     // [head_dim] or null
+  TdLinear qkv, o, gate, up, down;
+  void* k_pool;  // [num_blocks, block_size, kv_heads, head_dim], float32 or bfloat16 (TdModel.bf16)
+  void* v_pool;
+};
+
+struct TdModel {
+  int64_t hidden, heads, kv_heads, head_dim, inter, vocab, n_layers, block_size;
+  float eps, attn_scale;
+  const void* embed;        // [vocab, hidden], float32 or bfloat16 (bf16)
+  const float* final_norm;  // [hidden]
+  TdLinear head;
+  const TdLayer* layers;
+  int32_t bf16;  // 1: the embedding and the K/V pools are bfloat16
+};
+
+// One decode step of B items, every layer, on `threads` OpenMP threads (torch's runtime: op.cpp passes
+// at::get_num_threads()). ids, pos: [B]; tables: [B, width]; cos, sin: [B, head_dim]; logits: [B, vocab]
+// (written). Inputs are trusted (op.cpp checked them). Returns 0, or 1 when scratch memory could not be
+// allocated (nothing but this call's K/V slots written). Never throws.
+int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const int64_t* pos, const int64_t* tables,
+                       int64_t width, const float* cos, const float* sin, float* logits, int threads);

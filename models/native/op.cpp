@@ -1,0 +1,197 @@
+// The native decode step as a torch op (models/native_decode.py builds this file with decode_step.cpp through
+// torch.utils.cpp_extension and calls it):
+//
+//   model = torch.classes.tandem.DecodeModel(embed, final_norm, norms, qk_norms, weights, scales, biases,
+//                                            k_cache, v_cache, heads, eps, attn_scale)   # once
+//   logits = torch.ops.tandem.decode_step(model, token_ids, positions, block_tables, cos, sin)  # each step
+//
+// The tensors are the one description of the layout: a DecodeModel reads every size from them, checks each
+// one's device, dtype, shape and contiguity against the others (the layout of decode_step.h), holds them (so
+// the pointers it gives the step stay valid) and builds the step's structs once. The op checks the per-step
+// tensors the same way, and the token ids, positions and block ids against the model and its KV pool, before
+// the step reads anything through them. Bad input raises ValueError / TypeError naming the tensor; a failed
+// scratch allocation raises torch.OutOfMemoryError, with nothing but this call's K/V slots written.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "decode_step.h"
+
+namespace {
+
+using at::Tensor;
+using OptionalTensors = c10::List<std::optional<Tensor>>;
+
+constexpr int kLinearsPerLayer = 5;  // qkv, o, gate, up, down (in this order in `weights`), then the LM head
+
+// t: a contiguous CPU tensor of `dtype` with these sizes.
+void check(const Tensor& t, const std::string& what, at::IntArrayRef sizes, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be on the CPU, not ", t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, what, " must be ", dtype, ", not ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.sizes() == sizes, what, " must have shape ", sizes, ", not ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), what, " must be contiguous");
+}
+
+int32_t weight_kind(at::ScalarType dtype, int64_t k, const std::string& what) {
+  switch (dtype) {
+    case at::kFloat: return 0;
+    case at::kHalf: return 1;
+    case at::kChar: return k % 32 == 0 ? 3 : 2;  // integer dot products where the blocks of 32 fit (gemm.h)
+    case at::kBFloat16: return 4;
+    default: TORCH_CHECK_TYPE(false, what, ": no kernel for ", dtype, " weights (float32, float16, bfloat16, int8)");
+  }
+  return -1;
+}
+
+class DecodeModel : public torch::CustomClassHolder {
+ public:
+  // norms: per layer (input, post-attention), [hidden] float32; qk_norms: per layer (q, k), [head_dim] float32
+  // or None; weights: per layer (qkv, o, gate, up, down), then the LM head, [out, in]; scales / biases: one
+  // per weight, float32 [out] or None (scales: int8 weights only, and required there); k_cache / v_cache:
+  // [layers, num_blocks, block_size, kv_heads, head_dim] in the embedding's dtype (float32 or bfloat16).
+  DecodeModel(Tensor embed, Tensor final_norm, std::vector<Tensor> norms, OptionalTensors qk_norms,
+              std::vector<Tensor> weights, OptionalTensors scales, OptionalTensors biases, Tensor k_cache,
+              Tensor v_cache, int64_t heads, double eps, double attn_scale) {
+    TORCH_CHECK_VALUE(embed.dim() == 2, "embed must be [vocab, hidden], not ", embed.sizes());
+    TORCH_CHECK_TYPE(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16,
+                     "embed must be float32 or bfloat16, not ", embed.scalar_type());
+    TORCH_CHECK_VALUE(k_cache.dim() == 5, "k_cache must be [layers, num_blocks, block_size, kv_heads, head_dim], not ",
+                      k_cache.sizes());
+    const int64_t vocab = embed.size(0), hidden = embed.size(1), n_layers = k_cache.size(0);
+    const int64_t kv_heads = k_cache.size(3), d = k_cache.size(4);
+    check(embed, "embed", {vocab, hidden}, embed.scalar_type());
+    check(k_cache, "k_cache", k_cache.sizes(), embed.scalar_type());
+    check(v_cache, "v_cache", k_cache.sizes(), embed.scalar_type());
+    TORCH_CHECK_VALUE(kv_heads > 0 && heads > 0 && heads % kv_heads == 0, "heads (", heads,
+                      ") must be a multiple of the cache's kv_heads (", kv_heads, ")");
+    TORCH_CHECK_VALUE(d % 8 == 0 && hidden % 8 == 0, "head_dim (", d, ") and hidden (", hidden,
+                      ") must be multiples of 8");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(weights.size()) == kLinearsPerLayer * n_layers + 1, "weights: ",
+                      kLinearsPerLayer, " per layer of the cache's ", n_layers, " and the LM head, not ",
+                      weights.size());
+    TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * n_layers &&
+                          static_cast<int64_t>(qk_norms.size()) == 2 * n_layers,
+                      "norms and qk_norms: two per layer of the cache's ", n_layers);
+    TORCH_CHECK_VALUE(scales.size() == weights.size() && biases.size() == weights.size(),
+                      "scales and biases: one per weight (", weights.size(), ")");
+    const int64_t q = heads * d, qkv = q + 2 * kv_heads * d;
+    const int64_t inter = n_layers ? weights[2].size(0) : 0;
+    check(final_norm, "final_norm", {hidden}, at::kFloat);
+    held_ = {embed, final_norm, k_cache, v_cache};
+
+    auto linear = [&](size_t i, int64_t n, int64_t k, const std::string& what) {
+      const Tensor& w = weights[i];
+      check(w, what + ".weight", {n, k}, w.scalar_type());
+      TdLinear out{weight_kind(w.scalar_type(), k, what), w.data_ptr(), nullptr, nullptr, n, k};
+      TORCH_CHECK_VALUE(k % 8 == 0, what, ": its input size (", k, ") must be a multiple of 8");
+      const std::optional<Tensor> scale = scales[i], bias = biases[i];
+      TORCH_CHECK_VALUE(scale.has_value() == (w.scalar_type() == at::kChar), what,
+                        scale ? ": only int8 weights take scales" : ": int8 weights need their per-row scales");
+      if (scale) {
+        check(*scale, what + ".scale", {n}, at::kFloat);
+        out.scale = scale->data_ptr<float>();
+        held_.push_back(*scale);
+      }
+      if (bias) {
+        check(*bias, what + ".bias", {n}, at::kFloat);
+        out.bias = bias->data_ptr<float>();
+        held_.push_back(*bias);
+      }
+      held_.push_back(w);
+      return out;
+    };
+    auto norm = [&](const Tensor& t, int64_t n, const std::string& what) {
+      check(t, what, {n}, at::kFloat);
+      held_.push_back(t);
+      return t.data_ptr<float>();
+    };
+
+    layers_.resize(n_layers);
+    for (int64_t l = 0; l < n_layers; ++l) {
+      const std::string name = "layer " + std::to_string(l) + " ";
+      const size_t w0 = kLinearsPerLayer * l;
+      TdLayer& L = layers_[l];
+      L.in_norm = norm(norms[2 * l], hidden, name + "input norm");
+      L.post_norm = norm(norms[2 * l + 1], hidden, name + "post-attention norm");
+      const std::optional<Tensor> qn = qk_norms[2 * l], kn = qk_norms[2 * l + 1];
+      L.q_norm = qn ? norm(*qn, d, name + "q norm") : nullptr;
+      L.k_norm = kn ? norm(*kn, d, name + "k norm") : nullptr;
+      L.qkv = linear(w0, qkv, hidden, name + "qkv");
+      L.o = linear(w0 + 1, hidden, q, name + "o");
+      L.gate = linear(w0 + 2, inter, hidden, name + "gate");
+      L.up = linear(w0 + 3, inter, hidden, name + "up");
+      L.down = linear(w0 + 4, hidden, inter, name + "down");
+      L.k_pool = k_cache.select(0, l).data_ptr();
+      L.v_pool = v_cache.select(0, l).data_ptr();
+    }
+    m_ = TdModel{hidden, heads, kv_heads, d, inter, vocab, n_layers, k_cache.size(2), static_cast<float>(eps),
+                 static_cast<float>(attn_scale), embed.data_ptr(), final_norm.data_ptr<float>(),
+                 linear(weights.size() - 1, vocab, hidden, "lm_head"), layers_.data(),
+                 embed.scalar_type() == at::kBFloat16};
+    num_blocks_ = k_cache.size(1);
+  }
+
+  const TdModel& model() const { return m_; }
+  int64_t num_blocks() const { return num_blocks_; }
+
+ private:
+  std::vector<Tensor> held_;  // every tensor m_ points into
+  std::vector<TdLayer> layers_;
+  TdModel m_{};
+  int64_t num_blocks_ = 0;
+};
+
+// token_ids, positions: [B] int64; block_tables: [B, width] int64 (item b's position t in block
+// block_tables[b][t / block_size], already reserved for it); cos, sin: [B, head_dim] float32 (the rotary
+// of each item's position). Writes each item's K/V at its position; returns float32 logits [B, vocab].
+Tensor decode_step(const c10::intrusive_ptr<DecodeModel>& model, const Tensor& token_ids, const Tensor& positions,
+                   const Tensor& block_tables, const Tensor& cos, const Tensor& sin) {
+  const TdModel& m = model->model();
+  TORCH_CHECK_VALUE(token_ids.dim() == 1, "token_ids must be [B], not ", token_ids.sizes());
+  const int64_t B = token_ids.size(0);
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.size(1) > 0,
+                    "block_tables must be [B=", B, ", width >= 1], not ", block_tables.sizes());
+  const int64_t width = block_tables.size(1);
+  check(token_ids, "token_ids", {B}, at::kLong);
+  check(positions, "positions", {B}, at::kLong);
+  check(block_tables, "block_tables", {B, width}, at::kLong);
+  check(cos, "cos", {B, m.head_dim}, at::kFloat);
+  check(sin, "sin", {B, m.head_dim}, at::kFloat);
+  const int64_t* ids = token_ids.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // everything the step reads through an index, checked first
+    TORCH_CHECK_VALUE(ids[b] >= 0 && ids[b] < m.vocab, "token ids must be in [0, ", m.vocab, "), not ", ids[b]);
+    TORCH_CHECK_VALUE(pos[b] >= 0 && pos[b] / m.block_size < width, "item ", b, "'s position ", pos[b],
+                      " is not covered by its block table (width ", width, ", block size ", m.block_size, ")");
+    for (int64_t j = 0; j <= pos[b] / m.block_size; ++j) {
+      const int64_t block = tables[b * width + j];
+      TORCH_CHECK_VALUE(block >= 0 && block < model->num_blocks(), "item ", b, "'s block table names block ",
+                        block, " of a pool of ", model->num_blocks());
+    }
+  }
+  Tensor logits = at::empty({B, m.vocab}, token_ids.options().dtype(at::kFloat));
+  if (B == 0) return logits;
+  const int failed = tandem_decode_step(m, B, ids, pos, tables, width, cos.data_ptr<float>(),
+                                        sin.data_ptr<float>(), logits.data_ptr<float>(), at::get_num_threads());
+  TORCH_CHECK_WITH(OutOfMemoryError, !failed, "the native decode step could not allocate its scratch memory");
+  return logits;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem, m) {
+  m.class_<DecodeModel>("DecodeModel")
+      .def(torch::init<Tensor, Tensor, std::vector<Tensor>, OptionalTensors, std::vector<Tensor>, OptionalTensors,
+                       OptionalTensors, Tensor, Tensor, int64_t, double, double>());
+  m.def("decode_step(__torch__.torch.classes.tandem.DecodeModel model, Tensor token_ids, Tensor positions, "
+        "Tensor block_tables, Tensor cos, Tensor sin) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_step", &decode_step); }
