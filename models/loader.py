@@ -1,4 +1,5 @@
-"""Loads an HF model directory (config.json + safetensors, single or sharded) into a DecoderModel.
+"""Loads an HF model directory (config.json + safetensors, single or sharded) into a DecoderModel (a GGUF
+file goes to models/gguf_loader.py).
 
 The model is built on the meta device and each parameter is assigned straight from the file, so
 memory peaks at one copy of the weights (plus one layer's q/k/v while they are fused into one tensor).
@@ -63,6 +64,9 @@ def _tensor_files(model_dir: Path) -> tuple[dict[str, Path], Path]:
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",
                progress: bool = True) -> DecoderModel:
     model_dir = Path(model_dir)
+    if model_dir.suffix.lower() == ".gguf":  # a GGUF file (llama.cpp's format): models/gguf_loader.py
+        from models.gguf_loader import load_gguf_model
+        return load_gguf_model(model_dir, device, dtype, progress)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
