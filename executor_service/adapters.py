@@ -23,6 +23,7 @@ from tandem.errors import AdapterInUse, AdapterNotFound, InvalidRequest, Permiss
 from models.lora import CONFIG_FILE, WEIGHTS_FILE, LoraWeights, read_adapter
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path cannot name a directory
 
 
 @dataclass
@@ -62,10 +63,17 @@ class AdapterRegistry:
         if name in self._adapters:
             raise AdapterInUse(f"adapter {name!r} is already loaded (from {self._adapters[name].label!r}); "
                                "unload it first or pick another name")
+        _check_path(str(path))
         label = self._label(Path(path))
-        resolved = self._confine(Path(path), label, trusted)
-        weights = read_adapter(resolved, self._cfg, self._dtype, self.max_rank, label=label)
-        digest = _files_digest(resolved / CONFIG_FILE, resolved / WEIGHTS_FILE)
+        try:  # a name too long for the file system, a symbolic link loop: the path's fault, not the server's
+            resolved = self._confine(Path(path), label, trusted)
+            weights = read_adapter(resolved, self._cfg, self._dtype, self.max_rank, label=label)
+            digest = _files_digest(resolved / CONFIG_FILE, resolved / WEIGHTS_FILE)
+        except (OSError, RuntimeError) as exc:
+            if not isinstance(exc, OSError) and "symlink loop" not in str(exc).lower():
+                raise
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "a symbolic link loop"
+            raise InvalidRequest(f"adapter path {label!r} cannot be read: {why}") from exc
         with self._guard:
             self._adapters[name] = _Adapter(name, resolved, label, weights, digest)
 
@@ -145,6 +153,17 @@ class AdapterRegistry:
                                        "through '..', an absolute path or a symbolic link; give a directory "
                                        "inside the root")
         return resolved
+
+
+def _check_path(path: str) -> None:
+    """What no directory can be named by, refused before the file system sees it (a NUL byte made
+    Path.resolve() raise ValueError, an INTERNAL)."""
+    if "\x00" in path:
+        raise InvalidRequest("adapter path contains a NUL byte (\\x00), which no file name can hold; give a "
+                             "directory inside the adapter root (--adapter-root)")
+    size = len(path.encode("utf-8", "surrogatepass"))
+    if size > MAX_PATH_BYTES:
+        raise InvalidRequest(f"adapter path is {size} bytes long; at most {MAX_PATH_BYTES}")
 
 
 def _files_digest(*files: Path) -> str:

@@ -1,4 +1,5 @@
-"""One server interceptor: maps domain errors to gRPC status codes and times every RPC."""
+"""One server interceptor: maps domain errors to gRPC status codes, refuses request bytes that are not a valid
+message with INVALID_ARGUMENT on every method (tandem/request_decoding.py), and times every RPC."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ import grpc
 from executor_service.metrics import LatencyStats, LatencySummary
 from tandem.errors import TandemError
 from tandem.loggable import loggable
+from tandem.request_decoding import UndecodableNotes, decoding_sync
 from tandem.status_map import status_for
 
 log = logging.getLogger("tandem.executor")
@@ -34,11 +36,15 @@ class RpcMetrics:
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
     def __init__(self, metrics: RpcMetrics) -> None:
         self._metrics = metrics
+        self._notes = UndecodableNotes(log)
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(handler_call_details)
         if handler is None:
             return handler
+        return decoding_sync(self._mapped(handler, handler_call_details), handler_call_details.method, self._notes)
+
+    def _mapped(self, handler: grpc.RpcMethodHandler, handler_call_details: grpc.HandlerCallDetails) -> Any:
         method = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.unary_unary is not None:
             inner = handler.unary_unary

@@ -81,7 +81,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     SERVING. Blocks until SIGTERM/SIGINT, then drains in-flight RPCs and returns 0."""
     check_ttl(executor_cfg.session_ttl_s)
     guard = ServerGuard(cfg.security)  # reads certificates and tokens: a bad file stops us here, naming its flag
-    guard.check_exposure(cfg.host, cfg.port >= 0)
+    guard.check_exposure(cfg.host, ["gRPC"] * (cfg.port >= 0) + ["metrics"] * (cfg.metrics_port is not None))
     metrics = RpcMetrics()
     thread = ModelThread(cfg.max_queued_calls)
     servicer = ExecutorServicer(metrics, thread, max_reply_bytes=cfg.max_message_mb * 1024 * 1024)

@@ -69,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, what in _LIMITS:  # integer limits: --max-batch-tokens N sets SchedulerConfig.max_batch_tokens
         default = getattr(_D, name)
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=what.format(default))
+    ap.add_argument("--max-concurrent-rpcs", type=int, metavar="N",
+                    help="GenerateService calls served at once (Generate streams, Tokenize, GetModelInfo; health "
+                         "and reflection are not counted); more are RESOURCE_EXHAUSTED on arrival, naming this flag, "
+                         "before any work (default --max-running + --max-waiting + 64: "
+                         f"{_D.max_running + _D.max_waiting + 64} with the defaults). gRPC core is told to hold "
+                         "8x as many calls not yet taken (at least 16384), so that it does not cancel them itself")
     ap.add_argument("--max-queue-time", type=float, default=_D.max_queue_time_s,
                     help="seconds a request may wait to be admitted (to get KV blocks on the executor) before it ends "
                          f"RESOURCE_EXHAUSTED with the reason (default {_D.max_queue_time_s:.0f})")
@@ -130,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_batch_tokens=args.max_batch_tokens,
                           max_running=args.max_running, prefill_chunk=args.prefill_chunk,
                           default_max_new_tokens=args.default_max_new_tokens, max_waiting=args.max_waiting,
+                          max_concurrent_rpcs=args.max_concurrent_rpcs,
                           max_message_mb=args.max_message_mb, max_prompt_chars=args.max_prompt_chars,
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,

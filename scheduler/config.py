@@ -10,6 +10,9 @@ from scheduler.speculation import SpeculativeConfig
 from tandem.security.config import ServerSecurity
 
 
+RPC_HEADROOM = 64  # calls --max-concurrent-rpcs allows by default beyond those that could run or queue
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     executor: str  # HOST:PORT (or unix:PATH, or dns:///NAME:PORT) of the executor to drive (the first)
@@ -25,6 +28,10 @@ class SchedulerConfig:
     prefill_chunk: int = 512  # most prompt tokens of one sequence per step
     default_max_new_tokens: int = 256  # when a request leaves max_new_tokens unset
     max_waiting: int = 1024  # queued requests beyond which Generate answers RESOURCE_EXHAUSTED
+    # GenerateService calls served at once (Generate streams, Tokenize, GetModelInfo); more are RESOURCE_EXHAUSTED
+    # on arrival, before any work. None: max_running + max_waiting + RPC_HEADROOM (every request that could run
+    # or queue, and room for Tokenize / GetModelInfo beside them).
+    max_concurrent_rpcs: int | None = None
     max_message_mb: int = 16  # request size limit (prompts), and the executor channel's
     # Characters of a text prompt, or of all chat messages together (roles and contents), checked before
     # tokenizing: a larger input is INVALID_ARGUMENT without costing a tokenizer worker any time.
@@ -69,6 +76,13 @@ class SchedulerConfig:
         return self.executor_tls or self.executor_tls_ca is not None or self.executor_tls_cert is not None
 
     @property
+    def rpc_limit(self) -> int:
+        """--max-concurrent-rpcs, or its default derived from the queue sizes."""
+        if self.max_concurrent_rpcs is not None:
+            return self.max_concurrent_rpcs
+        return self.max_running + self.max_waiting + RPC_HEADROOM
+
+    @property
     def targets(self) -> tuple[str, ...]:
         return self.executors or (self.executor,)
 
@@ -77,6 +91,8 @@ class SchedulerConfig:
                      "max_message_mb", "max_prompt_chars", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
+            raise ValueError(f"--max-concurrent-rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if not self.max_queue_time_s > 0:  # also rejects NaN
             raise ValueError(f"--max-queue-time must be > 0 seconds, got {self.max_queue_time_s}")
         if not self.resolve_interval_s > 0:

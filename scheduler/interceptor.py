@@ -1,31 +1,45 @@
 """One asyncio server interceptor: domain errors -> gRPC status codes (tandem/status_map.py, the
-table both servers share), unexpected exceptions -> INTERNAL with the traceback in the log."""
+table both servers share), unexpected exceptions -> INTERNAL with the traceback in the log, and request bytes
+that are not a valid message -> INVALID_ARGUMENT on every method (tandem/request_decoding.py). GenerateService
+calls over --max-concurrent-rpcs are RESOURCE_EXHAUSTED on arrival (tandem/call_limit.py says why here)."""
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any, AsyncIterator, Callable
 
 import grpc
 
+from tandem.call_limit import CallLimit
 from tandem.errors import TandemError
 from tandem.loggable import loggable
+from tandem.request_decoding import UndecodableNotes, decoding_aio
 from tandem.status_map import status_for
 
 log = logging.getLogger("tandem.scheduler")
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, limit: CallLimit | None = None) -> None:
+        self._notes = UndecodableNotes(log)
+        self._limit = limit
+
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None:
             return None
+        return decoding_aio(self._mapped(handler, details), details.method, self._notes)
+
+    def _mapped(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = details.method.rsplit("/", 1)[-1]
+        hold = self._limit.hold if self._limit is not None else nullcontext
         if handler.unary_unary is not None and method in _OURS:
             inner = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    return await inner(request, context)
+                    with hold():
+                        return await inner(request, context)
                 except Exception as exc:
                     await _abort(context, method, exc)
 
@@ -36,8 +50,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    async for message in inner_stream(request, context):
-                        yield message
+                    with hold():
+                        async for message in inner_stream(request, context):
+                            yield message
                 except Exception as exc:
                     await _abort(context, method, exc)
 

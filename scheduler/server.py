@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from tandem.call_limit import CallLimit, backlog_options
 from tandem.grpc_setup import add_health_reflection_and_ports
 from tandem.errors import CheckpointError, RemoteError
 from tandem.executor.v1 import executor_pb2 as epb
@@ -96,7 +97,8 @@ def _link_posture(tls: ClientTls | None, token: ClientToken | None, limits: Toke
 async def serve_async(cfg: SchedulerConfig) -> int:
     # Certificates and token files are read first: a bad one (or an exposed address) stops us at once.
     guard = ServerGuard(cfg.security)
-    guard.check_exposure(cfg.host, cfg.port >= 0 or cfg.http_port is not None)
+    guard.check_exposure(cfg.host, ["gRPC"] * (cfg.port >= 0) + ["HTTP"] * (cfg.http_port is not None)
+                         + ["metrics"] * (cfg.metrics_port is not None))
     chat_template = read_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
     client_tls = ClientTls(client_paths(cfg.executor_tls_ca, cfg.executor_tls_cert, cfg.executor_tls_key),
                            cfg.executor_tls_server_name) if cfg.executor_tls_on else None
@@ -126,10 +128,15 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     loop = asyncio.get_running_loop()
     limit = cfg.max_message_mb * 1024 * 1024
     # Tokens first: a refused call never reaches the error mapping or the servicer.
+    # Calls over --max-concurrent-rpcs are refused on arrival; core holds the calls not yet taken meanwhile
+    # instead of cancelling them itself (tandem/call_limit.py).
+    calls = CallLimit(cfg.rpc_limit, "--max-concurrent-rpcs", "scheduler")
     server = grpc.aio.server(interceptors=[AioAuthInterceptor(guard.authenticator, everyone_user,
-                                                              cfg.security.auth_health), ErrorMappingInterceptor()],
+                                                              cfg.security.auth_health),
+                                           ErrorMappingInterceptor(calls)],
                              options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0)])
+                                      ("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0),
+                                      *backlog_options(cfg.rpc_limit)])
     addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds,
                                                 guard.grpc_credentials(), cfg.security.reflection)
     metrics = SchedulerMetrics()

@@ -120,3 +120,8 @@ class ReplyTooLarge(CapacityExceeded):
 
 class DeadlineExceeded(TandemError):
     """The caller's deadline had passed before the call could run; it was not run (nothing changed)."""
+
+
+class TooManyCalls(CapacityExceeded):
+    """The server is already serving as many calls as its limit allows (--max-concurrent-rpcs); the call was
+    refused on arrival, before any work. Retry later."""

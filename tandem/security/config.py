@@ -15,7 +15,7 @@ class ServerSecurity:
     auth_token_file: Path | None = None  # bearer tokens with scopes (tandem/security/tokens.py); None = off
     auth_health: bool = False  # grpc.health.v1 and HTTP /health need a token too (default: open for probes)
     reflection: bool = True  # gRPC server reflection (grpcurl without .proto files)
-    insecure: bool = False  # allow a non-loopback address with neither TLS nor tokens
+    insecure: bool = False  # allow a non-loopback address without TLS (warned about at startup)
 
     @property
     def tls(self) -> bool:
@@ -48,8 +48,9 @@ def add_server_flags(ap: argparse.ArgumentParser) -> None:
                    help="require a token for grpc.health.v1 (and HTTP /health) too; default: open, for probes")
     g.add_argument("--no-reflection", action="store_true", help="turn gRPC server reflection off")
     g.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host with neither TLS nor tokens (refused otherwise: anyone who "
-                        "reaches the port could use and administer the server)")
+                   help="allow a non-loopback --host without TLS, on every port it opens there (gRPC, HTTP, "
+                        "metrics): refused otherwise, since anyone who reaches the port could use the server, or "
+                        "with --auth-token-file read the tokens in clear; a warning is logged at startup")
 
 
 def server_security(args: argparse.Namespace) -> ServerSecurity:

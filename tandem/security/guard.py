@@ -3,6 +3,9 @@
 Files are read here, so a missing or bad one stops the server before it listens, naming its flag."""
 from __future__ import annotations
 
+import logging
+from typing import Sequence
+
 import grpc
 
 from tandem.security.auth import Authenticator
@@ -10,6 +13,8 @@ from tandem.security.config import ServerSecurity
 from tandem.security.posture import check_exposure, posture_line
 from tandem.security.tls import ReloadingTls, grpc_server_credentials, server_paths
 from tandem.security.tokens import TokenFile
+
+log = logging.getLogger("tandem.security")
 
 
 class ServerGuard:
@@ -20,8 +25,12 @@ class ServerGuard:
         self.tokens = TokenFile(cfg.auth_token_file) if cfg.auth_token_file is not None else None
         self.authenticator = Authenticator(self.tokens)
 
-    def check_exposure(self, host: str, listens_on_tcp: bool) -> None:
-        check_exposure(host, listens_on_tcp, self.tls is not None, self.tokens is not None, self.cfg.insecure)
+    def check_exposure(self, host: str, ports: Sequence[str]) -> None:
+        """ports: what will listen on host over TCP ("gRPC", "HTTP", "metrics"). Raises InsecureBinding (the
+        server exits 2 naming --insecure); logs a warning when --insecure lets plaintext through."""
+        warning = check_exposure(host, ports, self.tls is not None, self.tokens is not None, self.cfg.insecure)
+        if warning is not None:
+            log.warning("%s", warning)
 
     def grpc_credentials(self) -> grpc.ServerCredentials | None:
         """For the TCP port: TLS that follows the files, or None (plaintext)."""
