@@ -4,20 +4,18 @@
 Words: a *pass* is one turn of the loop; a *step call* is the one UnifiedDecode (or multi-step Decode) RPC a
 pass sends; a *decode step* is one forward on the executor (a burst runs several per call).
 
-Everything runs on the server's asyncio loop (no locks): gRPC handlers submit and abort requests; the loop
-asks the policy for a plan, awaits the step call, hands its results to the policy, streams the deltas. In
-steady state a pass is one RPC: the caches the policy retired ride with the next step call (capability
-"release_with_step"), and the step renews the session's lease. ReleaseCache goes alone only when no step
-follows (idle, a stall) or to an executor without the capability; KeepAlive only when idle; CreateCache
-when new requests may reuse cached prefixes. What a failed call means is decided in one place
-(scheduler/call_failures.py); the executor's loss and return are scheduler/recovery.py's.
+Everything runs on the server's asyncio loop (no locks). In steady state a pass is one RPC: the caches the
+policy retired ride with the next step call (capability "release_with_step") and the step renews the session's
+lease; ReleaseCache goes alone only when no step follows or to an older executor, KeepAlive only when idle,
+CreateCache when new requests may reuse cached prefixes. What a failed call means: scheduler/call_failures.py;
+the executor's loss and return: scheduler/recovery.py.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import grpc
 
@@ -37,6 +35,7 @@ from scheduler.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.session import ExecutorSession
 from scheduler.speculation import SPECULATIVE_DRAFTS
+from scheduler.throughput_log import ThroughputLog
 from scheduler.token_masks import MaskWorker, StepMasks
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError, Unavailable
@@ -44,7 +43,6 @@ from tandem.errors import RemoteError, Unavailable
 log = logging.getLogger("tandem.scheduler")
 _STALL_POLL_S = (0.02, 0.5)  # KV held by another client of the executor: look again, backing off to 0.5 s
 _KEEP_ALIVE_RETRY_S = 1.0
-_STATS_EVERY_S = 10.0
 MAX_RELEASES_PER_STEP = 4096  # the contract's limit on release_cache_ids
 REGISTERED_SAMPLING = "registered_sampling"  # GetInfo capability: sampling is registered with the cache
 PREFIX_CACHING = "prefix_caching"  # GetInfo capability: CreateCache reuses cached prompt prefixes
@@ -79,7 +77,7 @@ class Engine:
         self._stall_poll_s = _STALL_POLL_S[0]
         self._stepping = False
         self._stopping = False
-        self._stats = (time.monotonic(), 0)
+        self._throughput = ThroughputLog(self.policy)
 
     @property
     def up(self) -> bool:
@@ -252,7 +250,7 @@ class Engine:
         self.masks.prefetch(policy.running)  # the next step's masks, computed while the loop streams and plans
         for seq in self.streams.process(outcome):  # a stop string ended it: only the text showed it
             policy.abort(seq)
-        self._log_stats(len(outcome.emitted) if steps > 1 else sum(item.count for item in plan.items))
+        self._throughput.add(len(outcome.emitted) if steps > 1 else sum(item.count for item in plan.items))
 
     async def _step_call(self, plan: StepPlan) -> tuple["_Answer | None", int]:
         """Sends the plan (with the pending releases when they ride along). None: no result to apply (the
@@ -388,27 +386,9 @@ class Engine:
             log.log(level, "%s; %s", failure.reason, consequence or "retrying")
         return failure.verdict
 
-    def _log_stats(self, tokens: int) -> None:
-        since, count = self._stats
-        count += tokens
-        now = time.monotonic()
-        if now - since >= _STATS_EVERY_S:
-            kv = self.policy.kv
-            used = 1 - kv.free_blocks / max(1, kv.total_blocks)
-            log.info("%d running, %d waiting, KV %.0f%% used, %.1f tokens/s through the model, %d preemptions",
-                     len(self.policy.running), len(self.policy.waiting), 100 * used, count / (now - since),
-                     self.policy.preemptions)
-            since, count = now, 0
-        self._stats = (since, count)
-
-
-class _Answer:
-    """A step call's answer (UnifiedDecodeResponse or DecodeResponse) and how long it took."""
-
-    __slots__ = ("message", "elapsed_s")
-
-    def __init__(self, message, elapsed_s: float) -> None:
-        self.message, self.elapsed_s = message, elapsed_s
+class _Answer(NamedTuple):
+    message: Any  # the step call's answer: UnifiedDecodeResponse or DecodeResponse
+    elapsed_s: float
 
 
 def _names_unknown_cache(plan: StepPlan, resp) -> bool:
