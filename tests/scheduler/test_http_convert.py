@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from scheduler.config import SchedulerConfig
 from scheduler.http import convert, errors, render
 from scheduler.http.errors import BadParameter
+from scheduler.http.limits import HttpLimits
 from scheduler.http.schemas import ChatCompletionRequest, CompletionRequest
 from scheduler.request import GenerateRequest, StoppingCriteria, Usage
 from tandem.sampling_params import SamplingParams
@@ -146,3 +147,27 @@ def test_served_model_names_are_checked(names, says):
     SchedulerConfig("x:1", served_model_names=("ok", "fine-2")).validate()
     with pytest.raises(ValueError, match=says):
         SchedulerConfig("x:1", served_model_names=names).validate()
+
+
+@pytest.mark.parametrize("fields, says", [({"header_timeout_s": 0}, "--http-header-timeout-s"),
+                                          ({"body_timeout_s": float("nan")}, "--http-body-timeout-s"),
+                                          ({"max_connections": 0}, "--http-max-connections"),
+                                          ({"max_connections": 8, "max_connections_per_client": 9}, "cannot exceed"),
+                                          ({"max_prompts": 0}, "--max-prompts-per-request")])
+def test_http_limits_are_checked(fields, says):
+    SchedulerConfig("x:1", http_limits=HttpLimits()).validate()
+    with pytest.raises(ValueError, match=says):
+        SchedulerConfig("x:1", http_limits=HttpLimits(**fields)).validate()
+
+
+def test_one_validator_refuses_lone_surrogates_in_any_field_however_deep():
+    bad = {"messages": [{"role": "user", "content": "hi"}],
+           "tools": [{"type": "function", "function": {"name": "f", "parameters": {"a": [{"b": "x\udc00"}]}}}]}
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate(bad)
+    (e,) = err.value.errors()
+    assert e["loc"] == ("tools", 0, "function", "parameters") and "(at a.0.b)" in e["msg"]
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "héllo \U0001f642 \u202e"}]})
+    assert convert.prompts(CompletionRequest.model_validate({"prompt": ["a"] * 3}), max_prompts=3) == ["a"] * 3
+    with pytest.raises(BadParameter, match="--max-prompts-per-request"):
+        convert.prompts(CompletionRequest.model_validate({"prompt": ["a"] * 4}), max_prompts=3)

@@ -6,7 +6,7 @@ import pytest
 
 from scheduler.request import GenerateRequest, StoppingCriteria
 from scheduler.token_limits import TokenLimits, cost
-from tandem.errors import CapacityExceeded, TokenLimitExceeded
+from tandem.errors import CapacityExceeded, InvalidRequest, TokenLimitExceeded
 from tandem.security.tokens import Principal, Scope
 
 ALICE, BOB = Principal("a" * 12, Scope.USER), Principal("b" * 12, Scope.USER)
@@ -26,6 +26,23 @@ def test_concurrency_is_per_token():
     for lease in (a2, a3, b):
         lease.release()
     assert limits.in_flight(ALICE) == (0, 0) and limits.in_flight(BOB) == (0, 0)
+
+
+def test_concurrency_counts_choices():
+    limits = TokenLimits(max_concurrent=4)
+    with pytest.raises(InvalidRequest, match="5 choices"):  # more than the whole share: no retry can help
+        limits.enter(ALICE, 5)
+    three = limits.enter(ALICE, 3)
+    with pytest.raises(TokenLimitExceeded, match="3 choices in flight"):
+        limits.enter(ALICE, 2)
+    one = limits.enter(ALICE, 1)
+    assert limits.in_flight(ALICE) == (4, 0)
+    three.release()
+    three.release()
+    assert limits.in_flight(ALICE) == (1, 0)
+    limits.enter(ALICE, 3).release()
+    one.release()
+    assert limits.in_flight(ALICE) == (0, 0)
 
 
 def test_tokens_are_per_token_and_released_with_the_request():
