@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -18,7 +19,6 @@ from models.config import ModelConfig
 from models.gguf_config import hf_config
 from models.gguf_file import GgufFile
 from models.gguf_tensors import HfTensors
-from models.loader import _FUSED, resolve_dtype
 from models.transformer import DecoderModel
 from tandem.errors import CheckpointError
 
@@ -30,11 +30,12 @@ def read_gguf_config(path: str | Path) -> tuple[GgufFile, dict, ModelConfig]:
     return gguf, raw, ModelConfig.from_hf(raw, source=str(gguf.path))
 
 
-def load_gguf_model(path: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",
-                    progress: bool = True) -> DecoderModel:
-    device = torch.device(device)
+def load_gguf_model(path: str | Path, device: torch.device, dtype_of: Callable[[ModelConfig], torch.dtype],
+                    fused_parts: dict[str, tuple[str, ...]], progress: bool = True) -> DecoderModel:
+    """Called by models/loader.py load_model, which hands over its rules: dtype_of(cfg) -> the weights' dtype
+    (--dtype), fused_parts: our fused parameter suffix -> the HF tensors concatenated into it."""
     gguf, raw, cfg = read_gguf_config(path)
-    torch_dtype = resolve_dtype(dtype, cfg, device)
+    torch_dtype = dtype_of(cfg)
     tensors = HfTensors(gguf, raw)
     with torch.device("meta"):
         model = DecoderModel(cfg)
@@ -56,7 +57,7 @@ def load_gguf_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     for name, meta in bar:
         prefix, _, suffix = name.partition("layers.")
         layer_no, _, rest = suffix.partition(".")
-        fused = _FUSED.get(rest) if suffix else None
+        fused = fused_parts.get(rest) if suffix else None
         if fused:
             base = f"{prefix}layers.{layer_no}."
             tensor = torch.cat([read(base + part) for part in fused], dim=0)

@@ -65,8 +65,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
                progress: bool = True) -> DecoderModel:
     model_dir = Path(model_dir)
     if model_dir.suffix.lower() == ".gguf":  # a GGUF file (llama.cpp's format): models/gguf_loader.py
-        from models.gguf_loader import load_gguf_model
-        return load_gguf_model(model_dir, device, dtype, progress)
+        from models.gguf_loader import load_gguf_model  # (it imports nothing from here: given what it shares)
+        return load_gguf_model(model_dir, torch.device(device),
+                               lambda cfg: resolve_dtype(dtype, cfg, torch.device(device)), _FUSED, progress)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)

@@ -12,6 +12,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from scheduler.gguf_tokenizer import GgufTokenizer
 from tandem.errors import CheckpointError, InvalidRequest, Unsupported
 
 
@@ -116,20 +117,18 @@ def read_chat_template(path: Path) -> str:
 
 
 class ModelTokenizer:
-    """Loads `tokenizer.json` (required), `tokenizer_config.json` and `chat_template.jinja` (optional).
+    """Loads `tokenizer.json` (required), `tokenizer_config.json` and `chat_template.jinja` (optional), or the
+    tokenizer and chat template of a GGUF file (model_dir naming a .gguf file: scheduler/gguf_tokenizer.py).
     chat_template: a template to use instead of the model's own (--chat-template)."""
 
     def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
         self.model_dir = Path(model_dir)
-        path = self.model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path} not found: the scheduler needs the model's tokenizer.json "
-                                  "(pass --tokenizer DIR if the executor's model dir is not on this host)")
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises plain Exception subclasses for bad files
-            raise CheckpointError(f"{path}: cannot load it with `tokenizers`: {exc}") from exc
-        config = self._read_json(self.model_dir / "tokenizer_config.json")
+        if self.model_dir.suffix.lower() == ".gguf":
+            gguf = GgufTokenizer(self.model_dir)
+            self._tok, config = gguf.tokenizer, gguf.config
+        else:
+            self._tok = self._load_tokenizer_json(self.model_dir / "tokenizer.json")
+            config = self._read_json(self.model_dir / "tokenizer_config.json")
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self._template_vars = {k: _token_text(config.get(k)) for k in
                                ("bos_token", "eos_token", "unk_token", "pad_token")}
@@ -181,6 +180,16 @@ class ModelTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     # ----------------------------------------------------------------- files
+    @staticmethod
+    def _load_tokenizer_json(path: Path) -> Tokenizer:
+        if not path.is_file():
+            raise CheckpointError(f"{path} not found: the scheduler needs the model's tokenizer.json "
+                                  "(pass --tokenizer DIR if the executor's model dir is not on this host)")
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses for bad files
+            raise CheckpointError(f"{path}: cannot load it with `tokenizers`: {exc}") from exc
+
     @staticmethod
     def _read_json(path: Path) -> dict[str, Any]:
         if not path.is_file():
