@@ -41,8 +41,8 @@ class GgufFile:
             self._reader = GGUFReader(self.path)
         except (OSError, ValueError, struct.error, IndexError, KeyError) as exc:
             raise CheckpointError(f"{self.path}: cannot read it as a GGUF file: {exc}") from exc
-        self._fields = self._reader.fields
-        self.metadata: dict[str, Any] = {k: _value(f) for k, f in self._fields.items()
+        self.fields = self._reader.fields  # gguf's ReaderFields by key
+        self.metadata: dict[str, Any] = {k: _value(f) for k, f in self.fields.items()
                                          if k not in _LARGE_ARRAYS}
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.tensor_shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in self._tensors.items()}
@@ -50,7 +50,7 @@ class GgufFile:
 
     def tokenizer_field(self, key: str, default: Any = None) -> Any:
         """A tokenizer.ggml.* value (token lists, merges, ids), read on demand."""
-        field = self._fields.get(key)
+        field = self.fields.get(key)
         return default if field is None else _value(field)
 
     def tensor(self, name: str) -> np.ndarray:

@@ -57,14 +57,14 @@ _PRE: dict[str, Any] = {
 
 class GgufTokenizer:
     """`tokenizer` (tokenizers.Tokenizer) and `config` (what tokenizer_config.json would say: bos/eos/unk/pad
-    token texts, chat_template) of the GGUF file at `path`."""
+    token texts, chat_template) of the GGUF file at `path` (`fields`: its GGUFReader fields, if read already)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, fields: dict[str, Any] | None = None) -> None:
         from gguf import GGUFReader
 
         self.path = Path(path)
-        try:
-            fields = GGUFReader(self.path).fields
+        try:  # (fields: the file's, when the caller has read it already)
+            fields = GGUFReader(self.path).fields if fields is None else fields
         except Exception as exc:  # OSError, a bad magic (ValueError), a truncated file (struct/index errors)
             raise CheckpointError(f"{self.path}: cannot read it as a GGUF file: {exc}") from exc
         self._meta = {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}

@@ -9,8 +9,9 @@ completion marker and return at once. The last stdout line is the model director
 
     dir=$(python scripts/prepare_default_model.py | tail -1)
 
-Test/preparation only (needs gguf, numpy, safetensors, tokenizers, transformers); never imported by
-the servers.
+The conversion is Tandem's own GGUF path (models/gguf_*.py, scheduler/gguf_tokenizer.py: what serves
+`--model FILE.gguf`), written out as a directory. Preparation only (needs gguf, numpy, safetensors,
+tokenizers); never imported by the servers.
 """
 
 from __future__ import annotations
@@ -92,104 +93,79 @@ def _dump_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-# GGUF (llama.cpp) tensor names -> HF Llama names; ".weight" is appended to both.
-GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+def _gguf_modules() -> Any:
+    """Tandem's GGUF reader and name/value mapping (models/gguf_*.py, numpy only) and the scheduler's GGUF
+    tokenizer: the same code that serves `--model FILE.gguf`, so the directory equals what that serves."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import models.gguf_config as gguf_config
+    import models.gguf_file as gguf_file
+    import models.gguf_tensors as gguf_tensors
+    import scheduler.gguf_tokenizer as gguf_tokenizer
+    return gguf_config, gguf_file, gguf_tensors, gguf_tokenizer
 
 
 def hf_name(name: str) -> str:
-    parts = name.split(".")  # "blk.3.attn_q.weight" or "token_embd.weight"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
-    if len(parts) == 2 and parts[0] in GLOBAL_NAMES and parts[1] == "weight":
-        return f"{GLOBAL_NAMES[parts[0]]}.weight"
-    raise PrepareError(f"unexpected GGUF tensor {name!r} for a llama model (rope_freqs, biases?)")
+    """The HF name of a tensor of a llama GGUF (models/gguf_tensors.py)."""
+    gguf_tensors = _gguf_modules()[2]
+    try:
+        return gguf_tensors.hf_name(name, "llama")
+    except gguf_tensors.CheckpointError as exc:
+        raise PrepareError(str(exc)) from None
 
 
 def unpermute_rope_rows(w: Any, n_head: int) -> Any:
-    """Inverse of llama.cpp convert_hf_to_gguf's `permute` of attn_q/attn_k rows. ggml's rope rotates
-    adjacent pairs (x0,x1),(x2,x3)...; HF's rotate_half rotates halves (x_i, x_{i+d/2}), so the
-    converter interleaved each head's halves: reshape(n_head, 2, d/2).swapaxes(1, 2). Undo that."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """Inverse of llama.cpp convert_hf_to_gguf's `permute` of attn_q/attn_k rows (models/gguf_tensors.py)."""
+    return _gguf_modules()[2].unpermute_rope_rows(w, n_head)
 
 
 def convert(gguf: Path, dest: Path) -> None:
-    """Writes the HF model directory into `dest` (an empty temp dir). Heavy imports live here.
-    Weights are converted here, not by transformers' GGUF loader: that one parses the GGUF three
-    times (~4x the CPU time) and then refuses save_pretrained; its output is bit-identical to this."""
-    with step(f"reading GGUF {gguf.name}"):
-        import numpy as np
-        from gguf import GGUFReader, dequantize
+    """Writes the HF model directory into `dest` (an empty temp dir) through Tandem's GGUF path: the metadata
+    as the HF config (models/gguf_config.py), each tensor dequantized to float32 under its HF name with the
+    Q/K rows un-permuted (models/gguf_tensors.py), the tokenizer as the scheduler builds it from the file
+    (scheduler/gguf_tokenizer.py). Heavy imports live here."""
+    gguf_config, gguf_file, gguf_tensors, gguf_tokenizer = _gguf_modules()
+    try:
+        with step(f"reading GGUF {gguf.name}"):
+            f = gguf_file.GgufFile(gguf)
+            if f.metadata.get("general.architecture") != "llama":
+                raise PrepareError(f"{gguf}: expected a llama GGUF, got {f.metadata.get('general.architecture')!r}")
+            cfg = gguf_config.hf_config(f.metadata, f.tensor_shapes, f.tensor_types, str(gguf))
+            tensors = gguf_tensors.HfTensors(f, cfg)
+            tok = gguf_tokenizer.GgufTokenizer(gguf, f.fields)
+            template = tok.config["chat_template"]
+            if not isinstance(template, str) or "<|im_start|>" not in template:
+                raise PrepareError(f"{gguf}: no ChatML chat template (tokenizer.chat_template) in the metadata")
 
-        reader = GGUFReader(gguf)
-        meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-        if meta.get("general.architecture") != "llama":
-            raise PrepareError(f"{gguf}: expected a llama GGUF, got {meta.get('general.architecture')!r}")
-        m = lambda key: meta[f"llama.{key}"]  # noqa: E731 - short accessor for the llama.* keys
-        n_head, n_kv = int(m("attention.head_count")), int(m("attention.head_count_kv"))
-        template = meta.get("tokenizer.chat_template")
-        if not isinstance(template, str) or "<|im_start|>" not in template:
-            raise PrepareError(f"{gguf}: no ChatML chat template (tokenizer.chat_template) in the metadata")
-
-    with step(f"dequantizing {len(reader.tensors)} tensors to float32 (un-permuting Q/K rows)"):
-        state: dict[str, Any] = {}
-        for t in reader.tensors:
-            w = dequantize(t.data, t.tensor_type)  # numpy, HF layout [out, in]
-            if ".attn_q." in t.name or ".attn_k." in t.name:
-                w = unpermute_rope_rows(w, n_head if ".attn_q." in t.name else n_kv)
-            state[hf_name(t.name)] = np.ascontiguousarray(w, dtype=np.float32)
-        tied = "lm_head.weight" not in state  # SmolLM2 ties: the GGUF has no output.weight
+        with step(f"dequantizing {len(tensors.names)} tensors to float32 (un-permuting Q/K rows)"):
+            state = {name: tensors.read(name) for name in sorted(tensors.names)}
+    except gguf_tensors.CheckpointError as exc:
+        raise PrepareError(str(exc)) from None
 
     with step("writing model.safetensors, config.json, generation_config.json"):
         from safetensors.numpy import save_file
 
         save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(dest / "model.safetensors", 0o644)  # save_file creates it 0600, unlike the other files
-        hidden, theta = int(m("embedding_length")), float(m("rope.freq_base"))
-        ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-        _dump_json(dest / "config.json", {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "vocab_size": state["model.embed_tokens.weight"].shape[0], "hidden_size": hidden,
-            "intermediate_size": int(m("feed_forward_length")), "num_hidden_layers": int(m("block_count")),
-            "num_attention_heads": n_head, "num_key_value_heads": n_kv, "head_dim": hidden // n_head,
-            "max_position_embeddings": int(m("context_length")),
-            # stored as f32 (9.99999974e-06); upstream's config says 1e-05
-            "rms_norm_eps": float(f"{m('attention.layer_norm_rms_epsilon'):.6g}"),
-            # transformers 5 reads rope_parameters; older readers (and models/config.py) rope_theta.
-            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied, "use_cache": True,
-            "dtype": "float32", "torch_dtype": "float32", "unk_token_id": UNK_ID, **ids})
-        _dump_json(dest / "generation_config.json", dict(ids))
         del state
+        ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+        # The weights are written as float32; transformers 5 reads rope_parameters, older readers rope_theta.
+        cfg.update(dtype="float32", torch_dtype="float32", mlp_bias=False, use_cache=True, unk_token_id=UNK_ID, **ids)
+        _dump_json(dest / "config.json", cfg)
+        _dump_json(dest / "generation_config.json", dict(ids))
 
     with step("writing tokenizer.json, tokenizer_config.json, special_tokens_map.json"):
-        # transformers' GGUF tokenizer converter (BPE vocab/merges, byte-level, special added tokens).
-        from tokenizers import pre_tokenizers
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        backend = tok.backend_tokenizer
-        if "Digits" not in backend.pre_tokenizer.__getstate__().decode():
-            # The GGUF's pre-tokenizer is "smollm": llama.cpp splits every digit (\p{N}) before the
-            # GPT-2 regex, like upstream's Digits(individual_digits=True). transformers' GGUF
-            # converter drops that step; restore it.
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer])
-        tok.save_pretrained(dest)
+        tok.tokenizer.save(str(dest / "tokenizer.json"))
         special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
                    "unk_token": "<|endoftext|>"}
-        tok_cfg = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
-        for noise in ("is_local", "local_files_only", "backend"):  # machine/version-specific keys
-            tok_cfg.pop(noise, None)
-        # PreTrainedTokenizerFast loads in transformers 4.x and 5.x ("TokenizersBackend", which 5.x
-        # writes, is 5.x-only). The template goes in as a string too: 4.x ignores chat_template.jinja.
-        tok_cfg.update(special, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False,
-                       add_eos_token=False, clean_up_tokenization_spaces=False,
-                       model_max_length=int(m("context_length")), chat_template=template)
-        _dump_json(dest / "tokenizer_config.json", tok_cfg)
+        # PreTrainedTokenizerFast loads in transformers 4.x and 5.x; 4.x ignores chat_template.jinja, so the
+        # template goes into tokenizer_config.json as well.
+        _dump_json(dest / "tokenizer_config.json", {
+            **special, "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+            "clean_up_tokenization_spaces": False, "model_max_length": cfg["max_position_embeddings"],
+            "chat_template": template})
+        (dest / "chat_template.jinja").write_text(template, encoding="utf-8")
         _dump_json(dest / "special_tokens_map.json", special)
 
     with step("checking the result"):
