@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 
 from scheduler import codec
@@ -25,6 +24,7 @@ from scheduler.http import convert, errors, tool_calls
 from scheduler.http import schemas as s
 from scheduler.http.auth import TokenAuth
 from scheduler.http.body_limit import BodyLimit
+from scheduler.http.cors import Cors
 from scheduler.http.errors import BadParameter
 from scheduler.http.generation import ClientGone, Generation
 from scheduler.http.limits import HttpLimits
@@ -158,7 +158,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
     if authenticator is not None and authenticator.on:  # before a byte of body is read
         app.add_middleware(TokenAuth, authenticator=authenticator, auth_health=auth_health)
     if allowed_origins:  # added last: outermost, so that a preflight (which carries no token) is answered
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(Cors, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     errors.install(app)
 

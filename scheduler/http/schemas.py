@@ -5,12 +5,13 @@ field) and unknown fields are ignored, as OpenAI does. Every optional field also
 that the scheduler's own validation already checks (temperature, top_p, penalties, logit_bias values, stop
 strings, token ids against the vocabulary) are left to it, so HTTP and gRPC clients get the same messages;
 the bounds here are those the proto cannot carry (every integer has its wire type's range: uint32 counts,
-uint64 seed; floats are finite) or that only HTTP has (n).
+uint64 seed; floats are finite float32s) or that only HTTP has (n).
 
 Every string of a request body, however deep (message contents, names, stop strings, tool and response_format
 schemas, dict keys), must be valid Unicode: JSON can escape a lone UTF-16 surrogate ("\\ud800"), which no
 UTF-8 encoder (protobuf, the tokenizer) takes. One validator on the base class refuses it for every field,
-naming the field (400), before anything is converted.
+naming the field (400), before anything is converted; the same validator bounds how deep free-form JSON
+values (schemas, tool parameters) nest (MAX_DEPTH).
 """
 from __future__ import annotations
 
@@ -25,32 +26,42 @@ MAX_N = 16  # choices per request (n): each is a request of its own in the sched
 UINT32_MAX = 2**32 - 1
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]  # uint32 on the wire; < vocab_size is checked by the scheduler
 Count = Annotated[int, Field(ge=1, le=UINT32_MAX)]  # a uint32 number of tokens, at least 1
-Float = Annotated[float, Field(allow_inf_nan=False)]  # 1e999 parses as inf: refused here, naming the field
+FLOAT32_MAX = 3.4028234663852886e38
+# float on the wire: finite (1e999 parses as inf) and within float32's range, refused here naming the field
+Float = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+MAX_DEPTH = 64  # levels of nesting of a free-form JSON value (a schema, tool parameters): llguidance takes 128
 
 
-def _bad_text(value: Any, path: str = "") -> str | None:
-    """The path ("" = the value itself; ".2", ".key") of the first string in value, a dict key included, that
-    is not valid Unicode (a lone surrogate); None if there is none. Models inside were checked by their own
-    validator."""
+def _fault(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | None:
+    """(path, "surrogate" or "depth") of the first string in value, a dict key included, that is not valid
+    Unicode (a lone surrogate), or of the first value nested past MAX_DEPTH; None if there is none. path: ""
+    = the value itself, ".2", ".key", ... Models inside were checked by their own validator."""
     if isinstance(value, str):
         if value.isascii():
             return None
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path
+            return path, "surrogate"
         return None
+    if isinstance(value, (dict, list)) and depth >= MAX_DEPTH:
+        return path, "depth"
     if isinstance(value, dict):
         for k, v in value.items():
-            found = _bad_text(k, f"{path}.{k!r:.40}") if isinstance(k, str) else None
-            found = found if found is not None else _bad_text(v, f"{path}.{k:.40}")
+            found = _fault(k, f"{path}.{k!r:.40}") if isinstance(k, str) else None
+            found = found or _fault(v, f"{path}.{k:.40}", depth + 1)
             if found is not None:
                 return found
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, list):
         for i, v in enumerate(value):
-            if not isinstance(v, (int, float, bool)) and (found := _bad_text(v, f"{path}.{i}")) is not None:
+            if not isinstance(v, (int, float, bool)) and (found := _fault(v, f"{path}.{i}", depth + 1)) is not None:
                 return found
     return None
+
+
+_FAULTS = {"surrogate": ("string_unicode", "a string{at} holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+                                           "without its pair): strings must be valid Unicode"),
+           "depth": ("json_depth", f"a value{{at}} is nested more than {MAX_DEPTH} levels deep, this server's limit")}
 
 
 class _Body(BaseModel):
@@ -58,12 +69,12 @@ class _Body(BaseModel):
 
     @field_validator("*", mode="after")
     @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        where = _bad_text(value)
-        if where is not None:
-            at = f" (at {where.lstrip('.')})" if where else ""
-            raise PydanticCustomError("string_unicode", "a string{at} holds a lone UTF-16 surrogate (an escape such "
-                                      "as \\ud800 without its pair): strings must be valid Unicode", {"at": at})
+    def _plain_values(cls, value: Any) -> Any:
+        fault = _fault(value)
+        if fault is not None:
+            where, kind = fault
+            error_type, template = _FAULTS[kind]
+            raise PydanticCustomError(error_type, template, {"at": f" (at {where.lstrip('.')[:120]})" if where else ""})
         return value
 
 

@@ -81,7 +81,8 @@ class HttpFront:
         self.guard = ConnectionGuard(limits or HttpLimits())
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=_GRACEFUL_S, server_header=False, backlog=_BACKLOG,
-                                http=protocol_class(self.guard), **_tls_settings(tls))
+                                http=protocol_class(self.guard), ws="none",  # no WebSocket routes: no upgrades
+                                **_tls_settings(tls))
         config.load()  # builds the SSL context now: a certificate that does not load fails the startup
         self._server = _Server(config)
         self._task: asyncio.Task | None = None

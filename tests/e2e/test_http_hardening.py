@@ -127,6 +127,7 @@ HUGE = [  # (route, fields, the param named)
     ("/v1/completions", {"logit_bias": {str(2**32): 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"5": 10**400}}, "logit_bias"),
     ("/v1/completions", {"temperature": 10**400}, "temperature"),
+    ("/v1/completions", {"presence_penalty": 1e300}, "presence_penalty"),  # past float32
     ("/v1/completions", {"prompt": [[1, 2**32]]}, "prompt.0.1"),
     ("/detokenize", {"tokens": [1, 2**40]}, "tokens.1"),
 ]
@@ -147,6 +148,26 @@ def test_integers_past_their_range_are_400_naming_the_field(url, executor):
         _ok_completion(_connection(url))  # (that one closed its connection: a neighbour's)
     finally:
         conn.close()
+    wait_kv_free(executor.stub)
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_free_form_json_nests_at_most_64_levels(url, executor):
+    for fields, param in (({"guided_json": _nested(70)}, "guided_json"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"schema": _nested(40)}}},
+                           "response_format.json_schema.schema")):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, **fields}, timeout=60)
+        assert r.status_code == 400 and openai_error(400, r.content)["param"] == param, r.text
+        assert "64 levels" in r.json()["error"]["message"]
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "guided_json": _nested(20)},
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
     wait_kv_free(executor.stub)
 
 

@@ -120,6 +120,7 @@ def test_cors_allows_only_the_given_origin(stack):
     other = httpx.options(f"{small}/v1/chat/completions", headers={**preflight, "origin": "https://evil.example"},
                           timeout=30)
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    assert other.json()["error"]["code"] == "invalid_argument"  # OpenAI's error body, as every error
     call = httpx.post(f"{small}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"origin": ORIGIN},
                       timeout=30)
     assert call.status_code == 200 and call.headers["access-control-allow-origin"] == ORIGIN

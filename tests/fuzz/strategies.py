@@ -24,7 +24,8 @@ ODD_TEXT = st.sampled_from(["", "\x00", "\ud800", "a\udfffb", "\udbff\udfff", "\
                             "🙂" * 50, "\r\n\r\n", "x" * 5000, "null", "{}", "\\u0000"]) \
     | st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=12) \
     | st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), SURROGATE, st.text(max_size=4))
-DEEP = st.integers(min_value=1, max_value=60).map(lambda d: json.loads("[" * d + "]" * d))
+DEEP = st.integers(min_value=1, max_value=130).map(lambda d: json.loads("[" * d + "]" * d)) \
+    | st.integers(min_value=1, max_value=130).map(lambda d: json.loads('{"a":' * d + "1" + "}" * d))
 WRONG = st.none() | st.booleans() | st.lists(st.integers(), max_size=3) | st.dictionaries(st.text(max_size=4),
                                                                                           st.integers(), max_size=2)
 NASTY = NASTY_INT | NASTY_FLOAT | ODD_TEXT | WRONG | DEEP | Json
