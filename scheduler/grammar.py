@@ -121,11 +121,14 @@ def _grammar(spec: ConstraintSpec) -> str:
     if kind is ConstraintKind.JSON_SCHEMA:
         try:
             schema = json.loads(spec.text)
-        except ValueError as exc:  # llguidance would quote the position in its own wrapper, not in the schema
+        except (ValueError, RecursionError) as exc:  # (llguidance would quote the position in its own wrapper)
             raise InvalidRequest(f"constraint.json_schema is not valid JSON: {exc}") from exc
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("constraint.json_schema must be a JSON object (or true / false)")
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        except (ValueError, RecursionError) as exc:  # e.g. nested past llguidance's recursion limit
+            raise InvalidRequest(f"constraint.json_schema cannot be compiled: {exc}") from exc
     if kind is ConstraintKind.REGEX:
         if not spec.text:
             raise InvalidRequest("constraint.regex is empty")

@@ -90,7 +90,7 @@ def _link_posture(tls: ClientTls | None, token: ClientToken | None, limits: Toke
     link = "off" if tls is None else "on (client cert)" if tls.tls.material.cert is not None else "on"
     parts = [f"to executors: TLS {link}, token {'on' if token is not None else 'off'}"]
     if limits.on:
-        parts.append(f"per-token limits {limits.max_concurrent or '-'} requests / {limits.max_tokens or '-'} tokens")
+        parts.append(f"per-token limits {limits.max_concurrent or '-'} choices / {limits.max_tokens or '-'} tokens")
     return parts
 
 

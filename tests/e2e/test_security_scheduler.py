@@ -90,7 +90,7 @@ def test_posture_lines(plain, secure, secure_executor):
     assert "security: TLS on (mTLS), tokens on (1 token, 1 admin), reflection on, health open, unix socket " \
         "plaintext" in secure_executor.stderr()
     assert ("security: TLS on, tokens on (3 tokens, 1 admin), reflection on, health open, to executors: TLS on "
-            f"(client cert), token on, per-token limits {MAX_CONCURRENT} requests / {MAX_TOKENS} tokens") \
+            f"(client cert), token on, per-token limits {MAX_CONCURRENT} choices / {MAX_TOKENS} tokens") \
         in secure.stderr()
     assert secure.process.http_url.startswith("https://127.0.0.1:")
 

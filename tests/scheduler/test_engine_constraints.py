@@ -18,7 +18,7 @@ from scheduler.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler
 from scheduler.request import FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.sequence import Sequence
 from scheduler.tokenizer import ModelTokenizer
-from tandem.errors import RemoteError, Unsupported
+from tandem.errors import InvalidRequest, RemoteError, Unsupported
 from tandem.generate.v1 import generate_pb2 as pb
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor
@@ -133,3 +133,15 @@ def test_constrained_sequences_never_draft(grammars):
     plain = GenerateRequest("p", (1, 2), StoppingCriteria(4))
     assert Sequence(plain, 0, (2,), 64).allows_drafts
     assert not Sequence(dataclasses.replace(plain, constraint=c), 1, (2,), 64).allows_drafts
+
+
+def test_a_schema_nested_too_deep_is_invalid_not_internal(grammars):
+    """A JSON Schema past llguidance's recursion limit (or past the JSON parser's) is the client's mistake:
+    InvalidRequest (INVALID_ARGUMENT / 400), never a ValueError that would surface as INTERNAL / 500."""
+    deep: dict = {"type": "object"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(InvalidRequest, match="cannot be compiled"):
+        grammars.compile(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(deep)))
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        grammars.compile(ConstraintSpec(ConstraintKind.JSON_SCHEMA, "[" * 100_000 + "]" * 100_000))
