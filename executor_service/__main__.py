@@ -18,10 +18,12 @@ from tandem.security.config import add_server_flags, server_security
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="tandem-executor",
-        description="Serve an HF model directory over gRPC (tandem.executor.v1.ExecutorService, plus "
-                    "grpc.health.v1 and server reflection). Health turns SERVING once the weights are loaded "
+        description="Serve an HF model directory or a GGUF file over gRPC (tandem.executor.v1.ExecutorService, "
+                    "plus grpc.health.v1 and server reflection). Health turns SERVING once the weights are loaded "
                     "and a warm-up forward ran; a line 'READY <addresses>' is printed to stdout then.")
-    ap.add_argument("--model", type=Path, required=True, help="HF model directory (config.json + safetensors)")
+    ap.add_argument("--model", type=Path, required=True,
+                    help="HF model directory (config.json + safetensors) or a GGUF file (FILE.gguf: Llama, Qwen2/3, "
+                         "Mistral, Gemma 2/3; weights dequantized to --dtype; docs/models.md)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
     ap.add_argument("--port", type=int, default=50051, help="TCP port (default 50051; 0 = any free port; "
                                                             "-1 = none, with --uds)")

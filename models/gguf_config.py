@@ -39,7 +39,7 @@ _COMMON_KEYS = {
 _ARCH_KEYS = {
     "llama": {"attention.sliding_window"},  # a Mistral with its window -> MistralForCausalLM
     "gemma2": {"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"},
-    "gemma3": {"attention.sliding_window"},
+    "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"},
 }
 _DESCRIPTIVE_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
 
@@ -103,7 +103,7 @@ def hf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
         **_token_ids(meta),
     }
     if arch in GEMMA:
-        raw.update(_gemma(get, arch, raw, rope))
+        raw.update(_gemma(meta, get, arch, raw, rope, source))
     elif arch == "llama" and get("attention.sliding_window"):
         raw.update(architectures=["MistralForCausalLM"], model_type="mistral",
                    sliding_window=int(get("attention.sliding_window")))
@@ -139,16 +139,24 @@ def _rope_scaling(get: Callable[..., Any], arch: str, source: str) -> dict[str, 
     raise CheckpointError(f"{source}: {arch}.rope.scaling.type={kind!r} is not supported (none, linear, yarn)")
 
 
-def _gemma(get: Callable[..., Any], arch: str, raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+def _gemma(meta: dict[str, Any], get: Callable[..., Any], arch: str, raw: dict[str, Any], rope: dict[str, Any],
+           source: str) -> dict[str, Any]:
     """What Gemma configs say beyond Llama's (transformers 5's spelling): tied embeddings, tanh GELU, and for
     Gemma 2/3 the sliding layers, soft-capping and query scale llama.cpp assumes."""
     out: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
     if arch == "gemma":
         return out
     layers, head_dim = raw["num_hidden_layers"], raw["head_dim"]
-    pattern = _SWA_PATTERN[arch]
-    out["layer_types"] = ["sliding_attention" if i % pattern < pattern - 1 else "full_attention"
-                          for i in range(layers)]
+    # newer converters write the pattern: a period, or one flag per layer (true = sliding)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _SWA_PATTERN[arch])
+    if isinstance(pattern, list) and len(pattern) == layers:
+        sliding = [bool(p) for p in pattern]
+    elif isinstance(pattern, int) and pattern > 0:
+        sliding = [i % pattern < pattern - 1 for i in range(layers)]
+    else:
+        raise CheckpointError(f"{source}: {arch}.attention.sliding_window_pattern={pattern!r} is neither a period "
+                              f"nor one flag per layer ({layers})")
+    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     out["sliding_window"] = int(get("attention.sliding_window") or 4096)
     big = layers == _GEMMA_27B_LAYERS[arch]
     out["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"] if big else head_dim
@@ -156,11 +164,12 @@ def _gemma(get: Callable[..., Any], arch: str, raw: dict[str, Any], rope: dict[s
         out["attn_logit_softcapping"] = _f32(get("attn_logit_softcapping", 50.0))
         out["final_logit_softcapping"] = _f32(get("final_logit_softcapping", 30.0))
     else:
-        out["_sliding_window_pattern"] = pattern
-        out["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_BASE
+        local_base = float(get("rope.freq_base_swa") or _GEMMA3_LOCAL_ROPE_BASE)
+        if isinstance(pattern, int):
+            out["_sliding_window_pattern"] = pattern
+        out["rope_local_base_freq"] = local_base
         out["rope_parameters"] = {"full_attention": rope,
-                                  "sliding_attention": {"rope_type": "default",
-                                                        "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}}
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": local_base}}
         if rope.get("rope_type") != "default":
             out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return out

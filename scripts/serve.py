@@ -6,6 +6,7 @@ Run through `scripts/serve`, which first bootstraps .venv and prepares the defau
     scripts/serve                                   # SmolLM2-135M-Instruct on 127.0.0.1:50052
     scripts/serve --prompt "Name three colors."     # another sample question
     scripts/serve --model DIR --port 6000           # another HF model dir / port
+    scripts/serve --model model.Q4_K_M.gguf         # a GGUF file as it is (llama.cpp's format)
     scripts/serve --executor-args "--kv-blocks 512" --scheduler-args "--max-running 32"
     scripts/serve --executors 2                     # two executors (:50051, :50053), one scheduler over both
     scripts/serve --http-port 9000                  # the OpenAI-compatible HTTP API on :9000 (-1: none)
@@ -47,7 +48,9 @@ DEFAULT_PROMPT = "What is the capital of France?"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="HF model directory (scripts/serve passes the default)")
+    ap.add_argument("--model", type=Path, required=True,
+                    help="HF model directory or GGUF file (FILE.gguf: its tokenizer and chat template too); "
+                         "scripts/serve passes the default")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address both servers bind (default 127.0.0.1); another one needs TLS or tokens in "
                          "--executor-args/--scheduler-args, or --insecure there (docs/security.md)")

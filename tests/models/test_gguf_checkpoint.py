@@ -148,3 +148,14 @@ def test_a_file_that_is_not_gguf_is_a_checkpoint_error(tmp_path):
         load_model(bad, progress=False)
     with pytest.raises(CheckpointError, match="no such GGUF file"):
         load_model(tmp_path / "missing.gguf", progress=False)
+
+
+def test_gemma3_reads_the_sliding_pattern_and_local_rope_base_newer_files_write():
+    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 64, "gemma3.attention.head_count": 4,
+            "gemma3.block_count": 3, "gemma3.feed_forward_length": 128, "gemma3.rope.freq_base_swa": 5000.0,
+            "gemma3.attention.sliding_window_pattern": [True, False, True]}
+    raw = hf_config(meta, SHAPES, {}, "m.gguf")
+    assert raw["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert raw["rope_parameters"]["sliding_attention"]["rope_theta"] == 5000.0
+    with pytest.raises(CheckpointError, match="sliding_window_pattern"):
+        hf_config({**meta, "gemma3.attention.sliding_window_pattern": [True]}, SHAPES, {}, "m.gguf")
