@@ -18,6 +18,7 @@ from scheduler.grammar import CompiledConstraint, ConstraintKind, ConstraintSpec
 from scheduler.executor_info import ExecutorInfo, ExecutorStats
 from scheduler.planner import StepItem, StepPlan
 from scheduler.step_results import ItemResult
+from tandem.kv_usage import KvUsage
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob
 from scheduler.chat_input import chat_chars, messages_from_pb, tools_from_pb
 from scheduler.tokenizer import ModelTokenizer
@@ -182,6 +183,12 @@ def executor_info_from_pb(m: epb.GetInfoResponse) -> ExecutorInfo:
                         model_dir=m.model_dir, dtype=m.dtype, device=m.device, instance_id=m.instance_id,
                         session_ttl_ms=m.session_ttl_ms, max_batch_tokens=m.max_batch_tokens,
                         max_adapters_on_device=m.max_adapters_on_device)
+
+
+def created_caches_from_pb(resp: epb.CreateCacheResponse) -> tuple[list[tuple[str, int] | None], KvUsage]:
+    """Per CreateCache item: (cache id, tokens it holds), or None where the item failed; and the KV usage."""
+    return ([None if r.status.code else (r.cache.cache_id, r.cache.seq_len) for r in resp.results],
+            kv_usage_from_pb(resp.kv))
 
 
 def item_results_from_pb(resp: epb.UnifiedDecodeResponse) -> list[ItemResult]:

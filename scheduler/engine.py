@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Iterator, NamedTuple
-
-import grpc
+from typing import Callable, Iterator, NamedTuple
 
 from scheduler import codec
 from scheduler.call_failures import Call, Verdict, classify
@@ -35,10 +33,12 @@ from scheduler.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.session import ExecutorSession
 from scheduler.speculation import SPECULATIVE_DRAFTS
+from scheduler.step_results import ItemResult
 from scheduler.throughput_log import ThroughputLog
 from scheduler.token_masks import MaskWorker, StepMasks
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError, Unavailable
+from tandem.kv_usage import KvUsage
 
 log = logging.getLogger("tandem.scheduler")
 _STALL_POLL_S = (0.02, 0.5)  # KV held by another client of the executor: look again, backing off to 0.5 s
@@ -64,8 +64,7 @@ class Engine:
         self.clock = clock
         self.policy = SchedulingPolicy(cfg, info.kv, info.max_batch_tokens, info.max_adapters_on_device, clock,
                                        arrivals)
-        self.planner = self.policy.planner
-        self.session = ExecutorSession(client, client_name, clock)
+        self.planner, self.session = self.policy.planner, ExecutorSession(client, client_name, clock)
         self.streams = OutputProcessor(tokenizer, events)
         self.masks = StepMasks(mask_worker or MaskWorker(info.vocab_size))  # constrained sequences' token masks
         self.closed = False  # drained: the loop and the reconnect task end
@@ -220,7 +219,7 @@ class Engine:
             pass
 
     @property
-    def _releases_ride(self) -> bool:
+    def _releases_ride(self) -> bool:  # (the executor applies release_cache_ids)
         return RELEASE_WITH_STEP in self.info.capabilities
 
     async def _pass(self) -> None:
@@ -246,7 +245,7 @@ class Engine:
         self.bursts.observe(plan, steps, resp.elapsed_s)
         self.step_calls += 1
         self._stall_poll_s = _STALL_POLL_S[0]
-        outcome = policy.update(plan, codec.item_results_from_pb(resp.message), kv_usage_from_pb(resp.message.kv))
+        outcome = policy.update(plan, resp.results, resp.kv)
         self.masks.prefetch(policy.running)  # the next step's masks, computed while the loop streams and plans
         for seq in self.streams.process(outcome):  # a stop string ended it: only the text showed it
             policy.abort(seq)
@@ -274,16 +273,17 @@ class Engine:
                 else:
                     await self._step_failed(plan, exc)
             return None, steps
+        results = codec.item_results_from_pb(resp)
         if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
-            self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id] + release)
+            self.policy.keep_stale([r.cache_id for r in results if r.cache_id] + release)
             return None, steps
-        if not self.session.id and _names_unknown_cache(plan, resp):  # no sessions: a restart shows as unknown
-            await self.refresh_info()  # caches; a new instance id says so (refresh_info then starts recovery)
+        if not self.session.id and _names_unknown_cache(plan, results):  # no sessions: a restart shows as
+            await self.refresh_info()  # unknown caches; a new instance id says so (refresh_info starts recovery)
             if not self.up:
-                self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
+                self.policy.keep_stale([r.cache_id for r in results if r.cache_id])
                 return None, steps
         self.session.renewed(started)
-        return _Answer(resp, self.clock() - started), steps
+        return _Answer(results, kv_usage_from_pb(resp.kv), self.clock() - started), steps
 
     async def _step_failed(self, plan: StepPlan, exc: ExecutorUnreachable | RemoteError) -> None:
         failure = classify(exc, Call.STEP, self.client.address, bool(self.session.id))
@@ -321,12 +321,12 @@ class Engine:
             if losses == self.recovery.losses:
                 self._failed_call(exc, Call.CREATE_CACHE, "these requests start without a reused prefix")
             return
+        created, kv = codec.created_caches_from_pb(resp)
         if losses != self.recovery.losses:  # declared lost meanwhile: the caches went with it
-            self.policy.keep_stale([r.cache.cache_id for r in resp.results if r.cache.cache_id])
+            self.policy.keep_stale([c[0] for c in created if c is not None])
             return
-        self.policy.kv = kv_usage_from_pb(resp.kv)
-        self.policy.attach_prefixes(seqs, [None if r.status.code else (r.cache.cache_id, r.cache.seq_len)
-                                           for r in resp.results])
+        self.policy.kv = kv
+        self.policy.attach_prefixes(seqs, created)
         self.streams.prefixes_found(seqs)
 
     async def _stalled(self) -> None:
@@ -387,12 +387,13 @@ class Engine:
         return failure.verdict
 
 class _Answer(NamedTuple):
-    message: Any  # the step call's answer: UnifiedDecodeResponse or DecodeResponse
+    results: list[ItemResult]  # the step call's answer, per item
+    kv: KvUsage
     elapsed_s: float
 
 
-def _names_unknown_cache(plan: StepPlan, resp) -> bool:
+def _names_unknown_cache(plan: StepPlan, results: list[ItemResult]) -> bool:
     """Whether an item that named an existing cache failed NOT_FOUND (the executor no longer holds it)."""
-    return any(r.status.code == grpc.StatusCode.NOT_FOUND.value[0] and item.seq.cache_id
-               for item, r in zip(plan.items, resp.results))
+    return any(isinstance(r.error, RemoteError) and r.error.status_name == "NOT_FOUND" and item.seq.cache_id
+               for item, r in zip(plan.items, results))
 
