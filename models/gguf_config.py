@@ -8,7 +8,10 @@ per-layer head counts, an unknown rope scaling) is refused at load, never served
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
+
+import numpy as np
 
 from tandem.errors import CheckpointError
 
@@ -49,9 +52,10 @@ _DTYPE_OF_TYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def hf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
-              tensor_types: dict[str, str], source: str) -> dict[str, Any]:
+              tensor_types: dict[str, str], source: str, rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
     """The config.json dict of the model in a GGUF file: `meta` its metadata, `tensor_shapes` / `tensor_types`
-    its tensors (numpy-order shapes, GGML type names); CheckpointError naming what cannot be honoured."""
+    its tensors (numpy-order shapes, GGML type names), `rope_freqs` the values of its rope_freqs tensor if it
+    has one; CheckpointError naming what cannot be honoured."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{source}: unsupported GGUF architecture general.architecture={arch!r}; Tandem "
@@ -71,9 +75,8 @@ def hf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
         if get(key, 0):
             raise CheckpointError(f"{source}: {arch}.{key}={get(key)}: mixture-of-experts GGUF files are not "
                                   "supported (serve the HF checkpoint)")
-    if "rope_freqs.weight" in tensor_shapes:
-        raise CheckpointError(f"{source}: tensor 'rope_freqs.weight' (Llama 3.1-style per-dimension rope "
-                              "factors) is not supported from GGUF (serve the HF checkpoint)")
+    if "rope_freqs.weight" in tensor_shapes and rope_freqs is None:
+        raise CheckpointError(f"{source}: tensor 'rope_freqs.weight' (per-dimension rope factors) was not read")
     hidden, heads = int(get("embedding_length", required=True)), int(get("attention.head_count", required=True))
     head_dim = int(get("attention.key_length") or hidden // heads)
     if int(get("attention.value_length") or head_dim) != head_dim:
@@ -88,6 +91,8 @@ def hf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
     hf_arch, model_type = ARCHITECTURES[arch]
     theta = float(get("rope.freq_base") or 10000.0)
     rope = {"rope_type": "default", "rope_theta": theta, **_rope_scaling(get, arch, source)}
+    if rope_freqs is not None:
+        rope.update(_llama3_rope(np.asarray(rope_freqs, dtype=np.float64), theta, head_dim, source))
     raw: dict[str, Any] = {
         "architectures": [hf_arch], "model_type": model_type,
         "vocab_size": tensor_shapes["token_embd.weight"][0], "hidden_size": hidden,
@@ -137,6 +142,43 @@ def _rope_scaling(get: Callable[..., Any], arch: str, source: str) -> dict[str, 
                                   f"{arch}.rope.scaling.original_context_length")
         return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
     raise CheckpointError(f"{source}: {arch}.rope.scaling.type={kind!r} is not supported (none, linear, yarn)")
+
+
+def _llama3_factors(theta: float, head_dim: int, p: dict[str, Any]) -> np.ndarray:
+    """The per-dimension divisors of Llama 3.1's rope (what llama.cpp's converter stores as rope_freqs)."""
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"]) / (
+        p["high_freq_factor"] - p["low_freq_factor"])
+    medium = 1 / ((1 - smooth) / p["factor"] + smooth)
+    high_wavelen = p["original_max_position_embeddings"] / p["high_freq_factor"]
+    low_wavelen = p["original_max_position_embeddings"] / p["low_freq_factor"]
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, p["factor"], medium))
+
+
+def _llama3_rope(factors: np.ndarray, theta: float, head_dim: int, source: str) -> dict[str, Any]:
+    """Llama 3.1's rope scaling from the rope_freqs tensor: the divisors rise from 1 to `factor` linearly in
+    1/wavelength between two wavelengths; the line through the rising ones gives low/high_freq_factor for an
+    original length of 8192 (only their ratios matter: Llama 3.x's real values come back exactly). Any other
+    shape is an error, not an approximation."""
+    if factors.shape != (head_dim // 2,):
+        raise CheckpointError(f"{source}: rope_freqs has {factors.shape[0]} values; head_dim {head_dim} needs "
+                              f"{head_dim // 2}")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return {}
+    rising = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    inv_wavelen = 1 / (2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    params: dict[str, Any] = {"rope_type": "llama3", "factor": factor, "original_max_position_embeddings": 8192}
+    if rising.sum() >= 2:
+        smooth = (1 / factors[rising] - 1 / factor) / (1 - 1 / factor)
+        slope, offset = np.polyfit(inv_wavelen[rising], smooth, 1)  # smooth = (old/wavelen - low) / (high - low)
+        span = 8192 / slope
+        params.update(low_freq_factor=float(f"{-offset * span:.6g}"),
+                      high_freq_factor=float(f"{-offset * span + span:.6g}"))
+        if np.allclose(_llama3_factors(theta, head_dim, params), factors, rtol=1e-4):
+            return params
+    raise CheckpointError(f"{source}: tensor 'rope_freqs.weight' is not Llama 3.1-style rope scaling (factors "
+                          f"{np.round(factors[:4], 4).tolist()}...); Tandem cannot honour it")
 
 
 def _gemma(meta: dict[str, Any], get: Callable[..., Any], arch: str, raw: dict[str, Any], rope: dict[str, Any],

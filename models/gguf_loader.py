@@ -18,7 +18,7 @@ from tqdm import tqdm
 from models.config import ModelConfig
 from models.gguf_config import hf_config
 from models.gguf_file import GgufFile
-from models.gguf_tensors import HfTensors
+from models.gguf_tensors import ROPE_FREQS, HfTensors
 from models.transformer import DecoderModel
 from tandem.errors import CheckpointError
 
@@ -26,7 +26,8 @@ from tandem.errors import CheckpointError
 def read_gguf_config(path: str | Path) -> tuple[GgufFile, dict, ModelConfig]:
     """The open file, its HF config dict and the ModelConfig parsed from it."""
     gguf = GgufFile(path)
-    raw = hf_config(gguf.metadata, gguf.tensor_shapes, gguf.tensor_types, str(gguf.path))
+    rope_freqs = gguf.tensor(ROPE_FREQS) if ROPE_FREQS in gguf.tensor_shapes else None
+    raw = hf_config(gguf.metadata, gguf.tensor_shapes, gguf.tensor_types, str(gguf.path), rope_freqs)
     return gguf, raw, ModelConfig.from_hf(raw, source=str(gguf.path))
 
 

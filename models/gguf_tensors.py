@@ -27,6 +27,7 @@ _LAYER = {
 _LAYER_GEMMA2 = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
 _PERMUTED_ARCHS = ("llama",)
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-dimension rope divisors
 
 
 def hf_name(name: str, arch: str) -> str:
@@ -62,6 +63,8 @@ class HfTensors:
         self.n_head, self.n_kv = config["num_attention_heads"], config["num_key_value_heads"]
         names: dict[str, str] = {}
         for name in gguf.tensor_shapes:
+            if name == ROPE_FREQS:  # not a weight: the config's rope scaling (models/gguf_config.py)
+                continue
             try:
                 names[hf_name(name, self.arch)] = name
             except CheckpointError as exc:

@@ -14,12 +14,13 @@ tiny models' spread), and the reference is their dequantized values.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 from safetensors.torch import load_file, save_file
 
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -99,6 +100,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str, pre: str = "qwen2", seed: in
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_freq_base((rope.get("full_attention") or rope).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_rope_dimension_count(head_dim)
+    rope_tensor = _add_rope_scaling(w, rope, head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
@@ -122,11 +124,41 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str, pre: str = "qwen2", seed: in
             stored = stored + np.float32(1.0)
         raw = None if stored_type in ("F32", "F16") else GGMLQuantizationType[stored_type]
         w.add_tensor(gguf_name(name, arch), np.ascontiguousarray(stored), raw_dtype=raw)
+    if rope_tensor is not None:
+        w.add_tensor("rope_freqs.weight", rope_tensor)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out, effective
+
+
+def _add_rope_scaling(w: GGUFWriter, rope: dict, head_dim: int) -> np.ndarray | None:
+    """What convert_hf_to_gguf writes for rope scaling: linear/yarn as rope.scaling.* keys; llama3 as the
+    rope_freqs tensor of per-dimension divisors (LlamaModel.generate_extra_tensors), no key."""
+    kind = rope.get("rope_type", "default")
+    if kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(RopeScalingType(kind))
+        w.add_rope_scaling_factor(rope["factor"])
+        if kind == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        return None
+    if kind != "llama3":
+        return None
+    base, factor = rope["rope_theta"], rope["factor"]
+    old = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _add_tokenizer(w: GGUFWriter, hf_dir: Path, pre: str, vocab_size: int) -> None:

@@ -83,6 +83,15 @@ def test_each_family_equals_transformers_on_its_weights(checkpoint, tmp_path, fa
     assert err < TOLERANCE
 
 
+@pytest.mark.parametrize("scaling", ["linear", "yarn", "llama3"])
+def test_rope_scaling_equals_transformers(tiny_checkpoint, tmp_path, scaling):
+    """linear and yarn as rope.scaling.* keys; Llama 3.1's as the rope_freqs tensor (its parameters recovered)."""
+    hf_dir = tiny_checkpoint("llama", rope_scaling=scaling, config_overrides=WIDE)
+    path, _ = write_gguf(hf_dir, tmp_path / f"{scaling}.gguf", "F32")
+    err = parity(path, hf_dir, prompt_len=90)  # past the 64-token original length the scalings use
+    assert err < TOLERANCE
+
+
 def test_the_config_equals_the_hf_directorys(checkpoint, tmp_path):
     for family in ("llama", "qwen2", "qwen3"):
         path, _ = write_gguf(checkpoint(family), tmp_path / f"{family}.gguf", "Q8_0")
@@ -159,3 +168,15 @@ def test_gemma3_reads_the_sliding_pattern_and_local_rope_base_newer_files_write(
     assert raw["rope_parameters"]["sliding_attention"]["rope_theta"] == 5000.0
     with pytest.raises(CheckpointError, match="sliding_window_pattern"):
         hf_config({**meta, "gemma3.attention.sliding_window_pattern": [True]}, SHAPES, {}, "m.gguf")
+
+
+@pytest.mark.parametrize("factor, head_dim", [(8.0, 128), (32.0, 64)])  # Llama 3.1 8B, Llama 3.2 1B
+def test_llama3_rope_parameters_come_back_exactly_from_rope_freqs(factor, head_dim):
+    from models.gguf_config import _llama3_factors, _llama3_rope
+
+    want = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    stored = _llama3_factors(500000.0, head_dim, want).astype(np.float32)  # the tensor is float32
+    assert _llama3_rope(stored.astype(np.float64), 500000.0, head_dim, "m.gguf") == want
+    with pytest.raises(CheckpointError, match="not Llama 3.1-style"):
+        _llama3_rope(np.linspace(1, factor, head_dim // 2), 500000.0, head_dim, "m.gguf")
