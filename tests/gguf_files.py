@@ -82,9 +82,11 @@ def _random_k_blocks(shape: tuple[int, ...], gtype: GGMLQuantizationType, rng: n
     return data.reshape(shape[0], -1)
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: str, pre: str = "qwen2", seed: int = 0) -> tuple[Path, dict]:
+def write_gguf(hf_dir: Path, out: Path, qtype: str, pre: str = "qwen2", seed: int = 0,
+               mistral_window: bool = False) -> tuple[Path, dict]:
     """Writes the model of `hf_dir` as GGUF file `out`, matrices in `qtype`; returns (out, HF state dict of the
-    weights the file holds, float32)."""
+    weights the file holds, float32). mistral_window: record a Mistral's sliding_window (llama.cpp's converter
+    does not; other writers may)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[cfg["model_type"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
@@ -108,7 +110,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str, pre: str = "qwen2", seed: in
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-    if arch in ("gemma2", "gemma3"):
+    if arch in ("gemma2", "gemma3") or (mistral_window and cfg["model_type"] == "mistral"):
         w.add_sliding_window(cfg["sliding_window"])
     _add_tokenizer(w, hf_dir, pre, cfg["vocab_size"])
 

@@ -92,6 +92,16 @@ def test_rope_scaling_equals_transformers(tiny_checkpoint, tmp_path, scaling):
     assert err < TOLERANCE
 
 
+def test_a_mistral_file_that_records_its_window_slides(checkpoint, tmp_path):
+    hf_dir = make_family_checkpoint("mistral", tmp_path / "hf", sliding_window=16)
+    checkpoint("mistral")  # skips where models/ does not serve Mistral
+    path, state = write_gguf(hf_dir, tmp_path / "m.gguf", "Q8_0", mistral_window=True)
+    gguf = GgufFile(path)
+    raw = hf_config(gguf.metadata, gguf.tensor_shapes, gguf.tensor_types, "m.gguf")
+    assert raw["architectures"] == ["MistralForCausalLM"] and raw["sliding_window"] == 16
+    assert parity(path, reference_dir(hf_dir, state, tmp_path / "reference"), prompt_len=40) < TOLERANCE
+
+
 def test_the_config_equals_the_hf_directorys(checkpoint, tmp_path):
     for family in ("llama", "qwen2", "qwen3"):
         path, _ = write_gguf(checkpoint(family), tmp_path / f"{family}.gguf", "Q8_0")
