@@ -14,9 +14,6 @@ import numpy as np
 
 from tandem.errors import CheckpointError
 
-# Tensor types whose loading is tested (tests/models/test_gguf_checkpoint.py); other types the gguf package
-# dequantizes (Q5_0, Q5_1, Q2_K, Q3_K, IQ*, ...) load through the same call.
-TESTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # Vocabulary arrays (tens of thousands of entries): read only when asked for (tokenizer_field).
 _LARGE_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                  "tokenizer.ggml.scores")

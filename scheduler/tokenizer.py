@@ -146,8 +146,8 @@ class ModelTokenizer:
     def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> str:
         if self._compiled is None:
             raise Unsupported(f"model {self.model_dir.name!r} has no chat template (tokenizer_config.json "
-                              "chat_template or chat_template.jinja; the scheduler's --chat-template gives one); "
-                              "send text or token_ids instead")
+                              "chat_template, chat_template.jinja or a GGUF file's tokenizer.chat_template; the "
+                              "scheduler's --chat-template gives one); send text or token_ids instead")
         try:
             # (tools=None without tools, as transformers passes it: templates test `if tools`)
             return self._compiled.render(messages=[_template_message(m) for m in messages],
