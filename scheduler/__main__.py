@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chat-template", type=Path, metavar="FILE",
                     help="a Jinja chat template (as in tokenizer_config.json's chat_template) used for chat "
                          "requests instead of the model's own, e.g. for a model that has none. Default: the model's")
-    ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template); "
-                                        "default: the model directory the executor reports")
+    ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template), or a "
+                                        ".gguf file (its tokenizer and chat template); default: the model the "
+                                        "executor reports")
     for name, what in _LIMITS:  # integer limits: --max-batch-tokens N sets SchedulerConfig.max_batch_tokens
         default = getattr(_D, name)
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=what.format(default))
