@@ -1,8 +1,10 @@
 """One step of the executor over a session's caches: plan the items (request_validation.py), run the valid
 ones in one packed forward (batch.py), and commit what it produced: new caches get their ids, sampling that
-items sent is registered with their caches, the blocks the forward filled join the prefix cache, counters
-move. An item wrong on its own fails alone (its result's error, nothing of it written); a failure of the
-forward itself leaves every cache as it was (BatchRunner puts them back) and raises.
+items sent is registered with their caches, the blocks the forward filled join the prefix cache (then, for a
+model whose every layer slides, the blocks that left each sequence's window are freed), counters move. An
+item wrong on its own fails alone (its result's error, nothing of it written); a failure of the forward itself
+leaves every cache as it was (BatchRunner puts them back) and raises. ForwardVerify frees nothing of the
+window: its caller may truncate back over the verified tokens.
 
 The executor calls it under its model lock, with the caches of the operation's session."""
 from __future__ import annotations
@@ -45,6 +47,8 @@ class BatchStep:
             outputs = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
             self.metrics.record_step(kind, time.perf_counter() - start, sum(len(b.item.token_ids) for b in batch))
             self._count(outputs, batch)
+            for b in batch:  # a sliding-window model frees the blocks that left each window (kv_cache.py)
+                self.runner.kv.slide(b.state.table)
         ran = iter(zip(batch, outputs))
         results = []
         for item, p in zip(items, planned):

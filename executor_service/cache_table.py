@@ -117,7 +117,7 @@ class CacheStore:
         for s, expires_in in sessions.listing():
             if session_id is not None and s.session_id != session_id:
                 continue
-            caches = [CacheListing(cid, st.table.length, st.adapter, max(0.0, now - st.created), len(st.table.blocks))
+            caches = [CacheListing(cid, st.table.length, st.adapter, max(0.0, now - st.created), st.table.held)
                       for cid, st in self.owned(s.session_id)]
             if caches or s.session_id != ANONYMOUS or session_id is not None:
                 listing.append(SessionListing(s.session_id, s.client_name, expires_in, caches))

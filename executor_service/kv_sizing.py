@@ -90,6 +90,10 @@ def build_kv_pool(cfg: ExecutorConfig, device: torch.device, model: ModelConfig,
                                              dtype)
     sizing = size_kv_pool(cfg, device, per_block, model.max_position_embeddings)
     log.info("KV pool: %s", describe(sizing))
+    window = model.kv_window  # every layer slides: sequences hold only their window's blocks (kv_cache.py)
+    if window is not None:
+        log.info("KV: every layer attends a sliding window of %d tokens; a sequence holds at most %d blocks",
+                 window, ceil_div(window, cfg.block_size) + 1)
     pool = PagedKvCache(model.num_layers, sizing.blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
-                        device)
+                        device, window)
     return pool, sizing

@@ -19,6 +19,11 @@ grow with it): one long sequence among many short ones would make every row as l
 (`max_elements`, the executor's --max-attention-elements) a bucket over it is split into sub-buckets of
 items of similar context length (sorted, longest first), each within the limit unless a single item alone
 exceeds it. Each item's attention is computed the same way in any bucket, so splitting changes no result.
+
+Sliding-window layers (models/attention_spec.py) use a second mask per bucket, made on first use and shared by
+every layer with that window: it also hides keys more than window - 1 positions before each query (blocks
+that left an all-sliding model's window are its cache's null block, models/kv_cache.py: always hidden).
+Soft-capping and sinks take the explicit-scores path of attention_spec.attend.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.attention_spec import AttentionSpec, attend
 from models.kv_cache import PagedKvCache
 from tandem.ceil_div import ceil_div
 
@@ -52,6 +58,16 @@ class _Bucket:
     max_q: int
     covers_batch: bool  # the bucket holds every token of the batch, in packed order
     fresh: bool  # every item starts at position 0 with the same length: plain causal attention suffices
+    limit: torch.Tensor  # [B, 1, group * max_q, 1] the position of each query row (its last visible key)
+    windowed: dict[int, torch.Tensor]  # window -> its additive mask (as `mask`), made on first use
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = self.mask.masked_fill(keys <= self.limit - window, float("-inf"))
+        return self.windowed[window]
 
 
 class AttentionMetadata:
@@ -79,9 +95,9 @@ class AttentionMetadata:
         ]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
-               scale: float) -> torch.Tensor:
+               spec: AttentionSpec, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, heads, d]; k, v: [T, kv_heads, d]: paged_attention over this batch -> [T, heads * d]."""
-        return paged_attention(q, k, v, cache, layer, self, scale)
+        return paged_attention(q, k, v, cache, layer, self, spec, sinks)
 
     @staticmethod
     def _bucket(items: list[ItemLayout], starts: np.ndarray, block_size: int, group: int,
@@ -111,9 +127,10 @@ class AttentionMetadata:
         # Additive float form, built once per batch: a boolean mask is converted by every SDPA call,
         # i.e. once per layer.
         additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        rows = limit[:, None].expand(-1, group, -1).reshape(len(items), 1, group * max_q, 1)
         return _Bucket(t(token_index).to(device), t(batch_index).to(device), t(query_index).to(device),
                        t(tables).to(device), additive.to(device), max_q, covers_batch,
-                       bool(max_q > 1 and not past.any() and (n_new == max_q).all()))
+                       bool(max_q > 1 and not past.any() and (n_new == max_q).all()), rows.to(device), {})
 
 
 def attention_elements(items: Sequence[ItemLayout]) -> int:
@@ -142,9 +159,10 @@ def split_bucket(items: Sequence[ItemLayout], idx: list[int], max_elements: int 
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, spec: AttentionSpec, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for the packed batch. Writes k/v into the cache slots, then
     attends every query to its own sequence's cached keys. Returns [T, heads * d]."""
+    scale = spec.scale
     total, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -155,7 +173,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     out = q.new_empty(total, heads, d)
     for b in meta.buckets:  # decode, prefill: one each, or sub-buckets of them under max_elements
         rows, max_q = b.block_tables.shape[0], b.max_q
-        if b.fresh:
+        if b.fresh and spec.plain and sinks is None:
             # Whole prompts from position 0: their keys are this step's k/v, and the mask is plain causal,
             # which lets the kernel skip the upper triangle.
             ob = _causal(q if b.covers_batch else q[b.token_index], k if b.covers_batch else k[b.token_index],
@@ -178,7 +196,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
             # [B, max_q, kv_heads, group, d] -> [B, kv_heads, group * max_q, d]
             qb = padded.view(rows, max_q, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
                 rows, kv_heads, group * max_q, d)
-        ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=b.mask, scale=scale)
+        ob = attend(qb, keys, values, b.mask_for(spec.window), spec, sinks)
         if max_q == 1 and b.covers_batch:
             return ob.reshape(total, heads * d)
         if max_q == 1:

@@ -2,26 +2,22 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.families import FAMILIES
+from models.rope_config import RopeConfig
 from tandem.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding settings. `kind` is transformers' rope_type: default, linear, dynamic, yarn, llama3."""
-
-    theta: float = 10000.0
-    kind: str = "default"
-    params: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, beta_fast, ...
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)  # (models/families/)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The architecture facts the model code reads. The fields after `eos_token_ids` say how a family differs
+    from the Llama layout (their defaults are Llama's); models/families/ reads them from config.json."""
+
     architecture: str
     model_type: str
     vocab_size: int
@@ -40,19 +36,93 @@ class ModelConfig:
     torch_dtype: str  # dtype the checkpoint was saved in ("float32", "bfloat16", ...)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mixture of experts (Qwen3-MoE); num_experts 0 = a dense model.
+    # Mixture of experts (Qwen3-MoE, Mixtral, GPT-OSS); num_experts 0 = a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    moe_style: str = "qwen"  # qwen: softmax then top-k; gpt_oss: top-k of the logits then softmax, biases,
+    # interleaved gate/up and the clamped SwiGLU (models/moe.py)
+    swiglu_limit: float = 0.0  # gpt_oss: the clamp of gate (above) and up (both sides)
+    swiglu_alpha: float = 1.702  # gpt_oss: glu = gate * sigmoid(alpha * gate)
+    # Attention
+    sliding_window: int | None = None  # keys a sliding layer's query sees: its own and the window - 1 before
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; () = all the same:
+    # sliding when sliding_window is set, else full
+    attn_scale: float | None = None  # scores = q.k * attn_scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
+    attention_sinks: bool = False  # a learned per-head logit joins every softmax (GPT-OSS)
+    o_bias: bool = False  # the attention output projection has a bias
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not per head (OLMo 2)
+    local_rope: RopeConfig | None = None  # sliding layers' own rotary settings (Gemma 3); None: `rope`
+    rope_layers: tuple[bool, ...] = ()  # per layer whether it applies RoPE (SmolLM3's NoPE layers); () = all
+    # Norms, residuals, scales
+    layout: str = "pre"  # pre: norm before attention and MLP (Llama); sandwich: also after each (Gemma 2/3);
+    # post: only after each (OLMo 2)
+    norm_offset: bool = False  # RMSNorm multiplies by (1 + weight) (Gemma)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite: embedding_multiplier)
+    residual_scale: float = 1.0  # each sublayer's output times this before the residual add (Granite)
+    logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
+    mlp_bias: bool = False  # the dense MLP's projections have biases
+    quantized_experts: str = ""  # how the checkpoint stores expert weights: "" (as floats) | "mxfp4"
 
     def is_moe_layer(self, layer: int) -> bool:
         """transformers' Qwen3MoeDecoderLayer rule: sparse unless listed in mlp_only_layers, every
         decoder_sparse_step-th layer."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of this layer's attention (None: it sees the whole sequence)."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer slides: a sequence then needs only its last window of KV (the paged
+        cache frees blocks that left it). None when any layer sees the whole sequence."""
+        windows = {self.window_of(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
+    def rope_of(self, layer: int) -> RopeConfig | None:
+        """The rotary settings of this layer (None: it applies no RoPE)."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return None
+        if self.local_rope is not None and self.window_of(layer) is not None:
+            return self.local_rope
+        return self.rope
+
+    @property
+    def native_decode_refusal(self) -> str | None:
+        """Why the native C++ decode step (models/native_decode.py) cannot run this architecture: it runs the
+        Llama layout (pre-norm, per-head q/k norm, SiLU MLP, full attention with the default scale, one rope)
+        and nothing else. None when the architecture is that layout (MoE and machine facts are checked there)."""
+        facts = [
+            (self.sliding_window is not None and any(self.window_of(i) for i in range(self.num_layers)),
+             "sliding-window attention"),
+            (self.attn_softcap is not None or self.final_softcap is not None, "soft-capping"),
+            (self.attention_sinks, "attention sinks"),
+            (self.attn_scale is not None, "an attention scale other than head_dim ** -0.5"),
+            (self.layout != "pre", f"the {self.layout}-norm layer layout"),
+            (self.norm_offset, "RMSNorm with (1 + weight)"),
+            (self.qk_norm_whole, "q/k norms over the whole projection"),
+            (self.embed_scale != 1.0 or self.residual_scale != 1.0 or self.logits_divisor != 1.0,
+             "embedding, residual or logits multipliers"),
+            (self.hidden_act != "silu", f"the {self.hidden_act} MLP activation"),
+            (self.o_bias or self.mlp_bias, "biases on the output or MLP projections"),
+            (bool(self.rope_layers) and not all(self.rope_layers), "layers without RoPE"),
+            (self.local_rope is not None, "per-layer rotary settings"),
+            (float(self.rope.params.get("partial_rotary_factor", 1.0)) != 1.0, "partial rotary embeddings"),
+            (self.rope.kind in ("longrope", "su"), "LongRoPE's per-position factors"),
+        ]
+        return next((why for applies, why in facts if applies), None)
 
     @property
     def q_size(self) -> int:
@@ -76,72 +146,12 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
             raise CheckpointError(
                 f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"Tandem serves {', '.join(SUPPORTED_ARCHITECTURES)}")
-        if raw.get("use_sliding_window"):
-            raise CheckpointError(f"{source}: sliding-window attention (use_sliding_window) is not supported")
-
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise CheckpointError(f"{source}: missing required field {key!r}")
-            return raw[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = raw.get("head_dim") or hidden // heads
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        model_type = raw.get("model_type", "")
-        return cls(
-            architecture=arch,
-            model_type=model_type,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama-family configs say so with attention_bias.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            rope=_rope_from_hf(raw),
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            **_moe_from_hf(raw, arch, source),
-        )
-
-
-def _moe_from_hf(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
-    if arch != "Qwen3MoeForCausalLM":
-        return {}
-    experts = raw.get("num_experts", raw.get("num_local_experts"))
-    top_k, inter = raw.get("num_experts_per_tok"), raw.get("moe_intermediate_size")
-    if not experts or not top_k or not inter or not 0 < int(top_k) <= int(experts):
-        raise CheckpointError(f"{source}: Qwen3-MoE needs num_experts, num_experts_per_tok (1..num_experts) and "
-                              f"moe_intermediate_size; got {experts!r}, {top_k!r}, {inter!r}")
-    step = int(raw.get("decoder_sparse_step", 1) or 1)
-    return {"num_experts": int(experts), "num_experts_per_tok": int(top_k), "moe_intermediate_size": int(inter),
-            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)), "decoder_sparse_step": step,
-            "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ())}
-
-
-def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
-    # transformers 5 writes `rope_parameters` (theta inside); older configs write rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
-        params["original_max_position_embeddings"] = raw.get(
-            "original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
-    return RopeConfig(theta=theta, kind=str(kind), params=params)
+                f"Tandem serves {', '.join(FAMILIES)}")
+        return cls(**FAMILIES[arch](raw, arch, source))
 
 
 @dataclass(frozen=True)

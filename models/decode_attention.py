@@ -21,8 +21,8 @@ not vectorised, and a SmolLM2 step at batch 32 took 1.7x longer than with the ga
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from models.attention_spec import AttentionSpec, attend
 from models.kv_cache import PagedKvCache
 
 
@@ -56,22 +56,28 @@ class DecodeMetadata:
         self.k_pools, self.v_pools = k_pools, v_pools  # per layer [blocks, block_size, kv_heads, d] (views)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKvCache, layer: int,
-               scale: float) -> torch.Tensor:
+               spec: AttentionSpec, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [B, heads, d]; k, v: [B, kv_heads, d]. Writes k/v, returns [B, heads * d]."""
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
         ticket = write_kv(k_pool, v_pool, self.slot_mapping, k, v)
-        return attend_gathered(q, k_pool, v_pool, self.block_tables + ticket, self.context_lens, scale)
+        return attend_gathered(q, k_pool, v_pool, self.block_tables + ticket, self.context_lens, spec, sinks)
 
 
 def attend_gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                    lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, heads, d]; pools: [blocks, bs, kv_heads, d]; tables: [B, W]; lens: [B] -> [B, heads * d]."""
+                    lens: torch.Tensor, spec: AttentionSpec | float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, heads, d]; pools: [blocks, bs, kv_heads, d]; tables: [B, W]; lens: [B] -> [B, heads * d].
+    spec: the layer's (a float: a plain scale). A sliding-window spec hides keys at or before
+    lens - 1 - window (models/attention_spec.py)."""
+    if not isinstance(spec, AttentionSpec):
+        spec = AttentionSpec(float(spec))
     rows, heads, d = q.shape
     kv_heads = k_pool.shape[2]
     flat = tables.reshape(-1)
     keys = k_pool.index_select(0, flat).view(rows, -1, kv_heads, d).transpose(1, 2)  # [B, kv_heads, L, d]
     values = v_pool.index_select(0, flat).view(rows, -1, kv_heads, d).transpose(1, 2)
-    visible = torch.arange(keys.shape[2], device=q.device)[None, :] < lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(q.view(rows, kv_heads, heads // kv_heads, d), keys, values,
-                                         attn_mask=visible[:, None, None, :], scale=scale)
+    positions = torch.arange(keys.shape[2], device=q.device)[None, :]
+    visible = positions < lens[:, None]  # [B, L]
+    if spec.window is not None:
+        visible = visible & (positions >= lens[:, None] - spec.window)
+    out = attend(q.view(rows, kv_heads, heads // kv_heads, d), keys, values, visible[:, None, None, :], spec, sinks)
     return out.reshape(rows, heads * d)

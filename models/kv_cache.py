@@ -3,6 +3,16 @@
 Blocks indexed for prefix caching (models/block_allocator.py) may be shared by several tables and must never
 change: `reserve` gives a table a private copy of its last block before the table writes into it when that
 block is indexed (a cache truncated into a cached block, e.g. after rejected draft tokens).
+
+Sliding windows (`window`: a model whose every layer slides, ModelConfig.kv_window): a query at position p
+reads keys p - window + 1 .. p only, so after each step `slide` frees the blocks wholly before the next
+query's window, and a sequence holds at most window / block_size + 1 blocks (plus what one step adds) however
+long it grows. A freed block's entry in the table becomes the pool's *null block*: one extra block past the
+allocator's, never allocated nor written (zeros), so block tables stay indexed by position and attention,
+whose window mask hides those positions anyway, reads it harmlessly (vLLM's null block). Freed entries are
+always the table's first `dropped` ones. A freed block that was indexed for prefix caching stays indexed
+(free-but-cached): its K/V are still those of its prefix, so a later prompt may adopt it. A truncation back
+into freed blocks is refused (CacheStateConflict): their K/V are gone.
 """
 from __future__ import annotations
 
@@ -15,7 +25,7 @@ import torch
 from models.block_allocator import BlockAllocator
 from models.zero_pool import lazy_zeros
 from tandem.ceil_div import ceil_div
-from tandem.errors import KvCapacityExceeded
+from tandem.errors import CacheStateConflict, KvCapacityExceeded
 from tandem.kv_usage import KvUsage
 
 DEFAULT_BLOCK_SIZE = 16
@@ -30,6 +40,12 @@ class BlockTable:
     # Content hashes of the full blocks, in order (prefix caching; empty when it is off): hashes[i] is
     # blocks[i]'s hash, chained from hashes[i - 1]. len(hashes) <= length // block_size.
     hashes: list[bytes] = field(default_factory=list)
+    dropped: int = 0  # leading blocks that left a sliding window: freed, their entries the null block
+
+    @property
+    def held(self) -> int:
+        """Blocks this table holds in the pool."""
+        return len(self.blocks) - self.dropped
 
 
 class PagedKvCache:
@@ -40,10 +56,12 @@ class PagedKvCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, window: int | None = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.window = window  # every layer's sliding window (None: full attention somewhere; nothing slides)
+        self.null_block = num_blocks  # (sliding only) the extra, never-written block freed entries point at
+        shape = (num_layers, num_blocks + (window is not None), block_size, num_kv_heads, head_dim)
         self.k = lazy_zeros(shape, dtype, device)  # zero unwritten; on CPU committed as used (zero_pool.py)
         self.v = lazy_zeros(shape, dtype, device)
         self.allocator = BlockAllocator(num_blocks)
@@ -87,21 +105,43 @@ class PagedKvCache:
         table.hashes = list(hashes)
         table.length = len(blocks) * self.block_size
 
+    def slide(self, table: BlockTable) -> int:
+        """Frees the blocks wholly before the window of the table's next query (position table.length); a
+        no-op without a window. Returns the blocks freed."""
+        if self.window is None:
+            return 0
+        first = max(0, table.length - self.window + 1) // self.block_size  # first block the next query reads
+        gone = table.blocks[table.dropped:first]
+        if gone:
+            self.allocator.free(reversed(gone))
+            table.blocks[table.dropped:first] = [self.null_block] * len(gone)
+            table.dropped = first
+        return len(gone)
+
     def truncate(self, table: BlockTable, new_length: int) -> None:
         """Keeps the first new_length tokens; frees whole blocks past them (the stale tail of the last
-        kept block is overwritten later, in a private copy if that block is indexed)."""
+        kept block is overwritten later, in a private copy if that block is indexed). Raises
+        CacheStateConflict, changing nothing, when the window of position new_length reaches freed blocks."""
         keep = ceil_div(new_length, self.block_size)
+        if self.window is not None and table.dropped and new_length < table.length:
+            first = max(0, new_length - self.window + 1) // self.block_size
+            if new_length and first < table.dropped:
+                raise CacheStateConflict(
+                    f"cannot truncate to {new_length} tokens: the sliding window ({self.window} tokens) of that "
+                    f"position reaches blocks already freed (positions before {table.dropped * self.block_size})")
         if keep < len(table.blocks):
-            self.allocator.free(reversed(table.blocks[keep:]))
+            self.allocator.free(reversed(table.blocks[max(keep, table.dropped):]))
             del table.blocks[keep:]
+            table.dropped = min(table.dropped, keep)
         del table.hashes[new_length // self.block_size:]
         table.length = min(table.length, new_length)
 
     def release(self, table: BlockTable) -> None:
-        self.allocator.free(reversed(table.blocks))
+        self.allocator.free(reversed(table.blocks[table.dropped:]))
         table.blocks = []
         table.hashes = []
         table.length = 0
+        table.dropped = 0
 
     def undo_copy(self, table: BlockTable, last_block: int | None) -> None:
         """Gives the table back its last block `last_block` after a failed call made a private copy of it

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.config import ModelConfig
+from models.families import CHECKPOINT_LAYOUTS
 from tandem.errors import CheckpointError
 from models.transformer import DecoderModel
 from models.moe import SparseMoeBlock
@@ -79,8 +80,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     if tied:
         wanted.pop("lm_head.weight")
     handles: dict[Path, object] = {}
+    read_names: set[str] = set()  # every checkpoint tensor read (the rest are reported unused)
 
     def read(name: str) -> torch.Tensor:
+        read_names.add(name)
         path = files.get(name)
         if path is None:
             raise CheckpointError(f"{source}: missing tensor {name!r} required by {cfg.architecture}")
@@ -99,7 +102,11 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         layer_no, _, rest = suffix.partition(".")
         fused = _FUSED.get(rest) if suffix else None
         experts = _EXPERTS.get(rest) if suffix else None
-        if fused:
+        layout = CHECKPOINT_LAYOUTS.get(cfg.architecture)  # the family's own names (models/families/)
+        tensor = layout(name, tuple(meta.shape), read, cfg) if layout else None
+        if tensor is not None:
+            pass
+        elif fused:
             base = f"{prefix}layers.{layer_no}."
             tensor = torch.cat([read(base + part) for part in fused], dim=0)
         elif experts:  # one tensor per expert in the checkpoint -> one stacked [E, ...] parameter
@@ -117,7 +124,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     model.load_state_dict(state, strict=not tied, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _warn_unused(files, set(state) | used_expert_tensors, tied)
+    _warn_unused(files, set(state) | used_expert_tensors | read_names, tied)
     model.init_rotary(device)
     for m in model.modules():  # non-persistent buffers were built on the meta device
         if isinstance(m, SparseMoeBlock):

@@ -2,7 +2,9 @@
 
 An adapter adds `scale * B @ A @ x` to some projections (q/k/v/o/gate/up/down). Our model fuses q/k/v into
 one `qkv_proj`, so an adapter's q, k and v parts are fused too: A stacked along the rank axis and B
-block-diagonal, giving the same three updates in one pair of matmuls. The scale is folded into B.
+block-diagonal, giving the same three updates in one pair of matmuls. The scale is folded into B. Phi-3's
+checkpoints are fused themselves, so its adapters target `qkv_proj` (our slot as is) and `gate_up_proj` (one A,
+B's rows split between the gate and up slots).
 Applying adapters to a packed batch: models/lora_batch.py.
 """
 from __future__ import annotations
@@ -19,9 +21,10 @@ from safetensors import SafetensorError, safe_open
 from models.config import ModelConfig
 from tandem.errors import InvalidRequest
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+               "gate_up_proj")
 SLOT_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate",
-           "up_proj": "up", "down_proj": "down"}
+           "up_proj": "up", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -43,7 +46,9 @@ def _out_in(cfg: ModelConfig, proj: str) -> tuple[int, int]:
     return {"q_proj": (cfg.q_size, cfg.hidden_size), "k_proj": (cfg.kv_size, cfg.hidden_size),
             "v_proj": (cfg.kv_size, cfg.hidden_size), "o_proj": (cfg.hidden_size, cfg.q_size),
             "gate_proj": (cfg.intermediate_size, cfg.hidden_size), "up_proj": (cfg.intermediate_size, cfg.hidden_size),
-            "down_proj": (cfg.hidden_size, cfg.intermediate_size)}[proj]
+            "down_proj": (cfg.hidden_size, cfg.intermediate_size),
+            "qkv_proj": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),  # Phi-3's fused projections
+            "gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size)}[proj]
 
 
 def _pattern_value(patterns: dict[str, float], module: str, default: float) -> float:
@@ -183,6 +188,11 @@ def _fuse(pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], cfg: 
                     b[o0:o0 + n, r0:r0 + r] = ab[1]
                 r0, o0 = r0 + r, o0 + n
             out[(layer, "qkv")] = (a, b)
+        if (layer, "qkv_proj") in pairs:
+            out[(layer, "qkv")] = pairs[(layer, "qkv_proj")]
+        if (layer, "gate_up_proj") in pairs:  # B [2I, r]: gate rows, then up rows
+            a, b = pairs[(layer, "gate_up_proj")]
+            out[(layer, "gate")], out[(layer, "up")] = (a, b[:cfg.intermediate_size]), (a, b[cfg.intermediate_size:])
         for proj in ("o_proj", "gate_proj", "up_proj", "down_proj"):
             if (layer, proj) in pairs:
                 out[(layer, SLOT_OF[proj])] = pairs[(layer, proj)]

@@ -1,6 +1,12 @@
 """Rotary position embeddings: inverse frequencies for every rope_type we honour, and their application.
 
 Formulas follow transformers' `modeling_rope_utils` so logits match to float rounding.
+
+Partial rotary (`partial_rotary_factor` < 1, Phi-4-mini): only the first `rotary_dim` features of each head
+rotate, the rest pass through. LongRoPE (`longrope`, Phi-3's older name `su`): short factors for positions
+below `original_max_position_embeddings`, long factors from there on, chosen per token. transformers picks
+one set per forward by the longest position in it, so the two agree for a sequence generated token by token
+(each step's longest position is its own) and for every prompt within the original length.
 """
 from __future__ import annotations
 
@@ -12,11 +18,20 @@ from models.config import RopeConfig
 from tandem.errors import CheckpointError
 
 
-def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos/sin)."""
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """Features of each head that rotate (head_dim unless partial_rotary_factor < 1)."""
     dim = int(head_dim * float(rope.params.get("partial_rotary_factor", 1.0)))
-    if dim != head_dim:
-        raise CheckpointError("partial_rotary_factor < 1 is not supported")
+    if dim <= 0 or dim % 2:
+        raise CheckpointError(f"partial_rotary_factor {rope.params.get('partial_rotary_factor')!r} gives "
+                              f"{dim} rotary features of {head_dim}; it needs an even number above 0")
+    return dim
+
+
+def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
+                       long: bool = False) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [rotary_dim/2] float32, attention scaling applied to cos/sin). long: LongRoPE's long
+    factors (else its short ones; other kinds ignore it)."""
+    dim = rotary_dim(rope, head_dim)
     base = rope.theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
     inv_freq = 1.0 / (base ** exponents)
@@ -33,7 +48,20 @@ def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings:
         return _llama3(inv_freq, p), 1.0
     if rope.kind == "yarn":
         return _yarn(p, base, dim, max_position_embeddings)
-    raise CheckpointError(f"unsupported rope_type {rope.kind!r} (supported: default, linear, dynamic, llama3, yarn)")
+    if rope.kind in ("longrope", "su"):
+        return _longrope(p, exponents, base, max_position_embeddings, long)
+    raise CheckpointError(f"unsupported rope_type {rope.kind!r} "
+                          "(supported: default, linear, dynamic, llama3, yarn, longrope)")
+
+
+def _longrope(p: dict, exponents: torch.Tensor, base: float, max_pos: int, long: bool) -> tuple[torch.Tensor, float]:
+    orig = float(p["original_max_position_embeddings"])
+    factor = p.get("factor") or max_pos / orig
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = torch.tensor(p["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (ext * base ** exponents), float(attention_factor)
 
 
 def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
@@ -87,17 +115,29 @@ class RotaryEmbedding:
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, device: torch.device) -> None:
         inv_freq, self.scale = inv_freq_and_scale(rope, head_dim, max_position_embeddings)
-        self.inv_freq = inv_freq.to(device)  # [head_dim/2] float32
+        self.inv_freq = inv_freq.to(device)  # [rotary_dim/2] float32
+        # LongRoPE: positions from `long_from` on use the long factors (see the module docstring).
+        self.long_inv_freq: torch.Tensor | None = None
+        self.long_from = 0
+        if rope.kind in ("longrope", "su"):
+            self.long_inv_freq = inv_freq_and_scale(rope, head_dim, max_position_embeddings, long=True)[0].to(device)
+            self.long_from = int(rope.params["original_max_position_embeddings"])
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] int64 -> cos, sin: [T, head_dim], computed in float32 like transformers.
+        # positions: [T] int64 -> cos, sin: [T, rotary_dim], computed in float32 like transformers.
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        if self.long_inv_freq is not None:
+            long = positions.to(torch.float32)[:, None] * self.long_inv_freq[None, :]
+            freqs = torch.where((positions >= self.long_from)[:, None], long, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; cos/sin: [T, head_dim] (non-interleaved halves, as in HF Llama/Qwen).
+    # x: [T, heads, head_dim]; cos/sin: [T, rotary_dim] (non-interleaved halves, as in HF Llama/Qwen).
+    if cos.shape[-1] != x.shape[-1]:  # partial rotary: the first rotary_dim features turn, the rest pass
+        dim = cos.shape[-1]
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [T, heads, head_dim], a fresh buffer
     rotated[..., :half].neg_()  # (-x2, x1): negation is exact, so this equals negating before the cat

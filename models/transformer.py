@@ -1,14 +1,13 @@
-"""Decoder-only transformer (Llama, Qwen2, Qwen3) over a packed batch of tokens and a paged KV cache.
+"""Decoder-only transformer over a packed batch of tokens and a paged KV cache: every family Tandem serves
+(models/families/), from the shared layers of models/layers.py.
 
 Every linear layer runs once per step on `[T, hidden]` (all items' tokens flattened). The q/k/v
 projections are fused into one matmul; the loader concatenates the checkpoint's separate tensors.
 
-On CPU in float32, `DecoderModel.pack_cpu_weights` gives every linear layer (LM head included) a copy of its
-weight pre-packed in oneDNN's blocked layout, used for calls of at most PACKED_MAX_TOKENS rows: decode steps
-and small chunks. For those skinny products MKL's sgemm (F.linear) re-packs the whole weight on every call
-and splits poorly over threads (batch 32 on 2 threads: ~1.3x slower per decode step; the 49152-wide LM head
-~2x slower). Large prefill chunks keep F.linear, which is as fast or faster there. The cost is a second copy
-of the linear weights in memory.
+A layer's norms sit where its family puts them (ModelConfig.layout): `pre` (Llama: input_layernorm before
+attention, post_attention_layernorm before the MLP), `sandwich` (Gemma 2/3: also post_attention_layernorm
+after attention and pre/post_feedforward_layernorm around the MLP) or `post` (OLMo 2: only after each
+sublayer). Parameter names are the checkpoint's in every layout.
 """
 from __future__ import annotations
 
@@ -21,115 +20,47 @@ from models.config import ModelConfig
 from models.decode_attention import DecodeMetadata
 from models.half_upcast import HalfUpcast, onednn_lacks
 from models.kv_cache import PagedKvCache
+from models.layers import MLP, PACKED_MAX_TOKENS, Attention, Linear, RMSNorm  # noqa: F401  (re-exported)
 from models.lora_batch import LoraBatch
 from models.moe import SparseMoeBlock
-from models.quantization import Fp16Weight, Int8Weight, quantize_linears
-from models.rope import RotaryEmbedding, apply_rotary
+from models.quantization import quantize_linears
+from models.rope import RotaryEmbedding
 
-
-PACKED_MAX_TOKENS = 512  # rows per call up to which the packed weights are used (measured crossover ~512-2048)
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state_dict) with an optional oneDNN pre-packed weight for small calls."""
-
-    packed: torch.Tensor | None = None  # opaque mkldnn tensor [out, in], set by DecoderModel.pack_cpu_weights
-    quant: Int8Weight | Fp16Weight | None = None  # set by DecoderModel.quantize (models/quantization.py)
-    upcast: HalfUpcast | None = None  # set by DecoderModel.upcast_cpu_half_linears (models/half_upcast.py)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
-        if self.quant is not None:
-            return self.quant(x)
-        if self.upcast is not None and x.shape[0] >= self.upcast.min_rows and not torch.compiler.is_compiling():
-            return self.upcast.linear(x, self.weight, self.bias)
-        # Compiled (models/compiled_decode.py), the compiler packs the weights itself (inductor freezing).
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_TOKENS and not torch.compiler.is_compiling():
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op; bit-equal in fp32
-        # Half precision: normalise in float32 and cast back before the weight, exactly as transformers does.
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKvCache,
-                meta: AttentionMetadata | DecodeMetadata, lora: LoraBatch | None) -> torch.Tensor:
-        # x: [T, hidden]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        if lora is not None:
-            lora.apply(qkv, x, self.layer, "qkv")
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(-1, self.heads + self.kv_heads, self.head_dim)  # [T, heads + kv_heads, d]
-        if self.q_norm is not None:
-            q, k = qk.split([self.heads, self.kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = apply_rotary(qk, cos, sin)  # q and k rotated together: half the small ops
-        q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, heads, d], [T, kv_heads, d]
-        v = v.view(-1, self.kv_heads, self.head_dim)
-        out = meta.attend(q, k, v, cache, self.layer, self.scale)  # [T, heads * d]
-        return self.o_proj(out) if lora is None else lora.apply(self.o_proj(out), out, self.layer, "o")
-
-
-class MLP(nn.Module):
-    # gate and up stay separate matmuls: fused, the halves are strided views and the elementwise
-    # silu * up on them measured ~5% slower per decode step on CPU than two contiguous outputs.
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        if lora is not None:
-            gate = lora.apply(self.gate_proj(x), x, self.layer, "gate")
-            mid = F.silu(gate, inplace=True).mul_(lora.apply(self.up_proj(x), x, self.layer, "up"))
-            return lora.apply(self.down_proj(mid), mid, self.layer, "down")
-        # In place on the fresh [T, inter] gate output: a prefill chunk's intermediates are ~12 MB each, and
-        # on CPU every such new buffer is page-faulted in again (glibc trims the freed heap), which made
-        # silu and mul cost as much as half a matmul; two fewer buffers measured ~1.15x on the MLP at T=2048.
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # one layer's (cos, sin) [T, rotary_dim] each; None: no RoPE
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layout = cfg.layout
+        self.residual_scale = cfg.residual_scale
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+        if cfg.layout != "post":
+            self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        if cfg.layout == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if cfg.layout != "pre":
+            self.post_feedforward_layernorm = norm()
         self.mlp = SparseMoeBlock(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg, layer)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKvCache,
-                meta: AttentionMetadata | DecodeMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: Rope, cache: PagedKvCache, meta: AttentionMetadata | DecodeMetadata,
+                lora: LoraBatch | None = None) -> torch.Tensor:
         # Residual adds in place on the sublayers' fresh outputs (a + h == h + a bit for bit): one [T, hidden]
         # buffer fewer each, which on CPU spares large prefill chunks a page-faulted allocation.
-        h = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, lora).add_(h)
-        return self.mlp(self.post_attention_layernorm(h), lora).add_(h)
+        if self.layout == "pre":
+            a = self.self_attn(self.input_layernorm(h), rope, cache, meta, lora)
+            h = self._scaled(a).add_(h)
+            return self._scaled(self.mlp(self.post_attention_layernorm(h), lora)).add_(h)
+        a = self.self_attn(h if self.layout == "post" else self.input_layernorm(h), rope, cache, meta, lora)
+        h = self.post_attention_layernorm(a).add_(h)
+        m = self.mlp(h if self.layout == "post" else self.pre_feedforward_layernorm(h), lora)
+        return self.post_feedforward_layernorm(m).add_(h)
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        # Granite's residual_multiplier: residual + out * m, as transformers computes it
+        return out if self.residual_scale == 1.0 else out.mul_(self.residual_scale)
 
 
 class DecoderModel(nn.Module):
@@ -141,15 +72,20 @@ class DecoderModel(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary: RotaryEmbedding | None = None  # set by the loader once the device is known
+        self.rotary: RotaryEmbedding | None = None  # the model's rope; set by the loader once the device is known
+        self.layer_rotary: list[RotaryEmbedding | None] = []  # per layer (Gemma 3's local rope, NoPE layers)
         self.weights_version = 0  # bumped whenever weights change in place (quantize): kernels holding raw
         # pointers to the weights (models/native_decode.py) rebuild their descriptors
 
     def init_rotary(self, device: torch.device) -> None:
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
+        local = (RotaryEmbedding(cfg.local_rope, cfg.head_dim, cfg.max_position_embeddings, device)
+                 if cfg.local_rope is not None else None)
+        self.layer_rotary = [None if cfg.rope_of(i) is None else local if cfg.rope_of(i) is cfg.local_rope
+                             else self.rotary for i in range(cfg.num_layers)]
 
     def quantize(self, mode: str, force_dequant: bool = False) -> str | None:
         """Low-precision linear weights (models/quantization.py); returns the kernel used, None for "none"."""
@@ -197,9 +133,17 @@ class DecoderModel(nn.Module):
                 logit_rows: torch.Tensor | None, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids: [T]; logit_rows: [R] indices into the packed tokens whose logits are wanted (None: all,
         R = T). Returns float32 logits [R, vocab]; the LM head runs on those R rows only."""
+        cfg = self.config
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)  # [T, head_dim] each
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, meta, lora)
+        if cfg.embed_scale != 1.0:  # Gemma: sqrt(hidden); Granite: embedding_multiplier (in the model's dtype)
+            h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
+        ropes = {id(r): r.cos_sin(meta.positions, h.dtype) for r in self.layer_rotary if r is not None}
+        for layer, rotary in zip(self.model.layers, self.layer_rotary):
+            h = layer(h, None if rotary is None else ropes[id(rotary)], cache, meta, lora)
         h = self.model.norm(h if logit_rows is None else h[logit_rows])  # [R, hidden]
-        return self.lm_head(h).float()  # [R, vocab]
+        logits = self.lm_head(h)  # [R, vocab]
+        if cfg.logits_divisor != 1.0:  # Granite's logits_scaling
+            logits = logits / cfg.logits_divisor
+        if cfg.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits.float()

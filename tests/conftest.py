@@ -55,3 +55,24 @@ def _limit_threads() -> None:
     # CI has 2 cores; keep torch from oversubscribing them when tests spawn servers later.
     import torch
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """family_checkpoint(family, **config_overrides) -> a tiny checkpoint of one of issue 32's families
+    (tests/models/family_checkpoints.py); skips when this transformers lacks the family's classes. Each
+    distinct request is built once per session."""
+    from tests.models.family_checkpoints import make_family_checkpoint, missing_config_class
+    built: dict[tuple, Path] = {}
+
+    def make(family: str, **overrides) -> Path:
+        why = missing_config_class(family)
+        if why:
+            pytest.skip(why)
+        key = (family, repr(sorted(overrides.items())))
+        if key not in built:
+            built[key] = make_family_checkpoint(family, tmp_path_factory.mktemp(f"family-{family}"),
+                                                overrides=overrides)
+        return built[key]
+
+    return make
