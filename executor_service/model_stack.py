@@ -9,7 +9,6 @@ accounts for the packed copies; the decode step is chosen last, over the model a
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -83,21 +82,8 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
                  HALF_UPCAST_MIN_ROWS)
     cfg, dtype = model.config, model.lm_head.weight.dtype
     kv, kv_pool = build_kv_pool(config, device, cfg, dtype)  # sized and logged there
-    decode_step = choose_decode_step(_native_applies(config, cfg), model, kv)  # ValueError: a refused combination
+    decode_step = choose_decode_step(config, model, kv)  # ValueError: a refused combination
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=decode_step,
                       runner=BatchRunner(model, kv, config.attention_bound(), decode_step))
-
-
-def _native_applies(config: ExecutorConfig, cfg: ModelConfig) -> ExecutorConfig:
-    """config, with --decode-kernel auto narrowed to torch for an architecture the native step does not run
-    (ModelConfig.native_decode_refusal: sliding windows, soft-capping, sinks, other layouts), so that it never
-    gives wrong answers whatever the native step's own checks cover. --decode-kernel native is then refused."""
-    reason = cfg.native_decode_refusal
-    if reason is None or config.compile or config.decode_kernel == "torch":
-        return config
-    if config.decode_kernel == "native":
-        raise ValueError(f"--decode-kernel native cannot run here: {reason} is not in the native step")
-    log.info("decode steps run the PyTorch forward (the native kernel does not apply: %s)", reason)
-    return dataclasses.replace(config, decode_kernel="torch")

@@ -139,6 +139,8 @@ def native_refusal(model: DecoderModel, kv: PagedKvCache, build: NativeBuild | N
         return "--quantization needs --dtype float32 in it"
     if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
         return "MoE layers are not in the native step"
+    if model.config.native_decode_refusal is not None:  # (sliding windows, soft-capping, sinks, other layouts)
+        return f"{model.config.native_decode_refusal} is not in the native step"
     if any(m.in_features % 8 for m in model.modules() if isinstance(m, Linear)) or model.config.head_dim % 8:
         return "a linear layer's input size or the head size is not a multiple of 8"
     return machine_refusal(build)
