@@ -24,6 +24,9 @@ from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
 from tests.soak.clients import Target
 
 
+TIMELINE_S = 30.0
+
+
 @dataclass
 class Instance:
     """One process instance (a restart is a new one). rss_*: kB from /proc/PID/status VmRSS."""
@@ -37,6 +40,7 @@ class Instance:
     rss_peak_kb: int = 0
     ended_at: float | None = None
     ended_how: str = ""
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (s since READY, kB), every ~TIMELINE_S
 
     def sample_rss(self) -> None:
         kb = rss_kb(self.server.proc.pid) if self.server.proc.poll() is None else 0
@@ -44,6 +48,9 @@ class Instance:
             self.rss_first_kb = self.rss_first_kb or kb
             self.rss_last_kb = kb
             self.rss_peak_kb = max(self.rss_peak_kb, kb)
+            age = time.monotonic() - self.ready_at
+            if not self.timeline or age - self.timeline[-1][0] >= TIMELINE_S:
+                self.timeline.append((round(age, 1), kb))
 
 
 @dataclass

@@ -15,7 +15,8 @@ def _rss(inst: Instance, now: float) -> dict:
             "lived_s": round(end - inst.ready_at, 1), "ended": inst.ended_how or "running",
             "start_mb": round(inst.rss_first_kb / 1024, 1), "end_mb": round(inst.rss_last_kb / 1024, 1),
             "peak_mb": round(inst.rss_peak_kb / 1024, 1),
-            "growth_mb": round((inst.rss_last_kb - inst.rss_first_kb) / 1024, 1)}
+            "growth_mb": round((inst.rss_last_kb - inst.rss_first_kb) / 1024, 1),
+            "timeline_s_mb": [[s, round(kb / 1024, 1)] for s, kb in inst.timeline]}
 
 
 def build(v: Verdict, cluster: Cluster, kv: list[KvState], chaos: collections.Counter, chaos_log: list[str],
