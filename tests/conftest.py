@@ -12,6 +12,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true",
+                     help="also run the tests marked `long` (the benchmarks' smoke runs through real processes: "
+                          "minutes on 2 cores; the default run, as CI, leaves them out)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="long: run with --long (scripts/test --long)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
 def load_script(name: str):
     """Imports scripts/<name>.py as a module (scripts/ is not a package)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")

@@ -2,9 +2,12 @@
 server processes where the benchmark starts them, sane JSON. No timing assertions (shared, noisy machine)."""
 from __future__ import annotations
 
+import pytest
+
 CONFIGS = {"tokens", "logits/f32", "logits/bf16", "tokens/x8", "tokens+ReleaseCache", "tokens+release-in-step"}
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_executor_quick(model_dir, run_bench):
     proc, data = run_bench("executor", "--quick", "--model", str(model_dir))
     assert "server stopped (exit code 0)" in proc.stderr and data["server_exit_code"] == 0  # SIGTERM -> clean drain
@@ -24,6 +27,7 @@ def test_executor_quick(model_dir, run_bench):
     assert "grpc/inproc" in proc.stdout and "where the gRPC time goes" in proc.stdout
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_step_profile_quick(model_dir, run_bench):
     proc, data = run_bench("step_profile", "--quick", "--model", str(model_dir), "--threads", "1",
                            "--no-hf")
@@ -32,6 +36,7 @@ def test_step_profile_quick(model_dir, run_bench):
     assert "decode step ms" in proc.stdout
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_startup_quick_cold(model_dir, run_bench):
     proc, data = run_bench("startup", "--quick", "--cold", "--model", str(model_dir), timeout=240)
     (result,) = data["results"]

@@ -11,6 +11,7 @@ from benchmarks.request_metrics import Record
 STREAMS, F_IN, F_OUT, KILL_AFTER = 4, 16, 128, 2  # the --quick preset
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_fleet_quick(model_dir, run_bench):
     proc, data = run_bench("fleet", "--quick", "--model", str(model_dir), timeout=180)
     assert data["ok"] is True

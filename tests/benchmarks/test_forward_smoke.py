@@ -2,7 +2,10 @@
 is sane. No timing assertions: the machine is shared and noisy; only structure and positivity are checked."""
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_forward_quick(tiny_checkpoint, run_bench):
     proc, data = run_bench("forward", "--quick", "--model", str(tiny_checkpoint("llama")))
     assert data["benchmark"] == "bench_forward" and data["machine"]["cpu_count"] >= 1 and data["peak"]["gflops"] > 0
@@ -16,6 +19,7 @@ def test_forward_quick(tiny_checkpoint, run_bench):
     assert "hf/tandem" in proc.stdout and "tandem ms" in proc.stdout
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_moe_quick_counts_the_routed_experts(run_bench):
     proc, data = run_bench("moe", "--quick", "--batches", "1,8", "--peak-n", "256")
     model = data["model"]

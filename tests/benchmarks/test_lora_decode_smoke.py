@@ -4,7 +4,10 @@ and the quality part (the compiled mode's compiles cost ~80 s: tests/executor/te
 llama.cpp is not part of the smoke run). Timings are never asserted (noisy machine)."""
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_lora_quick(model_dir, tmp_path, run_bench):
     adapters = tmp_path / "adapters"
     proc, data = run_bench("lora", "--quick", "--model", str(model_dir), "--steps", "2", "--rank", "4",
@@ -28,6 +31,7 @@ def test_lora_quick(model_dir, tmp_path, run_bench):
     assert [r["config"] for r in again["rows"]] == ["base", "2 mixed", "2 grouped"]
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_decode_quick(model_dir, run_bench):
     proc, data = run_bench("decode", "--model", str(model_dir), "--quick", timeout=240)
     modes = ("float32-eager", "float32-native", "int8-native")

@@ -13,6 +13,7 @@ from tests.grpc_harness import start_for, start_scheduler_for
 N, INPUT_LEN, OUTPUT_LEN = 4, 16, 8
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_serving_quick_with_both_baselines(model_dir, run_bench):
     proc, data = run_bench("serving", "--quick", "--model", str(model_dir), "--baseline", "hf,hf-serial", timeout=180)
     assert data["servers"]["http_url"].startswith("http://127.0.0.1:") and data["all_exact_output_len"] is True
@@ -31,6 +32,7 @@ def test_serving_quick_with_both_baselines(model_dir, run_bench):
     assert "out tok/s" in proc.stdout and "TTFT p99" in proc.stdout and "tandem/side" in proc.stdout
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_prefix_both_workloads(model_dir, run_bench):
     s, q, questions, conversations, turns, out = 40, 8, 4, 3, 3, 4
     proc, data = run_bench("prefix", "--model", str(model_dir), "--modes", "on", "--system-tokens", str(s),
@@ -59,6 +61,7 @@ def test_prefix_both_workloads(model_dir, run_bench):
     assert "hit rate" in proc.stdout and "cache on" in proc.stdout
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_spec_off_and_on_agree(model_dir, run_bench):
     proc, data = run_bench("spec", "--model", str(model_dir), "--concurrency", "2", "--requests", "3",
                            "--output-len", "12", "--spec-args=--speculative ngram --ngram-min 1", timeout=180)

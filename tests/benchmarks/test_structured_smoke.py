@@ -2,9 +2,12 @@
 (xgrammar is not a dependency). No timing assertions: only that the figures exist and add up."""
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.structured_engines import FEATURES
 
 
+@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_structured_both_parts(model_dir, run_bench):
     proc, data = run_bench("structured", "--quick", "--model", str(model_dir), "--engines", "llguidance",
                            "--batches", "1,3", "--output-len", "6", timeout=240)
