@@ -647,16 +647,18 @@ class KvEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "adapter", "token_count")
+    __slots__ = ("block_hashes", "parent_hash", "adapter", "token_count", "token_ids")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     adapter: str
     token_count: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., adapter: _Optional[str] = ..., token_count: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., adapter: _Optional[str] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
     __slots__ = ("block_hashes",)
