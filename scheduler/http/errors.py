@@ -128,6 +128,17 @@ def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _unknown_field(loc: tuple[Any, ...]) -> JSONResponse:
+    """400 for a field the API does not have: named (with its path) rather than dropped, so a client that
+    relies on it (vLLM's use_beam_search, OpenAI's audio, ...) learns it was not served."""
+    where = validation_param(loc[:-1])
+    name = str(loc[-1])[:80] if loc else "?"
+    param = f"{where}.{name}" if where else name
+    return response(400, f"unknown field {param!r}: this server does not serve it (the fields it takes: "
+                    "docs/serving.md#openai-compatible-http); remove it from the request", param,
+                    "invalid_argument")
+
+
 def _unreadable(cause: BaseException) -> str:
     """The message of a body FastAPI could not read for a reason other than bad JSON syntax."""
     if isinstance(cause, ValueError) and "digits" in str(cause):  # Python reads integers of <= 4300 digits
@@ -158,6 +169,8 @@ def install(app: FastAPI) -> None:
             return response(400, "the body must be a JSON object, sent with content-type application/json"
                             + ("" if first.get("type") != "missing" else f" ({first['msg']})"), None,
                             "invalid_argument")
+        if first.get("type") == "extra_forbidden":
+            return _unknown_field(loc)
         param = validation_param(loc)
         message = f"{param}: {first['msg']}" if param else f"invalid request body: {first['msg']}"
         return response(400, message, param, "invalid_argument")

@@ -1,7 +1,11 @@
 """The JSON bodies of the OpenAI-compatible API (pydantic), requests and responses.
 
 Requests are validated strictly (a string where a number belongs is refused, never coerced: 400 naming the
-field) and unknown fields are ignored, as OpenAI does. Every optional field also takes JSON null. Value ranges
+field) and unknown fields are refused (400 naming the field), at every level: a field this server does not
+serve would otherwise be dropped silently and the client would get results it did not ask for (vLLM's
+`use_beam_search`, OpenAI's `audio`, ...). What clients send back unchanged from a response they got (an
+assistant message's `refusal`, `annotations`, null `audio`/`function_call`, a content part's media it cannot
+use) is named here so that it gets the precise answer. Every optional field also takes JSON null. Value ranges
 that the scheduler's own validation already checks (temperature, top_p, penalties, logit_bias values, stop
 strings, token ids against the vocabulary) are left to it, so HTTP and gRPC clients get the same messages;
 the bounds here are those the proto cannot carry (every integer has its wire type's range: uint32 counts,
@@ -65,7 +69,7 @@ _FAULTS = {"surrogate": ("string_unicode", "a string{at} holds a lone UTF-16 sur
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     @field_validator("*", mode="after")
     @classmethod
@@ -82,6 +86,10 @@ class _Body(BaseModel):
 class ContentPart(_Body):
     type: str  # only "text" is served
     text: str | None = None
+    # media parts: named so that their type gets the precise refusal (convert.py), not "unknown field"
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
 
 
 class FunctionCallIn(_Body):
@@ -101,6 +109,13 @@ class ChatMessageIn(_Body):
     name: str | None = None  # accepted, not passed to the template
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls (passed to the template)
     tool_call_id: str | None = None  # a "tool" turn: the call it answers
+    # what the openai package sends back when a response's message is appended to the next request's
+    # messages: response-only metadata, not passed to the template
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None  # (audio output is never produced, so a real one cannot come back)
+    function_call: None = None  # (the legacy functions API is not served: only null comes back)
+    reasoning_content: str | None = None  # vLLM's reasoning field, as its responses carry it
 
 
 class FunctionIn(_Body):

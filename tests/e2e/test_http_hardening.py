@@ -4,7 +4,7 @@ caps and tokens with a per-token share. Each refusal is a 4xx with OpenAI's erro
 the limit, the next request on the same connection (or a neighbour's) is served, and the KV ends idle.
 
 1. lone UTF-16 surrogates in any string field -> 400 naming it, the keep-alive connection still usable;
-2. integers past their wire type's range -> 400 naming the field;
+2. integers past their wire type's range -> 400 naming the field; unknown fields -> 400 naming them;
 5. slow headers, slow bodies, silent connections -> closed (408 when a response can be sent); connections past
    the caps -> 503 / 429, others unaffected;
 6. prompts per request capped; per-token shares count choices (prompts x n);
@@ -146,6 +146,42 @@ def test_integers_past_their_range_are_400_naming_the_field(url, executor):
         status, payload, _ = _post_on(conn, "/v1/completions", '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}")
         assert status == 400 and "too many digits" in openai_error(400, payload)["message"]
         _ok_completion(_connection(url))  # (that one closed its connection: a neighbour's)
+    finally:
+        conn.close()
+    wait_kv_free(executor.stub)
+
+
+UNKNOWN = [  # (route, fields, the param named): fields a client may rely on that this server does not serve
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),  # vLLM's
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),  # OpenAI's
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "weight": 0}]}, "messages.0.weight"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/tokenize", {"prompt": "hi", "truncate": 3}, "truncate"),
+]
+
+
+def test_unknown_fields_are_400_naming_them_and_echoed_messages_are_taken(url, executor):
+    conn = _connection(url)
+    try:
+        for route, fields, param in UNKNOWN:
+            base = {"messages": CHAT} if route == "/v1/chat/completions" else {"prompt": "hi"}
+            status, payload, kept = _post_on(conn, route, {**base, **fields})
+            assert status == 400 and kept, (fields, payload)
+            err = openai_error(400, payload)
+            assert err["param"] == param and f"unknown field '{param}'" in err["message"], err
+        # What the openai package sends when a response's message goes back into the next request (its
+        # metadata fields, null when unused) is taken: multi-turn code works unchanged.
+        first = _post_on(conn, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0})
+        echoed = {**first[1]["choices"][0]["message"], "refusal": None, "annotations": [], "audio": None,
+                  "function_call": None}
+        status, payload, _ = _post_on(conn, "/v1/chat/completions", {
+            "messages": [*CHAT, echoed, {"role": "user", "content": "more"}], "max_tokens": 2, "temperature": 0})
+        assert status == 200, payload
+        # A media part is refused for what it is, not as an unknown field.
+        status, payload, _ = _post_on(conn, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]})
+        assert status == 400 and "image_url" in openai_error(400, payload)["message"], payload
     finally:
         conn.close()
     wait_kv_free(executor.stub)
