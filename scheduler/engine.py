@@ -22,7 +22,7 @@ from scheduler.call_failures import Call, Verdict, classify
 from scheduler.config import SchedulerConfig
 from scheduler.decode_bursts import DecodeBursts
 from scheduler.executor_client import ExecutorClient, ExecutorUnreachable
-from scheduler.executor_info import ExecutorInfo, ExecutorStats
+from scheduler.executor_info import ExecutorInfo, ExecutorStats, adapters_of
 from scheduler.output_processor import OutputProcessor
 from scheduler.planner import StepPlan
 from scheduler.policy import SchedulingPolicy
@@ -84,13 +84,13 @@ class Engine:
         return self.recovery.up
 
     def stats(self) -> ExecutorStats:
-        r, kv, serving = self.recovery, self.policy.kv, self.recovery.up
-        m = self.masks.stats
+        r, kv, serving, m, p = self.recovery, self.policy.kv, self.recovery.up, self.masks.stats, self.policy
         return ExecutorStats(self.client.address, "serving" if serving else "refused" if r.unfit else "unreachable",
-                             "" if serving else (r.unfit or r.reason), len(self.policy.running),
-                             len(self.policy.waiting), kv.free_blocks, kv.cached_blocks, kv.total_blocks,
-                             self.info.device if serving else "", self.info.instance_id if serving else "",
-                             self.policy.preemptions, self.step_calls, r.losses, m.masks, m.compute_s, m.wait_s)
+                             "" if serving else (r.unfit or r.reason), len(p.running), len(p.waiting),
+                             kv.free_blocks, kv.cached_blocks, kv.total_blocks, self.info.device if serving else "",
+                             self.info.instance_id if serving else "", p.preemptions, self.step_calls, r.losses,
+                             m.masks, m.compute_s, m.wait_s, adapters_of(p.running), adapters_of(p.waiting),
+                             self.info.max_adapters_on_device, kv.block_size)
 
     # ----------------------------------------------------------------- requests (called by the fleet)
     def submit(self, request: GenerateRequest) -> tuple[Sequence, RequestStream]:

@@ -4,6 +4,7 @@ these plain values; nothing outside an engine reads the engine itself)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Protocol
 
 from tandem.kv_usage import KvUsage
 
@@ -49,3 +50,22 @@ class ExecutorStats:
     masks: int = 0  # token masks computed for constrained requests ...
     mask_compute_s: float = 0.0  # ... the mask thread's time for them ...
     mask_wait_s: float = 0.0  # ... and the loop's wait for them before a step call
+    running_adapters: tuple[str, ...] = ()  # adapters of the running requests, sorted (llm-d's LoRA affinity)
+    waiting_adapters: tuple[str, ...] = ()  # ... and of the queued ones
+    max_adapters: int = 0  # distinct adapters one step may carry (the executor's --max-adapters-on-device)
+    block_size: int = 0  # tokens per KV block
+
+
+class _HasRequest(Protocol):
+    @property
+    def request(self) -> "_HasAdapter": ...
+
+
+class _HasAdapter(Protocol):
+    @property
+    def adapter(self) -> str: ...
+
+
+def adapters_of(sequences: Iterable[_HasRequest]) -> tuple[str, ...]:
+    """The distinct adapters (not the base model) that these sequences' requests use, sorted."""
+    return tuple(sorted({s.request.adapter for s in sequences if s.request.adapter}))

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from scheduler.executor_info import ExecutorStats
+from scheduler.model_server_metrics import ModelServerCollector
 from scheduler.request import FinishReason
 from tandem.histogram import SingleWriterHistogram
 from tandem.metrics_http import serve_metrics
@@ -69,9 +70,12 @@ class SchedulerMetrics:
         self.registry.register(_RequestCollector(self))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
-    def watch(self, executors: Callable[[], list[ExecutorStats]]) -> None:
-        """Exports each executor's queue lengths, KV usage and counters, read from executors() when scraped."""
+    def watch(self, executors: Callable[[], list[ExecutorStats]], model_name: str = "",
+              prefix_caching: Callable[[], bool] = lambda: False) -> None:
+        """Exports each executor's queue lengths, KV usage and counters, read from executors() when scraped,
+        and the pod-level gauges under vLLM's names that llm-d reads (scheduler/model_server_metrics.py)."""
         self.registry.register(_ExecutorCollector(executors))
+        self.registry.register(ModelServerCollector(executors, model_name, prefix_caching))
 
     # ----------------------------------------------------------------- request lifecycle
     def admitted(self, queued_s: float) -> None:

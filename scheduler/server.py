@@ -18,6 +18,7 @@ from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 from scheduler import codec, discovery
 from scheduler.config import SchedulerConfig
+from scheduler.engine import PREFIX_CACHING
 from scheduler.executor_info import ExecutorInfo
 from scheduler.fleet import Fleet
 from scheduler.recovery import unfit_reason
@@ -142,7 +143,8 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     metrics = SchedulerMetrics()
     fleet = Fleet(cfg, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
                   client_name=f"tandem-scheduler {addresses[0]}", events=metrics)
-    metrics.watch(fleet.stats)
+    metrics.watch(fleet.stats, (cfg.served_model_names or (info.model_id,))[0],
+                  lambda: PREFIX_CACHING in fleet.info.capabilities)
     lost = []
     for client, its_info in zip(clients, infos):
         unfit = unfit_reason(info, its_info, client.address) if its_info is not None else ""

@@ -173,7 +173,7 @@ def test_cancelled_stream_is_counted(scheduler, executor):
 
 
 def _metric_names(text: str) -> set[str]:
-    return set(re.findall(r"(?:tandem:|process_)[A-Za-z0-9_:]*[A-Za-z0-9_]", text))
+    return set(re.findall(r"(?:tandem:|vllm:|process_)[A-Za-z0-9_:]*[A-Za-z0-9_]", text))
 
 
 def _exported(server) -> set[str]:
@@ -210,7 +210,7 @@ def test_dashboard_uses_only_exported_metrics(scheduler, executor):
 def test_readme_lists_every_tandem_metric(scheduler, executor):
     documented = _metric_names(docs_text("docs/metrics.md"))  # the metrics page, as the README's section was
     exported = {f for f in families(scheduler) | families(executor)
-                if f.startswith("tandem:") and not f.endswith("_created")}
+                if f.startswith(("tandem:", "vllm:")) and not f.endswith("_created")}
     missing = {f for f in exported if f not in documented and f + "_total" not in documented}
     assert not missing, f"missing from docs/metrics.md: {sorted(missing)}"
     # (CUDA-only and MoE-only metrics are documented though this CPU, dense run does not export them)
