@@ -6,7 +6,11 @@ Draft tokens (UnifiedItem.draft_token_ids) run in the same forward as the item's
 logit row at its last token and at each draft, each sampled exactly as if the tokens before it had come one
 step at a time (its own history for the penalties, its own position for the RNG key). Draft i is accepted
 while it equals the token sampled at its position (models/speculative.py says why that is the exact
-speculative-sampling rule); the cache keeps the accepted drafts and is rolled back past them here."""
+speculative-sampling rule); the cache keeps the accepted drafts and is rolled back past them here.
+
+Prompt logprobs (UnifiedItem.prompt_logprobs): the forward keeps the final hidden state of every position of
+such an item, and executor_service/prompt_logprobs.py scores them in slices; the cache keeps its last
+position's state for the next item."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +20,7 @@ import torch
 
 from executor_service.cache_table import CacheSnapshot, CacheState
 from executor_service.decode_kernel import DecodeStep
+from executor_service.prompt_logprobs import LogprobRows, extend_trail, score
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention import AttentionMetadata, ItemLayout
 from models.kv_cache import PagedKvCache
@@ -52,9 +57,11 @@ class BatchRunner:
         self.max_attention_elements = max_attention_elements  # see models/attention.py (None: no split)
 
     def run(self, batch: list[PlannedItem], all_positions: bool = False,
-            adapters: Callable[[], dict[str, LoraWeights]] | None = None) -> list[list[SequenceOutput] | None]:
+            adapters: Callable[[], dict[str, LoraWeights]] | None = None
+            ) -> tuple[list[list[SequenceOutput] | None], list[list[TokenOutput]]]:
         """Per item: None for a non-final chunk, else one SequenceOutput per position asked for (the last
-        position, or every position of the item when all_positions). adapters: called once the KV is
+        position, or every position of the item when all_positions); and per item its prompt logprobs (empty
+        when it asked for none). adapters: called once the KV is
         reserved (a refused batch moves no adapter), returns the device weights of the items' adapters.
         Raises KvCapacityExceeded before touching anything, DeviceOutOfMemory for a device OOM; on that or
         any other error every cache is as it was (blocks, length, tokens, prompt end)."""
@@ -62,9 +69,12 @@ class BatchRunner:
         self.kv.reserve([(b.state.table, b.state.table.length + len(b.item.token_ids) + len(b.item.draft_token_ids))
                          for b in batch])
         try:
-            logits, rows_per_item = self._forward(batch, all_positions, adapters() if adapters else {})
+            logits, rows_per_item, hiddens = self._forward(batch, all_positions, adapters() if adapters else {})
+            scored = [self._score(b, h) for b, h in zip(batch, hiddens)]
             self._commit(batch)  # before sampling: penalties and the RNG key read the new tokens
-            return self._outputs(batch, logits, rows_per_item)
+            self._keep_hidden(batch, hiddens, scored)
+            return (self._outputs(batch, logits, rows_per_item),
+                    [rows.outputs(rows.top) if rows is not None else [] for rows in scored])
         except torch.cuda.OutOfMemoryError as exc:  # = torch.OutOfMemoryError (torch >= 2.5), on any device
             self._restore(snapshots)
             if self.device.type == "cuda":
@@ -95,24 +105,58 @@ class BatchRunner:
             b.state.tokens.extend(b.item.draft_token_ids)
 
     @torch.inference_mode()
+    def _score(self, b: PlannedItem, hidden: torch.Tensor | None) -> LogprobRows | None:
+        """The item's prompt logprobs (None when it asked for none): its tokens after the sequence's first,
+        each scored from the hidden state of the position before it (hidden: [n, hidden_size], its rows)."""
+        if hidden is None:
+            return None
+        pos, tokens = b.item.pos_offset, b.item.token_ids
+        rows = hidden[:-1] if not pos else torch.cat([b.state.plp_hidden[None].to(hidden.dtype), hidden[:-1]])
+        targets = torch.tensor(tokens[1:] if not pos else tokens, dtype=torch.int64, device=self.device)
+        return score(self.model.project, rows, targets, b.item.prompt_logprobs, self.sampler.vocab_size)
+
+    def _keep_hidden(self, batch: list[PlannedItem], hiddens: list[torch.Tensor | None],
+                     scored: list[LogprobRows | None]) -> None:
+        """After the commit: an item that asked for prompt logprobs leaves its cache its last position's hidden
+        state and extends the cache's trail; any other item drops them (they would be of older positions)."""
+        for b, hidden, rows in zip(batch, hiddens, scored):
+            if hidden is None or rows is None:
+                b.state.plp_hidden = b.state.plp_trail = None
+                continue
+            b.state.plp_hidden = hidden[-1].clone()  # (a copy: the [n, hidden] rows are freed after the call)
+            b.state.plp_trail = extend_trail(b.state.plp_trail, max(b.item.pos_offset, 1), rows, hidden,
+                                             b.item.pos_offset, self.kv.block_size)
+
+    @torch.inference_mode()
     def _forward(self, batch: list[PlannedItem], all_positions: bool,
-                 adapters: dict[str, LoraWeights]) -> tuple[torch.Tensor, list[int]]:
-        if self.decode_step is not None and all(len(b.item.token_ids) == 1 and not b.item.draft_token_ids
-                                                and b.item.is_final_chunk and not b.item.adapter for b in batch):
+                 adapters: dict[str, LoraWeights]) -> tuple[torch.Tensor, list[int], list[torch.Tensor | None]]:
+        """Logits of the rows to sample, rows per item, and per item asking for prompt logprobs the final
+        hidden states of its positions ([n, hidden_size]; None for the others)."""
+        scoring = any(b.item.prompt_logprobs is not None for b in batch)
+        if self.decode_step is not None and not scoring and all(
+                len(b.item.token_ids) == 1 and not b.item.draft_token_ids and b.item.is_final_chunk
+                and not b.item.adapter for b in batch):
             logits = self.decode_step.run([b.item.token_ids[0] for b in batch],
                                           [b.state.table.blocks for b in batch], [b.state.table.length for b in batch])
-            return logits, [1] * len(batch)  # logits: [B, vocab]
+            return logits, [1] * len(batch), [None] * len(batch)  # logits: [B, vocab]
         layouts, ids, logit_rows, rows_per_item = [], [], [], []
-        spans: dict[str, list[tuple[int, int]]] = {}  # adapter -> its items' token ranges in the packed batch
+        hidden_rows: list[int] = []  # (scoring) every packed row whose hidden state is kept
+        spans: list[tuple[int, int] | None] = []  # (scoring) per item, its rows among hidden_rows
+        adapter_spans: dict[str, list[tuple[int, int]]] = {}  # adapter -> its items' token ranges in the batch
         start = 0
         for b in batch:
             drafts = len(b.item.draft_token_ids)  # (validated: final chunks only)
             n = len(b.item.token_ids) + drafts
             if b.item.adapter:
-                spans.setdefault(b.item.adapter, []).append((start, start + n))
+                adapter_spans.setdefault(b.item.adapter, []).append((start, start + n))
             layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n))
             ids.extend(b.item.token_ids)
             ids.extend(b.item.draft_token_ids)
+            if b.item.prompt_logprobs is not None:  # (validated: no drafts) every position, the last sampled
+                spans.append((len(hidden_rows), len(hidden_rows) + n))
+                hidden_rows.extend(range(start, start + n))
+            else:
+                spans.append(None)
             if not b.item.is_final_chunk:
                 rows_per_item.append(0)
             elif all_positions:
@@ -125,9 +169,19 @@ class BatchRunner:
         meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype,
                                  self.max_attention_elements)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        lora = LoraBatch.build(spans, adapters, len(ids), self.device, self.lora_stacks)
-        return self.model(input_ids, meta, self.kv, rows, lora), rows_per_item  # logits: [R, vocab]
+        lora = LoraBatch.build(adapter_spans, adapters, len(ids), self.device, self.lora_stacks)
+        if not scoring:
+            rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+            return self.model(input_ids, meta, self.kv, rows, lora), rows_per_item, spans  # logits: [R, vocab]
+        # The rows to sample are among the kept ones or added after them: one forward gives both.
+        kept = set(hidden_rows)
+        hidden_rows.extend(r for r in logit_rows if r not in kept)
+        where = {r: i for i, r in enumerate(hidden_rows)}
+        h = self.model.hidden(input_ids, meta, self.kv, torch.tensor(hidden_rows, dtype=torch.int64,
+                                                                     device=self.device), lora)  # [H, hidden]
+        pick = torch.tensor([where[r] for r in logit_rows], dtype=torch.int64, device=self.device)
+        return (self.model.project(h[pick]), rows_per_item,  # logits: [R, vocab]
+                [None if s is None else h[s[0]:s[1]] for s in spans])
 
     @torch.inference_mode()
     def _outputs(self, batch: list[PlannedItem], logits: torch.Tensor,

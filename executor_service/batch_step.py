@@ -4,7 +4,8 @@ items sent is registered with their caches, the blocks the forward filled join t
 model whose every layer slides, the blocks that left each sequence's window are freed), counters move. An
 item wrong on its own fails alone (its result's error, nothing of it written); a failure of the forward itself
 leaves every cache as it was (BatchRunner puts them back) and raises. ForwardVerify frees nothing of the
-window: its caller may truncate back over the verified tokens.
+window: its caller may truncate back over the verified tokens. The prompt logprobs a filled block's
+positions got are stored beside it in the prefix cache (prompt_logprob_store.py).
 
 The executor calls it under its model lock, with the caches of the operation's session."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from executor_service.cache_table import CacheState, CacheTable
 from executor_service.metrics import ExecutorMetrics
 from executor_service.prefix_cache import PrefixCache
 from executor_service.request_validation import RequestValidator
-from executor_service.types import CacheRef, SequenceOutput, UnifiedItem, UnifiedResult
+from executor_service.types import CacheRef, SequenceOutput, TokenOutput, UnifiedItem, UnifiedResult
 from tandem.errors import TandemError
 from tandem.sampling_params import SamplingParams
 
@@ -41,24 +42,26 @@ class BatchStep:
         batch = [p if p.state is not None
                  else PlannedItem(p.item, self.new_state(p.item.adapter, sampling=p.sampling), p.sampling) for p in ok]
         outputs: list[list[SequenceOutput] | None] = []
+        scored: list[list[TokenOutput]] = []
         if batch:  # reserves KV first; on any error puts every cache back and re-raises
             kind = _step_kind(batch)  # (before the run: it marks prompts done)
             start = time.perf_counter()
-            outputs = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
+            outputs, scored = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
             self.metrics.record_step(kind, time.perf_counter() - start, sum(len(b.item.token_ids) for b in batch))
             self._count(outputs, batch)
             for b in batch:  # a sliding-window model frees the blocks that left each window (kv_cache.py)
                 self.runner.kv.slide(b.state.table)
-        ran = iter(zip(batch, outputs))
+        ran = iter(zip(batch, outputs, scored))
         results = []
         for item, p in zip(items, planned):
             if not isinstance(p, PlannedItem):
                 results.append(UnifiedResult(caches.ref(item.cache_id or ""), None, p))
                 continue
-            b, outs = next(ran)
+            b, outs, plp = next(ran)
             if item.sampling is not None:
                 b.state.sampling = item.sampling  # registered once the item succeeded
-            results.append(UnifiedResult(self._register(p, b.state, caches), outs[0] if outs else None))
+            results.append(UnifiedResult(self._register(p, b.state, caches), outs[0] if outs else None,
+                                         prompt_logprobs=plp))
         return results
 
     def verify(self, item: UnifiedItem, caches: CacheTable) -> list[SequenceOutput]:
@@ -70,7 +73,7 @@ class BatchStep:
         # Predictions are greedy, whatever sampling the cache has registered (which stays registered).
         batch = [PlannedItem(item, planned.state, SamplingParams())]
         start = time.perf_counter()
-        outputs = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
+        outputs, _ = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
         self.metrics.record_step("verify", time.perf_counter() - start, len(item.token_ids))
         self._count(outputs, batch)
         self.metrics.tokens_processed += len(item.token_ids)
@@ -96,9 +99,26 @@ class BatchStep:
     def _count(self, outputs: list[list[SequenceOutput] | None], batch: list[PlannedItem]) -> None:
         """After a successful forward: counters, and the blocks it filled join the prefix cache."""
         for b in batch:
+            sealed = len(b.state.table.hashes)
             self.prefix.seal(b.state.table, b.state.tokens, b.state.root, b.state.adapter)
+            self._store_logprobs(b.state, sealed)
         self.metrics.forward_passes += 1
         self.metrics.tokens_sampled += sum(len(o.tokens) for outs in outputs if outs for o in outs)
+
+    def _store_logprobs(self, state: CacheState, sealed: int) -> None:
+        """Stores, beside each block sealed since `sealed` (a count of hashes) that the cache's trail covers, its
+        prompt logprobs and last hidden state (only while its hash is indexed: the store follows the index);
+        then the trail keeps only the partial last block."""
+        trail = state.plp_trail
+        if trail is None:
+            return
+        bs = self.runner.kv.block_size
+        for i in range(sealed, len(state.table.hashes)):
+            got = trail.block(i, bs)
+            h = state.table.hashes[i]
+            if got is not None and self.runner.kv.allocator.lookup([h]):
+                self.prefix.logprobs.put(h, *got)
+        state.plp_trail = trail.after_sealing(state.table.length, bs)
 
     def _register(self, planned: PlannedItem, state: CacheState, caches: CacheTable) -> CacheRef:
         """Names a cache created by a successful forward (ids are only handed out once state exists)."""

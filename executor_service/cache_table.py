@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import torch
+from executor_service.prompt_logprobs import PromptLogprobTrail
 from executor_service.sessions import ANONYMOUS, SessionRegistry
 from executor_service.types import CacheListing, CacheRef, SessionListing
 from models.kv_cache import BlockTable, PagedKvCache
@@ -42,6 +44,11 @@ class CacheState:
     # tokens reused when CreateCache created it.
     root: bytes = b""
     cached_tokens: int = 0
+    # Prompt logprobs (executor_service/prompt_logprobs.py): the final hidden state [hidden_size] of the last
+    # written position when the last item asked for them (or CreateCache restored it), to score the next
+    # item's first token; and what was computed for the blocks not yet stored beside the prefix cache.
+    plp_hidden: torch.Tensor | None = None
+    plp_trail: PromptLogprobTrail | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -50,9 +57,11 @@ class CacheState:
     def snapshot(self) -> "CacheSnapshot":
         """What a call may change, to put back if it fails after changing it."""
         return CacheSnapshot(self, self.table.length, len(self.tokens), self.prompt_len, self.sampling,
-                             self.table.blocks[-1] if self.table.blocks else None)
+                             self.table.blocks[-1] if self.table.blocks else None, self.plp_hidden, self.plp_trail)
 
     def truncate(self, new_len: int) -> None:
+        if new_len < len(self.tokens):  # the kept hidden state and trail are of positions now gone
+            self.plp_hidden = self.plp_trail = None
         del self.tokens[new_len:]
         if self.prompt_len is not None and self.prompt_len > new_len:
             self.prompt_len = new_len
@@ -66,6 +75,8 @@ class CacheSnapshot:
     prompt_len: int | None
     sampling: SamplingParams
     last_block: int | None  # the table's last block (a failed call's copy-on-write of it is undone)
+    plp_hidden: torch.Tensor | None = None
+    plp_trail: PromptLogprobTrail | None = None
 
     def restore(self, kv: PagedKvCache) -> None:
         """Puts the cache back as it was: blocks past the old length freed (and the last block itself if the
@@ -75,6 +86,7 @@ class CacheSnapshot:
         del self.state.tokens[self.num_tokens:]
         self.state.prompt_len = self.prompt_len
         self.state.sampling = self.sampling
+        self.state.plp_hidden, self.state.plp_trail = self.plp_hidden, self.plp_trail
 
 
 class CacheStore:

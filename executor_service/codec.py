@@ -13,7 +13,8 @@ from executor_service.prefix_cache import PrefixCacheStats
 from executor_service.request_validation import check_release_with_step, name_item, renumber_item
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, OutputMode, OutputOptions, SequenceOutput,
-                                    SessionLease, SessionListing, StepResults, UnifiedItem, UnifiedResult)
+                                    SessionLease, SessionListing, StepResults, TokenOutput, UnifiedItem,
+                                    UnifiedResult)
 from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported)
 from tandem.errors import InvalidRequest, TandemError
 from tandem.executor.v1 import executor_pb2 as pb
@@ -72,6 +73,10 @@ def sequence_output_to_pb(out: SequenceOutput, logits_dtype: int) -> pb.Sequence
     if out.logits is not None:
         msg.logits.CopyFrom(encode_logits(out.logits, logits_dtype))
     return msg
+
+
+def prompt_logprobs_to_pb(tokens: list[TokenOutput]) -> list:
+    return [token_logprob_to_pb(t.token_id, t.logprob, t.top_logprobs, t.rank) for t in tokens]
 
 
 def cache_to_pb(c: CacheRef) -> pb.CacheRef:
@@ -169,14 +174,16 @@ def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
     return UnifiedItem(tuple(m.token_ids), m.cache_id or None, m.pos_offset, m.is_final_chunk,
                        sampling_from_pb(m.sampling) if m.HasField("sampling") else None, output, m.adapter,
                        m.prompt_len if m.HasField("prompt_len") else None, tuple(m.draft_token_ids),
-                       allowed_tokens=m.allowed_tokens or None), dtype
+                       allowed_tokens=m.allowed_tokens or None,
+                       prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None), dtype
 
 
 def unified_response_to_pb(results: StepResults[UnifiedResult], logits_dtypes: list[int],
                            kv: KvUsage) -> pb.UnifiedDecodeResponse:
     out = pb.UnifiedDecodeResponse(kv=kv_usage_to_pb(kv), released=results.released)
     for r, dtype in zip(results, logits_dtypes):
-        res = out.results.add(cache=cache_to_pb(r.cache), status=item_status_to_pb(r.error))
+        res = out.results.add(cache=cache_to_pb(r.cache), status=item_status_to_pb(r.error),
+                              prompt_logprobs=prompt_logprobs_to_pb(r.prompt_logprobs))
         if r.output is not None:
             res.output.CopyFrom(sequence_output_to_pb(r.output, dtype))
     return out
@@ -245,13 +252,15 @@ def prefix_stats_to_pb(p: PrefixCacheStats) -> pb.PrefixCacheStats:
 
 
 def create_cache_items_from_pb(items) -> list[CreateCacheItem]:
-    return [CreateCacheItem(tuple(it.token_ids), it.adapter, it.cache_salt) for it in items]
+    return [CreateCacheItem(tuple(it.token_ids), it.adapter, it.cache_salt,
+                            it.prompt_logprobs if it.HasField("prompt_logprobs") else None) for it in items]
 
 
 def create_cache_response_to_pb(results: list[CreateCacheResult], kv: KvUsage) -> pb.CreateCacheResponse:
     return pb.CreateCacheResponse(
         results=[pb.CreateCacheResult(cache=cache_to_pb(r.cache), cached_tokens=r.cached_tokens,
-                                      status=item_status_to_pb(r.error)) for r in results],
+                                      status=item_status_to_pb(r.error),
+                                      prompt_logprobs=prompt_logprobs_to_pb(r.prompt_logprobs)) for r in results],
         kv=kv_usage_to_pb(kv))
 
 

@@ -33,6 +33,7 @@ from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
 from executor_service.model_stack import ModelStack, build_model_stack
 from executor_service.op_lock import OpLock
 from executor_service.prefix_cache import PrefixCache, PrefixCacheStats
+from executor_service.prompt_logprob_store import restore_prompt_logprobs
 from executor_service.request_validation import RequestValidator, check_release_with_step, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
@@ -54,7 +55,9 @@ CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_
                 # issue 18: UnifiedItem.allowed_tokens (token masks for constrained decoding) is applied
                 "token_masks",
                 # issue 30: release_cache_ids of UnifiedDecode and Decode, released before the items run
-                "release_with_step")
+                "release_with_step",
+                # UnifiedItem/CreateCacheItem.prompt_logprobs, kept beside the prefix cache's blocks
+                "prompt_logprobs")
 
 
 class Executor:
@@ -182,11 +185,13 @@ class Executor:
                     results.append(CreateCacheResult(CacheRef("", 0), 0, name_item(exc, n)))
                     continue
                 state = self._step.new_state(it.adapter, it.cache_salt)
-                state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root)
+                state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root, it.prompt_logprobs)
                 state.tokens = list(it.token_ids[:state.cached_tokens])
                 self.metrics.caches_created += 1
                 results.append(CreateCacheResult(CacheRef(self._caches.add(state), state.cached_tokens),
-                                                 state.cached_tokens))
+                                                 state.cached_tokens,
+                                                 prompt_logprobs=restore_prompt_logprobs(state, self.prefix.logprobs,
+                                                                                         it.prompt_logprobs)))
             return results
 
     def subscribe_kv_events(self) -> Subscription:

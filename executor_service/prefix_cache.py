@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from executor_service.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventHub
+from executor_service.prompt_logprob_store import PromptLogprobStore
 from models.kv_cache import BlockTable, PagedKvCache
 from tandem.block_hash import block_hash, chain_hashes, root_hash
 
@@ -36,20 +37,25 @@ class PrefixCache:
         self.stored_blocks = 0
         # hash -> (parent hash, adapter) of every indexed block: what a new subscriber's snapshot needs
         self._meta: dict[bytes, tuple[bytes, str]] = {}
+        self.logprobs = PromptLogprobStore()  # prompt logprobs beside indexed blocks (prompt_logprob_store.py)
         kv.allocator.on_removed = self._removed
 
     @staticmethod
     def root(adapter: str, adapter_digest: str, cache_salt: str) -> bytes:
         return root_hash(adapter, adapter_digest, cache_salt)
 
-    def match(self, table: BlockTable, token_ids: Sequence[int], root: bytes) -> int:
+    def match(self, table: BlockTable, token_ids: Sequence[int], root: bytes,
+              prompt_logprobs: int | None = None) -> int:
         """Fills the empty table with the longest indexed prefix of token_ids, in whole blocks and leaving at
-        least one token to compute; the blocks are pinned at once. Returns the tokens reused."""
+        least one token to compute; the blocks are pinned at once. Returns the tokens reused. prompt_logprobs:
+        only blocks whose prompt logprobs are stored with that many alternatives (prompt_logprob_store.py)."""
         if not self.enabled or not token_ids:
             return 0
         bs = self.kv.block_size
         hashes = chain_hashes(root, token_ids, bs, max_blocks=(len(token_ids) - 1) // bs)
         blocks = self.kv.allocator.lookup(hashes)
+        if prompt_logprobs is not None:
+            blocks = blocks[:self.logprobs.covered(hashes[:len(blocks)], prompt_logprobs)]
         self.kv.adopt(table, blocks, hashes[:len(blocks)])
         self.query_tokens += len(token_ids)
         self.hit_tokens += len(blocks) * bs
@@ -87,6 +93,7 @@ class PrefixCache:
                                 a.num_indexed, self.kv.copied_blocks)
 
     def _removed(self, hashes: list[bytes]) -> None:
+        self.logprobs.forget(hashes)
         for h in hashes:
             self._meta.pop(h, None)
         if self.events.active:

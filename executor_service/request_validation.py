@@ -84,6 +84,7 @@ class RequestValidator:
             raise InvalidRequest(f"cache_salt has {len(it.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
         if it.adapter:
             self.adapters.get(it.adapter)  # AdapterNotFound
+        _check_prompt_logprobs(it.prompt_logprobs)
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -123,6 +124,16 @@ class RequestValidator:
                                  "this item")
         if it.allowed_tokens is not None:
             self._check_mask(it)
+        if it.prompt_logprobs is not None:
+            _check_prompt_logprobs(it.prompt_logprobs)
+            if it.draft_token_ids:
+                raise InvalidRequest("prompt_logprobs cannot go with draft_token_ids: drafts are verified, not "
+                                     "scored; ask for prompt logprobs on the prompt's chunks")
+            if it.pos_offset and (state is None or state.plp_hidden is None):
+                raise CacheStateConflict(
+                    f"prompt logprobs at position {it.pos_offset} need the previous position's hidden state, which "
+                    "the cache keeps only when its previous item asked for prompt logprobs too (or CreateCache "
+                    "made it with prompt_logprobs set): ask on every chunk of the prompt")
         if it.draft_token_ids:
             self._check_drafts(it)
         drafts = len(it.draft_token_ids)
@@ -159,6 +170,11 @@ class RequestValidator:
         if not allows_any(it.allowed_tokens, self.vocab_size):
             raise InvalidRequest("allowed_tokens allows no token of the vocabulary: nothing could be sampled "
                                  "(end the sequence instead)")
+
+
+def _check_prompt_logprobs(top: int | None) -> None:
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
 
 
 def name_item(exc: TandemError, n: int, cache_id: str | None = None) -> TandemError:

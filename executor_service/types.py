@@ -47,6 +47,7 @@ class TokenOutput:
     token_id: int
     logprob: float  # log-probability under the model's raw distribution
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # 1-based rank in the raw distribution: prompt logprobs only (None for sampled tokens)
 
 
 @dataclass
@@ -83,6 +84,10 @@ class UnifiedItem:
     # The packed mask of the tokens the token sampled after this item may be (tandem/token_mask.py's layout);
     # None = any. Applied before every other sampling step; logprobs stay raw. Final chunks only.
     allowed_tokens: bytes | None = None
+    # Prompt logprobs: return each of this item's tokens' logprob (given the tokens before it) with this many
+    # alternatives; None = not asked. The cache keeps the last position's hidden state for the next item
+    # (executor_service/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -92,6 +97,8 @@ class UnifiedResult:
     # This item's own failure (the domain error it would raise alone); None = it ran. A failed item wrote
     # nothing; the other items of the call ran.
     error: TandemError | None = None
+    # When the item asked: its tokens at positions max(pos_offset, 1) .. end - 1, each scored from the one before.
+    prompt_logprobs: list[TokenOutput] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,9 @@ class CreateCacheItem:
     token_ids: tuple[int, ...]  # the whole prompt
     adapter: str = ""
     cache_salt: str = ""  # only blocks of caches with the same salt are reused
+    # Reuse only blocks with prompt logprobs stored with this many alternatives, and return the reused prefix's
+    # (None: any block, none returned).
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -143,6 +153,7 @@ class CreateCacheResult:
     cache: CacheRef  # seq_len = cached_tokens; ("", 0) for a failed item
     cached_tokens: int = 0
     error: TandemError | None = None  # this item failed alone: no cache was created for it
+    prompt_logprobs: list[TokenOutput] = field(default_factory=list)  # positions 1 .. cached_tokens - 1, when asked
 
 
 @dataclass

@@ -133,6 +133,12 @@ class DecoderModel(nn.Module):
                 logit_rows: torch.Tensor | None, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids: [T]; logit_rows: [R] indices into the packed tokens whose logits are wanted (None: all,
         R = T). Returns float32 logits [R, vocab]; the LM head runs on those R rows only."""
+        return self.project(self.hidden(input_ids, meta, cache, logit_rows, lora))
+
+    def hidden(self, input_ids: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, cache: PagedKvCache,
+               rows: torch.Tensor | None, lora: LoraBatch | None = None) -> torch.Tensor:
+        """The final (normed) hidden states of the rows asked for: [R, hidden], the LM head's input. A caller
+        that needs many rows' logits (prompt logprobs) projects them in slices (project) instead of at once."""
         cfg = self.config
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         if cfg.embed_scale != 1.0:  # Gemma: sqrt(hidden); Granite: embedding_multiplier (in the model's dtype)
@@ -140,7 +146,11 @@ class DecoderModel(nn.Module):
         ropes = {id(r): r.cos_sin(meta.positions, h.dtype) for r in self.layer_rotary if r is not None}
         for layer, rotary in zip(self.model.layers, self.layer_rotary):
             h = layer(h, None if rotary is None else ropes[id(rotary)], cache, meta, lora)
-        h = self.model.norm(h if logit_rows is None else h[logit_rows])  # [R, hidden]
+        return self.model.norm(h if rows is None else h[rows])  # [R, hidden]
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [R, hidden] -> float32 logits [R, vocab] (LM head, scaling, soft-capping)."""
+        cfg = self.config
         logits = self.lm_head(h)  # [R, vocab]
         if cfg.logits_divisor != 1.0:  # Granite's logits_scaling
             logits = logits / cfg.logits_divisor

@@ -37,8 +37,10 @@ def sampling_to_pb(p: SamplingParams) -> cpb.SamplingParams:
     return m
 
 
-def token_logprob_to_pb(token_id: int, logprob: float, top: Iterable[tuple[int, float]]) -> cpb.TokenLogprob:
-    return cpb.TokenLogprob(token_id=token_id, logprob=logprob,
+def token_logprob_to_pb(token_id: int, logprob: float, top: Iterable[tuple[int, float]],
+                        rank: int | None = None) -> cpb.TokenLogprob:
+    """rank: set for prompt logprobs only (None: unset)."""
+    return cpb.TokenLogprob(token_id=token_id, logprob=logprob, rank=rank,
                             top_logprobs=[cpb.TopLogprob(token_id=i, logprob=lp) for i, lp in top])
 
 

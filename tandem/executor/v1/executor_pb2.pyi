@@ -233,7 +233,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class UnifiedItem(_message.Message):
-    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens")
+    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens", "prompt_logprobs")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class UnifiedItem(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
@@ -254,7 +255,8 @@ class UnifiedItem(_message.Message):
     prompt_len: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     allowed_tokens: bytes
-    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
     __slots__ = ("items", "session_id", "release_cache_ids")
@@ -267,14 +269,16 @@ class UnifiedDecodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[UnifiedItem, _Mapping]]] = ..., session_id: _Optional[str] = ..., release_cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnifiedResult(_message.Message):
-    __slots__ = ("cache", "output", "status")
+    __slots__ = ("cache", "output", "status", "prompt_logprobs")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     output: SequenceOutput
     status: ItemStatus
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class UnifiedDecodeResponse(_message.Message):
     __slots__ = ("results", "kv", "released")
@@ -583,14 +587,16 @@ class CacheInfo(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., adapter: _Optional[str] = ..., age_ms: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class CreateCacheItem(_message.Message):
-    __slots__ = ("token_ids", "adapter", "cache_salt")
+    __slots__ = ("token_ids", "adapter", "cache_salt", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter: str
     cache_salt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class CreateCacheRequest(_message.Message):
     __slots__ = ("items", "session_id")
@@ -601,14 +607,16 @@ class CreateCacheRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[CreateCacheItem, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class CreateCacheResult(_message.Message):
-    __slots__ = ("cache", "cached_tokens", "status")
+    __slots__ = ("cache", "cached_tokens", "status", "prompt_logprobs")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     cached_tokens: int
     status: ItemStatus
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CreateCacheResponse(_message.Message):
     __slots__ = ("results", "kv")
