@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from executor_service.config import ExecutorConfig
+from executor_service.kv_events_endpoint import ZmqKvConfig
 from executor_service.server import ServerConfig, serve
 from models.huge_pages import MODES as HUGE_PAGE_MODES
 from tandem.errors import TandemError
@@ -78,6 +79,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-events-buffer", type=int, default=10_000,
                     help="KV events a subscriber may leave unread; one further behind is dropped (its stream ends "
                          "RESOURCE_EXHAUSTED) so that it never slows the model (default 10000)")
+    ap.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
+                    help="also publish KV events on ZMQ in vLLM's format (v0.28.0's layout: topic, u64 sequence, "
+                         "msgpack EventBatch; for llm-d and vllm-router kv_aware): tcp://*:PORT binds a PUB socket "
+                         "on --host, tcp://HOST:PORT connects to HOST. No TLS on ZMQ: an address off loopback is "
+                         "refused unless --insecure (the events carry prompts' token ids). Default: off")
+    ap.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
+                    help="with --kv-events-endpoint: bind a ROUTER socket that answers replay requests (an 8-byte "
+                         "big-endian start sequence) with the batches still held, then vLLM's end marker; "
+                         "tcp://*:PORT binds on --host. Same loopback rule")
+    ap.add_argument("--kv-events-topic",
+                    help="the ZMQ topic frame (default kv@<host>:<port>@<model>: this executor's gRPC address "
+                         "and model directory name)")
+    ap.add_argument("--kv-events-replay-buffer", type=int, default=10_000, metavar="BATCHES",
+                    help="batches kept for --kv-events-replay-endpoint (default 10000, as vLLM's buffer_steps)")
     ap.add_argument("--no-cpu-packed-weights", action="store_true",
                     help="CPU float32: do not keep oneDNN-packed copies of the linear weights (saves their memory, "
                          "~1.1-1.3x slower decode steps)")
@@ -124,6 +139,16 @@ def _adapter_flags(values: list[str]) -> list[tuple[str, Path]]:
     return pairs
 
 
+def _zmq_flags(args: argparse.Namespace) -> ZmqKvConfig | None:
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None or args.kv_events_topic is not None:
+            raise SystemExit("tandem-executor: error: --kv-events-replay-endpoint and --kv-events-topic need "
+                             "--kv-events-endpoint")
+        return None
+    return ZmqKvConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic,
+                       args.kv_events_replay_buffer)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -146,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                                   max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
                               threads=args.threads, max_queued_calls=args.max_queued_calls,
-                              metrics_port=args.metrics_port, security=server_security(args))
+                              metrics_port=args.metrics_port, security=server_security(args),
+                              kv_events_zmq=_zmq_flags(args))
     try:
         return serve(executor_cfg, server_cfg)
     except (TandemError, ValueError, OSError) as exc:

@@ -267,7 +267,8 @@ def create_cache_response_to_pb(results: list[CreateCacheResult], kv: KvUsage) -
 def kv_event_to_pb(event: KvEvent) -> pb.KvEvent:
     if isinstance(event, BlocksStored):
         return pb.KvEvent(stored=pb.BlocksStored(block_hashes=list(event.hashes), parent_hash=event.parent,
-                                                 adapter=event.adapter, token_count=event.token_count))
+                                                 adapter=event.adapter, token_count=event.token_count,
+                                                 token_ids=event.token_ids))
     return pb.KvEvent(removed=pb.BlocksRemoved(block_hashes=list(event.hashes)))
 
 

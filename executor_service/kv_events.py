@@ -1,14 +1,17 @@
-"""KV events: the prefix cache's index changes, fanned out to SubscribeKvEvents streams.
+"""KV events: the prefix cache's index changes, fanned out to SubscribeKvEvents streams and to sinks (the
+ZMQ publisher in vLLM's format, executor_service/zmq_kv_publisher.py).
 
 Publishing happens on the model's path (under the model lock), so it only appends to each subscriber's
 bounded queue and never waits: a subscriber whose queue is full is dropped (its stream ends
 RESOURCE_EXHAUSTED and it may subscribe again for a fresh snapshot) — a slow reader never slows the model.
+A sink is called on the same path and must not wait either (the ZMQ publisher only enqueues).
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from tandem.errors import CapacityExceeded
 
@@ -24,6 +27,7 @@ class BlocksStored:
     parent: bytes  # b"" when hashes[0] is a sequence's first block
     adapter: str
     token_count: int
+    token_ids: tuple[int, ...] = ()  # the blocks' tokens in order (token_count of them)
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class BlocksRemoved:
 
 
 KvEvent = BlocksStored | BlocksRemoved
+KvEventSink = Callable[[KvEvent], None]  # called on the model's path: must return at once
 
 
 class SubscriberTooSlow(CapacityExceeded):
@@ -84,16 +89,31 @@ class KvEventHub:
         self.max_pending = max_pending
         self._guard = threading.Lock()
         self._subs: list[Subscription] = []
+        self._sinks: list[KvEventSink] = []
 
     @property
     def active(self) -> bool:
-        return bool(self._subs)  # read without the lock: a stale answer only skips or builds one event
+        # read without the lock: a stale answer only skips or builds one event
+        return bool(self._subs) or bool(self._sinks)
+
+    def add_sink(self, sink: KvEventSink) -> None:
+        """Every event from now on also goes to sink (which must never block)."""
+        with self._guard:
+            self._sinks.append(sink)
+
+    def remove_sink(self, sink: KvEventSink) -> None:
+        with self._guard:
+            if sink in self._sinks:
+                self._sinks.remove(sink)
 
     def publish(self, event: KvEvent) -> None:
         with self._guard:
             subs = list(self._subs)
+            sinks = list(self._sinks)
         for sub in subs:
             sub._push(event)
+        for sink in sinks:
+            sink(event)
 
     def subscribe(self, snapshot: list[KvEvent]) -> Subscription:
         """A new subscription starting after snapshot. The caller holds the model lock, so that no event

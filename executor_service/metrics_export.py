@@ -13,7 +13,7 @@ lists them all.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from tandem.security.guard import ServerGuard
 
     from executor_service.executor import Executor
+    from executor_service.zmq_kv_publisher import ZmqKvStats
 
 STEP_KINDS = ("prefill", "decode", "mixed", "verify")
 # From a fast GPU decode step (well under a millisecond) to a long CPU prefill.
@@ -47,6 +48,7 @@ class ExecutorExporter:
         self.steps = {k: (SingleWriterHistogram(STEP_SECONDS_BUCKETS), SingleWriterHistogram(STEP_TOKENS_BUCKETS))
                       for k in STEP_KINDS}
         self.executor: Executor | None = None  # until the model is loaded: only what needs no executor
+        self.kv_events_zmq: Callable[[], ZmqKvStats] | None = None  # the ZMQ KV event publisher's counters
         self.registry.register(_ExecutorCollector(self, rpc_metrics, thread))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
@@ -122,6 +124,8 @@ class _ExecutorCollector(Collector):
                      snap.resident_memory_bytes)
         yield from self._kv(ex)
         yield from self._adapters(ex)
+        if self.exporter.kv_events_zmq is not None:
+            yield from _zmq_events(self.exporter.kv_events_zmq())
         yield from self._experts(ex)
         if ex.device.type == "cuda":
             yield _gauge("tandem:executor_device_memory_allocated_bytes", "CUDA memory held by tensors.",
@@ -189,3 +193,16 @@ class _ExecutorCollector(Collector):
             for expert, n in enumerate(tokens):
                 family.add_metric([str(layer), str(expert)], n)
         yield family
+
+
+def _zmq_events(z: "ZmqKvStats") -> Iterator[Metric]:
+    yield _counter("tandem:executor_kv_events_zmq_batches", "KV event batches published on ZMQ "
+                   "(--kv-events-endpoint).", z.published_batches)
+    yield _counter("tandem:executor_kv_events_zmq_events", "KV events published on ZMQ (AllBlocksCleared markers "
+                   "included).", z.published_events)
+    yield _counter("tandem:executor_kv_events_zmq_dropped", "KV events dropped before ZMQ: the publisher's queue "
+                   "was full (an AllBlocksCleared marks the spot).", z.dropped_events)
+    yield _counter("tandem:executor_kv_events_zmq_replays", "Replay requests answered "
+                   "(--kv-events-replay-endpoint).", z.replay_requests)
+    yield _gauge("tandem:executor_kv_events_zmq_queued", "KV events waiting for the ZMQ publisher thread.",
+                 z.queued)

@@ -7,6 +7,7 @@ start a new cache with the longest cached prefix of its prompt. Registering and 
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,8 +36,9 @@ class PrefixCache:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.stored_blocks = 0
-        # hash -> (parent hash, adapter) of every indexed block: what a new subscriber's snapshot needs
-        self._meta: dict[bytes, tuple[bytes, str]] = {}
+        # hash -> (parent hash, adapter, token ids as uint32 bytes) of every indexed block: what a new
+        # subscriber's snapshot needs (packed: 4 bytes a token, not a tuple of int objects)
+        self._meta: dict[bytes, tuple[bytes, str, bytes]] = {}
         self.logprobs = PromptLogprobStore()  # prompt logprobs beside indexed blocks (prompt_logprob_store.py)
         kv.allocator.on_removed = self._removed
 
@@ -74,18 +76,26 @@ class PrefixCache:
             h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
             table.hashes.append(h)
             if self.kv.allocator.register(table.blocks[i], h):
-                self._meta[h] = (b"" if i == 0 else parent, adapter)
+                self._meta[h] = (b"" if i == 0 else parent, adapter, array("I", tokens[i * bs:(i + 1) * bs]).tobytes())
                 stored.append(h)
         if stored:
             self.stored_blocks += len(stored)
             if self.events.active:
-                parent = self._meta[stored[0]][0]
-                self.events.publish(BlocksStored(tuple(stored), parent, adapter, len(stored) * bs))
+                # registered blocks are consecutive unless another cache registered one in between first (then
+                # each run is its own event, since an event's hashes chain from one parent)
+                for run in _runs(stored, self._meta):
+                    parent = self._meta[run[0]][0]
+                    ids = tuple(t for h in run for t in array("I", self._meta[h][2]))
+                    self.events.publish(BlocksStored(tuple(run), parent, adapter, len(run) * bs, ids))
 
     def snapshot(self) -> list[KvEvent]:
         """Every indexed block, as stored events (one per block: their chains may interleave)."""
         bs = self.kv.block_size
-        return [BlocksStored((h,), *self._meta[h], bs) for h in self.kv.allocator.indexed()]
+        out: list[KvEvent] = []
+        for h in self.kv.allocator.indexed():
+            parent, adapter, ids = self._meta[h]
+            out.append(BlocksStored((h,), parent, adapter, bs, tuple(array("I", ids))))
+        return out
 
     def stats(self) -> PrefixCacheStats:
         a = self.kv.allocator
@@ -98,3 +108,14 @@ class PrefixCache:
             self._meta.pop(h, None)
         if self.events.active:
             self.events.publish(BlocksRemoved(tuple(hashes)))
+
+
+def _runs(stored: list[bytes], meta: dict[bytes, tuple[bytes, str, bytes]]) -> list[list[bytes]]:
+    """stored split where a block's parent is not the block before it."""
+    runs: list[list[bytes]] = []
+    for h in stored:
+        if runs and meta[h][0] == runs[-1][-1]:
+            runs[-1].append(h)
+        else:
+            runs.append([h])
+    return runs

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
+from executor_service.kv_events_endpoint import ZmqKvConfig
 from executor_service.kv_sizing import describe
 from executor_service.metrics_export import ExecutorExporter
 from executor_service.auth_scopes import scope_of
@@ -22,6 +23,7 @@ from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
 from executor_service.model_thread import DEFAULT_MAX_QUEUED, ModelThread
 from executor_service.servicer import ExecutorServicer
 from executor_service.sessions import LeaseReaper, check_ttl
+from executor_service.zmq_kv_publisher import open_publisher
 from tandem.executor.v1 import executor_pb2, executor_pb2_grpc
 from tandem.grpc_setup import add_health_reflection_and_ports
 from tandem.security.config import ServerSecurity
@@ -47,6 +49,7 @@ class ServerConfig:
     threads: int | None = None  # torch CPU threads of the model thread (None: torch's default)
     metrics_port: int | None = None  # Prometheus GET /metrics on host:this (0 = any free port); None = none
     security: ServerSecurity = ServerSecurity()  # TLS, tokens, reflection, --insecure (README: Security)
+    kv_events_zmq: ZmqKvConfig | None = None  # KV events on ZMQ in vLLM's format; None = off
 
 
 def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetrics,
@@ -92,6 +95,8 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
         raise ValueError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
     if executor_cfg.max_kv_subscribers < 0 or executor_cfg.kv_events_buffer < 1:
         raise ValueError("--max-kv-subscribers must be >= 0 and --kv-events-buffer >= 1")
+    if cfg.kv_events_zmq is not None:  # a bad endpoint or an exposed one stops us before we listen
+        cfg.kv_events_zmq.check(cfg.host, cfg.security.insecure)
     server, addresses = build_server(cfg, servicer, metrics, health_servicer, guard, executor_cfg.max_kv_subscribers)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -100,6 +105,10 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     # The metrics server first: a port in use stops us before we listen.
     exporter = ExecutorExporter(metrics, thread) if cfg.metrics_port is not None else None
     metrics_server = exporter.serve(cfg.host, cfg.metrics_port, guard) if exporter is not None else None
+    zmq_events = None if cfg.kv_events_zmq is None else \
+        open_publisher(cfg.kv_events_zmq, cfg.host, addresses[0], executor_cfg.model_dir.name)
+    if exporter is not None and zmq_events is not None:
+        exporter.kv_events_zmq = zmq_events.stats
     server.start()
     log.info("%s", guard.posture(["unix socket plaintext"] if cfg.uds else None))
     log.info("listening on %s; loading %s", ", ".join(addresses), executor_cfg.model_dir)
@@ -109,6 +118,8 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
         thread.call(torch.set_num_threads, cfg.threads)
     executor = thread.call(_load_and_warm, executor_cfg)
     servicer.attach(executor)
+    if zmq_events is not None:
+        executor.events.add_sink(zmq_events.enqueue)
     if exporter is not None:
         exporter.attach(executor)
     reaper = LeaseReaper(executor.reap_lapsed, executor_cfg.session_ttl_s / 4)
@@ -129,6 +140,8 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     server.stop(cfg.grace_s).wait()
     reaper.stop()
     thread.shutdown()
+    if zmq_events is not None:
+        zmq_events.close()
     if metrics_server is not None:
         metrics_server.shutdown()
     log.info("stopped")
