@@ -32,8 +32,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     def _mapped(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = details.method.rsplit("/", 1)[-1]
+        ours = details.method.startswith(_OURS)
         hold = self._limit.hold if self._limit is not None else nullcontext
-        if handler.unary_unary is not None and method in _OURS:
+        if handler.unary_unary is not None and ours:
             inner = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -45,7 +46,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                        response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None and method in _OURS:
+        if handler.unary_stream is not None and ours:
             inner_stream = handler.unary_stream
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -61,7 +62,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return handler  # health, reflection: untouched
 
 
-_OURS = {"Generate", "Tokenize", "GetModelInfo"}
+# GenerateService, and vLLM's engine protocol that smg speaks (scheduler/vllm_engine_servicer.py)
+_OURS = ("/tandem.generate.v1.GenerateService/", "/vllm.grpc.engine.VllmEngine/")
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:

@@ -1,4 +1,5 @@
-"""The scheduler's gRPC server (asyncio): GenerateService + grpc.health.v1 + reflection, readiness, drain."""
+"""The scheduler's gRPC server (asyncio): GenerateService (+ vLLM's engine protocol for smg) + grpc.health.v1 +
+reflection, readiness, drain."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ from tandem.grpc_setup import add_health_reflection_and_ports
 from tandem.errors import CheckpointError, RemoteError
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2, generate_pb2_grpc
+from tandem.vendor.smg import vllm_engine_pb2_grpc
 from scheduler import codec, discovery
 from scheduler.config import SchedulerConfig
 from scheduler.engine import PREFIX_CACHING
@@ -28,6 +30,7 @@ from scheduler.http.serve import HttpFront
 from scheduler.interceptor import ErrorMappingInterceptor
 from scheduler.metrics import SchedulerMetrics
 from scheduler.servicer import GenerateServicer
+from scheduler.vllm_engine_servicer import SERVICE_NAME as VLLM_ENGINE, VllmEngineServicer
 from scheduler.token_limits import TokenLimits
 from scheduler.tokenizer import ModelTokenizer, read_chat_template
 from tandem.security.grpc_auth import AioAuthInterceptor, everyone_user
@@ -123,7 +126,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
 
     async def set_health(up: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, VLLM_ENGINE):
             await health_servicer.set(name, status)
 
     loop = asyncio.get_running_loop()
@@ -139,7 +142,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
                                       ("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0),
                                       *backlog_options(cfg.rpc_limit)])
     addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds,
-                                                guard.grpc_credentials(), cfg.security.reflection)
+                                                guard.grpc_credentials(), cfg.security.reflection, (VLLM_ENGINE,))
     metrics = SchedulerMetrics()
     fleet = Fleet(cfg, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
                   client_name=f"tandem-scheduler {addresses[0]}", events=metrics)
@@ -157,6 +160,10 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     # Tokenizing and chat templating run here, off the event loop (`tokenizers` releases the GIL).
     workers = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenize")
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(fleet, workers, limits), server)
+    # vLLM's engine protocol, for SGLang's gateway smg (`smg launch --worker-urls grpc://...`)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+        VllmEngineServicer(fleet, workers, limits, (cfg.served_model_names or (info.model_id,))[0], chat_template),
+        server)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

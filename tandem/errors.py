@@ -82,6 +82,11 @@ class Unsupported(TandemError):
     template)."""
 
 
+class NotServed(TandemError):
+    """A method of a protocol Tandem speaks that does something Tandem does not do (embeddings, say); the
+    message names what. Answered UNIMPLEMENTED."""
+
+
 class RemoteError(TandemError):
     """An error status another Tandem service returned (the executor, seen by the scheduler); relayed with
     the same code and the remote message."""

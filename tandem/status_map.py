@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 
 from tandem.errors import (AdapterInUse, AdapterNotFound, CacheNotFound, CacheStateConflict, CapacityExceeded,
-                           CheckpointError, DeadlineExceeded, InvalidRequest, PermissionDenied, PositionMismatch,
-                           RemoteError, SequenceTooLong, SessionNotFound, TandemError, Unauthenticated, Unavailable,
-                           Unsupported)
+                           CheckpointError, DeadlineExceeded, InvalidRequest, NotServed, PermissionDenied,
+                           PositionMismatch, RemoteError, SequenceTooLong, SessionNotFound, TandemError,
+                           Unauthenticated, Unavailable, Unsupported)
 
 STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -25,6 +25,7 @@ STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    NotServed: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 

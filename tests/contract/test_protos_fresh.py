@@ -1,5 +1,6 @@
 """The committed contract modules (tandem/<service>/v1/*_pb2*.py*) match what scripts/gen_protos generates from
-protos/tandem/**/*.proto today, and nothing generated is left behind for a .proto that no longer exists."""
+protos/tandem/**/*.proto today, and nothing generated is left behind for a .proto that no longer exists. The same
+holds for the vendored protocols (protos_vendor/smg/*.proto -> tandem/vendor/smg/)."""
 from __future__ import annotations
 
 import os
@@ -27,8 +28,12 @@ def test_generated_protos_are_fresh(tmp_path):
     assert run.returncode == 0, f"scripts/gen_protos failed:\n{run.stderr}"
 
     fresh = _generated(tmp_path)
-    expected = {p.relative_to(ROOT / "protos").with_name(f"{p.stem}{suffix}").as_posix()
-                for p in protos for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+    vendored = sorted((ROOT / "protos_vendor" / "smg").glob("*.proto"))
+    assert vendored, "no .proto files under protos_vendor/smg/"
+    modules = [(p, p.relative_to(ROOT / "protos")) for p in protos] + \
+              [(p, Path("tandem/vendor/smg") / p.name) for p in vendored]
+    expected = {where.with_name(f"{p.stem}{suffix}").as_posix()
+                for p, where in modules for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
                 if suffix != "_pb2_grpc.py" or "\nservice " in p.read_text()}  # stubs only where a service is
     assert fresh == expected, "protoc generated other files than one module set per .proto"
     stale = [name for name in sorted(fresh)
