@@ -119,7 +119,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     executor = thread.call(_load_and_warm, executor_cfg)
     servicer.attach(executor)
     if zmq_events is not None:
-        executor.events.add_sink(zmq_events.enqueue)
+        zmq_events.attach(executor.events, executor.model_config.kv_window)
     if exporter is not None:
         exporter.attach(executor)
     reaper = LeaseReaper(executor.reap_lapsed, executor_cfg.session_ttl_s / 4)

@@ -7,12 +7,15 @@ The layout of v0.28.0 (its msgspec Structs: EventBatch array_like; events tagged
     EventBatch  = [ts: float, events: [event, ...], data_parallel_rank: int]
     BlockStored = {"type": "BlockStored", "block_hashes": [int], "parent_block_hash": int | nil,
                    "token_ids": [int], "block_size": int, "lora_id": int | nil, "medium": str | nil,
-                   "lora_name": str | nil, "group_idx": int}
+                   "lora_name": str | nil, "group_idx": int, "kv_cache_spec_kind": str,
+                   "kv_cache_spec_sliding_window": int (sliding windows only)}
     BlockRemoved = {"type": "BlockRemoved", "block_hashes": [int], "medium": str | nil, "group_idx": int}
     AllBlocksCleared = {"type": "AllBlocksCleared"}
 
-Fields vLLM leaves at their defaults are omitted (omit_defaults): extra_keys, kv_cache_spec_kind,
-kv_cache_spec_sliding_window, locality. Other releases (read from their wheels): up to v0.23 every event is a
+Fields vLLM leaves at their defaults are omitted (omit_defaults): extra_keys, locality (and the window of a
+model without one). The cache spec kind is "full_attention", or "sliding_window" with its window when every
+layer slides (Tandem then keeps only the window's blocks); vLLM v0.28.0 annotates every store with it, and
+consumers that classify KV groups by it skip stores without it. Other releases (read from their wheels): up to v0.23 every event is a
 positional array (["BlockStored", hashes, parent, token_ids, ...]) and the replay answer has no topic frame;
 v0.24 and v0.25 encode events as these maps; v0.26 added `locality` and the topic frame in replay answers;
 v0.11 has `medium` but no `lora_name`.
@@ -45,13 +48,18 @@ def hash_to_int(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-def stored(event: BlocksStored) -> dict[str, Any]:
+def stored(event: BlocksStored, sliding_window: int | None = None) -> dict[str, Any]:
+    """sliding_window: the model's, when every layer slides (ModelConfig.kv_window)."""
     block_size = event.token_count // len(event.hashes)
-    return {"type": "BlockStored", "block_hashes": [hash_to_int(h) for h in event.hashes],
-            "parent_block_hash": hash_to_int(event.parent) if event.parent else None,
-            "token_ids": list(event.token_ids), "block_size": block_size,
-            "lora_id": None,  # vLLM's deprecated adapter number: Tandem names adapters (lora_name)
-            "medium": MEDIUM, "lora_name": event.adapter or None, "group_idx": GROUP}
+    out = {"type": "BlockStored", "block_hashes": [hash_to_int(h) for h in event.hashes],
+           "parent_block_hash": hash_to_int(event.parent) if event.parent else None,
+           "token_ids": list(event.token_ids), "block_size": block_size,
+           "lora_id": None,  # vLLM's deprecated adapter number: Tandem names adapters (lora_name)
+           "medium": MEDIUM, "lora_name": event.adapter or None, "group_idx": GROUP,
+           "kv_cache_spec_kind": "full_attention" if sliding_window is None else "sliding_window"}
+    if sliding_window is not None:
+        out["kv_cache_spec_sliding_window"] = sliding_window
+    return out
 
 
 def removed(event: BlocksRemoved) -> dict[str, Any]:
@@ -62,8 +70,8 @@ def removed(event: BlocksRemoved) -> dict[str, Any]:
 ALL_BLOCKS_CLEARED: dict[str, Any] = {"type": "AllBlocksCleared"}
 
 
-def event_to_wire(event: KvEvent) -> dict[str, Any]:
-    return stored(event) if isinstance(event, BlocksStored) else removed(event)
+def event_to_wire(event: KvEvent, sliding_window: int | None = None) -> dict[str, Any]:
+    return stored(event, sliding_window) if isinstance(event, BlocksStored) else removed(event)
 
 
 def encode_batch(events: Sequence[dict[str, Any]], ts: float | None = None, data_parallel_rank: int = 0) -> bytes:

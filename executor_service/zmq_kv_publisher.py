@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 
 from executor_service import vllm_kv_wire as wire
-from executor_service.kv_events import KvEvent
+from executor_service.kv_events import KvEvent, KvEventHub
 from executor_service.kv_events_endpoint import ZmqKvConfig, default_topic
 
 log = logging.getLogger("tandem.executor")
@@ -66,6 +66,7 @@ class ZmqKvPublisher:
         self._stopping = False
         self._overflowed = False
         self._seq = 0
+        self._sliding_window: int | None = None  # the model's, when every layer slides
         self._events = 0
         self._dropped = 0
         self._replays = 0
@@ -91,6 +92,11 @@ class ZmqKvPublisher:
 
     def start(self) -> None:
         self._thread.start()
+
+    def attach(self, hub: KvEventHub, sliding_window: int | None) -> None:
+        """Publishes hub's events from now on; sliding_window: the model's ModelConfig.kv_window."""
+        self._sliding_window = sliding_window
+        hub.add_sink(self.enqueue)
 
     # ------------------------------------------------------------------ the model's path
     def enqueue(self, event: KvEvent) -> None:
@@ -131,7 +137,8 @@ class ZmqKvPublisher:
         return out
 
     def _send(self, events: list[KvEvent | _Cleared]) -> None:
-        payload = wire.encode_batch([wire.ALL_BLOCKS_CLEARED if e is CLEARED else wire.event_to_wire(e)
+        window = self._sliding_window
+        payload = wire.encode_batch([wire.ALL_BLOCKS_CLEARED if e is CLEARED else wire.event_to_wire(e, window)
                                      for e in events], time.time())
         seq = self._seq.to_bytes(8, "big")
         try:  # a PUB socket never blocks: at a subscriber's high-water mark ZMQ drops for that subscriber

@@ -109,6 +109,7 @@ def test_prompt_blocks_arrive_with_token_ids_in_sequence(server, ctx):
         assert ev.token_ids == prompt[:3 * BS] and ev.block_hashes == expect
         assert ev.parent_block_hash is None and ev.block_size == BS
         assert (ev.lora_id, ev.lora_name, ev.medium, ev.group_idx) == (None, None, "GPU", 0)
+        assert (ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window) == ("full_attention", None)
         assert all(b.data_parallel_rank == 0 and b.ts > 0 for _, _, b in batches)
 
         # A longer prompt with the same start: only its new block, chained from the last one above.
