@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 import grpc
 
-from tandem.codec import kv_usage_from_pb, sampling_from_pb, sampling_to_pb
+from tandem.codec import kv_usage_from_pb, sampling_from_pb, sampling_to_pb, token_logprob_to_pb
 from tandem.errors import AdapterNotFound, InvalidRequest, RemoteError, SequenceTooLong, Unsupported
 from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tandem.common.v1 import common_pb2 as cpb
@@ -29,12 +29,14 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_CHAT_MESSAGES = 4096
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # ItemStatus.code -> "NOT_FOUND"
 TOKEN_MASKS = "token_masks"  # GetInfo capability: UnifiedItem.allowed_tokens is applied
+PROMPT_LOGPROBS = "prompt_logprobs"  # GetInfo capability: UnifiedItem/CreateCacheItem.prompt_logprobs
 
 
 def capabilities_needed(request: GenerateRequest) -> frozenset[str]:
     """The GetInfo capabilities an executor must list to run this request right (an executor without
     token_masks would drop allowed_tokens as an unknown field and sample unconstrained)."""
-    return frozenset({TOKEN_MASKS}) if request.constraint is not None else frozenset()
+    return frozenset(({TOKEN_MASKS} if request.constraint is not None else set())
+                     | ({PROMPT_LOGPROBS} if request.prompt_logprobs is not None else set()))
 
 _FINISH = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORTED: pb.FINISH_REASON_ABORTED}
@@ -139,7 +141,8 @@ def _item_to_pb(item: StepItem, registered_sampling: bool) -> epb.UnifiedItem:
                            sampling=_sampling_to_send(seq, registered_sampling) if final else None,
                            output=_output_options(req.top_logprobs), adapter=req.adapter,
                            # read by the executor at the first final chunk only
-                           prompt_len=len(req.prompt_ids) if final else None, draft_token_ids=item.drafts)
+                           prompt_len=len(req.prompt_ids) if final else None, draft_token_ids=item.drafts,
+                           prompt_logprobs=seq.prompt_logprobs_wanted)
 
 
 def _sampling_to_send(seq, registered: bool) -> cpb.SamplingParams | None:
@@ -149,7 +152,8 @@ def _sampling_to_send(seq, registered: bool) -> cpb.SamplingParams | None:
 
 def create_cache_items(seqs) -> list[epb.CreateCacheItem]:
     """CreateCache items looking up each sequence's tokens in the executor's prefix cache."""
-    return [epb.CreateCacheItem(token_ids=s.token_slice(0, s.num_tokens), adapter=s.request.adapter) for s in seqs]
+    return [epb.CreateCacheItem(token_ids=s.token_slice(0, s.num_tokens), adapter=s.request.adapter,
+                                prompt_logprobs=s.prompt_logprobs_wanted) for s in seqs]
 
 
 def burst_to_pb(plan: StepPlan) -> list[epb.DecodeItem]:
@@ -185,13 +189,20 @@ def executor_info_from_pb(m: epb.GetInfoResponse) -> ExecutorInfo:
                         max_adapters_on_device=m.max_adapters_on_device)
 
 
-def created_caches_from_pb(resp: epb.CreateCacheResponse) -> tuple[list[tuple[str, int] | None], KvUsage]:
-    """Per CreateCache item: (cache id, tokens it holds), or None where the item failed; and the KV usage."""
-    return ([None if r.status.code else (r.cache.cache_id, r.cache.seq_len) for r in resp.results],
-            kv_usage_from_pb(resp.kv))
+def created_caches_from_pb(resp: epb.CreateCacheResponse
+                           ) -> tuple[list[tuple[str, int, tuple[TokenLogprob, ...]] | None], KvUsage]:
+    """Per CreateCache item: (cache id, tokens it holds, their prompt logprobs when asked), or None where the
+    item failed; and the KV usage."""
+    return ([None if r.status.code else (r.cache.cache_id, r.cache.seq_len, _token_logprobs(r.prompt_logprobs))
+             for r in resp.results], kv_usage_from_pb(resp.kv))
 
 
-def item_results_from_pb(resp: epb.UnifiedDecodeResponse) -> list[ItemResult]:
+def _token_logprobs(msgs) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(t.token_id, t.logprob, tuple((a.token_id, a.logprob) for a in t.top_logprobs),
+                              t.rank if t.HasField("rank") else None) for t in msgs)
+
+
+def item_results_from_pb(resp: epb.UnifiedDecodeResponse | epb.DecodeResponse) -> list[ItemResult]:
     """Per item: its cache and tokens (one; with drafts, the accepted ones first), or the error it failed with
     alone (an unset status is OK: an executor without per-item statuses fails the whole call instead)."""
     results = []
@@ -201,9 +212,10 @@ def item_results_from_pb(resp: epb.UnifiedDecodeResponse) -> list[ItemResult]:
             results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, (),
                                       RemoteError(name, f"executor: {r.status.message or name}")))
             continue
-        tokens = tuple(TokenLogprob(t.token_id, t.logprob, tuple((a.token_id, a.logprob) for a in t.top_logprobs))
-                       for t in r.output.tokens) if r.HasField("output") else ()
-        results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, tokens))
+        tokens = _token_logprobs(r.output.tokens) if r.HasField("output") else ()
+        results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, tokens,
+                                  # (a Decode burst's DecodeResult has none)
+                                  prompt_logprobs=_token_logprobs(getattr(r, "prompt_logprobs", ()))))
     return results
 
 
@@ -266,13 +278,16 @@ def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorIn
         raise InvalidRequest(f"request_id has {len(m.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     if m.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {m.top_logprobs}")
+    if m.HasField("prompt_logprobs") and m.prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {m.prompt_logprobs}")
     if m.adapter and m.adapter not in info.adapters:
         raise AdapterNotFound(f"unknown adapter {m.adapter!r}; loaded: {sorted(info.adapters) or 'none'}")
     sampling = sampling_params_from_pb(m.sampling, info.vocab_size)
     prompt = prompt_ids_from_pb(m, tok, info.vocab_size)
     stopping = stopping_from_pb(m.stopping, len(prompt), info.max_seq_len, default_max_new, info.vocab_size)
     return GenerateRequest(m.request_id or uuid.uuid4().hex, tuple(prompt), stopping, sampling, m.adapter,
-                           m.top_logprobs, m.keep_special_tokens, compile_constraint(m, info, grammars))
+                           m.top_logprobs, m.keep_special_tokens, compile_constraint(m, info, grammars),
+                           m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
 
 
 def delta_to_pb(request_id: str, d: Delta) -> pb.GenerateResponse:
@@ -282,6 +297,8 @@ def delta_to_pb(request_id: str, d: Delta) -> pb.GenerateResponse:
         lp = out.logprobs.add(token_id=t.token_id, logprob=t.logprob)
         for tid, v in t.top:
             lp.top_logprobs.add(token_id=tid, logprob=v)
+    for t in d.prompt_logprobs or ():
+        out.prompt_logprobs.append(token_logprob_to_pb(t.token_id, t.logprob, t.top, t.rank))
     if d.finish_reason is not None:
         out.finish_reason = _FINISH[d.finish_reason]
     if d.usage is not None:

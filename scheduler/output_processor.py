@@ -57,6 +57,7 @@ class OutputProcessor:
             if stream is None or stream.finished:  # (a stop string ended it earlier in this step's run)
                 continue
             stream.drafted_tokens, stream.accepted_tokens = e.seq.drafted_tokens, e.seq.accepted_tokens
+            stream.prompt_logprobs(e.seq.take_prompt_logprobs())  # (with the first token only)
             ended = stream.add(e.token, e.finish, e.seq.preemptions)
             if ended is not None and e.finish is None:  # a stop string: only the text showed it
                 stopped.append(e.seq)

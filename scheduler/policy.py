@@ -157,7 +157,7 @@ class SchedulingPolicy:
                 continue
             if item.is_final:  # (read before the token is appended) the executor now holds its sampling
                 seq.registered_sampling = seq.sampling_for_next_token()
-            seq.cache_id, seq.num_cached = res.cache_id, res.seq_len
+            seq.written(res.cache_id, res.seq_len, res.prompt_logprobs)
             if seq.finished:  # aborted while the step ran
                 self._release(seq)
                 continue
@@ -275,13 +275,13 @@ class SchedulingPolicy:
         for seq, res in zip(seqs, results):
             if res is None:
                 continue
-            cache_id, cached = res
+            cache_id, cached, *prompt_logprobs = res  # (prompt logprobs when the sequence asked)
             if seq.finished or seq not in self.waiting or (seq.cache_id and cached <= seq.num_cached):
                 self._to_release.append(cache_id)
                 continue
             self._release(seq)  # (looked up again: the new cache reuses more than the one it held)
             seq.drop_cache()
-            seq.adopt_prefix(cache_id, cached)
+            seq.adopt_prefix(cache_id, cached, *prompt_logprobs)
 
     # ----------------------------------------------------------------- the executor lost, back, gone
     def executor_lost(self) -> int:

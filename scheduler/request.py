@@ -31,6 +31,7 @@ class GenerateRequest:
     top_logprobs: int = 0
     keep_special_tokens: bool = False
     constraint: "CompiledConstraint | None" = None  # structured output (scheduler/grammar.py); None = none
+    prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None = no prompt logprobs
 
 
 class FinishReason(enum.Enum):
@@ -54,6 +55,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int | None = None  # 1-based rank in the raw distribution: prompt logprobs only
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ class Delta:
     finish_reason: FinishReason | None = None
     stop_reason: str = ""
     usage: Usage | None = None
+    # On the first message of a request that asked: prompt positions 1 .. len - 1, each scored from the one
+    # before (the first prompt token has none).
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.text or self.tokens or self.finish_reason)

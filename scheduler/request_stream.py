@@ -75,6 +75,11 @@ class RequestStream:
             return self._finish(finish, preemptions)
         return None
 
+    def prompt_logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> None:
+        """The request's prompt logprobs, for the pending delta (None: nothing to add)."""
+        if entries is not None:
+            self._delta.prompt_logprobs = entries
+
     def abort(self, preemptions: int = 0) -> None:
         """Ends the stream as ABORTED (server shutdown), with the text held back so far."""
         if not self.finished:

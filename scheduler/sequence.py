@@ -7,7 +7,7 @@ import enum
 from typing import Sequence as Seq
 
 from scheduler.constraint import TokenConstraint
-from scheduler.request import Finish, FinishReason, GenerateRequest
+from scheduler.request import Finish, FinishReason, GenerateRequest, TokenLogprob
 from tandem.sampling_params import SamplingParams
 
 
@@ -43,6 +43,10 @@ class Sequence:
         self._max_len = min(len(request.prompt_ids) + stop.max_new_tokens, max_seq_len)
         # Structured output: the grammar state, advanced with each appended token (None = unconstrained)
         self.constraint = TokenConstraint(request.constraint) if request.constraint is not None else None
+        # Prompt logprobs gathered from the executor (positions 1 ..) until they go out with the first token;
+        # a cache lost before that loses them too (the recompute asks again), never after (sent once).
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs_sent = False
 
     # ----------------------------------------------------------------- token accounting
     @property
@@ -102,10 +106,35 @@ class Sequence:
         self.num_cached = 0
         self.registered_sampling = None
         self.prefix_looked_up = -1
+        if not self.prompt_logprobs_sent:
+            self.prompt_logprobs = []
 
-    def adopt_prefix(self, cache_id: str, cached_tokens: int) -> None:
-        """A waiting sequence got a cache from CreateCache holding its first cached_tokens tokens."""
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The alternatives to ask the executor for with the prompt's items (and CreateCache); None once sent
+        or when the request asked for none."""
+        return None if self.prompt_logprobs_sent else self.request.prompt_logprobs
+
+    def written(self, cache_id: str, seq_len: int, prompt_logprobs: Seq[TokenLogprob] = ()) -> None:
+        """A step item ran: the cache now holds seq_len tokens; the item's prompt logprobs are kept."""
+        self.cache_id, self.num_cached = cache_id, seq_len
+        if prompt_logprobs and not self.prompt_logprobs_sent:
+            self.prompt_logprobs.extend(prompt_logprobs)
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The prompt logprobs to send with the first token (None: not asked, or sent already)."""
+        if self.request.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        out, self.prompt_logprobs = tuple(self.prompt_logprobs), []
+        return out
+
+    def adopt_prefix(self, cache_id: str, cached_tokens: int, prompt_logprobs: Seq[TokenLogprob] = ()) -> None:
+        """A waiting sequence got a cache from CreateCache holding its first cached_tokens tokens (and, when it
+        asked, their prompt logprobs)."""
         self.cache_id, self.num_cached = cache_id, cached_tokens
+        if not self.prompt_logprobs_sent:
+            self.prompt_logprobs = list(prompt_logprobs)
         if not self.preemptions and not self.output_ids:
             self.prefix_hit = cached_tokens
 

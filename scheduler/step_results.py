@@ -19,6 +19,7 @@ class ItemResult:
     # Sampled after a final chunk: one token, or with draft tokens the accepted drafts and the token after them.
     tokens: tuple[TokenLogprob, ...] = ()
     error: TandemError | None = None  # the item failed alone: nothing of it was written, its cache is as it was
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # when the item asked: its tokens after the sequence's first
 
 
 @dataclass(frozen=True)

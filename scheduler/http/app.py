@@ -174,7 +174,8 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         def renderer(requests: list[GenerateRequest]) -> ChatRenderer:
             return ChatRenderer(front.model_of(requests), len(requests), n, front.texts,
                                 bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
-                                logprobs=bool(body.logprobs), tool_mode=tool_calls.tool_mode(body))
+                                logprobs=bool(body.logprobs), tool_mode=tool_calls.tool_mode(body),
+                                prompt_logprobs=body.prompt_logprobs is not None)
 
         return await front.generate(n, requests, renderer, request, bool(body.stream))
 
@@ -183,14 +184,22 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         n = body.n or 1
         opts = body.stream_options
 
+        echo: list[tuple[tuple[int, ...], str]] = []  # with echo: per choice its prompt (ids, text)
+
         async def requests() -> list[GenerateRequest]:
             adapter = await front.adapter_for(body.model)
-            return await front.requests(convert.completion_requests(body, adapter, front.max_prompts), n)
+            made = await front.requests(convert.completion_requests(body, adapter, front.max_prompts), n)
+            if body.echo:  # a text prompt echoes as sent; token ids as they decode
+                texts = [p if isinstance(p, str) else await front.off_loop(fleet.tokenizer.decode, p, False)
+                         for p in convert.prompts(body, front.max_prompts)]
+                echo.extend((r.prompt_ids, texts[k // n]) for k, r in enumerate(made))
+            return made
 
         def renderer(requests: list[GenerateRequest]) -> CompletionRenderer:
             return CompletionRenderer(front.model_of(requests), len(requests), n, front.texts,
                                       bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
-                                      logprobs=body.logprobs)
+                                      logprobs=body.logprobs, echo=echo if body.echo else None,
+                                      prompt_only=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs is not None)
 
         choices = len(convert.prompts(body, front.max_prompts)) * n  # 400 past --max-prompts-per-request
         return await front.generate(choices, requests, renderer, request, bool(body.stream))

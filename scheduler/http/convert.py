@@ -1,7 +1,8 @@
 """An OpenAI request -> tandem.generate.v1 GenerateRequest messages, the very input the gRPC servicer takes:
 from there codec.request_from_pb tokenizes (chat template included) and validates exactly as for a gRPC
 client, so both fronts generate the same text for the same request. Refuses here only what the proto cannot
-express (echo, suffix, ...), naming the field. Tool choices that call a function become constraints
+express (suffix, ...), naming the field. echo with logprobs asks for the prompt's logprobs
+(GenerateRequest.prompt_logprobs); max_tokens 0 (echo only) generates one token the renderer leaves out. Tool choices that call a function become constraints
 (scheduler/http/tool_calls.py).
 
 n > 1: the prompt is tokenized once and the domain request copied n times (choices()), with seed + i when a
@@ -119,7 +120,8 @@ def chat_request(body: ChatCompletionRequest, adapter: str) -> pb.GenerateReques
             raise BadParameter("tool_choice", "tool_choice makes the output a tool call and the request has another "
                                "constraint (response_format or guided_*): give only one")
         common["constraint"] = tool_calls.constraint(body, mode)
-    return pb.GenerateRequest(messages=chat_messages(body.messages, tool_calls.tools_pb(body)), **common)
+    return pb.GenerateRequest(messages=chat_messages(body.messages, tool_calls.tools_pb(body)),
+                              prompt_logprobs=body.prompt_logprobs, **common)
 
 
 def prompts(body: CompletionRequest, max_prompts: int = HttpLimits.max_prompts) -> list[str | list[int]]:
@@ -141,13 +143,16 @@ def prompts(body: CompletionRequest, max_prompts: int = HttpLimits.max_prompts) 
 def completion_requests(body: CompletionRequest, adapter: str,
                         max_prompts: int = HttpLimits.max_prompts) -> list[pb.GenerateRequest]:
     """One GenerateRequest per prompt."""
-    if body.echo:
-        raise BadParameter("echo", "echo is not supported by this server")
+    if body.max_tokens == 0 and not body.echo:
+        raise BadParameter("max_tokens", "max_tokens 0 generates nothing: it needs echo (the prompt back, with its "
+                           "logprobs when logprobs is set), or ask for at least 1 token")
     if body.suffix:
         raise BadParameter("suffix", "suffix (insertion) is not supported by this server")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise BadParameter("best_of", "best_of other than n is not supported by this server")
-    common = _common(body, adapter, body.logprobs or 0, body.max_tokens)
+    # max_tokens 0 (echo): one token is generated and left out of the response (render.py)
+    common = _common(body, adapter, body.logprobs or 0, 1 if body.max_tokens == 0 else body.max_tokens)
+    common["prompt_logprobs"] = completion_prompt_logprobs(body)
     out = []
     for p in prompts(body, max_prompts):
         if isinstance(p, str):
@@ -155,6 +160,13 @@ def completion_requests(body: CompletionRequest, adapter: str,
         else:
             out.append(pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), **common))
     return out
+
+
+def completion_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """The alternatives per prompt token to ask for: echo with logprobs shows the prompt's tokens with logprobs
+    alternatives (as OpenAI's legacy API and vLLM do); vLLM's prompt_logprobs asks on its own. None = neither."""
+    asked = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
+    return max(asked) if asked else None
 
 
 def choices(request: GenerateRequest, n: int) -> list[GenerateRequest]:

@@ -8,12 +8,14 @@ many choices it has (prompt_tokens, cached_tokens) and every choice's tokens (co
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 from functools import lru_cache
 
 from scheduler.http import schemas as s
+from scheduler.http.prompt_echo import echo_logprobs, vllm_prompt_logprobs
 from scheduler.http.tool_calls import ToolCallStream, ToolMode, calls
 from scheduler.request import Delta, FinishReason, TokenLogprob
 from scheduler.request import Usage as DomainUsage
@@ -79,6 +81,7 @@ class _Renderer:
         self.tokens: list[list[TokenLogprob]] = [[] for _ in range(choices)]
         self.last: list[Delta | None] = [None] * choices
         self.usages: list[DomainUsage | None] = [None] * choices
+        self.prompt_entries: list[tuple[TokenLogprob, ...] | None] = [None] * choices  # (the first delta's)
 
     def add(self, index: int, d: Delta) -> None:
         """Accumulates a delta (for a whole response; chunks only need note())."""
@@ -87,6 +90,8 @@ class _Renderer:
         self.note(index, d)
 
     def note(self, index: int, d: Delta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_entries[index] = d.prompt_logprobs
         if d.finish_reason is not None:
             self.last[index] = d
             self.usages[index] = d.usage
@@ -109,10 +114,13 @@ class _Renderer:
 class ChatRenderer(_Renderer):
     prefix = "chatcmpl"
 
-    def __init__(self, *args, logprobs: bool, tool_mode: ToolMode | None = None, **kw) -> None:
-        """tool_mode: the output is a tool call (scheduler/http/tool_calls.py), answered as tool_calls."""
+    def __init__(self, *args, logprobs: bool, tool_mode: ToolMode | None = None, prompt_logprobs: bool = False,
+                 **kw) -> None:
+        """tool_mode: the output is a tool call (scheduler/http/tool_calls.py), answered as tool_calls.
+        prompt_logprobs: the whole response carries vLLM's prompt_logprobs (of its one prompt)."""
         super().__init__(*args, **kw)
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
         self.tool_mode = tool_mode
         self.tool_streams = [ToolCallStream(tool_mode) for _ in self.text] if tool_mode is not None else []
 
@@ -181,17 +189,58 @@ class ChatRenderer(_Renderer):
             finish = self._tool_finish(last, called) if self.tool_mode is not None else _FINISH[last.finish_reason]
             choices.append(s.ChatChoice(index=i, message=message, logprobs=self._logprobs(self.tokens[i]),
                                         finish_reason=finish, stop_reason=stop_reason(last)))
+        entries = self.prompt_entries[0] if self.prompt_logprobs else None
         return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
-                                usage=self.usage())
+                                usage=self.usage(), prompt_logprobs=None if entries is None
+                                else vllm_prompt_logprobs(entries, self._text))
 
 
 class CompletionRenderer(_Renderer):
     prefix = "cmpl"
 
-    def __init__(self, *args, logprobs: int | None, **kw) -> None:
+    def __init__(self, *args, logprobs: int | None, echo: list[tuple[tuple[int, ...], str]] | None = None,
+                 prompt_only: bool = False, prompt_logprobs: bool = False, **kw) -> None:
+        """echo: per choice its prompt (ids, text), shown before the output; prompt_only (max_tokens 0): the
+        one token generated is left out. prompt_logprobs: each choice carries vLLM's prompt_logprobs."""
         super().__init__(*args, **kw)
         self.logprobs = logprobs
         self.offsets = [0] * len(self.text)  # text_offset of each choice's next token
+        self.echo = echo
+        self.echoed = [False] * len(self.text)  # (streaming) the prompt went out with the choice's first chunk
+        self.prompt_only = prompt_only
+        self.prompt_logprobs = prompt_logprobs
+
+    def add(self, index: int, d: Delta) -> None:
+        if self.prompt_only:  # the prompt alone: the one generated token never shows
+            d = Delta(finish_reason=d.finish_reason and FinishReason.LENGTH, usage=d.usage and dataclasses.replace(
+                d.usage, completion_tokens=0), prompt_logprobs=d.prompt_logprobs)
+        super().add(index, d)
+
+    def _echo(self, index: int) -> tuple[str, s.CompletionLogprobs | None]:
+        """The choice's prompt text, and its tokens' logprobs (with logprobs set), once per choice."""
+        if self.echo is None or self.echoed[index]:
+            return "", None
+        self.echoed[index] = True
+        ids, text = self.echo[index]
+        if self.logprobs is None:
+            return text, None
+        out = s.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+        self.offsets[index] = echo_logprobs(out, ids, self.prompt_entries[index] or (), self.logprobs, self._text,
+                                            self.offsets[index])
+        return text, out
+
+    def _prompt_logprobs(self, index: int) -> s.PromptLogprobsOut | None:
+        entries = self.prompt_entries[index]
+        return vllm_prompt_logprobs(entries, self._text) if self.prompt_logprobs and entries is not None else None
+
+    def _joined(self, index: int, text: str, tokens: list[TokenLogprob]) -> tuple[str, s.CompletionLogprobs | None]:
+        """The choice's text and logprobs: the echoed prompt's (first time only), then the output's."""
+        prompt, head = self._echo(index)  # (first: the output's text offsets follow the prompt's)
+        tail = self._logprobs(index, tokens)
+        if head is not None and tail is not None:
+            for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                getattr(head, name).extend(getattr(tail, name))
+        return prompt + text, head if head is not None else tail
 
     def _logprobs(self, index: int, tokens: list[TokenLogprob]) -> s.CompletionLogprobs | None:
         if self.logprobs is None:
@@ -210,19 +259,27 @@ class CompletionRenderer(_Renderer):
         return out
 
     def chunk(self, index: int, d: Delta) -> str | None:
+        if self.prompt_only:
+            d = Delta(finish_reason=d.finish_reason and FinishReason.LENGTH, prompt_logprobs=d.prompt_logprobs)
         self.note(index, d)
-        if not d.text and d.finish_reason is None and not (self.logprobs is not None and d.tokens):
+        first = self.echo is not None and not self.echoed[index]
+        if not first and not d.text and d.finish_reason is None and not (self.logprobs is not None and d.tokens):
             return None
-        choice = s.CompletionChoice(index=index, text=d.text, logprobs=self._logprobs(index, d.tokens),
+        text, logprobs = self._joined(index, d.text, d.tokens)
+        choice = s.CompletionChoice(index=index, text=text, logprobs=logprobs,
                                     finish_reason=None if d.finish_reason is None else _FINISH[d.finish_reason],
-                                    stop_reason=stop_reason(d))
+                                    stop_reason=stop_reason(d),
+                                    prompt_logprobs=self._prompt_logprobs(index) if d.prompt_logprobs else None)
         return sse(s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice]))
 
     def closing(self) -> str:
         return sse(s.Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage()))
 
     def whole(self) -> s.Completion:
-        choices = [s.CompletionChoice(index=i, text=self.text[i], logprobs=self._logprobs(i, self.tokens[i]),
-                                      finish_reason=_FINISH[last.finish_reason], stop_reason=stop_reason(last))
-                   for i, last in enumerate(self.last)]
+        choices = []
+        for i, last in enumerate(self.last):
+            text, logprobs = self._joined(i, self.text[i], self.tokens[i])
+            choices.append(s.CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                              finish_reason=_FINISH[last.finish_reason], stop_reason=stop_reason(last),
+                                              prompt_logprobs=self._prompt_logprobs(i)))
         return s.Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage())

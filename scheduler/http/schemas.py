@@ -193,6 +193,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: the response's prompt_logprobs
     tools: list[ToolIn] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # unset: "auto" with tools
     parallel_tool_calls: bool | None = None  # with "required": false = exactly one call
@@ -201,7 +202,9 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt (text, and with logprobs its tokens' logprobs) before the output
+    max_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)  # 0: only with echo (the prompt alone back)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: each choice's prompt_logprobs
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # only best_of == n is served
 
@@ -264,9 +267,19 @@ class ChatLogprobs(Out):
 
 class CompletionLogprobs(Out):
     text_offset: list[int]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
     tokens: list[str]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprobOut(Out):
+    """One token of vLLM's prompt_logprobs entries: {token id: this}."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsOut = list[dict[str, PromptLogprobOut] | None]  # None first: the prompt's first token
 
 
 class FunctionCallOut(Out):
@@ -313,6 +326,7 @@ class ChatCompletion(Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsOut | None = None  # vLLM's, when the request set prompt_logprobs
 
 
 class ChatDelta(Out):
@@ -344,6 +358,7 @@ class CompletionChoice(Out):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # vLLM's, when the request set prompt_logprobs
 
 
 class Completion(Out):

@@ -287,7 +287,7 @@ def test_errors_have_the_openai_body_and_the_grpc_status(url, client):
            "invalid_argument", "messages.0.content")
     _error(post("/v1/chat/completions", {"max_tokens": 2}), 400, "invalid_argument", "messages")
     _error(post("/v1/completions", {"prompt": [1, -2]}), 400, "invalid_argument", "prompt.1")
-    _error(post("/v1/completions", {"prompt": "x", "echo": True}), 400, "invalid_argument", "echo")
+    _error(post("/v1/completions", {"prompt": "x", "max_tokens": 0}), 400, "invalid_argument", "max_tokens")
     _error(post("/v1/completions", {"prompt": "x", "suffix": "y"}), 400, "invalid_argument", "suffix")
     _error(post("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "invalid_argument",
            "tools.0.function")  # (tool calls themselves: tests/e2e/test_structured_output.py)
@@ -308,8 +308,8 @@ def test_errors_have_the_openai_body_and_the_grpc_status(url, client):
         client.chat.completions.create(model="nope", messages=CHAT)
     assert info.value.status_code == 404 and info.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="", prompt="x", max_tokens=2, echo=True)
-    assert info.value.param == "echo"
+        client.completions.create(model="", prompt="x", max_tokens=0)  # (0 only with echo)
+    assert info.value.param == "max_tokens"
 
 
 def test_oversized_body_is_413(stack):

@@ -95,7 +95,7 @@ def test_every_prompt_form_becomes_one_request_each(prompt, kinds):
 
 
 def test_completion_refusals_and_wrong_types():
-    for fields, param in [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
+    for fields, param in [({"max_tokens": 0}, "max_tokens"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
                           ({"prompt": []}, "prompt")]:
         with pytest.raises(BadParameter) as info:
             convert.completion_requests(CompletionRequest.model_validate({"prompt": "a", **fields}), "")
