@@ -89,8 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "big-endian start sequence) with the batches still held, then vLLM's end marker; "
                          "tcp://*:PORT binds on --host. Same loopback rule")
     ap.add_argument("--kv-events-topic",
-                    help="the ZMQ topic frame (default kv@<host>:<port>@<model>: this executor's gRPC address "
-                         "and model directory name)")
+                    help="the ZMQ topic frame (default empty, as vLLM's: what vllm-router --kv-event-source "
+                         "reads; llm-d's KV event pool wants kv@<pod IP>:<port>@<model>)")
     ap.add_argument("--kv-events-replay-buffer", type=int, default=10_000, metavar="BATCHES",
                     help="batches kept for --kv-events-replay-endpoint (default 10000, as vLLM's buffer_steps)")
     ap.add_argument("--no-cpu-packed-weights", action="store_true",
@@ -145,7 +145,7 @@ def _zmq_flags(args: argparse.Namespace) -> ZmqKvConfig | None:
             raise SystemExit("tandem-executor: error: --kv-events-replay-endpoint and --kv-events-topic need "
                              "--kv-events-endpoint")
         return None
-    return ZmqKvConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic,
+    return ZmqKvConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic or "",
                        args.kv_events_replay_buffer)
 
 

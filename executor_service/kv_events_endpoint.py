@@ -6,6 +6,12 @@ connects the PUB socket to HOST (vLLM's ZmqEventPublisher: bind when the address
 connect) and binds the replay ROUTER socket on HOST (vLLM always binds it). ZMQ has no TLS here and the
 events carry prompts' token ids, so an address off loopback is refused unless --insecure, whatever TLS the
 gRPC port has.
+
+The topic frame defaults to vLLM's own default, the empty string. Consumers compare it exactly:
+vllm-router 0.1.17's --kv-event-source subscribes to the topic "" and skips, without a word, every batch
+whose topic frame is not exactly "" (a ZMQ SUB matches prefixes; the router then checks the whole frame).
+llm-d's KV event pool wants `kv@<pod>@<model>` instead, which a vLLM pod there is given explicitly
+(--kv-events-config '{"topic": ...}') and a Tandem pod with --kv-events-topic.
 """
 from __future__ import annotations
 
@@ -64,19 +70,13 @@ def check_exposure(endpoint: ZmqEndpoint, bind_host: str, insecure: bool) -> Non
                 "to anyone who reaches it", what)
 
 
-def default_topic(listen_address: str, model: str) -> str:
-    """`kv@<host>:<port>@<model>`: the executor's gRPC address and model, the form llm-d's KV event pool
-    splits on '@' (pod identity, model name). vLLM's own default topic is empty."""
-    return f"kv@{listen_address}@{model}"
-
-
 @dataclass(frozen=True)
 class ZmqKvConfig:
     """--kv-events-endpoint and its companions (README: docs/ecosystem.md, KV events in vLLM's format)."""
 
     endpoint: str  # tcp://*:PORT (bind on --host) or tcp://HOST:PORT (connect)
     replay_endpoint: str | None = None  # a ROUTER socket for replays; None: no replay
-    topic: str | None = None  # None: default_topic()
+    topic: str = ""  # the topic frame: vLLM's default (empty), what vllm-router's --kv-event-source matches
     replay_buffer: int = 10_000  # batches kept for replay
 
     def endpoints(self) -> tuple[ZmqEndpoint, ZmqEndpoint | None]:

@@ -105,8 +105,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     # The metrics server first: a port in use stops us before we listen.
     exporter = ExecutorExporter(metrics, thread) if cfg.metrics_port is not None else None
     metrics_server = exporter.serve(cfg.host, cfg.metrics_port, guard) if exporter is not None else None
-    zmq_events = None if cfg.kv_events_zmq is None else \
-        open_publisher(cfg.kv_events_zmq, cfg.host, addresses[0], executor_cfg.model_dir.name)
+    zmq_events = None if cfg.kv_events_zmq is None else open_publisher(cfg.kv_events_zmq, cfg.host)
     if exporter is not None and zmq_events is not None:
         exporter.kv_events_zmq = zmq_events.stats
     server.start()

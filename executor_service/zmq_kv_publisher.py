@@ -23,7 +23,7 @@ import zmq
 
 from executor_service import vllm_kv_wire as wire
 from executor_service.kv_events import KvEvent, KvEventHub
-from executor_service.kv_events_endpoint import ZmqKvConfig, default_topic
+from executor_service.kv_events_endpoint import ZmqKvConfig
 
 log = logging.getLogger("tandem.executor")
 
@@ -184,10 +184,10 @@ class ZmqKvPublisher:
         self._ctx.term()
 
 
-def open_publisher(cfg: ZmqKvConfig, bind_host: str, listen_address: str, model: str) -> ZmqKvPublisher:
+def open_publisher(cfg: ZmqKvConfig, bind_host: str) -> ZmqKvPublisher:
     """The publisher of cfg (already check()ed), bound or connected; logs where."""
     pub, replay = cfg.endpoints()
-    topic = cfg.topic if cfg.topic is not None else default_topic(listen_address, model)
+    topic = cfg.topic
     publisher = ZmqKvPublisher(pub.address(bind_host), pub.binds,
                                None if replay is None else replay.address(bind_host), topic, cfg.replay_buffer)
     log.info("KV events in vLLM %s's format on %s %s, topic %r%s", wire.VLLM_RELEASE,
