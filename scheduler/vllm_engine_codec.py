@@ -46,9 +46,9 @@ def check_supported(m: vpb.GenerateRequest) -> None:
     if m.HasField("data_parallel_rank") and m.data_parallel_rank != 0:
         raise _refuse("data_parallel_rank", f"this worker has one data-parallel rank (0), got {m.data_parallel_rank}")
     s = m.sampling_params
-    if s.HasField("prompt_logprobs"):
-        raise _refuse("sampling_params.prompt_logprobs", "prompt logprobs are not served over VllmEngine yet; "
-                                                         "leave it unset")
+    if s.HasField("prompt_logprobs") and not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise _refuse("sampling_params.prompt_logprobs", f"must be 0..{MAX_TOP_LOGPROBS} alternatives per prompt "
+                                                         f"token (-1 is not served), got {s.prompt_logprobs}")
     if s.HasField("truncate_prompt_tokens"):
         raise _refuse("sampling_params.truncate_prompt_tokens", "prompt truncation is not supported; send a prompt "
                                                                 "that fits the model")
@@ -75,6 +75,8 @@ def generate_request_to_pb(m: vpb.GenerateRequest) -> pb.GenerateRequest:
                              # vLLM's default keeps special tokens out of text; ours is the same switch
                              keep_special_tokens=not s.skip_special_tokens)
     # spaces_between_special_tokens shapes detokenized text only, which smg does itself from our token ids.
+    if s.HasField("prompt_logprobs"):
+        out.prompt_logprobs = s.prompt_logprobs
     if m.WhichOneof("input") == "tokenized":
         # original_text is the router's text of the same prompt, "for reference": the ids are what runs
         out.token_ids.ids.extend(m.tokenized.input_ids)
@@ -123,25 +125,47 @@ def output_logprobs(tokens: list[TokenLogprob], top: int) -> vpb.OutputLogProbs:
     return out
 
 
+def input_logprobs(prompt_ids: tuple[int, ...], scored: tuple[TokenLogprob, ...], top: int) -> vpb.InputLogProbs:
+    """vLLM's prompt logprobs: one entry per prompt token, the first without a value (nothing comes before it)."""
+    out = vpb.InputLogProbs(token_ids=prompt_ids)
+    out.token_logprobs.add()
+    out.top_logprobs.add()
+    for t in scored:
+        out.token_logprobs.add(value=t.logprob)
+        out.top_logprobs.add(token_ids=[tid for tid, _ in t.top[:top]], values=[v for _, v in t.top[:top]])
+    return out
+
+
 class Answer:
     """One choice's stream in vLLM's shape: chunks while it runs, the complete message at its end."""
 
-    def __init__(self, index: int, prompt_tokens: int, logprobs: int | None, stream: bool) -> None:
+    def __init__(self, index: int, prompt_ids: tuple[int, ...], logprobs: int | None, stream: bool,
+                 prompt_logprobs: int | None = None) -> None:
+        """logprobs, prompt_logprobs: alternatives per token the request asked for; None: it asked for none."""
         self.index = index
-        self._prompt_tokens = prompt_tokens
-        self._logprobs = logprobs  # None: the request did not ask for any
+        self._prompt_ids = prompt_ids
+        self._prompt_tokens = len(prompt_ids)
+        self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
         self._stream = stream
         self._tokens: list[TokenLogprob] = []  # not streamed: every token, for the one complete message
+        self._input: vpb.InputLogProbs | None = None  # the prompt's logprobs, once they came
+        self._input_sent = False  # (streamed: on the first chunk only)
 
     def messages(self, d: Delta, cached_tokens: int) -> list[vpb.GenerateResponse]:
         """What one delta of this choice sends. cached_tokens: its prompt tokens the prefix cache served."""
         out = []
+        if d.prompt_logprobs is not None and self._prompt_logprobs is not None:
+            self._input = input_logprobs(self._prompt_ids, d.prompt_logprobs, self._prompt_logprobs)
         if self._stream and d.tokens:
             chunk = vpb.GenerateStreamChunk(token_ids=[t.token_id for t in d.tokens], index=self.index,
                                             prompt_tokens=self._prompt_tokens, completion_tokens=len(d.tokens),
                                             cached_tokens=cached_tokens)
             if self._logprobs is not None:
                 chunk.output_logprobs.CopyFrom(output_logprobs(d.tokens, self._logprobs))
+            if self._input is not None and not self._input_sent:
+                chunk.input_logprobs.CopyFrom(self._input)
+                self._input_sent = True
             out.append(vpb.GenerateResponse(chunk=chunk))
         if not self._stream:
             self._tokens += d.tokens
@@ -160,6 +184,8 @@ class Answer:
                                    spec_draft_tokens=usage.drafted_tokens if usage else 0)
         if self._logprobs is not None and tokens:
             out.output_logprobs.CopyFrom(output_logprobs(tokens, self._logprobs))
+        if self._input is not None:  # (vLLM's complete message carries them, streamed or not)
+            out.input_logprobs.CopyFrom(self._input)
         if d.finish_reason is FinishReason.STOP and d.stop_reason.isdigit():
             out.matched_token_id = int(d.stop_reason)  # an EOS or stop token id
         elif d.finish_reason is FinishReason.STOP_SEQUENCE:

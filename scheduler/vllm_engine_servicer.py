@@ -67,8 +67,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 for r in reqs:
                     submitted.append(fleet.submit(r))
                 self._running[request.request_id] += submitted
-                logprobs = request.sampling_params.logprobs if request.sampling_params.HasField("logprobs") else None
-                answers = [vcodec.Answer(i, len(req.prompt_ids), logprobs, request.stream) for i in range(n)]
+                asked = request.sampling_params
+                answers = [vcodec.Answer(i, req.prompt_ids, asked.logprobs if asked.HasField("logprobs") else None,
+                                         request.stream, req.prompt_logprobs) for i in range(n)]
                 left = n
                 async for index, event in _merged([stream for _, stream in submitted]):
                     if isinstance(event, TandemError):

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -31,6 +32,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import server_process
+from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc
 from tandem.vendor.smg import common_pb2 as smg_common
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
@@ -248,20 +250,31 @@ def test_streams_through_smg_match_tandem_http(smg_rr, schedulers, path, body):
 
 def test_cache_aware_routing_keeps_a_shared_prefix_on_one_scheduler(smg_cache, schedulers):
     prefix = "In the beginning the scheduler and the executor agreed on a contract of messages. " * 3
-    before = [s.served() for s in schedulers]
-    for i in range(6):
-        body = {"model": MODEL, "prompt": f"{prefix} Question {i}:", "max_tokens": 4, "temperature": 0}
+
+    def complete(prompt: str) -> list[float]:
+        """Sends one request through smg; returns how many each scheduler served for it (one 1, one 0)."""
+        before = [s.served() for s in schedulers]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
         r = httpx.post(f"{smg_cache.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-    served = [s.served() - b for s, b in zip(schedulers, before)]
-    assert sorted(served) == [0, 6], served
-    # The control: prompts that share nothing go to the scheduler whose cache smg thinks is smaller, so both get
-    # some (a policy stuck on one worker would pass the check above too)
-    before = [s.served() for s in schedulers]
-    for word in ("apple", "river", "stone", "cloud"):
-        body = {"model": MODEL, "prompt": f"{word} " * 60, "max_tokens": 4, "temperature": 0}
-        assert httpx.post(f"{smg_cache.url}/v1/completions", json=body, timeout=60).status_code == 200
-    assert all(s.served() > b for s, b in zip(schedulers, before)), [s.served() - b for s, b in zip(schedulers, before)]
+        return [s.served() - b for s, b in zip(schedulers, before)]
+
+    first = [complete(f"{prefix} Question {i}:") for i in range(4)]
+    home = first[0].index(1)
+    assert all(f[home] == 1 for f in first), first
+    # The control (a policy stuck on one worker would pass the check above too): while a long request with the
+    # prefix keeps its scheduler busy, prompts that share nothing go to the other one (by load), and prompts with
+    # the prefix still go home (by cache affinity).
+    body = {"model": MODEL, "prompt": f"{prefix} A long one:", "max_tokens": MAX_POSITIONS // 2, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{smg_cache.url}/v1/completions", json=body, timeout=60) as busy:
+        assert busy.status_code == 200, busy.read()
+        lines = busy.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        away = [complete(f"{word} " * 60) for word in ("apple", "river", "stone")]
+        again = [complete(f"{prefix} Question {i}:") for i in range(4, 7)]
+    assert all(a[home] == 0 for a in away), away
+    assert all(a[home] == 1 for a in again), again
 
 
 def test_client_disconnect_mid_stream_aborts_on_tandem(smg_rr, schedulers, executors):
@@ -323,7 +336,7 @@ def _generate(**sampling) -> vpb.GenerateRequest:
 
 
 @pytest.mark.parametrize("request_, field", [
-    (_generate(prompt_logprobs=1), "prompt_logprobs"),
+    (_generate(prompt_logprobs=-1), "prompt_logprobs"),
     (_generate(truncate_prompt_tokens=8), "truncate_prompt_tokens"),
     (_generate(structural_tag="{}"), "structural_tag"),
     (_generate(logprobs=-1), "logprobs"),
@@ -384,6 +397,19 @@ def test_abort_ends_the_stream_and_frees_its_cache(engine, executors):
     last = list(call)[-1]
     assert last.complete.finish_reason == "abort"
     wait_kv_free(executors[0].stub)
+
+
+def test_prompt_logprobs_are_generate_services(engine, schedulers):
+    ids = [5, 6, 7, 8, 9]
+    request = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=ids), stream=True, sampling_params=vpb.
+                                  SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))
+    first = next(iter(engine.Generate(request, timeout=30))).chunk.input_logprobs
+    ours = next(iter(schedulers[0].server.stub.Generate(gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=ids), stopping=gpb.StoppingCriteria(max_new_tokens=2), prompt_logprobs=2),
+        timeout=30))).prompt_logprobs
+    assert list(first.token_ids) == ids and not first.token_logprobs[0].HasField("value")
+    assert [v.value for v in first.token_logprobs[1:]] == pytest.approx([t.logprob for t in ours])
+    assert [list(t.token_ids) for t in first.top_logprobs[1:]] == [[a.token_id for a in t.top_logprobs] for t in ours]
 
 
 def test_generate_not_streamed_answers_once_with_every_token(engine):

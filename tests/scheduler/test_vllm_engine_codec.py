@@ -24,7 +24,7 @@ def _request(**sampling) -> vpb.GenerateRequest:
 
 
 @pytest.mark.parametrize("request_, field", [
-    (_request(prompt_logprobs=0), "sampling_params.prompt_logprobs"),
+    (_request(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
     (_request(truncate_prompt_tokens=-1), "sampling_params.truncate_prompt_tokens"),
     (_request(structural_tag="{}"), "sampling_params.structural_tag"),
     (_request(logprobs=-1), "sampling_params.logprobs"),
@@ -36,7 +36,7 @@ def _request(**sampling) -> vpb.GenerateRequest:
     (vpb.GenerateRequest(kv_transfer_params=vpb.KvTransferParams(remote_host="h")), "kv_transfer_params"),
     (vpb.GenerateRequest(kv_transfer_params_json="{}"), "kv_transfer_params_json"),
     (vpb.GenerateRequest(data_parallel_rank=1), "data_parallel_rank"),
-], ids=["prompt_logprobs", "truncate", "structural_tag", "logprobs-all", "logprobs-21", "n", "mm_inputs",
+], ids=["prompt_logprobs-all", "truncate", "structural_tag", "logprobs-all", "logprobs-21", "n", "mm_inputs",
         "extra_mm_inputs", "media_refs", "kv_transfer_params", "kv_transfer_params_json", "dp_rank"])
 def test_what_would_change_the_result_is_refused_naming_the_field(request_, field):
     with pytest.raises(InvalidRequest, match=f"^{field}: "):
@@ -81,6 +81,8 @@ def test_every_sampling_and_stopping_field_lands_where_generate_service_reads_it
         (9, 2, ["\n\n"], [2, 9])
     assert stop.ignore_eos and stop.include_stop_str_in_output
     assert m.top_logprobs == 3 and not m.keep_special_tokens and m.constraint.regex == "[a-z]+"
+    assert not m.HasField("prompt_logprobs")
+    assert vcodec.generate_request_to_pb(_request(prompt_logprobs=0)).prompt_logprobs == 0
 
 
 @pytest.mark.parametrize("constraint, kind", [
@@ -104,7 +106,7 @@ def _tokens(*ids: int) -> list[TokenLogprob]:
 
 
 def test_a_streamed_answer_is_chunks_then_the_complete_message_with_the_last_delta():
-    answer = vcodec.Answer(index=0, prompt_tokens=3, logprobs=2, stream=True)
+    answer = vcodec.Answer(index=0, prompt_ids=(1, 2, 3), logprobs=2, stream=True)
     first = answer.messages(Delta(text="ab", tokens=_tokens(7, 8)), cached_tokens=2)
     assert [m.WhichOneof("response") for m in first] == ["chunk"]
     chunk = first[0].chunk
@@ -120,8 +122,23 @@ def test_a_streamed_answer_is_chunks_then_the_complete_message_with_the_last_del
     assert complete.WhichOneof("matched_stop") == "matched_token_id" and complete.matched_token_id == 2
 
 
+def test_prompt_logprobs_go_on_the_first_chunk_and_the_complete_message_the_first_token_without_a_value():
+    answer = vcodec.Answer(index=0, prompt_ids=(1, 2, 3), logprobs=None, stream=True, prompt_logprobs=1)
+    scored = tuple(_tokens(2, 3))  # positions 1 and 2, each scored from the one before
+    (first,) = answer.messages(Delta(tokens=_tokens(9), prompt_logprobs=scored), cached_tokens=0)
+    given = first.chunk.input_logprobs
+    assert list(given.token_ids) == [1, 2, 3]
+    assert [v.HasField("value") for v in given.token_logprobs] == [False, True, True]
+    assert [v.value for v in given.token_logprobs[1:]] == [-1.0, -1.5]
+    assert [list(t.token_ids) for t in given.top_logprobs] == [[], [2], [3]]
+    (second, last) = answer.messages(Delta(tokens=_tokens(8), finish_reason=FinishReason.LENGTH, usage=Usage(3, 2)),
+                                     cached_tokens=0)
+    assert not second.chunk.HasField("input_logprobs")
+    assert last.complete.input_logprobs == given
+
+
 def test_a_stop_string_is_reported_as_matched_stop_str():
-    answer = vcodec.Answer(index=1, prompt_tokens=3, logprobs=None, stream=True)
+    answer = vcodec.Answer(index=1, prompt_ids=(1, 2, 3), logprobs=None, stream=True)
     (complete,) = answer.messages(Delta(finish_reason=FinishReason.STOP_SEQUENCE, stop_reason="\n\n",
                                         usage=Usage(3, 4)), cached_tokens=0)
     c = complete.complete
@@ -130,7 +147,7 @@ def test_a_stop_string_is_reported_as_matched_stop_str():
 
 
 def test_an_answer_not_streamed_is_one_complete_message_with_every_token():
-    answer = vcodec.Answer(index=0, prompt_tokens=3, logprobs=0, stream=False)
+    answer = vcodec.Answer(index=0, prompt_ids=(1, 2, 3), logprobs=0, stream=False)
     assert answer.messages(Delta(tokens=_tokens(4)), cached_tokens=0) == []
     (only,) = answer.messages(Delta(tokens=_tokens(5), finish_reason=FinishReason.LENGTH, usage=Usage(3, 2)), 0)
     c = only.complete
@@ -140,7 +157,7 @@ def test_an_answer_not_streamed_is_one_complete_message_with_every_token():
 
 
 def test_aborted_is_vllms_abort():
-    (m,) = vcodec.Answer(0, 1, None, True).messages(Delta(finish_reason=FinishReason.ABORTED, usage=Usage(1, 0)), 0)
+    (m,) = vcodec.Answer(0, (1,), None, True).messages(Delta(finish_reason=FinishReason.ABORTED, usage=Usage(1, 0)), 0)
     assert m.complete.finish_reason == "abort"
 
 
