@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"threads": threads,
                                                                      "block_size": DEFAULT_BLOCK_SIZE}
     results = {"benchmark": "bench_prefix", "config": config, "machine": machine_info("cpu"),
-               "model": model_json(model_dir, cfg), "runs": runs, "comparisons": compare, "kv_events": costs, "agreement": agree,
+               "model": model_json(model_dir, cfg), "runs": runs, "comparisons": compare, "kv_events": costs,
+               "agreement": agree,
                "all_exact_output_len": bad == 0}
     log(f"wrote {write_json(args.out, results)}")
     return 1 if bad else 0
