@@ -163,7 +163,8 @@ def complete(base_url: str, prompt: str) -> dict:
 
 
 def prefix(word: str) -> str:
-    """Six or more full blocks (the tiny model holds 256 tokens) that share nothing with another word's prefix after the first few tokens."""
+    """Six or more full blocks (the tiny model holds 256 tokens) that share nothing with another word's prefix
+    after the first few tokens."""
     return " ".join(f"{word}{i}" for i in range(20))
 
 
