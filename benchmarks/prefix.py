@@ -64,8 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_common(ap, "prefix", "system prompt 64, 4 questions of 8, 2 conversations x 3 turns, output 8, concurrency 2")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)} (both)")
     ap.add_argument("--modes", default="on,off", help="comma list of on (executor defaults), off "
-                    "(--no-prefix-caching), events (on + KV events on ZMQ, read by a subscriber), events-stalled (events + a subscriber "
-                    "that never reads); the events modes are compared with on")
+                    "(--no-prefix-caching), events (on + KV events on ZMQ, read by a subscriber), events-stalled "
+                    "(events + a subscriber that never reads); the events modes are compared with on")
     add_sizes(ap, DEFAULTS, {"system-tokens": "tokens of the shared system prompt",
                              "questions": "system-prompt: requests, each its own question",
                              "question-tokens": "tokens of a question / a user message",
