@@ -183,7 +183,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...
 
 class DecodeItem(_message.Message):
-    __slots__ = ("cache", "token_id", "sampling", "output", "adapter", "stop_token_ids", "draft_token_ids")
+    __slots__ = ("cache", "token_id", "sampling", "output", "adapter", "stop_token_ids", "draft_token_ids", "ngram_drafts", "max_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,8 @@ class DecodeItem(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     token_id: int
     sampling: _common_pb2.SamplingParams
@@ -198,7 +200,19 @@ class DecodeItem(_message.Message):
     adapter: str
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ngram_drafts: NgramDrafts
+    max_tokens: int
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., ngram_drafts: _Optional[_Union[NgramDrafts, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class NgramDrafts(_message.Message):
+    __slots__ = ("max_draft_tokens", "ngram_min", "ngram_max")
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MIN_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
+    max_draft_tokens: int
+    ngram_min: int
+    ngram_max: int
+    def __init__(self, max_draft_tokens: _Optional[int] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("items", "num_steps", "session_id", "release_cache_ids")
@@ -213,14 +227,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., num_steps: _Optional[int] = ..., session_id: _Optional[str] = ..., release_cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("cache", "output", "status")
+    __slots__ = ("cache", "output", "status", "draft_steps", "draft_tokens", "accepted_draft_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     output: SequenceOutput
     status: ItemStatus
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
+    draft_steps: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., draft_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("results", "kv", "released")
