@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="tandem-scheduler",
         description="Serve tandem.generate.v1.GenerateService (streaming Generate, Tokenize, GetModelInfo; plus "
-                    "grpc.health.v1 and server reflection) by batching requests continuously over Tandem "
+                    "vLLM's engine protocol vllm.grpc.engine.VllmEngine for SGLang's gateway smg, grpc.health.v1 "
+                    "and server reflection) by batching requests continuously over Tandem "
                     "executors: each step is one UnifiedDecode with a token for every running sequence and prompt "
                     "chunks for waiting ones (or, while only decodes run and none waits, one Decode of several "
                     "steps: --decode-burst-ms). Waits for the executor to serve, then prints 'READY <addresses>' (with --http-port, the HTTP URL last).")
