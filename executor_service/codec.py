@@ -11,6 +11,7 @@ from executor_service.kv_events import BlocksStored, KvEvent
 from executor_service.metrics import LatencySummary, MetricsSnapshot
 from executor_service.prefix_cache import PrefixCacheStats
 from executor_service.request_validation import check_release_with_step, name_item, renumber_item
+from executor_service.ngram_drafts import NgramDrafts
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, OutputMode, OutputOptions, SequenceOutput,
                                     SessionLease, SessionListing, StepResults, TokenOutput, UnifiedItem,
@@ -193,7 +194,8 @@ def decode_response_to_pb(results: StepResults[DecodeResult], logits_dtypes: lis
                           kv: KvUsage) -> pb.DecodeResponse:
     return pb.DecodeResponse(
         results=[pb.DecodeResult(cache=cache_to_pb(r.cache), output=sequence_output_to_pb(r.output, d),
-                                 status=item_status_to_pb(r.error))
+                                 status=item_status_to_pb(r.error), draft_steps=r.draft_steps,
+                                 draft_tokens=r.draft_tokens, accepted_draft_tokens=r.accepted_draft_tokens)
                  for r, d in zip(results, logits_dtypes)], kv=kv_usage_to_pb(kv), released=results.released)
 
 
@@ -205,8 +207,11 @@ def decode_item_from_pb(m: pb.DecodeItem) -> tuple[DecodeItem, int]:
     if not m.cache.cache_id:
         raise InvalidRequest("decode item needs cache.cache_id (run Prefill first)")
     output, dtype = output_from_pb(m.output)
+    drafts = (NgramDrafts(m.ngram_drafts.max_draft_tokens, m.ngram_drafts.ngram_min, m.ngram_drafts.ngram_max)
+              if m.HasField("ngram_drafts") else None)
     return DecodeItem(CacheRef(m.cache.cache_id, m.cache.seq_len), m.token_id, sampling_from_pb(m.sampling),
-                      output, m.adapter, frozenset(m.stop_token_ids), tuple(m.draft_token_ids)), dtype
+                      output, m.adapter, frozenset(m.stop_token_ids), tuple(m.draft_token_ids), drafts,
+                      m.max_tokens), dtype
 
 
 def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:

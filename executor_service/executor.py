@@ -57,7 +57,9 @@ CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_
                 # issue 30: release_cache_ids of UnifiedDecode and Decode, released before the items run
                 "release_with_step",
                 # UnifiedItem/CreateCacheItem.prompt_logprobs, kept beside the prefix cache's blocks
-                "prompt_logprobs")
+                "prompt_logprobs",
+                # issue 34: DecodeItem.ngram_drafts (drafts proposed and verified within a multi-step Decode)
+                "multi_step_drafts")
 
 
 class Executor:

@@ -12,6 +12,7 @@ from typing import Sequence
 from executor_service.adapters import AdapterRegistry
 from executor_service.batch import PlannedItem
 from executor_service.cache_table import CacheState, CacheTable
+from executor_service.ngram_drafts import MAX_DRAFT_TOKENS  # noqa: F401  (re-exported)
 from executor_service.types import CreateCacheItem, UnifiedItem
 from models.config import ModelConfig
 from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong, TandemError
@@ -20,7 +21,6 @@ from tandem.token_mask import allows_any, mask_bytes
 
 MAX_CREATE_ITEMS = 256  # caches one CreateCache may create
 MAX_CACHE_SALT_CHARS = 256
-MAX_DRAFT_TOKENS = 32  # per item: more than a handful is rarely accepted, and each costs a KV slot and a row
 MAX_RELEASE_WITH_STEP = 4096  # cache ids one step call (UnifiedDecode, Decode) may release before its items
 
 

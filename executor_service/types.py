@@ -7,6 +7,7 @@ from typing import Iterable, TypeVar
 
 import torch
 
+from executor_service.ngram_drafts import NgramDrafts
 from tandem.errors import TandemError
 from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
@@ -110,13 +111,18 @@ class DecodeItem:
     adapter: str = ""
     stop_token_ids: frozenset[int] = frozenset()
     draft_token_ids: tuple[int, ...] = ()  # as UnifiedItem's; only with num_steps <= 1
+    ngram_drafts: NgramDrafts | None = None  # the executor drafts before each step (executor_service/ngram_drafts.py)
+    max_tokens: int = 0  # most tokens returned in the call; 0 = num_steps
 
 
 @dataclass
 class DecodeResult:
     cache: CacheRef
-    output: SequenceOutput  # one TokenOutput per step taken
+    output: SequenceOutput  # one TokenOutput per step taken (with ngram_drafts: per token)
     error: TandemError | None = None  # as UnifiedResult.error: this item failed alone and wrote nothing
+    draft_steps: int = 0  # with ngram_drafts: steps that carried drafts, draft tokens verified, accepted
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class StepResults(list[R]):
