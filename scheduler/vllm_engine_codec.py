@@ -24,6 +24,7 @@ from tandem.sampling_params import MAX_TOP_LOGPROBS
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
 
 SERVER_TYPE = "tandem"  # GetServerInfo.server_type (vLLM answers "vllm-grpc")
+MODEL_PATH_SCHEME = "tandem://"  # GetModelInfo.model_path: tandem://<served name>
 MAX_N = 16  # choices one Generate call may ask for (each is a request of its own on the scheduler)
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop",
            FinishReason.ABORTED: "abort"}  # vLLM's finish_reason strings
@@ -194,12 +195,14 @@ class Answer:
 
 
 def model_info_to_pb(info: ExecutorInfo, served_name: str) -> vpb.GetModelInfoResponse:
-    # model_path and tokenizer_path name no host path (the executor's directory is never shown to clients): the
-    # router loads its tokenizer from its own --model-path, or from GetTokenizer.
+    # model_path names no host path (the executor's directory is never shown to clients), nor anything a router
+    # could load a tokenizer from (smg reads it as a local path or a Hugging Face id, where a served name might
+    # find another model's): so smg loads the tokenizer from its own --model-path, or from GetTokenizer.
     return vpb.GetModelInfoResponse(
-        model_path=served_name, served_model_name=served_name, is_generation=True, supports_vision=False,
-        max_context_length=info.max_seq_len, max_req_input_len=info.max_seq_len, vocab_size=info.vocab_size,
-        architectures=[info.architecture] if info.architecture else [], eos_token_ids=list(info.eos_token_ids))
+        model_path=f"{MODEL_PATH_SCHEME}{served_name}", served_model_name=served_name, is_generation=True,
+        supports_vision=False, max_context_length=info.max_seq_len, max_req_input_len=info.max_seq_len,
+        vocab_size=info.vocab_size, architectures=[info.architecture] if info.architecture else [],
+        eos_token_ids=list(info.eos_token_ids))
 
 
 def server_info_to_pb(info: ExecutorInfo, executors: list[ExecutorStats], uptime_s: float,

@@ -55,14 +55,16 @@ def _free_port() -> int:
 
 class Smg:
     """`smg launch` in gRPC mode in front of the given schedulers, on a free port; ready once every worker
-    is registered and healthy."""
+    is registered and healthy. model_dir None: smg has no --model-path and fetches the tokenizer from a
+    scheduler (GetTokenizer)."""
 
-    def __init__(self, workers: list[str], model_dir: Path, policy: str, *extra: str) -> None:
+    def __init__(self, workers: list[str], model_dir: Path | None, policy: str, *extra: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="smg-", suffix=".log", delete=False)
-        args = [SMG, "launch", "--worker-urls", *(f"grpc://{w}" for w in workers), "--model-path", str(model_dir),
-                "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port),
+        args = [SMG, "launch", "--worker-urls", *(f"grpc://{w}" for w in workers),
+                *(["--model-path", str(model_dir)] if model_dir is not None else []), "--policy", policy,
+                "--host", "127.0.0.1", "--port", str(self.port),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
                 # a lost worker is noticed within seconds, and taken back after one good probe
                 "--health-check-interval-secs", "1", "--health-check-timeout-secs", "2",
@@ -179,7 +181,7 @@ def schedulers(request, executors):
     return out
 
 
-def _smg(request, schedulers, model, policy: str, *extra: str) -> Smg:
+def _smg(request, schedulers, model: Path | None, policy: str, *extra: str) -> Smg:
     router = Smg([s.address for s in schedulers], model, policy, *extra)
     request.addfinalizer(router.close)
     return router
@@ -194,7 +196,8 @@ def smg_rr(request, schedulers, model):
 def smg_cache(request, schedulers, model):
     # No load poll within the test (the default, every 10 s, could land mid-test and reset what smg counted): where
     # a prompt matches no worker's prefix, smg then scores the workers by what it dispatched to each
-    return _smg(request, schedulers, model, "cache_aware", "--load-monitor-interval", "3600")
+    # (and no --model-path: this smg tokenizes with the files GetTokenizer sends)
+    return _smg(request, schedulers, None, "cache_aware", "--load-monitor-interval", "3600")
 
 
 def _stream(base: str, path: str, body: dict) -> dict:
@@ -393,7 +396,7 @@ def test_get_tokenizer_streams_the_model_tokenizer(engine, model):
 def test_model_info_loads_and_health(engine, executors):
     info = engine.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
     assert (info.served_model_name, info.max_context_length, info.is_generation) == (MODEL, MAX_POSITIONS, True)
-    assert "/" not in info.model_path  # no host path goes out
+    assert info.model_path == f"tandem://{MODEL}"  # no host path goes out, nor a name smg would look up
     assert engine.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
     loads = engine.GetLoads(vpb.GetLoadsRequest(), timeout=10)
     assert loads.dp_rank_count == 1 and len(loads.loads) == 1 and 0 <= loads.loads[0].token_usage < 1
