@@ -161,8 +161,10 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     workers = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenize")
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(fleet, workers, limits), server)
     # vLLM's engine protocol, for SGLang's gateway smg (`smg launch --worker-urls grpc://...`)
+    # (its HealthCheck reads `stop`, set below, only once the server runs: a draining scheduler reports unhealthy)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-        VllmEngineServicer(fleet, workers, limits, (cfg.served_model_names or (info.model_id,))[0], chat_template),
+        VllmEngineServicer(fleet, workers, limits, (cfg.served_model_names or (info.model_id,))[0], chat_template,
+                           healthy=lambda: fleet.up and not stop.is_set()),
         server)
 
     stop = asyncio.Event()

@@ -36,10 +36,13 @@ VERSION = "tandem-0.1.0"  # GetLoads.version (vLLM's version there)
 
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     def __init__(self, fleet: Fleet, workers: Executor | None = None, limits: TokenLimits | None = None,
-                 served_name: str = "", chat_template: str | None = None) -> None:
+                 served_name: str = "", chat_template: str | None = None,
+                 healthy: Callable[[], bool] | None = None) -> None:
         """served_name: the model's name to routers (--served-model-name, else the executor's model id).
-        chat_template: the scheduler's --chat-template, handed to routers with the tokenizer files."""
+        chat_template: the scheduler's --chat-template, handed to routers with the tokenizer files.
+        healthy: whether to take requests now (default: while some executor serves; the server adds its drain)."""
         self.fleet = fleet
+        self._healthy = healthy or (lambda: fleet.up)
         self._workers = workers
         self._limits = limits or TokenLimits()
         self._served_name = served_name or fleet.info.model_id
@@ -97,9 +100,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         return vpb.AbortResponse()
 
     async def HealthCheck(self, request: vpb.HealthCheckRequest, context) -> vpb.HealthCheckResponse:
-        up = self.fleet.up
-        return vpb.HealthCheckResponse(healthy=up, message="serving" if up else
-                                       "no executor serves: requests wait up to --executor-retry-s, then fail")
+        if self._healthy():
+            return vpb.HealthCheckResponse(healthy=True, message="serving")
+        why = "no executor serves" if not self.fleet.up else "the scheduler is shutting down"
+        return vpb.HealthCheckResponse(healthy=False, message=why)
 
     async def GetModelInfo(self, request: vpb.GetModelInfoRequest, context) -> vpb.GetModelInfoResponse:
         return vcodec.model_info_to_pb(self.fleet.info, self._served_name)

@@ -444,6 +444,28 @@ def test_the_schedulers_tokens_guard_the_service(request, executors, tmp_path):
             assert call(metadata=[("authorization", f"Bearer {token}")])
 
 
+def test_a_draining_scheduler_reports_unhealthy(executors):
+    """SIGTERM: while its running requests finish (--grace), HealthCheck says no, so smg stops sending it work."""
+    draining = server_process.launch_scheduler(executors[1].address, "--grace", "2")
+    try:
+        with grpc.insecure_channel(draining.address) as channel:
+            stub = vpb_grpc.VllmEngineStub(channel)
+            assert stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
+            request = _generate(ignore_eos=True)
+            request.sampling_params.max_tokens = MAX_POSITIONS - 64
+            call = stub.Generate(request, timeout=60)
+            assert next(call).WhichOneof("response") == "chunk"  # running
+            draining.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (health := stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10)).healthy:
+                assert time.monotonic() < deadline, "still healthy after SIGTERM"
+                time.sleep(0.02)
+            assert "shutting down" in health.message
+            assert list(call)[-1].complete.finish_reason == "abort"  # cut at the end of --grace
+    finally:
+        assert draining.stop() == 0, draining.log()
+
+
 def test_generate_not_streamed_answers_once_with_every_token(engine):
     request = _generate(logprobs=2, n=2, seed=3, temperature=0.8)
     request.stream = False
