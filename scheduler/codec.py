@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections import OrderedDict
+from typing import Mapping
 
 import grpc
 
@@ -17,6 +18,7 @@ from tandem.generate.v1 import generate_pb2 as pb
 from scheduler.grammar import CompiledConstraint, ConstraintKind, ConstraintSpec, GrammarCompiler
 from scheduler.executor_info import ExecutorInfo, ExecutorStats
 from scheduler.planner import StepItem, StepPlan
+from scheduler.sequence import Sequence
 from scheduler.step_results import ItemResult
 from tandem.kv_usage import KvUsage
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob
@@ -156,10 +158,13 @@ def create_cache_items(seqs) -> list[epb.CreateCacheItem]:
                                 prompt_logprobs=s.prompt_logprobs_wanted) for s in seqs]
 
 
-def burst_to_pb(plan: StepPlan) -> list[epb.DecodeItem]:
+def burst_to_pb(plan: StepPlan, drafting: Mapping[Sequence, tuple[int, int, int]] | None = None
+                ) -> list[epb.DecodeItem]:
     """The Decode items of a multi-step burst (scheduler/decode_bursts.py): each sequence's last token at its
     cache's length, its sampling (always sent: an unset DecodeItem.sampling means greedy, not the registered
-    one), and the token ids that stop it on the executor."""
+    one), and the token ids that stop it on the executor. drafting: the sequences the executor drafts for
+    within the burst, with (max draft tokens, n-gram min, n-gram max); they also get max_tokens (the tokens
+    they have left), since a step may then return several."""
     items = []
     for item in plan.items:
         seq, req = item.seq, item.seq.request
@@ -167,6 +172,11 @@ def burst_to_pb(plan: StepPlan) -> list[epb.DecodeItem]:
                                     token_id=seq.output_ids[-1], sampling=_sampling_pb(seq.sampling_for_next_token()),
                                     output=_output_options(req.top_logprobs), adapter=req.adapter,
                                     stop_token_ids=sorted(seq.eos_token_ids | req.stopping.stop_token_ids)))
+        settings = drafting.get(seq) if drafting else None
+        if settings is not None:
+            items[-1].ngram_drafts.CopyFrom(epb.NgramDrafts(max_draft_tokens=settings[0], ngram_min=settings[1],
+                                                            ngram_max=settings[2]))
+            items[-1].max_tokens = seq.tokens_left
     return items
 
 
@@ -213,9 +223,12 @@ def item_results_from_pb(resp: epb.UnifiedDecodeResponse | epb.DecodeResponse) -
                                       RemoteError(name, f"executor: {r.status.message or name}")))
             continue
         tokens = _token_logprobs(r.output.tokens) if r.HasField("output") else ()
+        drafted = ((r.draft_steps, r.draft_tokens, r.accepted_draft_tokens) if isinstance(r, epb.DecodeResult)
+                   else (0, 0, 0))
         results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, tokens,
                                   # (a Decode burst's DecodeResult has none)
-                                  prompt_logprobs=_token_logprobs(getattr(r, "prompt_logprobs", ()))))
+                                  prompt_logprobs=_token_logprobs(getattr(r, "prompt_logprobs", ())),
+                                  burst_drafts=drafted))
     return results
 
 

@@ -9,9 +9,18 @@ burst waits for its end. Both are bounded by time, not by a count: a burst lasts
 (the steps that fit, from the measured time per step; at most --max-decode-steps), so a slow model (a step
 longer than the window) keeps one step per call and a fast one gets its overhead amortised.
 
+Speculative decoding composes with bursts where the executor lists "multi_step_drafts": a burst's
+sequences that may draft (scheduler/speculation.py: --speculative-max-batch, no constraint) get
+DecodeItem.ngram_drafts with the --speculative settings, and the executor proposes drafts from each one's
+own tokens before every step and verifies them in that step's forward (executor_service/decode_steps.py), so
+a step may return several tokens; max_tokens (the tokens the sequence has left) bounds them. The output is
+the one of plain decoding. The drafts the planner made for the step are dropped from a plan that becomes a
+burst (the executor drafts its first step too). An executor without the capability: drafts keep steps
+single, as below.
+
 A step is one call of one step (UnifiedDecode) whenever any of this holds: a request waits to be admitted
-(the burst would hold it back), an item is a prompt chunk or carries draft tokens (speculative decoding
-verifies them in one step), a sequence's cache has had no final item yet (a recomputed sequence whose
+(the burst would hold it back), an item is a prompt chunk or carries draft tokens that the executor cannot
+draft within a burst, a sequence's cache has had no final item yet (a recomputed sequence whose
 reused prefix covers all but its last token: a UnifiedItem tells the executor where the prompt ends, for
 the presence/frequency penalties; a Decode item cannot), a sequence is constrained (its next token mask
 needs the grammar after every token), a sequence is short of min_new_tokens (the EOS ban lifts at an exact
@@ -31,10 +40,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from scheduler import codec
 from scheduler.executor_client import is_kv_exhaustion
 from scheduler.planner import StepPlan
+from scheduler.sequence import Sequence
+from scheduler.speculation import MULTI_STEP_DRAFTS, Speculator
+from tandem.executor.v1 import executor_pb2 as epb
 from tandem.errors import RemoteError
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
@@ -83,6 +96,8 @@ class DecodeBursts:
         self.cfg = cfg
         self.step_s: float | None = None  # seconds per decode step, calls included (None: none measured yet)
         self.max_steps = cfg.max_steps  # halved by each refused burst
+        # The last burst's sequences the executor drafts for: (max draft tokens, n-gram min, n-gram max).
+        self.drafting: dict[Sequence, tuple[int, int, int]] = {}
 
     def refused(self, steps: int, error: RemoteError) -> bool:
         """A burst of `steps` steps was answered with `error`. True: nothing ran and fewer steps may not meet
@@ -94,28 +109,40 @@ class DecodeBursts:
                     steps, error.status_name, error, self.max_steps)
         return True
 
-    def steps(self, plan: StepPlan, waiting: bool, kv: KvUsage, capabilities, speculating: bool) -> int:
-        """Decode steps for this plan's call: 1 = an ordinary UnifiedDecode step."""
+    def steps(self, plan: StepPlan, waiting: bool, kv: KvUsage, capabilities, speculator: Speculator | None) -> int:
+        """Decode steps for this plan's call: 1 = an ordinary UnifiedDecode step. For a burst with speculation,
+        also decides self.drafting and drops the planner's drafts from the plan's items (the executor drafts
+        within the burst)."""
         cfg = self.cfg
-        if (self.max_steps < 2 or not cfg.window_ms or waiting or speculating or self.step_s is None
-                or MULTI_STEP_DECODE not in capabilities or not plan.items):
+        self.drafting = {}
+        inside = speculator is not None and MULTI_STEP_DRAFTS in capabilities  # drafts within bursts
+        if (self.max_steps < 2 or not cfg.window_ms or waiting or (speculator is not None and not inside)
+                or self.step_s is None or MULTI_STEP_DECODE not in capabilities or not plan.items):
             return 1
         fit = int(cfg.window_ms / 1e3 / self.step_s)
         steps = min(self.max_steps, fit)
         for item in plan.items:
             seq = item.seq
-            if (item.count != 1 or item.drafts or not seq.is_decoding or not seq.prompt_end_sent
+            if (item.count != 1 or (item.drafts and not inside) or not seq.is_decoding or not seq.prompt_end_sent
                     or seq.constraint is not None or len(seq.output_ids) < seq.request.stopping.min_new_tokens):
                 return 1
             steps = min(steps, seq.tokens_left)
         while steps > 1 and _blocks_for(plan, steps, kv.block_size) > kv.free_blocks:
             steps -= 1
+        if steps > 1 and inside:
+            self.drafting = speculator.burst_drafting([item.seq for item in plan.items])
+            plan.items[:] = [replace(item, drafts=()) if item.drafts else item for item in plan.items]
         return max(1, steps)
+
+    def to_pb(self, plan: StepPlan) -> list[epb.DecodeItem]:
+        """The Decode items of the burst steps() decided on."""
+        return codec.burst_to_pb(plan, self.drafting)
 
     def observe(self, plan: StepPlan, steps: int, seconds: float) -> None:
         """A call of `steps` steps took `seconds` (send to answer). Only decode-only plans count: a prompt
-        chunk's step says nothing of a decode step's time."""
-        if any(item.count != 1 or item.drafts for item in plan.items):
+        chunk's step says nothing of a decode step's time; a step with drafts is still one forward, about a
+        plain step's time while drafts pay at all)."""
+        if any(item.count != 1 for item in plan.items):
             return
         per = seconds / max(1, steps)
         self.step_s = per if self.step_s is None else (1 - _SMOOTHING) * self.step_s + _SMOOTHING * per

@@ -256,11 +256,11 @@ class Engine:
         failure was handled: a loss, a refused burst to send again, an error that ended the step's requests)."""
         started, losses = self.clock(), self.recovery.losses
         steps = self.bursts.steps(plan, bool(self.policy.waiting), self.policy.kv, self.info.capabilities,
-                                  self.planner.speculator is not None)
+                                  self.planner.speculator)
         release = self.policy.take_releases(MAX_RELEASES_PER_STEP) if self._releases_ride else []
         try:
             if steps > 1:  # a burst: several decode steps on the executor (scheduler/decode_bursts.py)
-                resp = await self.client.decode(codec.burst_to_pb(plan), steps, self.session.id, release=release)
+                resp = await self.client.decode(self.bursts.to_pb(plan), steps, self.session.id, release=release)
             else:
                 items = codec.step_to_pb(plan, REGISTERED_SAMPLING in self.info.capabilities)
                 await self.masks.attach(plan, items)  # (returns at once when no item is constrained)

@@ -161,12 +161,8 @@ class SchedulingPolicy:
             if seq.finished:  # aborted while the step ran
                 self._release(seq)
                 continue
-            if item.drafts:
-                accepted = max(0, len(res.tokens) - 1)
-                out.drafts += 1
-                out.drafted, out.accepted = out.drafted + len(item.drafts), out.accepted + accepted
-                if self.speculator is not None:
-                    self.speculator.observe(seq, len(item.drafts), accepted)
+            if self.speculator is not None and (item.drafts or res.burst_drafts[0]):
+                self.speculator.settle(out, seq, item.drafts, res)
             for token in res.tokens:  # a stop inside an accepted run ends the sequence there
                 finish = seq.append(token.token_id)
                 if seq.constraint is not None and seq.constraint.error:  # the executor ignored the token mask

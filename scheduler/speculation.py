@@ -20,9 +20,12 @@ from dataclasses import dataclass
 
 from scheduler.draft_proposer import DraftProposer, NgramProposer
 from scheduler.sequence import Sequence
+from scheduler.step_results import ItemResult, StepOutcome
 
 METHODS = ("off", "ngram")
 SPECULATIVE_DRAFTS = "speculative_drafts"  # GetInfo capability: UnifiedItem.draft_token_ids is verified
+MULTI_STEP_DRAFTS = "multi_step_drafts"  # GetInfo capability: DecodeItem.ngram_drafts (drafts within a burst)
+_BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16
 
 
@@ -104,6 +107,34 @@ class Speculator:
             return ()
         n = min(state.tokens, limit, seq.draft_room())
         return tuple(self.proposer.propose(seq, n)) if n > 0 else ()
+
+    def burst_drafting(self, seqs: list[Sequence]) -> dict[Sequence, tuple[int, int, int]]:
+        """The sequences of a multi-step burst the executor drafts for within it (DecodeItem.ngram_drafts),
+        with (max draft tokens, n-gram min, n-gram max): the same rules as single steps (--speculative-max-batch,
+        no constrained sequence, room for a draft) and the same settings; the executor adapts the length
+        step by step itself."""
+        cfg = self.cfg
+        ngram_max = min(cfg.ngram_max, _BURST_MAX_NGRAM)
+        if not self.step_allows_drafts(len(seqs)) or cfg.ngram_min > ngram_max:
+            return {}
+        settings = (cfg.num_tokens, cfg.ngram_min, ngram_max)
+        return {s: settings for s in seqs if s.allows_drafts and s.draft_room() > 0}
+
+    def settle(self, out: StepOutcome, seq: Sequence, drafts: tuple[int, ...], res: ItemResult) -> None:
+        """Counts what a step verified for seq (the step's metrics, the request's usage): the draft it carried
+        (res.tokens = the accepted drafts and the token after them), or those the executor made within a
+        burst (res.burst_drafts)."""
+        if drafts:
+            accepted = max(0, len(res.tokens) - 1)
+            out.drafts += 1
+            out.drafted, out.accepted = out.drafted + len(drafts), out.accepted + accepted
+            self.observe(seq, len(drafts), accepted)
+        steps, drafted, accepted = res.burst_drafts
+        if steps:  # (the executor adapted these drafts' length: nothing to learn here)
+            out.drafts += steps
+            out.drafted, out.accepted = out.drafted + drafted, out.accepted + accepted
+            seq.drafted_tokens += drafted
+            seq.accepted_tokens += accepted
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """The executor accepted `accepted` of the `drafted` tokens sent for seq."""

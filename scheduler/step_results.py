@@ -20,6 +20,9 @@ class ItemResult:
     tokens: tuple[TokenLogprob, ...] = ()
     error: TandemError | None = None  # the item failed alone: nothing of it was written, its cache is as it was
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # when the item asked: its tokens after the sequence's first
+    # A Decode burst whose executor drafted within it (DecodeItem.ngram_drafts): (steps that carried drafts,
+    # draft tokens verified, accepted).
+    burst_drafts: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from scheduler.decode_bursts import BurstConfig, DecodeBursts, MULTI_STEP_DECODE
 from scheduler.planner import StepItem, StepPlan
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.sequence import Sequence
+from scheduler.speculation import MULTI_STEP_DRAFTS, SpeculativeConfig, Speculator
 from scheduler.tokenizer import ModelTokenizer
 from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ PROMPTS = ((1, 5, 9, 33, 44, 100, 7, 250, 17, 3), (8, 8, 120, 64, 31, 200, 11, 4
 FAST = {"bursts": BurstConfig(window_ms=60_000, max_steps=8)}  # every burst as long as the rules allow
 OFF = {"bursts": BurstConfig(window_ms=0)}
 CAPS = (MULTI_STEP_DECODE,)
+SPEC = Speculator(SpeculativeConfig("ngram", num_tokens=5, ngram_min=2, ngram_max=20))
 
 
 class Recording:
@@ -70,43 +72,64 @@ def measured(step_ms: float, window_ms: float = 100, max_steps: int = 16) -> Dec
 
 
 def test_a_burst_takes_the_steps_that_fit_its_window():
-    assert measured(25).steps(plan_of(decoding()), False, kv(), CAPS, False) == 4
-    assert measured(5).steps(plan_of(decoding()), False, kv(), CAPS, False) == 16  # --max-decode-steps
-    assert measured(250).steps(plan_of(decoding()), False, kv(), CAPS, False) == 1  # a slow model: one step
-    assert DecodeBursts(BurstConfig()).steps(plan_of(decoding()), False, kv(), CAPS, False) == 1  # not measured
+    assert measured(25).steps(plan_of(decoding()), False, kv(), CAPS, None) == 4
+    assert measured(5).steps(plan_of(decoding()), False, kv(), CAPS, None) == 16  # --max-decode-steps
+    assert measured(250).steps(plan_of(decoding()), False, kv(), CAPS, None) == 1  # a slow model: one step
+    assert DecodeBursts(BurstConfig()).steps(plan_of(decoding()), False, kv(), CAPS, None) == 1  # not measured
+
+
+def test_speculation_rides_in_bursts_where_the_executor_drafts():
+    """With multi_step_drafts, a speculating scheduler's decode-only plan becomes a burst: the planner's drafts
+    leave the plan, the items ask the executor for n-gram drafts (ngram_max cut to the contract's 16) with
+    max_tokens = the tokens left; a constrained sequence gets none, nor does any above --speculative-max-batch."""
+    b, caps = measured(10), CAPS + (MULTI_STEP_DRAFTS,)
+    seq, constrained = decoding(max_new=40, out=3), decoding()
+    constrained.constraint = object.__new__(TokenConstraint)
+    plan = StepPlan(items=[StepItem(seq, 12, 1, (5, 6)), StepItem(decoding(), 12, 1)])
+    assert b.steps(plan, False, kv(), caps, SPEC) == 10
+    assert [item.drafts for item in plan.items] == [(), ()]
+    items = b.to_pb(plan)
+    assert [(i.ngram_drafts.max_draft_tokens, i.ngram_drafts.ngram_min, i.ngram_drafts.ngram_max) for i in items] \
+        == [(5, 2, 16)] * 2
+    assert items[0].max_tokens == seq.tokens_left == 37
+    with_constrained = StepPlan(items=[StepItem(seq, 12, 1), StepItem(constrained, 12, 1)])
+    assert b.steps(with_constrained, False, kv(), caps, SPEC) == 1  # (constrained: single steps anyway)
+    many = StepPlan(items=[StepItem(decoding(), 12, 1) for _ in range(5)])  # above max_batch 4
+    assert b.steps(many, False, kv(), caps, SPEC) == 10
+    assert not any(i.HasField("ngram_drafts") or i.max_tokens for i in b.to_pb(many))
 
 
 def test_what_keeps_a_step_single():
     b = measured(10)
-    assert b.steps(plan_of(decoding()), False, kv(), CAPS, False) == 10
-    assert b.steps(plan_of(decoding()), True, kv(), CAPS, False) == 1  # a request waits
-    assert b.steps(plan_of(decoding()), False, kv(), (), False) == 1  # the executor cannot
-    assert b.steps(plan_of(decoding()), False, kv(), CAPS, True) == 1  # speculative decoding
-    assert b.steps(plan_of(decoding(min_new_tokens=5)), False, kv(), CAPS, False) == 1  # EOS still banned
+    assert b.steps(plan_of(decoding()), False, kv(), CAPS, None) == 10
+    assert b.steps(plan_of(decoding()), True, kv(), CAPS, None) == 1  # a request waits
+    assert b.steps(plan_of(decoding()), False, kv(), (), None) == 1  # the executor cannot
+    assert b.steps(plan_of(decoding()), False, kv(), CAPS, SPEC) == 1  # drafts, and no multi_step_drafts
+    assert b.steps(plan_of(decoding(min_new_tokens=5)), False, kv(), CAPS, None) == 1  # EOS still banned
     prompt = decoding()
-    assert b.steps(StepPlan(items=[StepItem(prompt, 0, 4)]), False, kv(), CAPS, False) == 1  # a prompt chunk
+    assert b.steps(StepPlan(items=[StepItem(prompt, 0, 4)]), False, kv(), CAPS, None) == 1  # a prompt chunk
     drafted = StepPlan(items=[StepItem(decoding(), 12, 1, (5, 6))])
-    assert b.steps(drafted, False, kv(), CAPS, False) == 1
+    assert b.steps(drafted, False, kv(), CAPS, None) == 1
     constrained = decoding()
     constrained.constraint = object.__new__(TokenConstraint)
-    assert b.steps(plan_of(constrained), False, kv(), CAPS, False) == 1
-    assert measured(10, window_ms=0).steps(plan_of(decoding()), False, kv(), CAPS, False) == 1
+    assert b.steps(plan_of(constrained), False, kv(), CAPS, None) == 1
+    assert measured(10, window_ms=0).steps(plan_of(decoding()), False, kv(), CAPS, None) == 1
     recomputed = decoding()  # its reused prefix holds all but its last token: the executor lacks its prompt end
     recomputed.drop_cache()
     recomputed.adopt_prefix("c", recomputed.num_tokens - 1)
-    assert recomputed.is_decoding and b.steps(plan_of(recomputed), False, kv(), CAPS, False) == 1
+    assert recomputed.is_decoding and b.steps(plan_of(recomputed), False, kv(), CAPS, None) == 1
 
 
 def test_a_burst_stops_at_max_new_tokens_and_at_the_free_blocks():
     b = measured(1)
-    assert b.steps(plan_of(decoding(max_new=6, out=3), decoding()), False, kv(), CAPS, False) == 3
+    assert b.steps(plan_of(decoding(max_new=6, out=3), decoding()), False, kv(), CAPS, None) == 3
     # 13 tokens cached: 3 more fill the first block; each of 4 sequences needs a block for a 4th step
     four = [decoding(out=4) for _ in range(4)]
-    assert b.steps(plan_of(*four), False, kv(free=0), CAPS, False) == 3
-    assert b.steps(plan_of(*four), False, kv(free=4), CAPS, False) == 16
+    assert b.steps(plan_of(*four), False, kv(free=0), CAPS, None) == 3
+    assert b.steps(plan_of(*four), False, kv(free=4), CAPS, None) == 16
     # prompt chunks' steps do not teach the step time
     b.observe(StepPlan(items=[StepItem(decoding(), 0, 9)]), 1, 5.0)
-    assert b.steps(plan_of(decoding()), False, kv(), CAPS, False) == 16
+    assert b.steps(plan_of(decoding()), False, kv(), CAPS, None) == 16
 
 
 @pytest.fixture
@@ -210,10 +233,10 @@ def test_a_refused_burst_halves_the_cap():
     b = measured(1)
     too_big = RemoteError("RESOURCE_EXHAUSTED", "the reply to this Decode could take 1.5 MiB, over this executor's "
                                                 "1 MiB message limit (--max-message-mb); nothing was run")
-    assert b.steps(plan_of(decoding()), False, kv(), CAPS, False) == 16
+    assert b.steps(plan_of(decoding()), False, kv(), CAPS, None) == 16
     for cap in (8, 4, 2, 1):
-        assert b.refused(b.steps(plan_of(decoding()), False, kv(), CAPS, False), too_big)
-        assert b.max_steps == cap and b.steps(plan_of(decoding()), False, kv(), CAPS, False) == cap
+        assert b.refused(b.steps(plan_of(decoding()), False, kv(), CAPS, None), too_big)
+        assert b.max_steps == cap and b.steps(plan_of(decoding()), False, kv(), CAPS, None) == cap
     assert not b.refused(1, too_big)  # a single step's error is the step's: it ends its requests
     fresh = measured(1)  # errors one step meets the same way are handled as a step's
     for error in (RemoteError("RESOURCE_EXHAUSTED", "KV cache full: 3 blocks needed, 1 free"),
