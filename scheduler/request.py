@@ -1,6 +1,7 @@
 """A generation request in domain form (validated), and what streams back for it."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +33,17 @@ class GenerateRequest:
     keep_special_tokens: bool = False
     constraint: "CompiledConstraint | None" = None  # structured output (scheduler/grammar.py); None = none
     prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None = no prompt logprobs
+
+    def choices(self, n: int) -> list["GenerateRequest"]:
+        """n independent requests of this one (OpenAI's and vLLM's `n`): their own ids (`<id>-<i>`), and seed + i
+        when it has a seed, so each choice is reproducible alone."""
+        out = []
+        for i in range(n):
+            params = self.sampling
+            if params.seed is not None and i:
+                params = dataclasses.replace(params, seed=(params.seed + i) % 2**64)
+            out.append(dataclasses.replace(self, request_id=f"{self.request_id}-{i}", sampling=params))
+        return out
 
 
 class FinishReason(enum.Enum):

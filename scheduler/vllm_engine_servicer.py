@@ -9,7 +9,6 @@ client that goes away, or an Abort naming the request id, frees its sequences (f
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import defaultdict
 from concurrent.futures import Executor
@@ -19,7 +18,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from scheduler import codec, tokenizer_bundle
 from scheduler import vllm_engine_codec as vcodec
 from scheduler.fleet import Fleet
-from scheduler.request import Delta, GenerateRequest
+from scheduler.request import Delta
 from scheduler.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.token_limits import TokenLimits, cost
@@ -63,7 +62,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             codec.check_input_size(m, fleet.cfg.max_prompt_chars)
             req = await self._off_loop(codec.request_from_pb, m, fleet.tokenizer, fleet.info,
                                        fleet.cfg.default_max_new_tokens, fleet.grammars)
-            reqs = _choices(req, n)
+            reqs = [req] if n == 1 else req.choices(n)  # (one choice keeps the router's id)
             lease.charge(cost(reqs))
             submitted = []
             try:
@@ -147,19 +146,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def _off_loop(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
-
-
-def _choices(request: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """n independent requests of one: seed + i when it has a seed, so each choice is reproducible alone."""
-    if n == 1:
-        return [request]
-    out = []
-    for i in range(n):
-        params = request.sampling
-        if params.seed is not None and i:
-            params = dataclasses.replace(params, seed=(params.seed + i) % 2**64)
-        out.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}", sampling=params))
-    return out
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta | TandemError]]:

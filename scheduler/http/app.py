@@ -92,7 +92,7 @@ class _Front:
         done = await asyncio.gather(*(self.off_loop(codec.request_from_pb, m, fleet.tokenizer, info,
                                                     fleet.cfg.default_max_new_tokens, fleet.grammars)
                                       for m in messages))
-        return [choice for r in done for choice in convert.choices(r, n)]
+        return [choice for r in done for choice in r.choices(n)]
 
     async def generate(self, choices: int, make_requests: Callable[[], Awaitable[list[GenerateRequest]]],
                        make_renderer: Callable[[list[GenerateRequest]], ChatRenderer | CompletionRenderer],

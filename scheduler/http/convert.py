@@ -5,12 +5,11 @@ express (suffix, ...), naming the field. echo with logprobs asks for the prompt'
 (GenerateRequest.prompt_logprobs); max_tokens 0 (echo only) generates one token the renderer leaves out. Tool choices that call a function become constraints
 (scheduler/http/tool_calls.py).
 
-n > 1: the prompt is tokenized once and the domain request copied n times (choices()), with seed + i when a
+n > 1: the prompt is tokenized once and the domain request copied n times (GenerateRequest.choices()), with seed + i when a
 seed is given so each choice is reproducible alone.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -18,7 +17,6 @@ from scheduler.http import tool_calls
 from scheduler.http.errors import BadParameter
 from scheduler.http.limits import HttpLimits
 from scheduler.http.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
-from scheduler.request import GenerateRequest
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as pb
 
@@ -169,12 +167,3 @@ def completion_prompt_logprobs(body: CompletionRequest) -> int | None:
     return max(asked) if asked else None
 
 
-def choices(request: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """n independent requests of one validated request: their own ids, and seed + i when it has a seed."""
-    out = []
-    for i in range(n):
-        params = request.sampling
-        if params.seed is not None and i:
-            params = dataclasses.replace(params, seed=(params.seed + i) % 2**64)
-        out.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}", sampling=params))
-    return out

@@ -112,10 +112,10 @@ def test_completion_refusals_and_wrong_types():
 
 def test_n_choices_get_their_own_ids_and_consecutive_seeds():
     base = GenerateRequest("r", (1, 2), StoppingCriteria(4), SamplingParams(temperature=1.0, seed=2**64 - 1))
-    out = convert.choices(base, 3)
+    out = base.choices(3)
     assert [c.request_id for c in out] == ["r-0", "r-1", "r-2"]
     assert [c.sampling.seed for c in out] == [2**64 - 1, 0, 1]  # wraps within uint64
-    assert [c.sampling.seed for c in convert.choices(GenerateRequest("r", (1,), StoppingCriteria(4)), 2)] == [None] * 2
+    assert [c.sampling.seed for c in GenerateRequest("r", (1,), StoppingCriteria(4)).choices(2)] == [None] * 2
 
 
 def test_every_domain_error_gets_a_client_http_status():
