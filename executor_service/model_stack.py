@@ -4,8 +4,14 @@ step of that, in its order, once; the Executor (executor_service/executor.py) on
 what it built.
 
 Order matters: quantize before packing (packing skips quantized weights) and before huge pages (the arena
-lives as long as any weight in it); pack before sizing the KV pool, so that the pool's share of free memory
-accounts for the packed copies; the decode step is chosen last, over the model and the pool it runs on.
+lives as long as any weight in it); pack before huge pages (the packed layout replaces the plain weights, which
+then stay out of the arena) and before sizing the KV pool, so that the pool's share of free memory accounts
+for them; the decode step is chosen last, over the model and the pool it runs on.
+
+One resident copy of each weight: the loader maps the checkpoint and releases what it copies, and so do the
+huge-page arena and the packed layout (models/mapped_pages.py). The packed layout replaces the plain weights,
+which the native and compiled decode steps read: weights are packed only where decode steps will run the
+eager forward (`--decode-kernel torch`, or a model or machine the native step refuses).
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
 from models.huge_pages import move_parameters_to_huge_pages
 from models.kv_cache import PagedKvCache
 from models.loader import load_model
-from models.native_decode import NativeDecode
+from models.mapped_pages import trim_heap
+from models.native_decode import NativeBuild, NativeDecode, model_refusal
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -70,12 +77,12 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     kernel = model.quantize(config.quantization)  # before packing: it skips those
     if kernel:
         log.info("linear weights quantized to %s (%s kernel)", config.quantization, kernel)
+    # CPU float32 with the eager decode step: the linear weights in oneDNN's packed layout instead of the plain
+    # one. Before the KV pool is sized, so that the pool's share of free memory accounts for them.
+    if config.cpu_packed_weights and _decode_runs_eager(config, model):
+        model.pack_cpu_weights()
     if device.type == "cpu":  # (after quantizing: the arena lives as long as any weight in it)
         move_parameters_to_huge_pages(model, config.huge_pages)
-    # CPU float32: oneDNN-packed copies of the linear weights for decode-sized calls. Before the KV pool is
-    # sized, so that the pool's share of free memory accounts for them.
-    if config.cpu_packed_weights:
-        model.pack_cpu_weights()
     if model.upcast_cpu_half_linears():  # bf16/fp16 on a CPU without oneDNN support for it
         log.info("%s weights on a CPU without oneDNN support for them: linear calls of %d+ rows (prefill) "
                  "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),
@@ -83,7 +90,16 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     cfg, dtype = model.config, model.lm_head.weight.dtype
     kv, kv_pool = build_kv_pool(config, device, cfg, dtype)  # sized and logged there
     decode_step = choose_decode_step(config, model, kv)  # ValueError: a refused combination
+    trim_heap()  # the copies' sources freed under glibc's mmap threshold stay in its heap otherwise
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=decode_step,
                       runner=BatchRunner(model, kv, config.attention_bound(), decode_step))
+
+
+def _decode_runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:
+    """Whether decode steps will run the eager forward (what choose_decode_step will choose, asked before the
+    KV pool exists; a native step that then fails to build falls back to it unpacked, and says so)."""
+    if config.compile:
+        return False
+    return config.decode_kernel == "torch" or model_refusal(model, NativeBuild(config.native_cache_dir)) is not None

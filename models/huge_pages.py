@@ -14,7 +14,8 @@ PROBE_BYTES it copies and, below MIN_RATE, leaves the rest of the weights where 
 
 The arena is carved into tensors 64-byte aligned; it lives as long as a tensor in it does (each holds the
 arena's buffer), so weights dropped later (quantized away) free nothing until all of them go: move the
-weights that stay, after quantizing.
+weights that stay, after quantizing. A weight copied in from the mapped checkpoint has its file pages released
+(models/mapped_pages.py): one resident copy, the arena's.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
+
+from models.mapped_pages import release_file_pages
 
 log = logging.getLogger("tandem.models")
 HUGE_PAGE = 2 << 20
@@ -118,12 +121,13 @@ def copy_to_huge_pages(tensors: Sequence[torch.Tensor], mode: str = "on") -> lis
 def move_parameters_to_huge_pages(model: nn.Module, mode: str = "auto", min_bytes: int = 1 << 16) -> int:
     """Moves every CPU parameter of at least min_bytes into one huge-page arena (tied parameters stay tied:
     each is one Parameter object). Returns the bytes moved (0 with mode "off" or nothing on the CPU)."""
-    params = [p for p in model.parameters()
-              if p.device.type == "cpu" and p.numel() * p.element_size() >= min_bytes]
+    params = [p for p in model.parameters() if p.device.type == "cpu" and p.numel() * p.element_size() >= min_bytes
+              and p.untyped_storage().nbytes() >= p.numel() * p.element_size()]  # (not a packed weight's stand-in)
     moved = 0
     with torch.no_grad():
         for p, t in zip(params, copy_to_huge_pages([p.detach() for p in params], mode)):
             if t.data_ptr() != p.data_ptr():
+                release_file_pages([p.detach()])  # a weight still in the mapped checkpoint: one copy, not two
                 p.data = t
                 moved += arena_bytes([t])
     return moved

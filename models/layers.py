@@ -2,12 +2,13 @@
 paths), RMSNorm (plain or Gemma's (1 + weight)), attention over the paged cache and the gated MLP. What a
 family changes is read from ModelConfig (models/config.py); the layer order is models/transformer.py's.
 
-On CPU in float32, `DecoderModel.pack_cpu_weights` gives every linear layer (LM head included) a copy of its
-weight pre-packed in oneDNN's blocked layout, used for calls of at most PACKED_MAX_TOKENS rows: decode steps
-and small chunks. For those skinny products MKL's sgemm (F.linear) re-packs the whole weight on every call
-and splits poorly over threads (batch 32 on 2 threads: ~1.3x slower per decode step; the 49152-wide LM head
-~2x slower). Large prefill chunks keep F.linear, which is as fast or faster there. The cost is a second copy
-of the linear weights in memory.
+On CPU in float32, with the eager decode step, `DecoderModel.pack_cpu_weights` lays every linear layer's
+weight (an untied LM head included) out in oneDNN's blocked layout in place of the plain one. For the skinny
+products of decode steps and small chunks MKL's sgemm (F.linear) re-packs the whole weight on every call and
+splits poorly over threads (batch 32 on 2 threads: ~1.3x slower per decode step; the 49152-wide LM head ~2x
+slower). Large prefill chunks multiply with the packed weight too (F.linear was as fast or faster there, but
+keeping the plain weight for them would hold every weight twice). The native and compiled decode steps read
+the plain weights, so they run without packing.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from models.decode_attention import DecodeMetadata
 from models.half_upcast import HalfUpcast
 from models.kv_cache import PagedKvCache
 from models.lora_batch import LoraBatch
+from models.mapped_pages import release_file_pages
 from models.quantization import Fp16Weight, Int8Weight
 from models.rope import apply_rotary
 
@@ -34,6 +36,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # opaque mkldnn tensor [out, in], set by DecoderModel.pack_cpu_weights
     quant: Int8Weight | Fp16Weight | None = None  # set by DecoderModel.quantize (models/quantization.py)
     upcast: HalfUpcast | None = None  # set by DecoderModel.upcast_cpu_half_linears (models/half_upcast.py)
+    plain_dropped = False  # the packed weight replaced the plain one (drop_plain_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
@@ -42,9 +45,21 @@ class Linear(nn.Linear):
         if self.upcast is not None and x.shape[0] >= self.upcast.min_rows and not torch.compiler.is_compiling():
             return self.upcast.linear(x, self.weight, self.bias)
         # Compiled (models/compiled_decode.py), the compiler packs the weights itself (inductor freezing).
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_TOKENS and not torch.compiler.is_compiling():
+        if self.packed is not None and (x.shape[0] <= PACKED_MAX_TOKENS or self.plain_dropped) \
+                and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def drop_plain_weight(self) -> None:
+        """With `packed` set: the plain weight's memory goes (its pages in the mapped checkpoint released, a
+        copy freed); `weight` becomes a stand-in of its shape, dtype and device (one element, expanded) for
+        code that reads those, and the packed weight serves every call."""
+        assert self.packed is not None
+        release_file_pages([self.weight.detach()])
+        w = self.weight
+        self.weight = nn.Parameter(torch.zeros(1, dtype=w.dtype, device=w.device).expand(w.shape),
+                                   requires_grad=False)
+        self.plain_dropped = True
 
 
 class RMSNorm(nn.Module):

@@ -1,8 +1,10 @@
 """Loads an HF model directory (config.json + safetensors, single or sharded) into a DecoderModel (a GGUF
 file goes to models/gguf_loader.py).
 
-The model is built on the meta device and each parameter is assigned straight from the file, so
-memory peaks at one copy of the weights (plus one layer's q/k/v while they are fused into one tensor).
+The model is built on the meta device and each parameter is assigned straight from the file: a weight used
+as stored stays a view of the mapped file (resident once, in the page cache). A weight made from others (q/k/v
+fused into one tensor, stacked experts, another dtype) is a copy, and its sources' pages are released once it
+is made (models/mapped_pages.py), so that memory holds one copy of each weight.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.config import ModelConfig
+from models.mapped_pages import release_file_pages
 from models.families import CHECKPOINT_LAYOUTS
 from tandem.errors import CheckpointError
 from models.transformer import DecoderModel
@@ -81,6 +84,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         wanted.pop("lm_head.weight")
     handles: dict[Path, object] = {}
     read_names: set[str] = set()  # every checkpoint tensor read (the rest are reported unused)
+    sources: list[torch.Tensor] = []  # what the parameter being made was read from
 
     def read(name: str) -> torch.Tensor:
         read_names.add(name)
@@ -91,13 +95,15 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
             if not path.is_file():
                 raise CheckpointError(f"{source}: names shard {path.name} for {name!r}, but it does not exist")
             handles[path] = safe_open(str(path), framework="pt")
-        return handles[path].get_tensor(name)
+        sources.append(handles[path].get_tensor(name))
+        return sources[-1]
 
     state: dict[str, torch.Tensor] = {}
     used_expert_tensors: set[str] = set()
     bar = tqdm(wanted.items(), desc=f"loading {model_dir.name}", unit="tensor", file=sys.stderr,
                disable=not progress, leave=False)
     for name, meta in bar:
+        sources.clear()
         prefix, _, suffix = name.partition("layers.")
         layer_no, _, rest = suffix.partition(".")
         fused = _FUSED.get(rest) if suffix else None
@@ -120,6 +126,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(meta.shape)}")
         state[name] = tensor.to(device=device, dtype=torch_dtype)
+        if not any(state[name].data_ptr() == t.data_ptr() for t in sources):  # a copy: the file's pages go
+            release_file_pages(sources)
+    sources.clear()
     bar.close()
     model.load_state_dict(state, strict=not tied, assign=True)
     if tied:

@@ -129,11 +129,22 @@ def machine_refusal(build: NativeBuild | None = None) -> str | None:
 
 
 def native_refusal(model: DecoderModel, kv: PagedKvCache, build: NativeBuild | None = None) -> str | None:
-    """Why this model (on this machine, built as `build` says) cannot run the native step; None when it can."""
+    """Why this model and KV cache (on this machine, built as `build` says) cannot run the native step; None
+    when they can."""
+    reason = model_refusal(model, build)
+    if reason is None and kv.k.dtype != model.model.embed_tokens.weight.dtype:
+        return f"its KV cache is {str(kv.k.dtype).removeprefix('torch.')}, not the model's dtype"
+    return reason
+
+
+def model_refusal(model: DecoderModel, build: NativeBuild | None = None) -> str | None:
+    """Why this model (on this machine, built as `build` says) cannot run the native step whatever its KV
+    cache; None when it can (asked before the cache is made: the executor packs weights only for the eager
+    step)."""
     weight = model.model.embed_tokens.weight
     if weight.device.type != "cpu":
         return f"it runs on CPUs; this model is on {weight.device.type}"
-    if weight.dtype not in DTYPES or kv.k.dtype != weight.dtype:
+    if weight.dtype not in DTYPES:
         return f"it runs --dtype float32 or bfloat16 models, not {str(weight.dtype).removeprefix('torch.')}"
     if weight.dtype != torch.float32 and any(isinstance(m, Linear) and m.quant is not None for m in model.modules()):
         return "--quantization needs --dtype float32 in it"

@@ -93,28 +93,36 @@ class DecoderModel(nn.Module):
         return quantize_linears(self, mode, lambda m: isinstance(m, Linear), force_dequant)
 
     def pack_cpu_weights(self) -> bool:
-        """Pre-packs every linear weight for oneDNN (see the module docstring). Only on CPU, float32, with
-        mkldnn built in; a no-op elsewhere. Checks one packed product against F.linear and falls back (no
-        packing) if the internal ops are missing or disagree. Returns whether the packed path is on."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        """Pre-packs every linear weight for oneDNN (models/layers.py), in place of the plain weight: each
+        Linear keeps a stand-in of the weight's shape and dtype (Linear.drop_plain_weight) and multiplies with
+        the packed one at every size, and the plain weight's memory goes. A tied LM head stays plain: its
+        weight is the embedding table. Only on CPU, float32, with mkldnn built in; a no-op elsewhere. Checks
+        one packed product against F.linear first (the first layer packed, nothing dropped yet) and falls back
+        (no packing) if the internal ops are missing or disagree. Returns whether the packed path is on."""
+        embedding = self.model.embed_tokens.weight
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.weight is not embedding]
         weight = self.lm_head.weight
-        if any(m.quant is not None for m in linears):
+        if any(m.quant is not None for m in linears) or not linears:
             return False  # quantized weights have their own kernels
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
             return False
         try:
             with torch.no_grad():
-                for m in linears:
-                    m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
-                probe = self.lm_head
+                probe = linears[0]
+                probe.packed = torch.ops.mkldnn._reorder_linear_weight(probe.weight.detach())
                 x = torch.randn(3, probe.in_features, generator=torch.Generator().manual_seed(0))
-                want = F.linear(x, probe.weight)
+                want = F.linear(x, probe.weight, probe.bias)
                 if not torch.allclose(probe(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
                     raise RuntimeError("packed linear disagrees with F.linear")
         except (RuntimeError, AttributeError):  # op missing in this torch build, or wrong numbers
-            for m in linears:
-                m.packed = None
+            probe.packed = None
             return False
+        with torch.no_grad():
+            for m in linears:  # one at a time: at most one plain weight beside the packed ones
+                if m.packed is None:
+                    m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+                m.drop_plain_weight()
+        self.weights_version += 1
         return True
 
     def upcast_cpu_half_linears(self) -> bool:
