@@ -14,6 +14,7 @@ import pytest
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
+from tests.e2e.test_scheduler_speculative import PASSAGE, copy_request
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import Streamed, collect, ids_request, wait_kv_free
 
@@ -109,4 +110,35 @@ def test_concurrent_requests_identical(executor, spec, plain):
         got = list(pool.map(lambda r: collect(spec.stub, r), reqs))
     for g, w in zip(got, want):
         same(g, w)
+    wait_kv_free(executor.stub)
+
+
+# ------------------------------------------------------------------ SmolLM2: a copy-heavy prompt
+
+@pytest.fixture(scope="module")
+def smol(request, smollm2_dir):
+    """(executor, scheduler with bursts and speculation, scheduler with bursts only)."""
+    executor = start_for(request, smollm2_dir, "--kv-blocks", "64")
+    return (executor, start_scheduler_for(request, executor.address, *BURSTS, "--speculative", "ngram"),
+            start_scheduler_for(request, executor.address, *BURSTS))
+
+
+@pytest.mark.slow
+def test_smollm2_copy_drafted_within_bursts(smol):
+    """The copy is drafted and mostly accepted inside bursts, in fewer forwards than tokens, with the output
+    of plain bursts; a stop token inside the copy ends both at the same token."""
+    executor, on, off = smol
+    want = collect(off.stub, copy_request())
+    before = forwards(executor)
+    got = collect(on.stub, copy_request())
+    used = forwards(executor) - before
+    assert PASSAGE[:40] in want.text  # the model really copies
+    same(got, want)
+    assert got.usage.drafted_tokens > 10 and got.usage.accepted_tokens > 0.8 * got.usage.drafted_tokens
+    assert used < len(got.token_ids) / 2, (used, len(got.token_ids))
+    stop = want.token_ids[len(want.token_ids) // 2]
+    req = copy_request(stop_token_ids=[stop])
+    want, got = collect(off.stub, req), collect(on.stub, req)
+    same(got, want)
+    assert got.token_ids[-1] == stop
     wait_kv_free(executor.stub)
