@@ -48,20 +48,33 @@ class PrefixCache:
 
     def match(self, table: BlockTable, token_ids: Sequence[int], root: bytes,
               prompt_logprobs: int | None = None) -> int:
-        """Fills the empty table with the longest indexed prefix of token_ids, in whole blocks and leaving at
+        """Fills the empty table with the longest indexed prefix of token_ids, in whole blocks, leaving at
         least one token to compute; the blocks are pinned at once. Returns the tokens reused. prompt_logprobs:
-        only blocks whose prompt logprobs are stored with that many alternatives (prompt_logprob_store.py)."""
+        only blocks whose prompt logprobs are stored with that many alternatives (prompt_logprob_store.py).
+
+        A prompt whose every block is indexed (its length a multiple of the block size) reuses all but its last
+        token: the table holds its last block too, one token short, and the forward that writes that token
+        writes into a private copy of it (copy-on-write, PagedKvCache.reserve). Without this, such a prompt
+        recomputed a whole block to get one position's logits: a burst of cached 256-token prompts ran 16
+        tokens per request where 1 does (docs/performance.md, 'A burst of cached prompts')."""
         if not self.enabled or not token_ids:
             return 0
         bs = self.kv.block_size
-        hashes = chain_hashes(root, token_ids, bs, max_blocks=(len(token_ids) - 1) // bs)
+        whole = prompt_logprobs is None and len(token_ids) % bs == 0  # the last block may be reused too
+        hashes = chain_hashes(root, token_ids, bs, max_blocks=len(token_ids) // bs if whole
+                              else (len(token_ids) - 1) // bs)
         blocks = self.kv.allocator.lookup(hashes)
         if prompt_logprobs is not None:
             blocks = blocks[:self.logprobs.covered(hashes[:len(blocks)], prompt_logprobs)]
         self.kv.adopt(table, blocks, hashes[:len(blocks)])
+        reused = len(blocks) * bs
+        if reused == len(token_ids):  # every block: keep the last token to compute (its logits are wanted)
+            reused -= 1
+            table.length = reused
+            del table.hashes[reused // bs:]  # (a table's hashes are of its full blocks only)
         self.query_tokens += len(token_ids)
-        self.hit_tokens += len(blocks) * bs
-        return len(blocks) * bs
+        self.hit_tokens += reused
+        return reused
 
     def seal(self, table: BlockTable, tokens: Sequence[int], root: bytes, adapter: str) -> None:
         """Hashes and registers the blocks of table that became full since the last call. tokens: every

@@ -11,7 +11,7 @@ Policy (one step):
    the free blocks last;
 3. waiting (new or preempted) sequences are admitted oldest first while fewer than max_running run, the
    budget lasts, the blocks their prompt (plus one token) still needs — beyond a reused prefix they already
-   hold (CreateCache, prefix caching) — fit the free blocks left after what the running prompts still need — so an admitted prompt never stalls for lack of blocks — and their adapter has a
+   hold (CreateCache, prefix caching; plus the copy of its last block when it ends inside one) — fit the free blocks left after what the running prompts still need — so an admitted prompt never stalls for lack of blocks — and their adapter has a
    slot: the running sequences use at most max_adapters distinct adapters (the executor's
    max_adapters_on_device; the base model takes none; 0 = no limit). Since every running sequence may be in
    any step, this keeps every step within the limit without ever leaving a running sequence out for its
@@ -149,7 +149,7 @@ class Planner:
             if s.request.adapter:
                 adapters.add(s.request.adapter)
             budget -= n
-            free -= grow(s, n)
+            free -= grow(s, n) + _shared_tail(s, bs)
             reserved += ceil_div(s.num_tokens + 1, bs) - ceil_div(s.num_cached + n, bs)
         return plan
 
@@ -165,7 +165,8 @@ class Planner:
         if self.reuse_prefixes and (shared := awaited_prefix(s, running, kv.block_size)):
             return (f"a running request is writing the first {shared} tokens of its prompt, which it reuses once "
                     f"they are written (prefix caching)")
-        need = ceil_div(s.num_tokens + 1, kv.block_size) - ceil_div(s.num_cached, kv.block_size)
+        need = (ceil_div(s.num_tokens + 1, kv.block_size) - ceil_div(s.num_cached, kv.block_size)
+                + _shared_tail(s, kv.block_size))
         if need > room:
             ours = sum(ceil_div(r.num_cached, kv.block_size) for r in running)
             elsewhere = max(0, kv.total_blocks - kv.free_blocks - ours)
@@ -188,3 +189,9 @@ class Planner:
     def fits_alone(tokens: int, kv: KvUsage) -> bool:
         """Whether a sequence of this many tokens fits the whole KV pool."""
         return ceil_div(tokens, kv.block_size) <= kv.total_blocks
+
+
+def _shared_tail(s: Sequence, block_size: int) -> int:
+    """1 when s waits with a reused prefix ending inside a block (CreateCache reused every block of its prompt
+    but the last token): that block is shared, and writing the token takes a private copy of it."""
+    return int(bool(s.cache_id) and s.num_cached % block_size != 0)
