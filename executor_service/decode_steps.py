@@ -59,7 +59,8 @@ def run_decode_steps(items: Sequence[DecodeItem], num_steps: int, caches: CacheT
         return [UnifiedItem((tokens[i],), items[i].cache.cache_id,
                             items[i].cache.seq_len if step == 0 else caches[items[i].cache.cache_id].table.length,
                             True, items[i].sampling, items[i].output, items[i].adapter,
-                            draft_token_ids=items[i].draft_token_ids if steps == 1 else drafts.get(i, ()))
+                            # (exclusive: draft_token_ids come only with one step and no ngram_drafts)
+                            draft_token_ids=items[i].draft_token_ids or drafts.get(i, ()))
                 for i in active]
 
     for step in range(steps):

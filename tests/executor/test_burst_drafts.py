@@ -129,6 +129,23 @@ def test_stop_token_inside_accepted_drafts(ex):
     assert inside
 
 
+def test_one_step_decode_drafts_too(ex):
+    """num_steps 1 with ngram_drafts: one forward, its draft verified, max_tokens bounding the tokens."""
+    prompt = PROMPTS[0]
+    _, _, plain = burst(ex, prompt, 12, None, LOOPING)
+    cache_id, first = start(ex, prompt, LOOPING)
+    got, pos, token, accepted = [], len(prompt), first, 0
+    while len(got) < 12:
+        (res,) = raising(ex.decode([DecodeItem(CacheRef(cache_id, pos), token, LOOPING, ngram_drafts=DRAFTS,
+                                               max_tokens=12 - len(got))], 1))
+        got += ids(res)
+        pos, token, accepted = res.cache.seq_len, got[-1], accepted + res.accepted_draft_tokens
+        assert len(ids(res)) == 1 + res.accepted_draft_tokens
+        assert pos == len(prompt) + len(got)
+    assert got == ids(plain) and accepted > 0
+    ex.release_cache([cache_id])
+
+
 @pytest.mark.parametrize("cap", [1, 5, 13])
 def test_max_tokens_caps_the_output(ex, cap):
     spec = assert_same_burst(ex, PROMPTS[0], 24, LOOPING, max_tokens=cap)
