@@ -250,7 +250,8 @@ class ExecutorServiceServicer:
 
     def CreateCache(self, request, context):
         """Creates caches for prompts, each already holding the longest prefix of its prompt that this executor
-        has cached (automatic prefix caching): whole blocks, at most all but one token of the prompt. The reused
+        has cached (automatic prefix caching): whole blocks, at most all but one token of the prompt (all but one
+        when every block of it is cached: the last block is shared one token short, copied on write). The reused
         blocks are the new cache's from this moment (nothing can evict them); send the rest of the prompt to the
         cache with Prefill or UnifiedDecode (pos_offset = the returned seq_len).
         """
