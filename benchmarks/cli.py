@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from benchmarks import SCRIPTS
+from benchmarks.shapes import SHAPES, shape_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,6 +35,9 @@ def add_common(ap: argparse.ArgumentParser, name: str, quick_help: str, threads:
     """--model, --threads, --out (bench_results/bench_NAME.json) and --quick (a smoke run's preset)."""
     ap.add_argument("--model", type=Path, default=None,
                     help="HF model directory (default: SmolLM2-135M-Instruct via scripts/prepare_default_model.py)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="instead of --model: a random float32 checkpoint of that released model's sizes, made once "
+                         "into ~/.cache/tandem/shapes (benchmarks/shapes.py; ~7 GB for the 1.7B shapes)")
     if threads:
         ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every usable core)")
     ap.add_argument("--out", "--json", dest="out", type=Path, default=Path(f"bench_results/bench_{name}.json"),
@@ -66,6 +70,10 @@ def parse(ap: argparse.ArgumentParser, argv: list[str] | None, quick: dict[str, 
           keep_unset: tuple[str, ...] = ()) -> argparse.Namespace:
     """Parses argv, then fills the flags left unset (None) from the --quick or the default preset."""
     args = ap.parse_args(argv)
+    if getattr(args, "shape", None):  # --shape: its checkpoint is the model
+        if args.model:
+            ap.error("--shape and --model: give one")
+        args.model = shape_checkpoint(args.shape)
     for key, value in (quick if args.quick else defaults).items():
         if getattr(args, key, None) is None and key not in keep_unset:
             setattr(args, key, value)

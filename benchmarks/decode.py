@@ -1,6 +1,8 @@
 """Decode speed per weight mode (WEIGHTS-KERNEL: float32 | bf16 | fp16 | int8, eager | native | compiled), in parts:
-single-stream decode through real servers, batched in-process decode steps, llama.cpp on the same weights (when
-llama-cpp-python is installed) and each low-precision mode's quality vs float32. Method: docs/benchmarks.md."""
+single-stream decode through real servers (with the executor's resident memory), batched in-process decode steps,
+llama.cpp on the same weights (when llama-cpp-python is installed) and each low-precision mode's quality vs
+float32; the bandwidth each step reaches (weight bytes read per step x steps/s) against the machine's, measured in
+the same run. --shape: a random checkpoint of a served model's sizes. Method: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +21,7 @@ from benchmarks.cli import (add_common, add_sizes, choices, int_list, make_log, 
 from benchmarks.local_executor import DecodeBatch, build_executor
 from benchmarks.quality import QualityReference
 from benchmarks.report import table, machine_info, model_json, write_json
+from benchmarks.shapes import bytes_read_per_step, memory_bandwidth, process_memory
 from benchmarks.workloads import model_vocabulary, vocabulary_prompts
 from tandem import server_process
 from tandem.common.v1 import common_pb2 as cpb
@@ -30,6 +33,7 @@ WEIGHTS = {"float32": "none", "bf16": "none", "fp16": "fp16", "int8": "int8"}  #
 KERNELS = {"eager": ("--decode-kernel", "torch"), "native": ("--decode-kernel", "native"), "compiled": ("--compile",)}
 MODES = [f"{w}-{k}" for w in WEIGHTS for k in KERNELS if k != "compiled" or w == "float32"]
 LLAMA_PEER = {"float32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "q8_0"}  # weights -> llama.cpp's format
+WEIGHT_BYTES = {"float32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # per linear weight (norms, scales: not counted)
 PARTS = ("stream", "steps", "llama", "quality")
 DEFAULTS = {"modes": ",".join(m for m in MODES if m != "float32-compiled"), "parts": ",".join(PARTS),
             "batches": "1,8,32", "prompt_len": 128, "gen": 128, "requests": 3, "steps": 20}
@@ -98,16 +102,19 @@ def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[li
             t0 = time.perf_counter()
             servers.append(server_process.launch_executor(model_dir, *flags, **wait))
             ready.append(time.perf_counter() - t0)
+        memory = {"ready": process_memory(servers[0].proc.pid)}
         servers.append(server_process.launch_scheduler(servers[0].address, "--log-level", "WARNING"))
         stream_one(servers[1].address, prompts[-1], min(args.gen, 8))  # warm-up
         runs = [stream_one(servers[1].address, p, args.gen) for p in prompts[:args.requests]]
+        memory["served"] = process_memory(servers[0].proc.pid)  # every weight read by now
     finally:
         for s in reversed(servers):
             s.stop()
     out = {"ready_s": ready[0], "restart_s": ready[1] if len(ready) > 1 else None, "runs": runs,
            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-           "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs)}
-    log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms, ready {ready[0]:.1f} s")
+           "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs), "memory": memory}
+    log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms, ready {ready[0]:.1f} s, "
+        f"RSS {memory['served'].get('rss_mb', 0):.0f} MB")
     return out
 
 
@@ -228,8 +235,18 @@ def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "decode
     return f"{a[key] / b[key]:.2f}x" if a and b else None
 
 
+def achieved(results: dict[str, Any], mode: str, steps_s: float) -> dict[str, str | None]:
+    """The bandwidth `steps_s` decode steps/s of `mode` read weights at, and its share of the machine's read rate."""
+    gb_s = results["step_bytes"][weights_of(mode)] * steps_s / 1e9
+    return {"weights GB/s": f"{gb_s:.1f}", "of read BW": f"{gb_s / results['bandwidth']['read'] * 1e9:.0%}"}
+
+
 def print_tables(args, results: dict[str, Any], header: str) -> None:
     print(header)
+    bw = results["bandwidth"]
+    print(f"memory bandwidth (torch, {bw['threads']} threads): read {bw['read'] / 1e9:.1f} GB/s, copy "
+          f"{bw['copy'] / 1e9:.1f} GB/s; weight bytes per decode step: "
+          + ", ".join(f"{w} {b / 1e9:.2f} GB" for w, b in results["step_bytes"].items()))
     stream, llama, steps, quality = (results.get(k, {}) for k in ("stream", "llama", "steps", "quality"))
     if stream or llama:
         rows = []
@@ -239,7 +256,10 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
                          "ready s": (s or {}).get("ready_s"), "restart s": (s or {}).get("restart_s"),
                          "llama.cpp": LLAMA_PEER[weights_of(m)], "llama tok/s": (peer or {}).get("decode_tok_s"),
                          "vs llama.cpp": ratio(s, peer),
-                         "vs eager": ratio(s, stream.get(f"{weights_of(m)}-eager") or stream.get("float32-eager"))})
+                         "vs eager": ratio(s, stream.get(f"{weights_of(m)}-eager") or stream.get("float32-eager")),
+                         "RSS MB": (s or {}).get("memory", {}).get("served", {}).get("rss_mb"),
+                         "PSS MB": (s or {}).get("memory", {}).get("served", {}).get("pss_mb"),
+                         **(achieved(results, m, s["decode_tok_s"]) if s else {})})
         print(f"\nsingle stream: {args.prompt_len}-token prompt, {args.gen} greedy tokens, through gRPC")
         print(table(rows, 1))
     if steps:
@@ -247,8 +267,8 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
         for m in args.mode_list:
             base, f32 = steps.get(f"{weights_of(m)}-eager", {}), steps.get("float32-eager", {})
             rows += [{"mode": m, "batch": int(b), "ms/step": v["step_ms"], "tok/s": v["tok_s"],
-                      "vs eager": ratio(base.get(b), v, "step_ms"), "vs float32-eager": ratio(f32.get(b), v, "step_ms")}
-                     for b, v in steps.get(m, {}).items()]
+                      "vs eager": ratio(base.get(b), v, "step_ms"), "vs float32-eager": ratio(f32.get(b), v, "step_ms"),
+                      **achieved(results, m, 1e3 / v["step_ms"])} for b, v in steps.get(m, {}).items()]
         print(f"\ndecode steps (in-process Executor, context {args.prompt_len})")
         print(table(rows, 1))
     if quality:
@@ -264,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     threads, model_dir, cfg = serving_setup(args)
     prompts = vocabulary_prompts(args.requests + max(args.batch_list), args.prompt_len,
                                  model_vocabulary(model_dir, cfg), seed=0, stream=0)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"bandwidth": memory_bandwidth() | {"threads": threads},
+                               "step_bytes": {w: bytes_read_per_step(model_dir, cfg.tie_word_embeddings, WEIGHT_BYTES[w])
+                                              for w in dict.fromkeys(weights_of(m) for m in args.mode_list)}}
     if "stream" in args.part_list:
         results["stream"] = {m: stream_part(args, model_dir, threads, m, prompts) for m in args.mode_list}
     if "llama" in args.part_list:

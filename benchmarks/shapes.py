@@ -6,8 +6,8 @@ downloaded). The weights are random (normal, std 0.02; norms 1), written once pe
 directory as sharded safetensors, one shard in memory at a time, with the tiny test tokenizer
 (scripts/make_tiny_checkpoint.py). Decode speed and memory depend on the sizes, not on the values.
 
-Also: the machine's memory bandwidth (a STREAM-like read and copy, torch), to set a decode step's achieved
-bandwidth (weight bytes read per token x tokens/s) against.
+Also what a run of one measures: the machine's memory bandwidth (a STREAM-like read and copy, torch), to set a
+decode step's achieved bandwidth (weight bytes read per step x steps/s) against, and a server's resident memory.
 """
 from __future__ import annotations
 
@@ -87,21 +87,46 @@ def shape_checkpoint(shape: str, dtype: str = "float32", cache_dir: Path | None 
     return out
 
 
+def parameter_counts(model_dir: Path) -> tuple[int, int]:
+    """(every parameter, those of the embedding table) of a safetensors checkpoint, read from its headers."""
+    from safetensors import safe_open
+    total = embedding = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                n = torch.Size(h.get_slice(name).get_shape()).numel()
+                total += n
+                embedding += n if name.endswith("embed_tokens.weight") else 0
+    return total, embedding
+
+
 def weight_bytes(model_dir: Path) -> int:
-    """The checkpoint's tensor bytes (a tied LM head once): the size of its safetensors files, less headers."""
+    """The checkpoint's tensor bytes (a tied LM head once)."""
     from safetensors import safe_open
     total = 0
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            total += sum(h.get_slice(n).get_shape() and _nbytes(h.get_slice(n)) for n in h.keys())
+            sizes = {"F32": 4, "BF16": 2, "F16": 2}
+            total += sum(torch.Size(h.get_slice(n).get_shape()).numel() * sizes[h.get_slice(n).get_dtype()]
+                         for n in h.keys())
     return total
 
 
-def _nbytes(sl: Any) -> int:
-    n = {"F32": 4, "BF16": 2, "F16": 2}.get(sl.get_dtype(), 4)
-    for d in sl.get_shape():
-        n *= d
-    return n
+def bytes_read_per_step(model_dir: Path, tied: bool, bytes_per_weight: float) -> float:
+    """Weight bytes one decode step reads (once for its whole batch): every parameter but an untied embedding
+    table (a step reads one row of it), at `bytes_per_weight`."""
+    total, embedding = parameter_counts(model_dir)
+    return (total - (0 if tied else embedding)) * bytes_per_weight
+
+
+def process_memory(pid: int) -> dict[str, float]:
+    """RSS and PSS of a process in MB (/proc/PID/smaps_rollup; {} where there is none)."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return {}
+    kb = {p[0].rstrip(":"): int(p[1]) for p in (line.split() for line in lines) if len(p) == 3 and p[2] == "kB"}
+    return {"rss_mb": kb.get("Rss", 0) / 1024, "pss_mb": kb.get("Pss", 0) / 1024}
 
 
 def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:

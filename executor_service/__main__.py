@@ -94,8 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-events-replay-buffer", type=int, default=10_000, metavar="BATCHES",
                     help="batches kept for --kv-events-replay-endpoint (default 10000, as vLLM's buffer_steps)")
     ap.add_argument("--no-cpu-packed-weights", action="store_true",
-                    help="CPU float32: do not keep oneDNN-packed copies of the linear weights (saves their memory, "
-                         "~1.1-1.3x slower decode steps)")
+                    help="CPU float32 with the eager decode step (--decode-kernel torch, or where the native "
+                         "step does not run): keep the linear weights plain instead of in oneDNN's packed layout "
+                         "(the same memory; ~1.1-1.3x slower decode steps)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                     help="run decode steps (batches where every item adds one token, without LoRA) through a "
                          "torch.compile'd forward: one graph for every batch size, compiled before READY (SmolLM2 on "

@@ -29,8 +29,8 @@ class ExecutorConfig:
     # models/attention.py): buckets over it are split. None: max_batch_tokens x 64; 0: no bound.
     max_attention_elements: int | None = None
     progress: bool = True  # progress bar while loading weights
-    # CPU float32: a oneDNN-packed copy of every linear weight for decode-sized calls (~1.1-1.3x per decode
-    # step on 2 cores; costs a second copy of the linear weights in memory). Off: plain F.linear only.
+    # CPU float32 with the eager decode step: the linear weights in oneDNN's packed layout instead of plain
+    # (~1.1-1.3x per decode step on 2 cores; the same memory). Off: plain F.linear only.
     cpu_packed_weights: bool = True
     # The compiled decode step (models/compiled_decode.py): all-decode batches run a torch.compile'd forward,
     # compiled before READY (compile_cache_dir: inductor's on-disk caches; None = torch's default).

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.mapped_pages import release_file_pages
+
 QUANTIZATIONS = ("none", "int8", "fp16")
 
 
@@ -151,5 +153,6 @@ def quantize_linears(model: nn.Module, mode: str, is_linear: Callable[[nn.Module
         for m in linears:
             m.quant = Fp16Weight(m.weight, m.bias) if mode == "fp16" else Int8Weight(m.weight, m.bias, fbgemm)
             if id(m.weight) not in tied:  # the float copy is no longer read; a tied one is the embedding
+                release_file_pages([m.weight.detach()])  # (its pages in the mapped checkpoint: read just now)
                 m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
     return linears[0].quant.kernel
