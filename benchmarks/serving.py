@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hf-batch-size", type=int, default=None, help="prompts per generate call of the hf baseline "
                     "(default: --concurrency, or every request with an uncapped --request-rate)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
+    ap.add_argument("--again", action="store_true", help="send the timed requests a second time once they end: side "
+                    "'tandem-again' is the same burst with its prompts in the prefix cache (TTFT of cached prompts)")
     add_process_args(ap)
     open_loop = any(a.startswith("--request-rate") for a in argv or [])  # no cap on in-flight unless asked
     args = parse(ap, argv, QUICK, DEFAULTS, keep_unset=("concurrency",) if open_loop else ())
@@ -81,6 +83,14 @@ def run_tandem(args, url: str, prompts: list[list[int]], warmup: list[list[int]]
     records = asyncio.run(openai_client.run(url, prompts, args.output_len, args.concurrency, args.request_timeout,
                                             arrivals))
     return records, meter.stop()
+
+
+def run_again(args, url: str, prompts: list[list[int]], pids: dict[str, int], flops: float | None
+              ) -> tuple[list[dict[str, Any]], list[Record]]:
+    """--again: the timed requests once more, as they were sent (their prompts now cached): ([side], inexact)."""
+    records, cpu = run_tandem(args, url, prompts, [], pids)
+    side = aggregate("tandem-again", records, flops_per_request=flops, output_len=args.output_len) | {"cpu": cpu}
+    return [side], [r for r in records if not exact(r, args.output_len)]
 
 
 def run_baselines(args, model_dir: Path, prompts: list[list[int]], tandem: list[Record], flops: float | None
@@ -116,7 +126,7 @@ def print_report(sides: list[dict[str, Any]], header: list[str], bad: int) -> No
     print("\nms; TTFT = first token, TPOT = (E2E - TTFT) / (tokens - 1) per request, ITL = per token, E2EL = end "
           "to end.")
     for s in sides[1:]:
-        a = s["agreement_with_tandem"]
+        a = s.get("agreement_with_tandem")
         if a:
             print(f"{s['name']}: {a['identical']}/{a['compared']} requests generated the same tokens as tandem "
                   f"(mean common prefix {a['mean_common_prefix']:.1f})")
@@ -150,14 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         pids = {"client": os.getpid(), **{s.name: s.proc.pid for s in servers}}
         log(f"serving at {url} (ready in {time.perf_counter() - t:.1f}s)")
         records, cpu = run_tandem(args, url, prompts, warmup, pids)
+        again, bad_again = run_again(args, url, prompts, pids, flops) if args.again else ([], [])
         if servers and any(r.error for r in records):
             log(f"a request failed; scheduler log tail:\n{servers[1].log(4000)}\nexecutor:\n{servers[0].log(4000)}")
         codes = {s.name: s.stop() for s in reversed(servers)}
     tandem = aggregate("tandem", records, flops_per_request=flops, output_len=args.output_len) | {"cpu": cpu}
-    bad = [r for r in records if not exact(r, args.output_len)]
+    bad = [r for r in records if not exact(r, args.output_len)] + bad_again
     for r in bad[:5]:
         log(f"request {r.index}: error {r.error}, {r.output_len} tokens, usage {r.usage}, finish {r.finish_reason}")
-    sides = [tandem] + (run_baselines(args, model_dir, prompts, records, flops) if args.baselines else [])
+    sides = [tandem] + again + (run_baselines(args, model_dir, prompts, records, flops) if args.baselines else [])
     for s in sides:
         s["tandem_over_side"] = tandem["output_throughput"] / s["output_throughput"] if s["output_throughput"] else None
     print_report(sides, [f"model: {model_dir.name} ({cfg.architecture})  threads: {threads}",
