@@ -531,7 +531,8 @@ def test_reflection_lists_the_service(server):
     assert {m.name for m in desc.methods} == {"GetInfo", "Prefill", "Decode", "UnifiedDecode", "ForwardVerify",
                                               "TruncateCache", "ReleaseCache", "GetMetrics", "LoadAdapter",
                                               "UnloadAdapter", "ListAdapters", "OpenSession", "KeepAlive",
-                                              "CloseSession", "ListCaches", "CreateCache", "SubscribeKvEvents"}
+                                              "CloseSession", "ListCaches", "CreateCache", "SubscribeKvEvents",
+                                              "ExportKv", "ImportKv"}
     assert desc.methods_by_name["Prefill"].input_type.full_name == "tandem.executor.v1.PrefillRequest"
 
 

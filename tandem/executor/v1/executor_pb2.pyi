@@ -85,7 +85,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,8 @@ class GetInfoResponse(_message.Message):
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -140,7 +142,9 @@ class GetInfoResponse(_message.Message):
     kv_pool: KvPoolSizing
     resident_memory_bytes: int
     quantization: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    role: str
+    kv_fingerprint: str
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvPoolSizing(_message.Message):
     __slots__ = ("blocks", "tokens", "bytes", "reason")
@@ -675,24 +679,28 @@ class KvEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "adapter", "token_count", "token_ids")
+    __slots__ = ("block_hashes", "parent_hash", "adapter", "token_count", "token_ids", "medium")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     adapter: str
     token_count: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., adapter: _Optional[str] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., adapter: _Optional[str] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "medium")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class KvSummary(_message.Message):
     __slots__ = ("kv", "prefix_cache")
@@ -701,3 +709,77 @@ class KvSummary(_message.Message):
     kv: KvUsage
     prefix_cache: PrefixCacheStats
     def __init__(self, kv: _Optional[_Union[KvUsage, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+
+class ExportKvRequest(_message.Message):
+    __slots__ = ("cache_id", "block_hashes", "max_chunk_bytes", "session_id")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    max_chunk_bytes: int
+    session_id: str
+    def __init__(self, cache_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class KvTransferHeader(_message.Message):
+    __slots__ = ("kv_fingerprint", "block_size", "num_tokens", "token_ids", "adapter", "num_blocks")
+    KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    kv_fingerprint: str
+    block_size: int
+    num_tokens: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    adapter: str
+    num_blocks: int
+    def __init__(self, kv_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class KvBlock(_message.Message):
+    __slots__ = ("block_hash", "index", "num_tokens", "data", "crc32c")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    index: int
+    num_tokens: int
+    data: bytes
+    crc32c: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("header", "blocks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    header: KvTransferHeader
+    blocks: _containers.RepeatedCompositeFieldContainer[KvBlock]
+    def __init__(self, header: _Optional[_Union[KvTransferHeader, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ...) -> None: ...
+
+class ImportKvRequest(_message.Message):
+    __slots__ = ("source_address", "export", "create_cache", "session_id")
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    CREATE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    source_address: str
+    export: ExportKvRequest
+    create_cache: bool
+    session_id: str
+    def __init__(self, source_address: _Optional[str] = ..., export: _Optional[_Union[ExportKvRequest, _Mapping]] = ..., create_cache: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class ImportKvResponse(_message.Message):
+    __slots__ = ("cache_id", "num_tokens", "blocks_imported", "bytes")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    num_tokens: int
+    blocks_imported: int
+    bytes: int
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., blocks_imported: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...

@@ -125,6 +125,16 @@ class ExecutorServiceStub:
                 request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.SerializeToString,
                 response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.FromString,
                 _registered_method=True)
+        self.ExportKv = channel.unary_stream(
+                '/tandem.executor.v1.ExecutorService/ExportKv',
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ExportKvRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.KvChunk.FromString,
+                _registered_method=True)
+        self.ImportKv = channel.unary_unary(
+                '/tandem.executor.v1.ExecutorService/ImportKv',
+                request_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.SerializeToString,
+                response_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -270,6 +280,33 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKv(self, request, context):
+        """Streams KV blocks out of this executor, in chunks of at most max_chunk_bytes: a cache's blocks (all its
+        tokens, the last block possibly partial), or the prefix cache's blocks for a chain of block hashes (the
+        longest cached leading run of them, from the pool or the disk/host tiers). The blocks are pinned until
+        the stream ends (or its client goes away), so nothing the stream still has to send can be evicted.
+        Another executor's ImportKv is the usual client (capability "kv_transfer"). NOT_FOUND for an unknown
+        cache (or a chain none of whose blocks is cached); INVALID_ARGUMENT for neither or both of cache_id and
+        block_hashes.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKv(self, request, context):
+        """Pulls KV blocks from another executor (ExportKv at source_address, over this executor's own client
+        TLS/token settings) into this one: a new cache holding the source cache's tokens (create_cache; the
+        next step writes position num_tokens, as after CreateCache + Prefill) or the prefix cache only. The
+        scheduler never relays the bytes. All or nothing: on any error nothing is kept. FAILED_PRECONDITION
+        when the source's kv_fingerprint differs (the message names what differs), DATA_LOSS on a checksum
+        error, UNAVAILABLE when the source is unreachable or goes away mid-stream, RESOURCE_EXHAUSTED when the
+        pool cannot hold the blocks, NOT_FOUND when the source has no such cache (or no block of the chain).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -357,6 +394,16 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.SubscribeKvEvents,
                     request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.FromString,
                     response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.SerializeToString,
+            ),
+            'ExportKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKv,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ExportKvRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.KvChunk.SerializeToString,
+            ),
+            'ImportKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportKv,
+                    request_deserializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.FromString,
+                    response_serializer=tandem_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -824,6 +871,60 @@ class ExecutorService:
             '/tandem.executor.v1.ExecutorService/SubscribeKvEvents',
             tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsRequest.SerializeToString,
             tandem_dot_executor_dot_v1_dot_executor__pb2.SubscribeKvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/ExportKv',
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ExportKvRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.executor.v1.ExecutorService/ImportKv',
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ImportKvRequest.SerializeToString,
+            tandem_dot_executor_dot_v1_dot_executor__pb2.ImportKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
