@@ -47,7 +47,8 @@ class BatchRunner:
     def __init__(self, model: DecoderModel, kv: PagedKvCache, max_attention_elements: int | None = None,
                  decode_step: DecodeStep | None = None) -> None:
         self.model = model
-        # All-decode batches without LoRA or drafts run it (executor_service/decode_kernel.py); None: eager.
+        # All-decode batches without LoRA (or drafts, unless it takes them) run it (executor_service/
+        # decode_kernel.py); None: eager.
         self.decode_step = decode_step
         self.kv = kv
         self.device = model.lm_head.weight.device
@@ -133,12 +134,19 @@ class BatchRunner:
         """Logits of the rows to sample, rows per item, and per item asking for prompt logprobs the final
         hidden states of its positions ([n, hidden_size]; None for the others)."""
         scoring = any(b.item.prompt_logprobs is not None for b in batch)
-        if self.decode_step is not None and not scoring and all(
-                len(b.item.token_ids) == 1 and not b.item.draft_token_ids and b.item.is_final_chunk
-                and not b.item.adapter for b in batch):
-            logits = self.decode_step.run([b.item.token_ids[0] for b in batch],
-                                          [b.state.table.blocks for b in batch], [b.state.table.length for b in batch])
-            return logits, [1] * len(batch), [None] * len(batch)  # logits: [B, vocab]
+        step = self.decode_step
+        if step is not None and not scoring and all(
+                len(b.item.token_ids) == 1 and (step.takes_drafts or not b.item.draft_token_ids)
+                and b.item.is_final_chunk and not b.item.adapter for b in batch):
+            # One row per token: an item's drafts are rows of its sequence after its token (every row sampled).
+            ids, tables, pasts, rows_per_item = [], [], [], []
+            for b in batch:
+                for k, token in enumerate((b.item.token_ids[0], *b.item.draft_token_ids)):
+                    ids.append(token)
+                    tables.append(b.state.table.blocks)
+                    pasts.append(b.state.table.length + k)
+                rows_per_item.append(1 + len(b.item.draft_token_ids))
+            return step.run(ids, tables, pasts), rows_per_item, [None] * len(batch)  # logits: [rows, vocab]
         layouts, ids, logit_rows, rows_per_item = [], [], [], []
         hidden_rows: list[int] = []  # (scoring) every packed row whose hidden state is kept
         spans: list[tuple[int, int] | None] = []  # (scoring) per item, its rows among hidden_rows

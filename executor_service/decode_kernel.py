@@ -1,7 +1,8 @@
 """Which step runs the executor's decode calls: `--decode-kernel auto | native | torch` and `--compile`.
 
-A decode call here is one whose items each add one token without LoRA or drafts (executor_service/batch.py
-picks per call); everything else always runs the eager PyTorch forward on the same KV cache.
+A decode call here is one whose items each add one token (the native step: plus any drafts) without LoRA
+(executor_service/batch.py picks per call); everything else always runs the eager PyTorch forward on the same
+KV cache.
 
 - native: the C++ step (models/native_decode.py), built at the first start where its cache lacks it; refused,
   with the reason, where it cannot run (the CPU, the model, no compiler) or its build fails.
@@ -30,6 +31,7 @@ DECODE_KERNELS = ("auto", "native", "torch")
 
 class DecodeStep(Protocol):
     calls: int  # decode steps it ran
+    takes_drafts: bool  # rows of one sequence at consecutive positions in one call (an item's drafts)
 
     def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]],
             pasts: Sequence[int]) -> torch.Tensor: ...  # float32 logits [B, vocab]

@@ -74,6 +74,7 @@ class CompiledDecode:
         self._pools_of: torch.Tensor | None = None
         self._pools: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
         self.calls = 0  # decode steps that ran compiled (read by tests and benchmarks)
+        self.takes_drafts = False  # (not verified for rows of one sequence: drafted calls run eager)
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The native decode step: every layer of a decode step in one C++ call (models/native/decode_step.cpp).
 
-For calls whose items each add one token without LoRA or drafts (the same calls `--compile` takes), the
-executor can run this instead of the PyTorch forward: on a CPU a decode step at small batch sizes is bound by
+For calls whose items each add one token without LoRA, plus any drafts to verify (rows of the item's sequence
+at the positions after its token: a drafted step stays on this path), the executor can run this instead of
+the PyTorch forward: on a CPU a decode step at small batch sizes is bound by
 reading the weights once, and the eager step spent about half of its time elsewhere (hundreds of small ops,
 the Python between them, a gathered copy of each item's K/V). The C++ step runs one OpenMP team (torch's own
 runtime, the executor's --threads) through every phase of every layer, streams each weight matrix once per
@@ -262,6 +263,9 @@ class NativeDecode:
         self._desc: torch.ScriptObject | None = None  # a tandem.DecodeModel: holds every tensor it points into
         self._desc_of: tuple[torch.Tensor, int] | None = None  # (the K pool, the weights' version) described
         self.calls = 0  # decode steps that ran natively (read by tests and benchmarks)
+        # Rows of one sequence in one call (an item's drafts, verified: its table repeated, positions following
+        # each other), each attending over the rows before it.
+        self.takes_drafts = True
         self._describe()  # now: a layout the kernel refuses fails the start, not the first step
 
     def _weights(self, m: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
@@ -314,8 +318,9 @@ class NativeDecode:
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int]) -> torch.Tensor:
-        """One decode step: item i feeds token_ids[i] at position pasts[i] of the cache whose blocks are
-        tables[i] (already reserved for it). Returns float32 logits [B, vocab]. Raises ValueError for a token
+        """One decode step: row i feeds token_ids[i] at position pasts[i] of the cache whose blocks are
+        tables[i] (already reserved for it; rows of one sequence at distinct positions each see the others
+        before them). Returns float32 logits [B, vocab]. Raises ValueError for a token
         id or position the kernel refuses (nothing written), torch.OutOfMemoryError if its scratch memory
         could not be allocated."""
         desc = self._describe()

@@ -127,39 +127,50 @@ inline void store_kv(bf16_t* dst, const float* src, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = to_bf16(src[i]);
 }
 
-// One item and KV heads [g0, g1): normalise and rotate their query heads and keys, write keys and values into
-// the cache slot of position pos, and attend those query heads over positions 0..pos. out: [(g1 - g0) group, d]
-// (the item's attention output from head g0 * group on). K and V are read token by token, each token's
-// rows of all the heads in range at once: one sequential pass over the item's K/V blocks (an item's rows of
-// every head are adjacent in the pool), which the prefetchers follow (a pass per head read them strided: at
-// batch 32 attention took ~20% of the step). Every head's sums run in token order either way, so a result
-// does not depend on how many heads one call covers.
+// One row's keys and values of KV heads [g0, g1): normalised (Qwen3) and rotated keys, and the values, written
+// into the cache slot of position pos. k: scratch [d]. Every row writes before any row attends (a barrier
+// between), so rows of one sequence at consecutive positions (a step that verifies drafts) each see the
+// rows before them, as one token per step would.
+template <typename KV>
+void write_kv(const TdModel& m, const TdLayer& L, const float* qkv, const float* cos, const float* sin,
+              const int64_t* table, int64_t pos, int64_t g0, int64_t g1, float* k) {
+  const int64_t d = m.head_dim, kvh = m.kv_heads, bs = m.block_size;
+  const int64_t slot = table[pos / bs] * bs + pos % bs;
+  KV* const k_pool = static_cast<KV*>(L.k_pool);
+  KV* const v_pool = static_cast<KV*>(L.v_pool);
+  for (int64_t g = g0; g < g1; ++g) {
+    const float* ksrc = qkv + (m.heads + g) * d;
+    if (L.k_norm) rms_norm(ksrc, L.k_norm, m.eps, d, k);
+    else std::memcpy(k, ksrc, d * sizeof(float));
+    rotate(k, cos, sin, d);
+    store_kv(k_pool + (slot * kvh + g) * d, k, d);
+    store_kv(v_pool + (slot * kvh + g) * d, qkv + (m.heads + kvh + g) * d, d);
+  }
+}
+
+// One row and KV heads [g0, g1): normalise and rotate their query heads and attend them over positions
+// 0..pos of the cache (write_kv has written every row's keys and values). out: [(g1 - g0) group, d] (the
+// row's attention output from head g0 * group on). K and V are read token by token, each token's rows of all
+// the heads in range at once: one sequential pass over the item's K/V blocks (an item's rows of every head
+// are adjacent in the pool), which the prefetchers follow (a pass per head read them strided: at batch 32
+// attention took ~20% of the step). Every head's sums run in token order either way, so a result does not
+// depend on how many heads one call covers, nor on the other rows of the step.
 template <typename KV>
 void attend_heads(const TdModel& m, const TdLayer& L, const float* qkv, const float* cos, const float* sin,
                   const int64_t* table, int64_t pos, int64_t g0, int64_t g1, float* out, float* q,
                   std::vector<float>& scores) {
   // (No allocation in here: an exception must never leave the OpenMP team.)
-  // q: scratch [(g1 - g0) (group + 1), d] (the heads' queries, then the keys)
+  // q: scratch [(g1 - g0) group, d] (the heads' queries)
   const int64_t d = m.head_dim, kvh = m.kv_heads, group = m.heads / kvh, bs = m.block_size;
-  const int64_t ctx = pos + 1, ng = g1 - g0, nh = ng * group;
-  float* k = q + nh * d;
+  const int64_t ctx = pos + 1, nh = (g1 - g0) * group;
   for (int64_t h = 0; h < nh; ++h) {
     const float* src = qkv + (g0 * group + h) * d;
     if (L.q_norm) rms_norm(src, L.q_norm, m.eps, d, q + h * d);
     else std::memcpy(q + h * d, src, d * sizeof(float));
     rotate(q + h * d, cos, sin, d);
   }
-  const int64_t slot = table[pos / bs] * bs + pos % bs;
-  KV* const k_pool = static_cast<KV*>(L.k_pool);
-  KV* const v_pool = static_cast<KV*>(L.v_pool);
-  for (int64_t g = 0; g < ng; ++g) {
-    const float* ksrc = qkv + (m.heads + g0 + g) * d;
-    if (L.k_norm) rms_norm(ksrc, L.k_norm, m.eps, d, k + g * d);
-    else std::memcpy(k + g * d, ksrc, d * sizeof(float));
-    rotate(k + g * d, cos, sin, d);
-    store_kv(k_pool + (slot * kvh + g0 + g) * d, k + g * d, d);
-    store_kv(v_pool + (slot * kvh + g0 + g) * d, qkv + (m.heads + kvh + g0 + g) * d, d);
-  }
+  const KV* const k_pool = static_cast<const KV*>(L.k_pool);
+  const KV* const v_pool = static_cast<const KV*>(L.v_pool);
 
   float* s = scores.data();  // [nh, ctx]: sized for every head and the longest context before the team started
   const int64_t row = kvh * d;  // floats from one token's K (or V) rows to the next token's
@@ -241,10 +252,18 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
         rms_norm_rows(x.data(), L.in_norm, m.eps, B, H, xn.data(), tid, nt);
         const Input xin{xn.data(), qhi.data(), qlo.data(), qd.data()};
         gemm(L.qkv, xin, B, qkv.data(), QKV, false, wide.data(), tid, nt);
-        // Tasks: whole items (every KV head in one pass) when there are enough to share, else (item, KV head)
+        // Keys and values of every row first: a row attends over the rows of its sequence before it.
+        int64_t t0, t1;
+        share(B * kvh, 1, tid, nt, t0, t1);
+        for (int64_t task = t0; task < t1; ++task) {
+          const int64_t b = task / kvh, g = task % kvh;
+          (m.bf16 ? write_kv<bf16_t> : write_kv<float>)(m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d,
+                                                        tables + b * width, pos[b], g, g + 1, qhk.data());
+        }
+#pragma omp barrier
+        // Tasks: whole rows (every KV head in one pass) when there are enough to share, else (row, KV head)
         // pairs.
         const bool by_item = B >= 2 * nt;
-        int64_t t0, t1;
         share(by_item ? B : B * kvh, 1, tid, nt, t0, t1);
         for (int64_t task = t0; task < t1; ++task) {
           const int64_t b = by_item ? task : task / kvh, g0 = by_item ? 0 : task % kvh, g1 = by_item ? kvh : g0 + 1;

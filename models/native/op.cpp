@@ -147,9 +147,10 @@ class DecodeModel : public torch::CustomClassHolder {
   int64_t num_blocks_ = 0;
 };
 
-// token_ids, positions: [B] int64; block_tables: [B, width] int64 (item b's position t in block
+// token_ids, positions: [B] int64; block_tables: [B, width] int64 (row b's position t in block
 // block_tables[b][t / block_size], already reserved for it); cos, sin: [B, head_dim] float32 (the rotary
-// of each item's position). Writes each item's K/V at its position; returns float32 logits [B, vocab].
+// of each row's position). Writes each row's K/V at its position; returns float32 logits [B, vocab]. Rows
+// of one sequence (drafts: its table repeated, consecutive positions) each see the K/V of those before them.
 Tensor decode_step(const c10::intrusive_ptr<DecodeModel>& model, const Tensor& token_ids, const Tensor& positions,
                    const Tensor& block_tables, const Tensor& cos, const Tensor& sin) {
   const TdModel& m = model->model();
