@@ -10,6 +10,8 @@ import torch
 
 from executor_service.config import ExecutorConfig
 from executor_service.kv_events_endpoint import ZmqKvConfig
+from executor_service.kv_transfer_config import add_flags as add_kv_transfer_flags
+from executor_service.kv_transfer_config import from_args as kv_transfer_from_args
 from executor_service.server import ServerConfig, serve
 from models.huge_pages import MODES as HUGE_PAGE_MODES
 from tandem.errors import TandemError
@@ -126,6 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "default: none")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    add_kv_transfer_flags(ap)
     add_server_flags(ap)
     return ap.parse_args(argv)
 
@@ -152,6 +155,11 @@ def _zmq_flags(args: argparse.Namespace) -> ZmqKvConfig | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        kv_transfer = kv_transfer_from_args(args)
+    except ValueError as exc:
+        print(f"tandem-executor: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
@@ -169,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                   max_adapters_on_device=args.max_adapters_on_device,
                                   max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,
                                   prefix_caching=not args.no_prefix_caching,
-                                  max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer)
+                                  max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer,
+                                  kv_transfer=kv_transfer)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
                               threads=args.threads, max_queued_calls=args.max_queued_calls,
                               metrics_port=args.metrics_port, security=server_security(args),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service.kv_transfer_config import KvTransferConfig
 from models.kv_cache import DEFAULT_BLOCK_SIZE
 
 # Default attention workspace bound per call, per token of --max-batch-tokens (models/attention.py): 8192 x 64
@@ -56,6 +57,8 @@ class ExecutorConfig:
     prefix_caching: bool = True
     max_kv_subscribers: int = 8  # concurrent SubscribeKvEvents streams
     kv_events_buffer: int = 10_000  # events a subscriber may have unread before it is dropped
+    # Role, KV tiers (host memory, disk) and ImportKv's link to other executors (kv_transfer_config.py)
+    kv_transfer: KvTransferConfig = KvTransferConfig()
 
     def attention_bound(self) -> int | None:
         """The attention workspace limit to split buckets at; None = never split."""

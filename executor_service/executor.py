@@ -24,10 +24,12 @@ from typing import Callable, ContextManager, Iterator, Sequence
 
 from executor_service.adapters import AdapterRegistry
 from executor_service.batch_step import BatchStep
-from executor_service.cache_table import CacheStore, CacheTable
+from executor_service.cache_table import CacheState, CacheStore, CacheTable
 from executor_service.config import ExecutorConfig
 from executor_service.decode_steps import MAX_DECODE_STEPS, run_decode_steps  # noqa: F401  (re-exported)
 from executor_service.kv_events import KvEventHub, Subscription
+from executor_service.kv_fingerprint import fingerprint_of
+from executor_service.kv_transfer import KvTransfer
 from executor_service.memory_probe import resident_memory_bytes
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
 from executor_service.model_stack import ModelStack, build_model_stack
@@ -59,7 +61,9 @@ CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_
                 # UnifiedItem/CreateCacheItem.prompt_logprobs, kept beside the prefix cache's blocks
                 "prompt_logprobs",
                 # issue 34: DecodeItem.ngram_drafts (drafts proposed and verified within a multi-step Decode)
-                "multi_step_drafts")
+                "multi_step_drafts",
+                # issue 35: ExportKv/ImportKv between executors (kv_transfer.py)
+                "kv_transfer")
 
 
 class Executor:
@@ -95,6 +99,7 @@ class Executor:
         self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters)
         self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics)
         self._lock = OpLock()
+        self.transfer = KvTransfer(self, fingerprint_of(config, stack))
 
     # ----------------------------------------------------------------- operations
     def prefill(self, token_ids: Sequence[int], cache_id: str | None = None,
@@ -276,7 +281,8 @@ class Executor:
             + self.stack.capabilities(),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
-            resident_memory_bytes=resident_memory_bytes(), quantization=self.config.quantization)
+            resident_memory_bytes=resident_memory_bytes(), quantization=self.config.quantization,
+            role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""
@@ -291,6 +297,17 @@ class Executor:
     def cache_ref(self, cache_id: str, session: str = ANONYMOUS) -> CacheRef:
         """The cache as it is now; length 0 when the session does not hold it (for failed items' results)."""
         return self._store.view(session).ref(cache_id)
+
+    # ----------------------------------------------------------------- for kv_transfer.py / kv_tiers.py
+    def control_op(self, name: str, session: str | None = None) -> ContextManager[None]:
+        """The model lock for a short state change outside a model call (a transfer's chunk)."""
+        return self._op(name, session, control=True)
+
+    def cache_table(self, session: str) -> CacheTable:
+        return self._store.view(session)
+
+    def new_cache_state(self, adapter: str) -> CacheState:
+        return self._step.new_state(adapter)
 
     # ----------------------------------------------------------------- internals
     @property

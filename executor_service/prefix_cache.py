@@ -101,6 +101,31 @@ class PrefixCache:
                     ids = tuple(t for h in run for t in array("I", self._meta[h][2]))
                     self.events.publish(BlocksStored(tuple(run), parent, adapter, len(run) * bs, ids))
 
+    def block_meta(self, h: bytes) -> tuple[bytes, str, bytes]:
+        """(parent hash, adapter, token ids as uint32 bytes) of an indexed block."""
+        return self._meta[h]
+
+    def adopt_imported(self, blocks: Sequence[int], hashes: Sequence[bytes], token_ids: Sequence[int],
+                       adapter: str) -> int:
+        """Indexes full blocks written from elsewhere (an import, a tier), held by the caller: blocks[i] holds
+        hashes[i], chained from hashes[i - 1], with tokens token_ids[i * block_size:]. Returns how many were
+        indexed (not those whose hash another block holds already). Nothing with prefix caching off."""
+        if not self.enabled:
+            return 0
+        bs = self.kv.block_size
+        stored = []
+        for i, (b, h) in enumerate(zip(blocks, hashes)):
+            if self.kv.allocator.register(b, h):
+                self._meta[h] = (hashes[i - 1] if i else b"", adapter,
+                                 array("I", token_ids[i * bs:(i + 1) * bs]).tobytes())
+                stored.append(h)
+        self.stored_blocks += len(stored)
+        if stored and self.events.active:
+            for run in _runs(stored, self._meta):
+                ids = tuple(t for h in run for t in array("I", self._meta[h][2]))
+                self.events.publish(BlocksStored(tuple(run), self._meta[run[0]][0], adapter, len(run) * bs, ids))
+        return len(stored)
+
     def snapshot(self) -> list[KvEvent]:
         """Every indexed block, as stored events (one per block: their chains may interleave)."""
         bs = self.kv.block_size

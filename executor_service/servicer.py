@@ -12,6 +12,7 @@ from executor_service import codec
 from executor_service.executor import Executor
 from executor_service.interceptor import RpcMetrics
 from executor_service.kv_event_stream import DEFAULT_SUMMARY_MS, MIN_SUMMARY_MS, kv_event_stream
+from executor_service.kv_transfer_rpc import KvTransferRpc
 from executor_service.model_thread import ModelThread
 from executor_service.reply_size import check_reply_size
 from executor_service.types import CacheRef
@@ -50,9 +51,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._rpc_metrics = rpc_metrics
         self._thread = thread
         self._max_reply_bytes = max_reply_bytes  # the server's send limit (--max-message-mb); None: no check
+        self._transfer: KvTransferRpc | None = None
 
     def attach(self, executor: Executor) -> None:
         """Called once the model is loaded and warmed up; until then every RPC is UNAVAILABLE."""
+        self._transfer = KvTransferRpc(executor, self._max_reply_bytes or 64 << 20)
         self._executor = executor
 
     def drain(self) -> None:
@@ -149,6 +152,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             yield from kv_event_stream(sub, ex, interval_ms / 1000, lambda: context.is_active() and not self._draining)
         finally:
             sub.close()
+
+    def ExportKv(self, request, context):  # copies under the model lock, chunk by chunk: not the model thread
+        self.ex  # UNAVAILABLE while loading or draining
+        yield from self._transfer.export(request, context)
+
+    def ImportKv(self, request, context):  # waits on the network: never on the model thread
+        self.ex
+        return self._transfer.import_(request, context)
 
     @_on_model_thread  # moves weights to the device
     def LoadAdapter(self, request, context):

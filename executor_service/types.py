@@ -207,6 +207,8 @@ class ExecutorInfo:
     kv_pool: KvPoolSizing | None = None
     resident_memory_bytes: int = 0  # the process's RSS when the info was taken (0: not known)
     quantization: str = "none"  # --quantization: none | int8 | fp16
+    role: str = "both"  # --role: prefill | decode | both
+    kv_fingerprint: str = ""  # executor_service/kv_fingerprint.py
 
 
 @dataclass(frozen=True)

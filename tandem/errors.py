@@ -130,3 +130,12 @@ class DeadlineExceeded(TandemError):
 class TooManyCalls(CapacityExceeded):
     """The server is already serving as many calls as its limit allows (--max-concurrent-rpcs); the call was
     refused on arrival, before any work. Retry later."""
+
+
+class DataLoss(TandemError):
+    """Data that arrived (or was read back) corrupted or incomplete: a KV block whose checksum does not match,
+    a transfer stream that ended short (executor_service/kv_transfer.py)."""
+
+
+class BlocksNotCached(TandemError):
+    """An ExportKv of a chain of block hashes none of which the executor holds (evicted, or never computed)."""

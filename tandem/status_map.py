@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.errors import (AdapterInUse, AdapterNotFound, CacheNotFound, CacheStateConflict, CapacityExceeded,
-                           CheckpointError, DeadlineExceeded, InvalidRequest, NotServed, PermissionDenied,
+from tandem.errors import (AdapterInUse, AdapterNotFound, BlocksNotCached, CacheNotFound, CacheStateConflict, CapacityExceeded,
+                           CheckpointError, DataLoss, DeadlineExceeded, InvalidRequest, NotServed, PermissionDenied,
                            PositionMismatch, RemoteError, SequenceTooLong, SessionNotFound, TandemError,
                            Unauthenticated, Unavailable, Unsupported)
 
@@ -26,6 +26,8 @@ STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     NotServed: grpc.StatusCode.UNIMPLEMENTED,
+    DataLoss: grpc.StatusCode.DATA_LOSS,
+    BlocksNotCached: grpc.StatusCode.NOT_FOUND,
 }
 
 
