@@ -119,6 +119,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "float32 step ~10-15%% faster at batch 1). 'auto' (default) gives them up when they fault "
                          "in slowly (some VMs back each 2 MiB page lazily: seconds per GB at start; logged); 'on' "
                          "keeps them anyway; 'off' leaves the weights where they are")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="bit-identical tokens and logprobs for a request whatever it is batched with, however its prompt is "
+                         "chunked, and across preemption, restarts and executors of the same build: every call runs "
+                         "the native step one row per token and samples each row alone (CPU x86 with AVX2; no LoRA, "
+                         "MoE, --compile or --decode-kernel torch: refused at start). Slower prefill; see "
+                         "docs/deterministic.md for the promise and its cost. Default off")
     ap.add_argument("--native-cache-dir", type=Path,
                     help="where the native decode kernel's compiled library is kept (default ~/.cache/tandem/native)")
     ap.add_argument("--metrics-port", type=int,
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                                   progress=True, cpu_packed_weights=not args.no_cpu_packed_weights,
                                   compile=args.compile, compile_cache_dir=args.compile_cache_dir,
                                   decode_kernel=args.decode_kernel, native_cache_dir=args.native_cache_dir,
-                                  huge_pages=args.huge_pages,
+                                  huge_pages=args.huge_pages, deterministic=args.deterministic,
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,
                                   max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,

@@ -43,6 +43,9 @@ class ExecutorConfig:
     native_cache_dir: Path | None = None
     # CPU weights in transparent huge pages (models/huge_pages.py): auto (unless they fault in slowly here) | on | off
     huge_pages: str = "auto"
+    # Every call through the row-invariant native step, each row sampled alone: bit-identical results whatever
+    # the batch, chunking, preemption or executor (executor_service/deterministic.py, docs/deterministic.md)
+    deterministic: bool = False
     # LoRA: runtime loads only from inside adapter_root (None: runtime loading disabled); `adapters` are the
     # operator's preloads (name, dir); at most max_adapters_on_device adapters' weights on the device.
     adapter_root: Path | None = None

@@ -281,7 +281,8 @@ class Executor:
             + self.stack.capabilities(),
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
-            resident_memory_bytes=resident_memory_bytes(), quantization=self.config.quantization,
+            resident_memory_bytes=resident_memory_bytes(), deterministic=self.config.deterministic,
+            quantization=self.config.quantization,
             role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint)
 
     def expert_load(self) -> dict[int, list[int]]:

@@ -23,6 +23,8 @@ import torch
 from executor_service.batch import BatchRunner
 from executor_service.config import ExecutorConfig
 from executor_service.decode_kernel import DecodeStep, choose_decode_step
+from executor_service.deterministic import CAPABILITY as DETERMINISTIC
+from executor_service.deterministic import DeterministicRunner, config_refusal, deterministic_step
 from executor_service.kv_sizing import build_kv_pool
 from executor_service.types import KvPoolSizing
 from models.compiled_decode import CompiledDecode
@@ -66,13 +68,16 @@ class ModelStack:
     def capabilities(self) -> tuple[str, ...]:
         """GetInfo capability names that depend on the decode step."""
         return ((("compiled_decode",) if self.compiled is not None else ())
-                + (("native_decode",) if isinstance(self.decode_step, NativeDecode) else ()))
+                + (("native_decode",) if isinstance(self.decode_step, NativeDecode) else ())
+                + ((DETERMINISTIC,) if isinstance(self.runner, DeterministicRunner) else ()))
 
 
 def build_model_stack(config: ExecutorConfig) -> ModelStack:
     """Loads the model of config.model_dir onto config's device and builds everything a batch runs on.
     Raises ValueError for a combination that cannot run (the CLI exits 2 with the message)."""
     device = config.resolve_device()
+    if config.deterministic and (reason := config_refusal(config)):
+        raise ValueError(f"--deterministic: {reason}")  # before loading: the flags alone refuse it
     model = load_model(config.model_dir, device, config.dtype, progress=config.progress)
     kernel = model.quantize(config.quantization)  # before packing: it skips those
     if kernel:
@@ -89,12 +94,17 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
                  HALF_UPCAST_MIN_ROWS)
     cfg, dtype = model.config, model.lm_head.weight.dtype
     kv, kv_pool = build_kv_pool(config, device, cfg, dtype)  # sized and logged there
-    decode_step = choose_decode_step(config, model, kv)  # ValueError: a refused combination
+    if config.deterministic:  # every call through the row-invariant native step (ValueError: refused)
+        step = deterministic_step(config, model, kv)
+        decode_step, runner = step, DeterministicRunner(model, kv, step)
+    else:
+        decode_step = choose_decode_step(config, model, kv)  # ValueError: a refused combination
+        runner = BatchRunner(model, kv, config.attention_bound(), decode_step)
     trim_heap()  # the copies' sources freed under glibc's mmap threshold stay in its heap otherwise
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=decode_step,
-                      runner=BatchRunner(model, kv, config.attention_bound(), decode_step))
+                      runner=runner)
 
 
 def _decode_runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:

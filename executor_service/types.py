@@ -207,6 +207,7 @@ class ExecutorInfo:
     kv_pool: KvPoolSizing | None = None
     resident_memory_bytes: int = 0  # the process's RSS when the info was taken (0: not known)
     quantization: str = "none"  # --quantization: none | int8 | fp16
+    deterministic: bool = False  # --deterministic (executor_service/deterministic.py)
     role: str = "both"  # --role: prefill | decode | both
     kv_fingerprint: str = ""  # executor_service/kv_fingerprint.py
 

@@ -35,6 +35,12 @@ row key is lowbias32-chained on the host over both 32-bit halves of the seed and
 h_i = mix32(mix32(i) ^ key) in int64 (every product < 2^63, so no overflow anywhere) and
 u_i = (h_i + 0.5) / 2^32. Rows without a seed get a fresh 63-bit seed from the sampler's own source.
 
+Row invariance (`Sampler(..., invariant=True)`, the executor's --deterministic): torch's CPU reductions and
+elementwise kernels split a [B, V] tensor by its size and the thread count (a sum over a row may be split
+across threads when B is small, a vector loop's scalar tail falls on whichever elements end the flattened
+tensor), so a row's logprob could differ in its last bits with its batch. Invariant, each row is sampled
+alone, [1, V], on one thread: the same ops on the same shape, whatever the batch or --threads.
+
 Logprobs are log_softmax of the raw float32 logits (before the mask, bias, penalties and temperature), for the chosen
 token and for the top-N alternatives (sorted by descending raw logprob). Logits wider than vocab_size (a
 padded lm_head) are cut to vocab_size first, so padding columns are never sampled.
@@ -43,7 +49,8 @@ from __future__ import annotations
 
 import random
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,16 +139,51 @@ class SamplerOutput:
             out.append(SampledToken(int(vals[0]), vals[1], [(int(vals[2 + j]), vals[2 + n + j]) for j in range(k)]))
         return out
 
+    @staticmethod
+    def cat(parts: Sequence["SamplerOutput"]) -> "SamplerOutput":
+        """One output of parts' rows in order (top lists padded with zeros to the widest; each row is cut to its
+        own count)."""
+        n = max(p.top_token_ids.shape[1] for p in parts)
+        pad = [(p.top_token_ids, p.top_logprobs, n - p.top_token_ids.shape[1]) for p in parts]
+        return SamplerOutput(torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]),
+                             torch.cat([torch.nn.functional.pad(i, (0, k)) for i, _, k in pad]),
+                             torch.cat([torch.nn.functional.pad(v, (0, k)) for _, v, k in pad]),
+                             [c for p in parts for c in p.num_top_logprobs])
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to 1 for the block (the calling thread's setting, restored after)."""
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+
 
 class Sampler:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, invariant: bool = False) -> None:
+        """invariant: every row sampled alone on one thread (see the module docstring: bit-identical results
+        whatever the batch and the thread count, at the cost of a loop over the rows)."""
         self.vocab_size = vocab_size
+        self.invariant = invariant
         self._rng = random.Random(secrets.randbits(64))  # seeds for rows that bring none
         self._vocab_hash: dict[tuple[torch.device, int], torch.Tensor] = {}  # mix32(arange(V)) per device
         self._bit_values: dict[torch.device, torch.Tensor] = {}  # 1 << arange(8) as uint8 per device, for masks
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        if not self.invariant:
+            return self._sample(logits, rows)
+        with one_thread():
+            if len(rows) <= 1:
+                return self._sample(logits, rows)
+            return SamplerOutput.cat([self._sample(logits[r:r + 1], rows[r:r + 1]) for r in range(len(rows))])
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         raw = logits[:, : self.vocab_size].float()  # [B, V]; no copy when already float32: never mutated
         x = self._penalise(self._constrain(raw, rows), rows)  # [B, V]; `raw` itself with no mask, bias or penalty
         greedy = [row.params.is_greedy for row in rows]  # temperature 0, or below GREEDY_TEMPERATURE
