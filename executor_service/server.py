@@ -133,10 +133,14 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     print(f"READY {' '.join(addresses)}", flush=True)  # a line scripts can wait for
 
     stop.wait()
-    log.info("shutting down: finishing in-flight RPCs (up to %.0fs)", cfg.grace_s)
+    deadline = time.monotonic() + cfg.grace_s
+    if _sessions_hold_caches(executor):
+        health_servicer.enter_graceful_shutdown()  # NOT_SERVING: schedulers move their requests (and KV) away
+        _wait_for_sessions_to_move(executor, deadline)
+    log.info("shutting down: finishing in-flight RPCs (up to %.0fs)", max(1.0, deadline - time.monotonic()))
     servicer.drain()
-    health_servicer.enter_graceful_shutdown()
-    server.stop(cfg.grace_s).wait()
+    health_servicer.enter_graceful_shutdown()  # (idempotent)
+    server.stop(max(1.0, deadline - time.monotonic())).wait()
     reaper.stop()
     thread.shutdown()
     if zmq_events is not None:
@@ -145,3 +149,18 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
         metrics_server.shutdown()
     log.info("stopped")
     return 0
+
+
+def _sessions_hold_caches(executor: Executor) -> bool:
+    return any(s.session_id and s.caches for s in executor.list_caches())
+
+
+def _wait_for_sessions_to_move(executor: Executor, deadline: float) -> None:
+    """A drain: while a session (a scheduler's) holds caches, they are running requests that its scheduler
+    moves to other executors (ImportKv pulls their KV from here) or finishes here; every RPC is served until
+    none is held or the grace ends. Without such caches (idle, or clients without sessions) the drain
+    refuses new RPCs at once, as before."""
+    log.info("draining: waiting (up to %.0fs) for the sessions holding caches to move or end them",
+             deadline - time.monotonic())
+    while time.monotonic() < deadline and _sessions_hold_caches(executor):
+        time.sleep(0.05)

@@ -196,7 +196,7 @@ def executor_info_from_pb(m: epb.GetInfoResponse) -> ExecutorInfo:
                         capabilities=frozenset(m.capabilities), adapters=tuple(sorted(m.adapters)),
                         model_dir=m.model_dir, dtype=m.dtype, device=m.device, instance_id=m.instance_id,
                         session_ttl_ms=m.session_ttl_ms, max_batch_tokens=m.max_batch_tokens,
-                        max_adapters_on_device=m.max_adapters_on_device)
+                        max_adapters_on_device=m.max_adapters_on_device, role=m.role or "both")
 
 
 def created_caches_from_pb(resp: epb.CreateCacheResponse

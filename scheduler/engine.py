@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator
 
 from scheduler import codec
 from scheduler.call_failures import Call, Verdict, classify
@@ -33,7 +33,7 @@ from scheduler.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.session import ExecutorSession
 from scheduler.speculation import SPECULATIVE_DRAFTS
-from scheduler.step_results import ItemResult
+from scheduler.step_answer import StepAnswer, names_unknown_cache
 from scheduler.throughput_log import ThroughputLog
 from scheduler.token_masks import MaskWorker, StepMasks
 from tandem.codec import kv_usage_from_pb
@@ -77,6 +77,8 @@ class Engine:
         self._stepping = False
         self._stopping = False
         self._throughput = ThroughputLog(self.policy)
+        self.held = False  # the loop waits between passes while a migration moves requests (hold())
+        self.after_step: Callable[[], None] = lambda: None  # the fleet's look at a step's results (roles)
 
     @property
     def up(self) -> bool:
@@ -168,7 +170,7 @@ class Engine:
 
     async def run(self) -> None:
         while not self.closed:
-            if not self.up:  # the reconnect task wakes us once the executor is back
+            if not self.up or self.held:  # the reconnect task (or the migration) wakes us
                 await self._sleep(None)
                 continue
             self.streams.fail(self.policy.expire_waiting())
@@ -186,6 +188,13 @@ class Engine:
                 await self._pass()
             finally:
                 self._stepping = False
+
+    async def hold(self) -> None:
+        """Holds the loop between passes (until held is False again and wake()): returns once no step call is
+        in flight, so a migration can take running requests (scheduler/kv_migration.py)."""
+        self.held = True
+        while self._stepping:
+            await asyncio.sleep(0.002)
 
     async def drain(self, grace_s: float) -> None:
         """Stops taking requests, lets running ones finish for up to grace_s, aborts the rest, releases what
@@ -250,8 +259,9 @@ class Engine:
         for seq in self.streams.process(outcome):  # a stop string ended it: only the text showed it
             policy.abort(seq)
         self._throughput.add(len(outcome.emitted) if steps > 1 else sum(item.count for item in plan.items))
+        self.after_step()
 
-    async def _step_call(self, plan: StepPlan) -> tuple["_Answer | None", int]:
+    async def _step_call(self, plan: StepPlan) -> tuple[StepAnswer | None, int]:
         """Sends the plan (with the pending releases when they ride along). None: no result to apply (the
         failure was handled: a loss, a refused burst to send again, an error that ended the step's requests)."""
         started, losses = self.clock(), self.recovery.losses
@@ -277,13 +287,13 @@ class Engine:
         if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
             self.policy.keep_stale([r.cache_id for r in results if r.cache_id] + release)
             return None, steps
-        if not self.session.id and _names_unknown_cache(plan, results):  # no sessions: a restart shows as
+        if not self.session.id and names_unknown_cache(plan, results):  # no sessions: a restart shows as
             await self.refresh_info()  # unknown caches; a new instance id says so (refresh_info starts recovery)
             if not self.up:
                 self.policy.keep_stale([r.cache_id for r in results if r.cache_id])
                 return None, steps
         self.session.renewed(started)
-        return _Answer(results, kv_usage_from_pb(resp.kv), self.clock() - started), steps
+        return StepAnswer(results, kv_usage_from_pb(resp.kv), self.clock() - started), steps
 
     async def _step_failed(self, plan: StepPlan, exc: ExecutorUnreachable | RemoteError) -> None:
         failure = classify(exc, Call.STEP, self.client.address, bool(self.session.id))
@@ -385,15 +395,3 @@ class Engine:
             level = logging.ERROR if failure.verdict is Verdict.FAILED and call is Call.RELEASE else logging.WARNING
             log.log(level, "%s; %s", failure.reason, consequence or "retrying")
         return failure.verdict
-
-class _Answer(NamedTuple):
-    results: list[ItemResult]  # the step call's answer, per item
-    kv: KvUsage
-    elapsed_s: float
-
-
-def _names_unknown_cache(plan: StepPlan, results: list[ItemResult]) -> bool:
-    """Whether an item that named an existing cache failed NOT_FOUND (the executor no longer holds it)."""
-    return any(isinstance(r.error, RemoteError) and r.error.status_name == "NOT_FOUND" and item.seq.cache_id
-               for item, r in zip(plan.items, results))
-

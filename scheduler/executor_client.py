@@ -178,6 +178,19 @@ class GrpcExecutorClient:
     async def close_session(self, session_id: str) -> epb.CloseSessionResponse:
         return await self._call("CloseSession", epb.CloseSessionRequest(session_id=session_id), 30.0)
 
+    async def import_kv(self, source_address: str, source_cache_id: str, source_session_id: str = "",
+                        session_id: str = "", timeout_s: float = 60.0) -> epb.ImportKvResponse:
+        """This executor pulls a cache from the executor at source_address (ExportKv there; the bytes never
+        pass through the scheduler) into a new cache of session_id (capability "kv_transfer")."""
+        export = epb.ExportKvRequest(cache_id=source_cache_id, session_id=source_session_id)
+        return await self._call("ImportKv", epb.ImportKvRequest(source_address=source_address, export=export,
+                                                                create_cache=True, session_id=session_id), timeout_s)
+
+    def health_watch(self):
+        """The executor's health Watch stream (grpc.health.v1): an async iterator of its status changes."""
+        self._current()
+        return self._health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), metadata=self._metadata())
+
     async def healthy(self) -> bool:
         try:
             resp = await self._call("Check", health_pb2.HealthCheckRequest(service=SERVICE_NAME),

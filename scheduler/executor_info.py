@@ -28,6 +28,7 @@ class ExecutorInfo:
     session_ttl_ms: int = 0
     max_batch_tokens: int = 0  # tokens one call may carry (0 = no limit given)
     max_adapters_on_device: int = 0  # distinct adapters per step (0 = no limit)
+    role: str = "both"  # its part in disaggregated serving: "prefill", "decode" or "both" (--role)
 
 
 @dataclass(frozen=True)

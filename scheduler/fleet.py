@@ -22,12 +22,14 @@ import dataclasses
 from typing import Callable
 
 from scheduler.codec import capabilities_needed
+from scheduler.disaggregation import eligible, hand_off_prompts_done
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.executor_client import ExecutorClient
 from scheduler.executor_info import ExecutorInfo, ExecutorStats
 from scheduler.grammar import GrammarCompiler
 from scheduler.kv_follower import follow_kv_events
+from scheduler.kv_migration import KvMigration
 from scheduler.request import GenerateRequest
 from scheduler.request_events import RequestEvents
 from scheduler.request_stream import RequestStream
@@ -61,6 +63,8 @@ class Fleet:
         # and the one thread every engine's token masks are computed in
         self.grammars = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids)
         self.mask_worker = MaskWorker(info.vocab_size)
+        # Requests that move with their KV: off draining executors, prefill -> decode (kv_migration.py)
+        self.migration = KvMigration(lambda: self.engines, self._target, self._owner.__setitem__, events)
 
     # ----------------------------------------------------------------- executors
     def add(self, client: ExecutorClient, info: ExecutorInfo | None) -> Engine:
@@ -71,6 +75,7 @@ class Fleet:
                         on_health=lambda up: self._health_changed(cell[0], up), client_name=self._client_name,
                         arrivals=self._arrivals, events=self.events, mask_worker=self.mask_worker)
         cell.append(engine)
+        engine.after_step = lambda: hand_off_prompts_done(engine, self.migration)
         self.engines.append(engine)
         self.indexes[engine] = PrefixIndex()
         if self._running:
@@ -123,11 +128,25 @@ class Fleet:
         if engine is not None:
             engine.abort(seq)
 
-    def _route(self, request: GenerateRequest) -> tuple[Engine, list[bytes]]:
+    def _route(self, request: GenerateRequest, phase: str = "prompt") -> tuple[Engine, list[bytes]]:
         """The engine for a request, and the block hashes of its prompt there (for the router's memory)."""
         serving = [e for e in self.engines if e.up]
         if not serving:  # none serves: queue on the first (it waits within --executor-retry-s, or refuses)
             return self.engines[0], []
+        return self._choose(request, eligible(serving, phase, self.migration.draining) or serving)
+
+    def _target(self, request: GenerateRequest, phase: str, avoid: Engine) -> Engine | None:
+        """Where a request leaving `avoid` goes (scheduler/kv_migration.py): None when nowhere can take it."""
+        pool = eligible([e for e in self.engines if e.up], phase, self.migration.draining, avoid)
+        try:
+            engine, hashes = self._choose(request, pool) if pool else (None, [])
+        except (AdapterNotFound, Unsupported):
+            return None
+        if engine is not None:
+            self.indexes[engine].routed(hashes)
+        return engine
+
+    def _choose(self, request: GenerateRequest, serving: list[Engine]) -> tuple[Engine, list[bytes]]:
         fit = [e for e in serving if not request.adapter or request.adapter in e.info.adapters]
         if not fit:
             raise AdapterNotFound(f"unknown adapter {request.adapter!r}: no serving executor holds it; "
@@ -211,6 +230,9 @@ class Fleet:
 
     def _launch(self, e: Engine) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(e.run(), name=f"engine {e.client.address}"))
+        if hasattr(e.client, "health_watch"):  # (a drain shows as NOT_SERVING: its requests move away)
+            self._tasks.append(asyncio.get_running_loop().create_task(self.migration.watch(e),
+                                                                      name=f"health {e.client.address}"))
         if hasattr(e.client, "kv_events"):
             self._tasks.append(asyncio.get_running_loop().create_task(
                 follow_kv_events(e.client, self.indexes[e], lambda e=e: e.closed), name=f"kv {e.client.address}"))
@@ -219,6 +241,7 @@ class Fleet:
         await asyncio.gather(*(e.drain(grace_s) for e in self.engines))
 
     async def close(self) -> None:
+        self.migration.close()
         for e in self.engines:
             await e.client.close()
         self.mask_worker.close()

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from scheduler.executor_info import ExecutorStats
+from scheduler.kv_migration_metrics import KvMoveCollector, KvMoveCounters
 from scheduler.model_server_metrics import ModelServerCollector
 from scheduler.request import FinishReason
 from tandem.histogram import SingleWriterHistogram
@@ -68,6 +69,8 @@ class SchedulerMetrics:
         self.failure: dict[str, int] = {}  # by gRPC status name
         self.registry = CollectorRegistry()
         self.registry.register(_RequestCollector(self))
+        self.kv_moves = KvMoveCounters()  # KV moved between executors, tokens recomputed where it was not
+        self.registry.register(KvMoveCollector(self.kv_moves))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
     def watch(self, executors: Callable[[], list[ExecutorStats]], model_name: str = "",
@@ -106,6 +109,19 @@ class SchedulerMetrics:
         self.spec_drafts += drafts
         self.spec_draft_tokens += drafted
         self.spec_accepted_tokens += accepted
+
+    def recomputed(self, tokens: int) -> None:
+        self.kv_moves.recomputed_tokens += tokens
+
+    def kv_transferred(self, num_bytes: int, seconds: float) -> None:
+        self.kv_moves.transfer_bytes += num_bytes
+        self.kv_moves.transfer_s.observe(seconds)
+
+    def kv_transfer_failed(self) -> None:
+        self.kv_moves.transfer_failures += 1
+
+    def migrated(self) -> None:
+        self.kv_moves.migrated += 1
 
     # ----------------------------------------------------------------- exposition
     def render(self) -> tuple[bytes, str]:

@@ -35,6 +35,10 @@ class OutputProcessor:
 
     def admitted(self, seqs: Iterable[Sequence]) -> None:
         for seq in seqs:
+            if seq.lost_tokens:  # computed before, lost, and computed again now (less what was reused)
+                if self.events is not None:
+                    self.events.recomputed(max(0, seq.lost_tokens - seq.num_cached))
+                seq.lost_tokens = 0
             stream = self.streams.get(seq)
             if stream is not None:
                 stream.admitted()

@@ -23,3 +23,16 @@ class RequestEvents(Protocol):
 
     def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
         """A step verified `drafts` sequences' drafts, `drafted` tokens in all, and accepted `accepted`."""
+
+    def recomputed(self, tokens: int) -> None:
+        """A request re-admitted after its cache was lost (preemption, executor lost, transfer failed) computes
+        these tokens again (those the prefix cache gave back are not counted)."""
+
+    def kv_transferred(self, num_bytes: int, seconds: float) -> None:
+        """A request's KV moved to another executor (ImportKv): its bytes and the call's time."""
+
+    def kv_transfer_failed(self) -> None:
+        """Moving a request's KV failed: it is recomputed where it went."""
+
+    def migrated(self) -> None:
+        """A request continues on another executor with its KV (drain, or prefill -> decode)."""

@@ -31,6 +31,7 @@ class Sequence:
         # requests had written then; -1 = not yet (with prefix caching it is not admitted before).
         self.prefix_looked_up = -1
         self.preemptions = 0  # times its cache was lost (preemption, executor restart) and recomputed
+        self.lost_tokens = 0  # tokens its lost caches held, to compute again (counted at its next admission)
         self.drafted_tokens = 0  # speculative decoding: draft tokens sent for verification ...
         self.accepted_tokens = 0  # ... and those the executor accepted
         self.queued_at = 0.0  # when it last entered the waiting queue (the policy's clock)
@@ -96,6 +97,7 @@ class Sequence:
     def reset_cache(self) -> None:
         """After preemption (or the executor's loss): the cache is gone; everything will be recomputed
         (outputs stay: they were sent)."""
+        self.lost_tokens += self.num_cached
         self.drop_cache()
         self.status = Status.WAITING
         self.preemptions += 1

@@ -1,0 +1,178 @@
+"""KV that moves between executors, with real processes (tiny llama): live migration off an executor told to
+stop (SIGTERM) while another serves — every stream continues with exactly the tokens of an undisturbed run
+(greedy and seeded), requests_migrated_total grows, no token is recomputed and the drained executor exits
+within seconds; SIGKILL of the source right as it drains loses no stream (recompute where the move failed);
+prefill + decode executors give the tokens of a single `both` executor, the prompt on one and the decode on
+the other; a scheduler SIGKILLed while transfers run leaks no KV block on either executor (session leases)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from tandem.common.v1 import common_pb2 as cpb
+from tandem.executor.v1 import executor_pb2 as epb
+from tandem.generate.v1 import generate_pb2 as pb
+from tests.grpc_harness import start_executor, start_for, start_scheduler, start_scheduler_for
+from tests.scheduler_client import collect, ids_request, wait_kv_free
+
+KV = ("--kv-blocks", "160", "--session-ttl", "3")
+_URL = re.compile(r"metrics on (https?://\S+/metrics)")
+_SAMPLE = re.compile(r"^(tandem:[a-z_]+) ([0-9.e+-]+)$", re.M)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _counters(scheduler) -> dict[str, float]:
+    url = _URL.search(scheduler.stderr()).group(1)
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return {m.group(1): float(m.group(2)) for m in _SAMPLE.finditer(resp.read().decode())}
+
+
+def _sampled(executor) -> int:
+    return executor.stub.GetMetrics(epb.GetMetricsRequest()).tokens_sampled
+
+
+def _requests(n: int, new_tokens: int, base: int = 40) -> list[pb.GenerateRequest]:
+    """Half greedy, half seeded sampling; prompts of 20-60 tokens (several KV blocks each)."""
+    stop = pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True)
+    out = []
+    for i in range(n):
+        prompt = [1] + [(base + 7 * i + 13 * k) % 380 + 3 for k in range(20 + 5 * i)]
+        sampling = cpb.SamplingParams(temperature=0.9, top_k=40, seed=1000 + i) if i % 2 else None
+        out.append(ids_request(prompt, 0, stopping=stop, sampling=sampling))
+    return out
+
+
+def _rest(call, first) -> list[int]:
+    return list(first.token_ids) + [t for m in call for t in m.token_ids]
+
+
+@pytest.fixture(scope="module")
+def reference(request, model_dir):
+    """One `both` executor alone: the tokens every other arrangement must give."""
+    single = start_for(request, model_dir, *KV)
+    return start_scheduler_for(request, single.address)
+
+
+def _clean(reference, reqs) -> list[list[int]]:
+    with cf.ThreadPoolExecutor(len(reqs)) as pool:
+        return [r.token_ids for r in pool.map(lambda r: collect(reference.stub, r), reqs)]
+
+
+class Pair:
+    """Executors A (fixed port: drained or killed, then restarted) and B, and a scheduler over both."""
+
+    def __init__(self, request, model) -> None:
+        self.model, self.port = model, _free_port()
+        self.a = start_executor(model, "--port", str(self.port), *KV)
+        request.addfinalizer(lambda: self.a.close())
+        self.b = start_for(request, model, *KV)
+        self.scheduler = start_scheduler_for(request, self.a.address, "--executor", self.b.address,
+                                             "--metrics-port", "0")
+
+    def restart_a(self) -> None:
+        if self.a.proc.poll() is None:
+            self.a.close()
+        self.a = start_executor(self.model, "--port", str(self.port), *KV)
+        deadline = time.monotonic() + 30
+        while any(e.state != pb.ExecutorStatus.STATE_SERVING
+                  for e in self.scheduler.stub.GetModelInfo(pb.GetModelInfoRequest()).executors):
+            assert time.monotonic() < deadline, "the restarted executor did not rejoin"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def pair(request, model_dir) -> Pair:
+    return Pair(request, model_dir)
+
+
+def test_a_drained_executors_streams_move_with_their_kv_and_it_exits_at_once(pair, reference):
+    reqs = _requests(8, 120)
+    clean = _clean(reference, reqs)
+    before = _counters(pair.scheduler)
+    on_a = _sampled(pair.a)
+    calls = [pair.scheduler.stub.Generate(r, timeout=120) for r in reqs]
+    firsts = [next(c) for c in calls]  # every stream is running, on both executors
+    assert _sampled(pair.a) > on_a, "no stream runs on A"
+    signalled = time.monotonic()
+    pair.a.send_sigterm()
+    assert pair.a.wait_exit() == 0, pair.a.stderr()
+    exited_s = time.monotonic() - signalled
+    got = [_rest(c, f) for c, f in zip(calls, firsts)]  # no error: a pause at most
+    assert got == clean  # greedy and seeded: exactly the undisturbed tokens
+    after = _counters(pair.scheduler)
+    moved = after["tandem:requests_migrated_total"] - before["tandem:requests_migrated_total"]
+    assert moved > 0, pair.scheduler.stderr()[-3000:]
+    assert after["tandem:tokens_recomputed_total"] == before["tandem:tokens_recomputed_total"]
+    assert after["tandem:kv_transfer_failures_total"] == before["tandem:kv_transfer_failures_total"]
+    assert after["tandem:kv_transfer_bytes_total"] > before["tandem:kv_transfer_bytes_total"]
+    assert exited_s < 8, f"the drained executor took {exited_s:.1f} s to exit"
+    wait_kv_free(pair.b.stub)
+    pair.restart_a()
+
+
+def test_sigkill_of_the_source_as_it_drains_loses_no_stream(pair, reference):
+    reqs = _requests(8, 100, base=90)
+    clean = _clean(reference, reqs)
+    calls = [pair.scheduler.stub.Generate(r, timeout=120) for r in reqs]
+    firsts = [next(c) for c in calls]
+    pair.a.send_sigterm()  # the scheduler starts moving A's streams ...
+    time.sleep(0.03)
+    pair.a.process.kill()  # ... and A dies under the transfers (or before them: a plain loss)
+    got = [_rest(c, f) for c, f in zip(calls, firsts)]
+    assert got == clean  # every stream ends, with the undisturbed tokens: moved or recomputed
+    wait_kv_free(pair.b.stub)
+    pair.restart_a()
+
+
+@pytest.fixture(scope="module")
+def roles(request, model_dir):
+    prefill = start_for(request, model_dir, "--role", "prefill", *KV)
+    decode = start_for(request, model_dir, "--role", "decode", *KV)
+    return prefill, decode
+
+
+def test_prefill_and_decode_executors_give_a_single_executors_tokens(request, roles, reference):
+    prefill, decode = roles
+    scheduler = start_scheduler_for(request, prefill.address, "--executor", decode.address, "--metrics-port", "0")
+    reqs = _requests(8, 40, base=150)
+    clean = _clean(reference, reqs)
+    before = (_sampled(prefill), _sampled(decode), _counters(scheduler))
+    with cf.ThreadPoolExecutor(len(reqs)) as pool:
+        got = list(pool.map(lambda r: collect(scheduler.stub, r), reqs))
+    assert [g.token_ids for g in got] == clean
+    after = _counters(scheduler)
+    assert _sampled(prefill) - before[0] == len(reqs)  # one token per request: the prompt's
+    assert _sampled(decode) - before[1] == len(reqs) * 39  # every other token
+    assert after["tandem:requests_migrated_total"] - before[2]["tandem:requests_migrated_total"] == len(reqs)
+    assert after["tandem:tokens_recomputed_total"] == before[2]["tandem:tokens_recomputed_total"]
+    wait_kv_free(prefill.stub)  # the prefill executor's caches were released once moved
+    wait_kv_free(decode.stub)
+
+
+def test_a_scheduler_killed_while_transfers_run_leaks_no_block(request, roles):
+    prefill, decode = roles
+    scheduler = start_scheduler(prefill.address, "--executor", decode.address)
+    try:
+        reqs = _requests(16, 200, base=220)
+        calls = [scheduler.stub.Generate(r, timeout=60) for r in reqs]
+        for c in calls[:4]:
+            next(c)  # hand-offs are under way
+        scheduler.process.kill()
+        for c in calls:
+            c.cancel()
+    finally:
+        scheduler.process.kill()
+        scheduler.channel.close()
+    # Whatever it held (caches on both, an import half done) is freed when its session's lease ends (3 s)
+    wait_kv_free(prefill.stub, timeout=20)
+    wait_kv_free(decode.stub, timeout=20)
