@@ -29,6 +29,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.decode_steps import MAX_DECODE_STEPS, run_decode_steps  # noqa: F401  (re-exported)
 from executor_service.kv_events import KvEventHub, Subscription
 from executor_service.kv_fingerprint import fingerprint_of
+from executor_service.kv_tier_link import TierLink
 from executor_service.kv_transfer import KvTransfer
 from executor_service.memory_probe import resident_memory_bytes
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
@@ -100,6 +101,9 @@ class Executor:
         self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics)
         self._lock = OpLock()
         self.transfer = KvTransfer(self, fingerprint_of(config, stack))
+        if self.prefix.enabled:  # evicted blocks kept in host memory / on disk (kv_tier.py)
+            kt = config.kv_transfer
+            self.prefix.tiers = TierLink.open(self.kv, self.transfer.fingerprint, kt.host_gb, kt.disk_dir, kt.disk_gb)
 
     # ----------------------------------------------------------------- operations
     def prefill(self, token_ids: Sequence[int], cache_id: str | None = None,

@@ -144,7 +144,7 @@ class KvTransfer:
     def _pin_chain(self, hashes: Sequence[bytes]) -> _Export:
         with self.ex.control_op("export_kv"):
             prefix, bs = self.ex.prefix, self.ex.kv.block_size
-            blocks = self.ex.kv.allocator.lookup(hashes) if prefix.enabled else []
+            blocks = prefix.lookup(list(hashes)) if prefix.enabled else []
             if not blocks:
                 raise BlocksNotCached(f"none of the {len(hashes)} block hashes is cached here")
             self.ex.kv.allocator.pin(blocks)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from executor_service.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventHub
+from executor_service.kv_tier_link import TierLink
 from executor_service.prompt_logprob_store import PromptLogprobStore
 from models.kv_cache import BlockTable, PagedKvCache
 from tandem.block_hash import block_hash, chain_hashes, root_hash
@@ -40,6 +41,8 @@ class PrefixCache:
         # subscriber's snapshot needs (packed: 4 bytes a token, not a tuple of int objects)
         self._meta: dict[bytes, tuple[bytes, str, bytes]] = {}
         self.logprobs = PromptLogprobStore()  # prompt logprobs beside indexed blocks (prompt_logprob_store.py)
+        self.tiers: TierLink | None = None  # host/disk tiers evicted blocks go to (kv_tier_link.py)
+        self._block_of: dict[bytes, int] = {}  # hash -> pool block of every indexed block (for spilling)
         kv.allocator.on_removed = self._removed
 
     @staticmethod
@@ -64,6 +67,8 @@ class PrefixCache:
         hashes = chain_hashes(root, token_ids, bs, max_blocks=len(token_ids) // bs if whole
                               else (len(token_ids) - 1) // bs)
         blocks = self.kv.allocator.lookup(hashes)
+        if self.tiers is not None and prompt_logprobs is None and len(blocks) < len(hashes):
+            blocks = self._load_from_tiers(hashes, blocks)
         if prompt_logprobs is not None:
             blocks = blocks[:self.logprobs.covered(hashes[:len(blocks)], prompt_logprobs)]
         self.kv.adopt(table, blocks, hashes[:len(blocks)])
@@ -89,6 +94,7 @@ class PrefixCache:
             h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
             table.hashes.append(h)
             if self.kv.allocator.register(table.blocks[i], h):
+                self._block_of[h] = table.blocks[i]
                 self._meta[h] = (b"" if i == 0 else parent, adapter, array("I", tokens[i * bs:(i + 1) * bs]).tobytes())
                 stored.append(h)
         if stored:
@@ -116,6 +122,7 @@ class PrefixCache:
         stored = []
         for i, (b, h) in enumerate(zip(blocks, hashes)):
             if self.kv.allocator.register(b, h):
+                self._block_of[h] = b
                 self._meta[h] = (hashes[i - 1] if i else b"", adapter,
                                  array("I", token_ids[i * bs:(i + 1) * bs]).tobytes())
                 stored.append(h)
@@ -140,7 +147,46 @@ class PrefixCache:
         return PrefixCacheStats(self.enabled, self.query_tokens, self.hit_tokens, self.stored_blocks, a.evicted,
                                 a.num_indexed, self.kv.copied_blocks)
 
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The pool blocks of the longest cached run of hashes, the tiers' blocks loaded into the pool (not
+        pinned)."""
+        blocks = self.kv.allocator.lookup(hashes)
+        if self.tiers is not None and len(blocks) < len(hashes):
+            blocks = self._load_from_tiers(hashes, blocks)
+        return blocks
+
+    def _load_from_tiers(self, hashes: list[bytes], blocks: list[int]) -> list[int]:
+        """blocks (the pool's run of hashes) continued with what the tiers hold of the hashes after them, loaded
+        into newly taken pool blocks and indexed; as many as the pool has room for."""
+        a = self.kv.allocator
+        a.pin(blocks)  # loading takes blocks: the run found so far must not be evicted for them
+        try:
+            found = self.tiers.load(hashes[len(blocks):])[:a.num_free]
+            if not found:
+                return blocks
+            taken = a.allocate(len(found))
+            self.tiers.write(taken, found)
+            first = len(blocks)
+            for b, t in zip(taken, found):
+                a.register(b, t.hash)
+                self._block_of[t.hash] = b
+                self._meta[t.hash] = (t.parent, t.adapter, t.token_ids)
+            self.stored_blocks += len(found)
+            if self.events.active:
+                bs = self.kv.block_size
+                ids = tuple(x for t in found for x in array("I", t.token_ids))
+                self.events.publish(BlocksStored(tuple(t.hash for t in found), found[0].parent if first else b"",
+                                                 found[0].adapter, len(found) * bs, ids))
+            a.free(reversed(taken))  # back to free-but-cached: adopt pins them with the rest
+            return blocks + taken
+        finally:
+            a.free(reversed(blocks))
+
     def _removed(self, hashes: list[bytes]) -> None:
+        if self.tiers is not None:
+            self.tiers.spill([(h, self._block_of[h], self._meta[h]) for h in hashes if h in self._block_of])
+        for h in hashes:
+            self._block_of.pop(h, None)
         self.logprobs.forget(hashes)
         for h in hashes:
             self._meta.pop(h, None)
