@@ -13,6 +13,8 @@ from executor_service.kv_events_endpoint import ZmqKvConfig
 from executor_service.kv_transfer_config import add_flags as add_kv_transfer_flags
 from executor_service.kv_transfer_config import from_args as kv_transfer_from_args
 from executor_service.server import ServerConfig, serve
+from executor_service.tp_launch import TpLaunch, add_tp_flags
+from executor_service.tp_main import run_tensor_parallel
 from models.huge_pages import MODES as HUGE_PAGE_MODES
 from tandem.errors import TandemError
 from tandem.security.config import add_server_flags, server_security
@@ -134,6 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "default: none")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    add_tp_flags(ap)
     add_kv_transfer_flags(ap)
     add_server_flags(ap)
     return ap.parse_args(argv)
@@ -190,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                               metrics_port=args.metrics_port, security=server_security(args),
                               kv_events_zmq=_zmq_flags(args))
     try:
+        tp = TpLaunch.from_args(args)  # None: the whole model in this process
+        if tp is not None:
+            return run_tensor_parallel(tp, executor_cfg, server_cfg, sys.argv[1:] if argv is None else list(argv))
         return serve(executor_cfg, server_cfg)
     except (TandemError, ValueError, OSError) as exc:
         print(f"tandem-executor: error: {exc}", file=sys.stderr)

@@ -60,6 +60,8 @@ class ExecutorConfig:
     prefix_caching: bool = True
     max_kv_subscribers: int = 8  # concurrent SubscribeKvEvents streams
     kv_events_buffer: int = 10_000  # events a subscriber may have unread before it is dropped
+    # Ranks the model is split over (issue 38; executor_service/tp_stack.py); 1 = the whole model here.
+    tensor_parallel_size: int = 1
     # Role, KV tiers (host memory, disk) and ImportKv's link to other executors (kv_transfer_config.py)
     kv_transfer: KvTransferConfig = KvTransferConfig()
 

@@ -33,12 +33,13 @@ from executor_service.kv_tier_link import TierLink
 from executor_service.kv_transfer import KvTransfer
 from executor_service.memory_probe import resident_memory_bytes
 from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
-from executor_service.model_stack import ModelStack, build_model_stack
+from executor_service.model_stack import ModelStack
 from executor_service.op_lock import OpLock
 from executor_service.prefix_cache import PrefixCache, PrefixCacheStats
 from executor_service.prompt_logprob_store import restore_prompt_logprobs
 from executor_service.request_validation import RequestValidator, check_release_with_step, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
+from executor_service.tp_stack import build_stack
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, OutputOptions, PrefillResult, SessionLease,
                                     SessionListing, StepResults, UnifiedItem, UnifiedResult, VerifyResult)
@@ -80,7 +81,7 @@ class Executor:
         (tests pass a fake one)."""
         self.config = config
         self.instance_id = uuid.uuid4().hex  # a restart is visible to clients as a new id
-        self.stack = stack = stack if stack is not None else build_model_stack(config)
+        self.stack = stack = stack if stack is not None else build_stack(config)  # (tensor-parallel or not)
         # What other code reads of the stack, under the names it always had.
         self.device, self.model, self.model_config = stack.device, stack.model, stack.model_config
         self.generation, self.quantization_kernel = stack.generation, stack.quantization_kernel

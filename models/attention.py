@@ -81,6 +81,7 @@ class AttentionMetadata:
             blocks = np.asarray(it.blocks, dtype=np.int64)
             positions.append(pos)
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        self.items = tuple(items)  # what it was built from: tensor-parallel workers rebuild it (tp_leader.py)
         self.num_tokens = int(sum(it.n_new for it in items))
         self.positions = torch.from_numpy(np.concatenate(positions)).to(device)  # [T]
         self.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)  # [T]
