@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service import cpu_cores
 from executor_service.config import ExecutorConfig
 from executor_service.kv_events_endpoint import ZmqKvConfig
 from executor_service.kv_transfer_config import add_flags as add_kv_transfer_flags
@@ -134,7 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "as 'metrics on http(s)://...'), under this server's security: https with --tls-cert (a "
                          "client certificate with --tls-client-ca), an admin token with --auth-token-file; "
                          "default: none")
-    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: one per --cpu-cores core, else torch's "
+                                                "choice)")
+    cpu_cores.add_flags(ap)
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     add_tp_flags(ap)
     add_kv_transfer_flags(ap)
@@ -164,6 +167,11 @@ def _zmq_flags(args: argparse.Namespace) -> ZmqKvConfig | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        cpu_cores.apply(args)  # --cpu-cores: every thread of this process, now and later, on those cores
+    except ValueError as exc:
+        print(f"tandem-executor: error: {exc}", file=sys.stderr)
+        return 2
     try:
         kv_transfer = kv_transfer_from_args(args)
     except ValueError as exc:
