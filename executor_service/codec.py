@@ -227,6 +227,7 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
         session_ttl_ms=ms(info.session_ttl_s), resident_memory_bytes=info.resident_memory_bytes,
         quantization=info.quantization, role=info.role, kv_fingerprint=info.kv_fingerprint)
     msg.deterministic = info.deterministic
+    msg.tensor_parallel_size = info.tensor_parallel_size
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     if info.kv_pool is not None:

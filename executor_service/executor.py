@@ -288,7 +288,8 @@ class Executor:
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
             resident_memory_bytes=resident_memory_bytes(), deterministic=self.config.deterministic,
             quantization=self.config.quantization,
-            role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint)
+            role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint,
+            tensor_parallel_size=self.config.tensor_parallel_size)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""

@@ -210,6 +210,7 @@ class ExecutorInfo:
     deterministic: bool = False  # --deterministic (executor_service/deterministic.py)
     role: str = "both"  # --role: prefill | decode | both
     kv_fingerprint: str = ""  # executor_service/kv_fingerprint.py
+    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the model is split over (tp_stack.py)
 
 
 @dataclass(frozen=True)

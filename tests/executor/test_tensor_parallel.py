@@ -64,8 +64,7 @@ def _compare(got, want) -> None:
 def test_tp2_equals_tp1_token_for_token_and_logits_within_1e_4(family, checkpoint, reference):
     with start_executor(checkpoint(family), *ARGS, "--tensor-parallel-size", "2") as server:
         info = server.stub.GetInfo(epb.GetInfoRequest())
-        if hasattr(info, "tensor_parallel_size"):
-            assert info.tensor_parallel_size == 2
+        assert info.tensor_parallel_size == 2 and info.num_kv_heads == 4  # the whole model's heads
         got = run_scenario(server.stub)
     _compare(got, reference(family))
 
