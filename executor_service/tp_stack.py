@@ -85,6 +85,8 @@ def build_tp_stack(config: ExecutorConfig, group: TpGroup) -> ModelStack:
         log.info("KV pool lowered to %d blocks: the smallest of the %d ranks' pools", blocks, size)
     trim_heap()
     runner_model = model if group.is_worker else LeaderModel(model, group.channel, CopyLog(kv))
+    if not group.is_worker:  # from now on every collective goes through the channel's lock
+        group.channel.start_heartbeat()
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=None,

@@ -140,7 +140,7 @@ def test_a_worker_sigkilled_mid_stream_takes_rank_0_down_and_the_scheduler_recom
     request.addfinalizer(lambda: tp.process.kill())
     other = start_for(request, model_dir, *ARGS)
     scheduler = start_scheduler_for(request, tp.address, "--executor", other.address)
-    stop = pb.StoppingCriteria(max_new_tokens=60, ignore_eos=True)
+    stop = pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True)
     reqs = [ids_request([1, 90 + n, 17, 5 * n + 2], 0, stopping=stop) for n in range(8)]
     with cf.ThreadPoolExecutor(8) as pool:
         clean = list(pool.map(lambda r: collect(scheduler.stub, r), reqs))
