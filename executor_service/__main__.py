@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--uds", help="also listen on this Unix domain socket path")
     ap.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="weights and KV dtype (auto: float32 on CPU, the checkpoint's dtype on CUDA)")
+                    help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--quantization", default="none", choices=["none", "fp16", "int8"],
                     help="linear-layer weights (activations, KV and the rest stay --dtype): none | fp16 (float16 "
                          "weights, float32 compute, FBGEMM on x86 CPUs: ~1.4x per decode step, greedy tokens "
@@ -117,6 +117,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "once with g++, ~2-3 s; ~2x faster decode on a small CPU model); 'torch', the PyTorch "
                          "forward (compiled with --compile); 'auto' (default): native where it can run and "
                          "--compile is not given, else torch (the log says why). Speed: README, Decode speed")
+    ap.add_argument("--attention-backend", choices=("auto", "flex", "flashinfer", "gathered"), default="auto",
+                    help="paged attention of prefill, mixed and draft-verify batches (docs/cuda.md): 'flex', "
+                         "FlexAttention over the KV pool in place (compiled on CUDA); 'flashinfer', FlashInfer's "
+                         "paged kernel (CUDA with flashinfer-python); 'gathered', each item's K/V copied out "
+                         "through its block table, one SDPA call; 'auto' (default): flashinfer, else flex on CUDA, "
+                         "gathered on CPU (measured fastest there). GetInfo reports the one in use")
+    ap.add_argument("--kv-dtype", choices=("auto", "float32", "bfloat16", "float16", "fp8_e4m3"), default="auto",
+                    help="the KV pool's element type: 'auto' (default), the weights' (--dtype); another dtype is "
+                         "refused until an attention path converts on read (fp8_e4m3 waits for a GPU, docs/cuda.md)")
     ap.add_argument("--huge-pages", choices=HUGE_PAGE_MODES, default="auto",
                     help="CPU: copy the weights into one mapping advised for transparent huge pages (the native "
                          "float32 step ~10-15%% faster at batch 1). 'auto' (default) gives them up when they fault "
@@ -189,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                                   progress=True, cpu_packed_weights=not args.no_cpu_packed_weights,
                                   compile=args.compile, compile_cache_dir=args.compile_cache_dir,
                                   decode_kernel=args.decode_kernel, native_cache_dir=args.native_cache_dir,
+                                  attention_backend=args.attention_backend, kv_dtype=args.kv_dtype,
                                   huge_pages=args.huge_pages, deterministic=args.deterministic,
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,

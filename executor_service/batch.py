@@ -14,7 +14,7 @@ position's state for the next item."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,7 +45,8 @@ class PlannedItem:
 
 class BatchRunner:
     def __init__(self, model: DecoderModel, kv: PagedKvCache, max_attention_elements: int | None = None,
-                 decode_step: DecodeStep | None = None) -> None:
+                 decode_step: DecodeStep | None = None,
+                 attention: Callable[[Sequence[ItemLayout]], AttentionMetadata] | None = None) -> None:
         self.model = model
         # All-decode batches without LoRA (or drafts, unless it takes them) run it (executor_service/
         # decode_kernel.py); None: eager.
@@ -56,6 +57,8 @@ class BatchRunner:
         self.sampler = Sampler(model.config.vocab_size)
         self.lora_stacks = LoraStacks()  # the executor clears it whenever adapters load, unload or move
         self.max_attention_elements = max_attention_elements  # see models/attention.py (None: no split)
+        # Builds a batch's attention metadata (models/attention_backend.py); None: the gathered path.
+        self.attention = attention
 
     def run(self, batch: list[PlannedItem], all_positions: bool = False,
             adapters: Callable[[], dict[str, LoraWeights]] | None = None
@@ -174,8 +177,8 @@ class BatchRunner:
                 logit_rows.extend(range(start + n - 1 - drafts, start + n))
                 rows_per_item.append(1 + drafts)
             start += n
-        meta = AttentionMetadata(layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype,
-                                 self.max_attention_elements)
+        meta = self.attention(layouts) if self.attention is not None else AttentionMetadata(
+            layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype, self.max_attention_elements)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         lora = LoraBatch.build(adapter_spans, adapters, len(ids), self.device, self.lora_stacks)
         if not scoring:

@@ -41,6 +41,10 @@ class ExecutorConfig:
     # where the native kernel's compiled library is kept (None: ~/.cache/tandem/native).
     decode_kernel: str = "auto"
     native_cache_dir: Path | None = None
+    # Paged attention of the eager forward (models/attention_backend.py): auto | flex | flashinfer | gathered;
+    # the KV pool's dtype (models/kv_dtype.py): auto (the weights') | float32 | bfloat16 | float16 | fp8_e4m3.
+    attention_backend: str = "auto"
+    kv_dtype: str = "auto"
     # CPU weights in transparent huge pages (models/huge_pages.py): auto (unless they fault in slowly here) | on | off
     huge_pages: str = "auto"
     # Every call through the row-invariant native step, each row sampled alone: bit-identical results whatever

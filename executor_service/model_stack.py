@@ -27,11 +27,13 @@ from executor_service.deterministic import CAPABILITY as DETERMINISTIC
 from executor_service.deterministic import DeterministicRunner, config_refusal, deterministic_step
 from executor_service.kv_sizing import build_kv_pool
 from executor_service.types import KvPoolSizing
+from models.attention_backend import AttentionBuilder, choose_backend
 from models.compiled_decode import CompiledDecode
 from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
 from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
 from models.huge_pages import move_parameters_to_huge_pages
 from models.kv_cache import PagedKvCache
+from models.kv_dtype import resolve_kv_dtype
 from models.loader import load_model
 from models.mapped_pages import trim_heap
 from models.native_decode import NativeBuild, NativeDecode, model_refusal
@@ -54,6 +56,7 @@ class ModelStack:
     kv_pool: KvPoolSizing  # how the pool was sized, and why
     decode_step: DecodeStep | None  # all-decode batches run it; None: the eager forward
     runner: BatchRunner
+    attention_backend: str = "gathered"  # the eager forward's paged attention (models/attention_backend.py)
 
     @property
     def compiled(self) -> CompiledDecode | None:
@@ -93,18 +96,20 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
                  "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),
                  HALF_UPCAST_MIN_ROWS)
     cfg, dtype = model.config, model.lm_head.weight.dtype
-    kv, kv_pool = build_kv_pool(config, device, cfg, dtype)  # sized and logged there
+    backend = choose_backend(config.attention_backend, device, cfg.attention_sinks)  # ValueError: refused
+    kv, kv_pool = build_kv_pool(config, device, cfg, resolve_kv_dtype(config.kv_dtype, dtype))  # sized, logged there
     if config.deterministic:  # every call through the row-invariant native step (ValueError: refused)
         step = deterministic_step(config, model, kv)
         decode_step, runner = step, DeterministicRunner(model, kv, step)
     else:
         decode_step = choose_decode_step(config, model, kv)  # ValueError: a refused combination
-        runner = BatchRunner(model, kv, config.attention_bound(), decode_step)
+        runner = BatchRunner(model, kv, config.attention_bound(), decode_step, AttentionBuilder(
+            backend, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device, config.attention_bound()))
     trim_heap()  # the copies' sources freed under glibc's mmap threshold stay in its heap otherwise
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=decode_step,
-                      runner=runner)
+                      runner=runner, attention_backend=backend)
 
 
 def _decode_runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:

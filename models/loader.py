@@ -41,11 +41,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """`auto` keeps the checkpoint's dtype on CUDA and uses float32 on CPU (where bf16/fp16 matmuls are slow)."""
+    """`auto` is bfloat16 on CUDA (float16 on a GPU without bf16; docs/cuda.md) and float32 on CPU (where
+    bf16/fp16 matmuls are slow)."""
     if name == "auto":
         if device.type == "cpu":
             return torch.float32
-        return DTYPES.get(cfg.torch_dtype, torch.float32)
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]

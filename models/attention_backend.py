@@ -1,0 +1,78 @@
+"""Which paged-attention implementation the eager forward uses (`--attention-backend`), and the builder of each
+batch's attention metadata for it.
+
+- gathered (models/attention.py): each item's K/V gathered through its block table into a dense copy, one
+  SDPA call per bucket. The tested reference.
+- flex (models/flex_attention.py): FlexAttention over the pool in place, a BlockMask listing each item's
+  blocks; compiled with torch.compile (the eager form scores every key of the pool: a reference only).
+- flashinfer (models/flashinfer_attention.py): FlashInfer's paged prefill kernel; CUDA with flashinfer
+  installed only, untested on this project's machines.
+
+auto: on CUDA, flashinfer where importable (and the model has no sinks), else flex compiled; on CPU, gathered,
+measured faster for prefill than flex (SmolLM2, 512-token prompt, 2 cores: table in docs/cuda.md). On CPU the
+decode step stays the native one (executor_service/decode_kernel.py) whatever the backend.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Sequence
+
+import torch
+
+from models.attention import AttentionMetadata, ItemLayout
+from models.flex_attention import FlexMetadata
+from models.kv_cache import PagedKvCache
+
+BACKENDS = ("auto", "flex", "flashinfer", "gathered")
+
+Metadata = AttentionMetadata | FlexMetadata  # (FlashInferMetadata has the same interface)
+
+
+def flashinfer_importable() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def choose_backend(requested: str, device: torch.device, has_sinks: bool = False) -> str:
+    """The backend to run for --attention-backend `requested` on `device`. Raises ValueError for one that cannot
+    run there."""
+    if requested not in BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    cuda = device.type == "cuda"
+    if requested == "flashinfer":
+        if not cuda or not flashinfer_importable():
+            raise ValueError("--attention-backend flashinfer needs a CUDA device and the flashinfer-python package")
+        if has_sinks:
+            raise ValueError("--attention-backend flashinfer does not take attention sinks (GPT-OSS): use flex")
+        return requested
+    if requested != "auto":
+        return requested
+    if cuda:
+        return "flashinfer" if flashinfer_importable() and not has_sinks else "flex"
+    return "gathered"
+
+
+class AttentionBuilder:
+    """Builds one batch's attention metadata for the chosen backend (BatchRunner calls it once per batch)."""
+
+    def __init__(self, backend: str, kv: PagedKvCache, heads: int, kv_heads: int, head_dim: int,
+                 device: torch.device, max_elements: int | None = None, compile_flex: bool | None = None) -> None:
+        if backend not in BACKENDS[1:]:
+            raise ValueError(f"no attention backend {backend!r} (choose_backend resolves auto)")
+        self.backend, self.kv, self.device = backend, kv, device
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.max_elements = max_elements
+        # flex compiled on CUDA (eager flex scores every key of the pool); on CPU eager unless told, see
+        # models/flex_attention.compiled_flex.
+        self.compile_flex = device.type == "cuda" if compile_flex is None else compile_flex
+
+    def __call__(self, items: Sequence[ItemLayout]) -> Metadata:
+        kv = self.kv
+        if self.backend == "flex":
+            return FlexMetadata(items, kv.block_size, kv.k.shape[1], self.device,
+                                kv.null_block if kv.window is not None else None, self.compile_flex)
+        if self.backend == "flashinfer":
+            from models.flashinfer_attention import FlashInferMetadata  # noqa: PLC0415 (imports flashinfer)
+            return FlashInferMetadata(items, kv.block_size, self.heads, self.kv_heads, self.head_dim,  # type: ignore[return-value]
+                                      self.device, kv.k.dtype)
+        return AttentionMetadata(items, kv.block_size, self.heads // self.kv_heads, self.device, kv.k.dtype,
+                                 self.max_elements)
