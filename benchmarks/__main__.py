@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "startup": ("startup:main", "executor time to READY, memory and first-request latency, cold and warm"),
     "step_profile": ("step_profile:main", "in-process scheduler-like serving loop vs transformers generate"),
     "structured": ("structured:main", "grammar engines (mask time, coverage) and constrained-decoding overhead"),
+    "tp": ("tp:main", "tensor parallelism: decode and prefill time and per-rank memory vs --tensor-parallel-size"),
 }
 
 

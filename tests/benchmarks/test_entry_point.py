@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import ROOT
 
 NAMES = ["decode", "executor", "fleet", "forward", "lora", "moe", "prefix", "serving", "spec", "startup",
-         "step_profile", "structured"]
+         "step_profile", "structured", "tp"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
