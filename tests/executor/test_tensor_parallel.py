@@ -136,10 +136,14 @@ def _children(pid: int) -> list[int]:
 
 
 def test_a_worker_sigkilled_mid_stream_takes_rank_0_down_and_the_scheduler_recomputes_elsewhere(request, model_dir):
-    tp = start_executor(model_dir, *ARGS, "--tensor-parallel-size", "2")
+    """(Also: an idle group outlives --tp-timeout.)"""
+    # --tp-timeout 4 and an idle pause longer than it: the heartbeat keeps idle workers within the bound
+    tp = start_executor(model_dir, *ARGS, "--tensor-parallel-size", "2", "--tp-timeout", "4")
     request.addfinalizer(lambda: tp.process.kill())
     other = start_for(request, model_dir, *ARGS)
     scheduler = start_scheduler_for(request, tp.address, "--executor", other.address)
+    time.sleep(6)
+    assert tp.proc.poll() is None, tp.stderr()
     stop = pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True)
     reqs = [ids_request([1, 90 + n, 17, 5 * n + 2], 0, stopping=stop) for n in range(8)]
     with cf.ThreadPoolExecutor(8) as pool:
