@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-NAMES = ["decode", "executor", "fleet", "forward", "lora", "moe", "prefix", "serving", "spec", "startup",
-         "step_profile", "structured", "tp"]
+NAMES = ["decode", "executor", "fleet", "forward", "host_sharing", "lora", "moe", "prefix", "serving", "spec",
+         "startup", "step_profile", "structured", "tp"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
