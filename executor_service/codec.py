@@ -275,8 +275,8 @@ def kv_event_to_pb(event: KvEvent) -> pb.KvEvent:
     if isinstance(event, BlocksStored):
         return pb.KvEvent(stored=pb.BlocksStored(block_hashes=list(event.hashes), parent_hash=event.parent,
                                                  adapter=event.adapter, token_count=event.token_count,
-                                                 token_ids=event.token_ids))
-    return pb.KvEvent(removed=pb.BlocksRemoved(block_hashes=list(event.hashes)))
+                                                 token_ids=event.token_ids, medium=event.medium))
+    return pb.KvEvent(removed=pb.BlocksRemoved(block_hashes=list(event.hashes), medium=event.medium))
 
 
 def adapter_to_pb(a: AdapterInfo) -> pb.AdapterInfo:

@@ -17,6 +17,12 @@ from tandem.errors import CapacityExceeded
 
 DEFAULT_MAX_PENDING = 10_000  # events a subscriber may have unread
 DEFAULT_MAX_SUBSCRIBERS = 8
+# Where a block is (vLLM v0.28.0's `medium` names: MEDIUM_GPU in vllm/distributed/kv_events.py for the engine's
+# own pool, and "CPU" for its offloading connector's host memory, vllm/v1/kv_offload/mediums.py). "GPU" is the
+# KV pool whatever its device, as in vLLM. vLLM has no disk medium of its own; "DISK" names the disk tier.
+MEDIUM_POOL = "GPU"
+MEDIUM_HOST = "CPU"
+MEDIUM_DISK = "DISK"
 
 
 @dataclass(frozen=True)
@@ -28,13 +34,15 @@ class BlocksStored:
     adapter: str
     token_count: int
     token_ids: tuple[int, ...] = ()  # the blocks' tokens in order (token_count of them)
+    medium: str = MEDIUM_POOL  # where they are stored now
 
 
 @dataclass(frozen=True)
 class BlocksRemoved:
-    """Blocks left the index (evicted)."""
+    """Blocks left the index (evicted), or a tier."""
 
     hashes: tuple[bytes, ...]
+    medium: str = MEDIUM_POOL  # the storage they left
 
 
 KvEvent = BlocksStored | BlocksRemoved

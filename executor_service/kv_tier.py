@@ -17,9 +17,11 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from executor_service.kv_block_bytes import crc32c
 
@@ -27,6 +29,7 @@ log = logging.getLogger("tandem.executor.kv_tier")
 MAGIC = b"TKVBLK1\n"
 _HEAD = struct.Struct("<8sI")  # magic, CRC-32C of everything after it
 SPILL_QUEUE = 4096  # blocks waiting for the writer; more are dropped (counted), never waited for
+_WRITE_BATCH = 64  # blocks the writer writes before announcing them (one model-lock hold per batch)
 
 
 @dataclass(frozen=True)
@@ -74,25 +77,39 @@ class HostTier:
         self._blocks: OrderedDict[bytes, TierBlock] = OrderedDict()
         self._bytes = 0
         self._guard = threading.Lock()
-        self.hits = 0
+        self.hits = self.written = self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def put(self, b: TierBlock) -> list[bytes]:
-        """Returns the hashes evicted to make room."""
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._blocks
+
+    def put(self, b: TierBlock) -> tuple[bool, list[bytes]]:
+        """(whether the block is new here, the hashes evicted to make room)."""
         gone = []
         with self._guard:
             if b.hash in self._blocks:
                 self._blocks.move_to_end(b.hash)
-                return gone
+                return False, gone
             self._blocks[b.hash] = b
             self._bytes += len(b.data)
+            self.written += 1
             while self._bytes > self.max_bytes and self._blocks:
                 h, old = self._blocks.popitem(last=False)
                 self._bytes -= len(old.data)
                 gone.append(h)
-        return gone
+            self.evicted += len(gone)
+        return b.hash in self._blocks, gone
+
+    def metas(self) -> list[TierBlock]:
+        """Every block held (least recently used first)."""
+        with self._guard:
+            return list(self._blocks.values())
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
 
     def get(self, h: bytes) -> TierBlock | None:
         with self._guard:
@@ -115,9 +132,13 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.data_bytes = data_bytes
         self._guard = threading.Lock()
-        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
+        # hash -> (file size, the block without its data), least recently used first: the metadata is what KV
+        # events announce (a router matches prompts by token ids)
+        self._files: OrderedDict[bytes, tuple[int, TierBlock]] = OrderedDict()
         self._bytes = 0
-        self.hits = self.corrupt = self.written = 0
+        self.hits = self.corrupt = self.written = self.evicted = 0
+        self.read_bytes = 0  # bytes of the blocks loaded back (what the read bandwidth is measured on)
+        self.read_seconds = 0.0
         self._reopen()
 
     def _path(self, h: bytes) -> Path:
@@ -136,13 +157,14 @@ class DiskTier:
             except (ValueError, OSError):
                 self.corrupt += 1
                 continue
-            if len(h) != 16 or st.st_size < _HEAD.size + 8 + self.data_bytes:
+            meta = _read_meta(p, h, st.st_size, self.data_bytes) if len(h) == 16 else None
+            if meta is None:  # the whole file is checked (CRC) when it is loaded; here only its size and head
                 self.corrupt += 1
                 p.unlink(missing_ok=True)
                 continue
-            found.append((st.st_mtime, h, st.st_size))
-        for _, h, size in sorted(found):
-            self._files[h] = size
+            found.append((st.st_mtime, h, st.st_size, meta))
+        for _, h, size, meta in sorted(found, key=lambda f: f[0]):
+            self._files[h] = (size, meta)
             self._bytes += size
         self._evict()
         if found:
@@ -154,10 +176,10 @@ class DiskTier:
     def __contains__(self, h: bytes) -> bool:
         return h in self._files
 
-    def put(self, b: TierBlock) -> list[bytes]:
-        """Writes the block's file (on the writer thread); returns the hashes evicted to make room."""
+    def put(self, b: TierBlock) -> tuple[bool, list[bytes]]:
+        """Writes the block's file (on the writer thread); (whether it is new here, the hashes evicted)."""
         if b.hash in self._files:
-            return []
+            return False, []
         raw = encode(b)
         tmp = self._path(b.hash).with_suffix(".tmp")
         try:
@@ -166,20 +188,22 @@ class DiskTier:
         except OSError as exc:
             log.warning("disk tier: cannot write a block (%s); it is not kept", exc.strerror)
             tmp.unlink(missing_ok=True)
-            return []
+            return False, []
         with self._guard:
-            self._files[b.hash] = len(raw)
+            self._files[b.hash] = (len(raw), TierBlock(b.hash, b.parent, b.adapter, b.token_ids, b""))
             self._bytes += len(raw)
             self.written += 1
-            return self._evict()
+            gone = self._evict()
+            return b.hash in self._files, gone
 
     def _evict(self) -> list[bytes]:
         gone = []
         while self._bytes > self.max_bytes and self._files:
-            h, size = self._files.popitem(last=False)
+            h, (size, _) = self._files.popitem(last=False)
             self._bytes -= size
             self._path(h).unlink(missing_ok=True)
             gone.append(h)
+        self.evicted += len(gone)
         return gone
 
     def get(self, h: bytes) -> TierBlock | None:
@@ -188,6 +212,7 @@ class DiskTier:
                 return None
             self._files.move_to_end(h)
         path = self._path(h)
+        start = time.perf_counter()
         try:
             raw = path.read_bytes()
         except OSError:
@@ -196,38 +221,98 @@ class DiskTier:
         if b is None:  # corrupt or truncated: never served, counted, gone
             with self._guard:
                 self.corrupt += 1
-                self._bytes -= self._files.pop(h, 0)
+                self._bytes -= self._files.pop(h, (0, None))[0]
             path.unlink(missing_ok=True)
             return None
-        os.utime(path)  # least recently used order survives a restart
         self.hits += 1
+        self.read_bytes += len(raw)
+        self.read_seconds += time.perf_counter() - start  # the read and the CRC check
+        os.utime(path)  # least recently used order survives a restart
         return b
+
+    def metas(self) -> list[TierBlock]:
+        """Every block held, without its data (least recently used first)."""
+        with self._guard:
+            return [m for _, m in self._files.values()]
 
     @property
     def bytes(self) -> int:
         return self._bytes
 
 
+def _read_meta(p: Path, h: bytes, size: int, data_bytes: int) -> TierBlock | None:
+    """A block file's parent, adapter and token ids (not its data), or None when its head is not ours or its size
+    is not what its head says (truncated)."""
+    if size < _HEAD.size + 8 + data_bytes:
+        return None
+    try:
+        with p.open("rb") as f:
+            head = f.read(_HEAD.size + 8)
+            if len(head) < _HEAD.size + 8 or head[:len(MAGIC)] != MAGIC:
+                return None
+            np_, na, nt = struct.unpack_from("<HHI", head, _HEAD.size)
+            rest = f.read(np_ + na + nt)
+    except OSError:
+        return None
+    if len(rest) != np_ + na + nt or np_ not in (0, 16) or nt % 4 or size != _HEAD.size + 8 + np_ + na + nt + data_bytes:
+        return None
+    return TierBlock(h, rest[:np_], rest[np_:np_ + na].decode(errors="replace"), rest[np_ + na:], b"")
+
+
+@dataclass(frozen=True)
+class TierChange:
+    """What one tier took and dropped (KV events announce it: kv_tier_link.py)."""
+
+    medium: str
+    stored: list[TierBlock]  # new there (data may be left out)
+    removed: list[bytes]  # hashes it no longer holds
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's state and counters since start, for the metrics."""
+
+    medium: str
+    blocks: int
+    bytes: int
+    hits: int  # blocks loaded back from it into the pool
+    written: int  # blocks it took
+    evicted: int  # blocks it dropped for room
+    corrupt: int  # block files found truncated, corrupt or foreign (never served, deleted); 0 in host memory
+    read_bytes: int = 0  # disk: bytes of the block files loaded back
+    read_seconds: float = 0.0  # disk: time reading and checking them (read bandwidth = read_bytes / read_seconds)
+
+
 class TierStore:
-    """The host and disk tiers together, and the writer thread that fills them."""
+    """The host and disk tiers together, and the writer thread that fills the disk tier."""
 
     def __init__(self, host: HostTier | None, disk: DiskTier | None) -> None:
         self.host, self.disk = host, disk
         self.dropped = 0  # spills not kept because the writer was too far behind
-        self._queue: queue.Queue[TierBlock | None] = queue.Queue(SPILL_QUEUE)
+        # Called on the writer thread with what a batch of writes changed on disk (kv_tier_link.py publishes it
+        # under the model lock); None: nobody listens.
+        self.on_disk_change: Callable[[TierChange], None] | None = None
+        self._queue: queue.Queue[TierBlock] = queue.Queue(SPILL_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
-    def spill(self, blocks: list[TierBlock]) -> None:
-        """Called under the model lock with blocks already copied out of the pool: never waits."""
+    def spill(self, blocks: list[TierBlock]) -> list[TierChange]:
+        """Called under the model lock with blocks already copied out of the pool: never waits. Returns what the
+        host tier took and dropped (the disk tier's changes come from the writer, on_disk_change)."""
+        stored: list[TierBlock] = []
+        removed: list[bytes] = []
         for b in blocks:
             if self.host is not None:
-                self.host.put(b)
+                new, gone = self.host.put(b)
+                if new:
+                    stored.append(b)
+                removed.extend(gone)
             if self.disk is not None:
                 try:
                     self._queue.put_nowait(b)
                 except queue.Full:
                     self.dropped += 1
+        return [TierChange(HostTier.medium, stored, removed)] if stored or removed else []
 
     def get(self, h: bytes) -> TierBlock | None:
         b = self.host.get(h) if self.host is not None else None
@@ -236,19 +321,45 @@ class TierStore:
         return b
 
     def has(self, h: bytes) -> bool:
-        return (self.host is not None and h in self.host._blocks) or (self.disk is not None and h in self.disk)
+        return (self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)
+
+    def stats(self) -> list[TierStats]:
+        out = []
+        if self.host is not None:
+            h = self.host
+            out.append(TierStats(h.medium, len(h), h.bytes, h.hits, h.written, h.evicted, 0))
+        if self.disk is not None:
+            d = self.disk
+            out.append(TierStats(d.medium, len(d), d.bytes, d.hits, d.written, d.evicted, d.corrupt, d.read_bytes,
+                                 d.read_seconds))
+        return out
 
     def flush(self, timeout_s: float = 10.0) -> None:
-        """Waits until every spill queued so far is written (tests, shutdown)."""
+        """Waits until every spill queued so far is written and announced (tests, benchmarks, shutdown). Never
+        call it holding the model lock: announcing takes it."""
         done = threading.Event()
         self._queue.put(TierBlock(b"", b"", "", b"", b""), timeout=timeout_s)  # a marker
         self._marker = done
         done.wait(timeout_s)
 
     def _write_loop(self) -> None:
+        assert self.disk is not None
         while True:
-            b = self._queue.get()
-            if not b.hash:
+            batch = [self._queue.get()]
+            while len(batch) < _WRITE_BATCH and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            stored: list[TierBlock] = []
+            removed: list[bytes] = []
+            for b in batch:
+                if b.hash:
+                    new, gone = self.disk.put(b)
+                    if new:
+                        stored.append(b)
+                    removed.extend(gone)
+            if (stored or removed) and self.on_disk_change is not None:
+                try:
+                    self.on_disk_change(TierChange(DiskTier.medium, stored, removed))
+                except Exception:  # never let the writer die: the blocks are written, only their events are lost
+                    log.exception("disk tier: announcing written blocks failed")
+            if any(not b.hash for b in batch):
                 getattr(self, "_marker", threading.Event()).set()
-                continue
-            self.disk.put(b)

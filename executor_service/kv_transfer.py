@@ -27,11 +27,16 @@ from models.config import ModelConfig
 from models.kv_cache import PagedKvCache
 from tandem.block_hash import block_hash
 from tandem.ceil_div import ceil_div
+from tandem.histogram import SingleWriterHistogram
 from tandem.errors import (BlocksNotCached, CacheStateConflict, DataLoss, InvalidRequest, KvCapacityExceeded,
                            Unsupported)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHAIN = 4096  # hashes an ExportKvRequest may name
+# Seconds of one transfer, first chunk to last: from a few blocks on loopback to a long prompt over a slow link.
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                            60.0, 120.0)
+DIRECTIONS = ("export", "import")
 
 
 class TransferHost(Protocol):
@@ -76,6 +81,17 @@ class ImportResult:
     bytes: int
 
 
+@dataclass(frozen=True)
+class TransferStats:
+    """Counters of one direction (export or import) since start, for the metrics."""
+
+    finished: int  # transfers that completed
+    failed: int  # transfers that ended any other way (refused, peer gone, cancelled)
+    bytes: int  # block bytes sent (export) or received (import), failed transfers' included
+    active: int  # transfers under way now
+    seconds: SingleWriterHistogram  # of the finished ones (read-only for the caller)
+
+
 @dataclass
 class _Export:
     header: TransferHeader
@@ -92,10 +108,20 @@ class KvTransfer:
         self.ex = ex
         self.fingerprint = fingerprint
         self._guard = threading.Lock()
-        self.active_exports = 0
+        self.active_exports = self.active_imports = 0
         self.exports = self.imports = 0
+        self.export_failures = self.import_failures = 0
         self.bytes_out = self.bytes_in = 0
-        self.durations: list[float] = []  # seconds per finished transfer (metrics take them)
+        # seconds per finished transfer; observed under _guard, so one writer at a time (tandem/histogram.py)
+        self.seconds = {d: SingleWriterHistogram(TRANSFER_SECONDS_BUCKETS) for d in DIRECTIONS}
+
+    def stats(self) -> dict[str, TransferStats]:
+        """Per direction ("export", "import")."""
+        with self._guard:
+            return {"export": TransferStats(self.exports, self.export_failures, self.bytes_out, self.active_exports,
+                                            self.seconds["export"]),
+                    "import": TransferStats(self.imports, self.import_failures, self.bytes_in, self.active_imports,
+                                            self.seconds["import"])}
 
     # ----------------------------------------------------------------- export
     def export(self, cache_id: str, hashes: Sequence[bytes], session: str,
@@ -109,6 +135,7 @@ class KvTransfer:
         start = time.perf_counter()
         exp = self._pin_cache(cache_id, session) if cache_id else self._pin_chain(hashes)
         per_chunk = max(1, max_chunk_bytes // block_nbytes(self.ex.kv))
+        done = False
         try:
             first = True
             for lo in range(0, max(1, len(exp.blocks)), per_chunk):
@@ -122,8 +149,12 @@ class KvTransfer:
                 first = False
             with self._guard:
                 self.exports += 1
-                self.durations.append(time.perf_counter() - start)
+                self.seconds["export"].observe(time.perf_counter() - start)
+            done = True
         finally:
+            if not done:  # refused mid-way, or the importer went away (the generator was closed)
+                with self._guard:
+                    self.export_failures += 1
             self._unpin(exp)
 
     def _pin_cache(self, cache_id: str, session: str) -> _Export:
@@ -179,6 +210,20 @@ class KvTransfer:
         a missing or out-of-order block), KvCapacityExceeded, and whatever the chunk source raises (the
         network: Unavailable)."""
         start = time.perf_counter()
+        with self._guard:
+            self.active_imports += 1
+        try:
+            return self._import(chunks, create_cache, session, start)
+        except BaseException:
+            with self._guard:
+                self.import_failures += 1
+            raise
+        finally:
+            with self._guard:
+                self.active_imports -= 1
+
+    def _import(self, chunks: Iterable[tuple[TransferHeader | None, list[BlockPayload]]], create_cache: bool,
+                session: str, start: float) -> ImportResult:
         it = iter(chunks)
         header, first = next(it, (None, []))
         if header is None:
@@ -198,11 +243,13 @@ class KvTransfer:
             result = self._finish(plan, create_cache, session, received)
         except BaseException:
             self._drop(plan)
+            with self._guard:
+                self.bytes_in += received
             raise
         with self._guard:
             self.imports += 1
             self.bytes_in += received
-            self.durations.append(time.perf_counter() - start)
+            self.seconds["import"].observe(time.perf_counter() - start)
         return result
 
     def _take(self, header: TransferHeader, create_cache: bool, session: str) -> "_Plan":

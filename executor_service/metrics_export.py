@@ -22,6 +22,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.registry import Collector
 
 from executor_service.interceptor import RpcMetrics
+from executor_service.kv_movement_metrics import tier_metrics, transfer_metrics
 from executor_service.metrics import LatencySummary
 from executor_service.model_thread import ModelThread
 from tandem.histogram import SingleWriterHistogram
@@ -123,6 +124,10 @@ class _ExecutorCollector(Collector):
         yield _gauge("tandem:executor_resident_memory_bytes", "Resident memory (RSS) of the executor process.",
                      snap.resident_memory_bytes)
         yield from self._kv(ex)
+        tiers = ex.prefix.tiers
+        if tiers is not None:
+            yield from tier_metrics(tiers.stats(), tiers.store.dropped)
+        yield from transfer_metrics(ex.transfer.stats())
         yield from self._adapters(ex)
         if self.exporter.kv_events_zmq is not None:
             yield from _zmq_events(self.exporter.kv_events_zmq())

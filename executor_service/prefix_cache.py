@@ -134,12 +134,15 @@ class PrefixCache:
         return len(stored)
 
     def snapshot(self) -> list[KvEvent]:
-        """Every indexed block, as stored events (one per block: their chains may interleave)."""
+        """Every indexed block, then every block of the tiers, as stored events (one per block: their chains may
+        interleave)."""
         bs = self.kv.block_size
         out: list[KvEvent] = []
         for h in self.kv.allocator.indexed():
             parent, adapter, ids = self._meta[h]
             out.append(BlocksStored((h,), parent, adapter, bs, tuple(array("I", ids))))
+        if self.tiers is not None:  # and what the host and disk tiers hold, with their medium
+            out.extend(self.tiers.snapshot())
         return out
 
     def stats(self) -> PrefixCacheStats:
@@ -183,6 +186,8 @@ class PrefixCache:
             a.free(reversed(blocks))
 
     def _removed(self, hashes: list[bytes]) -> None:
+        if self.events.active:  # first: a consumer that ignores `medium` then keeps what the tiers announce next
+            self.events.publish(BlocksRemoved(tuple(hashes)))
         if self.tiers is not None:
             self.tiers.spill([(h, self._block_of[h], self._meta[h]) for h in hashes if h in self._block_of])
         for h in hashes:
@@ -190,8 +195,6 @@ class PrefixCache:
         self.logprobs.forget(hashes)
         for h in hashes:
             self._meta.pop(h, None)
-        if self.events.active:
-            self.events.publish(BlocksRemoved(tuple(hashes)))
 
 
 def _runs(stored: list[bytes], meta: dict[bytes, tuple[bytes, str, bytes]]) -> list[list[bytes]]:

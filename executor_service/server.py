@@ -118,7 +118,8 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     executor = thread.call(_load_and_warm, executor_cfg)
     servicer.attach(executor)
     if zmq_events is not None:
-        zmq_events.attach(executor.events, executor.model_config.kv_window)
+        with executor.control_op("kv_events_zmq"):  # what the tiers reopened first, no event in between
+            zmq_events.attach(executor.events, executor.model_config.kv_window, executor.prefix.snapshot())
     if exporter is not None:
         exporter.attach(executor)
     reaper = LeaseReaper(executor.reap_lapsed, executor_cfg.session_ttl_s / 4)

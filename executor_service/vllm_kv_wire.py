@@ -12,7 +12,9 @@ The layout of v0.28.0 (its msgspec Structs: EventBatch array_like; events tagged
     BlockRemoved = {"type": "BlockRemoved", "block_hashes": [int], "medium": str | nil, "group_idx": int}
     AllBlocksCleared = {"type": "AllBlocksCleared"}
 
-Fields vLLM leaves at their defaults are omitted (omit_defaults): extra_keys, locality (and the window of a
+`medium` is where the blocks are (kv_events.py: "GPU" for the KV pool whatever the device, as vLLM names its
+own pool; "CPU" for the host-memory tier, as vLLM's offloading connector; "DISK" for the disk tier). Fields vLLM
+leaves at their defaults are omitted (omit_defaults): extra_keys, locality (and the window of a
 model without one). The cache spec kind is "full_attention", or "sliding_window" with its window when every
 layer slides (Tandem then keeps only the window's blocks); vLLM v0.28.0 annotates every store with it, and
 consumers that classify KV groups by it skip stores without it. Other releases (read from their wheels): up to v0.23 every event is a
@@ -36,7 +38,6 @@ import msgspec
 from executor_service.kv_events import BlocksRemoved, BlocksStored, KvEvent
 
 VLLM_RELEASE = "v0.28.0"  # the release whose layout this module writes
-MEDIUM = "GPU"  # vLLM's name for the engine's own KV pool (its MEDIUM_GPU), whatever the device here
 GROUP = 0  # vLLM's KV cache group of a model with one kind of attention layer
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay answer's last frame pair: no more batches
 
@@ -55,7 +56,7 @@ def stored(event: BlocksStored, sliding_window: int | None = None) -> dict[str, 
            "parent_block_hash": hash_to_int(event.parent) if event.parent else None,
            "token_ids": list(event.token_ids), "block_size": block_size,
            "lora_id": None,  # vLLM's deprecated adapter number: Tandem names adapters (lora_name)
-           "medium": MEDIUM, "lora_name": event.adapter or None, "group_idx": GROUP,
+           "medium": event.medium, "lora_name": event.adapter or None, "group_idx": GROUP,
            "kv_cache_spec_kind": "full_attention" if sliding_window is None else "sliding_window"}
     if sliding_window is not None:
         out["kv_cache_spec_sliding_window"] = sliding_window
@@ -63,7 +64,7 @@ def stored(event: BlocksStored, sliding_window: int | None = None) -> dict[str, 
 
 
 def removed(event: BlocksRemoved) -> dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": [hash_to_int(h) for h in event.hashes], "medium": MEDIUM,
+    return {"type": "BlockRemoved", "block_hashes": [hash_to_int(h) for h in event.hashes], "medium": event.medium,
             "group_idx": GROUP}
 
 

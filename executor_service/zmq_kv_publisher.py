@@ -9,7 +9,8 @@ what a subscriber's pipe cannot hold (its high-water mark; the subscriber sees t
 and asks the replay socket). vLLM's own queue blocks the engine when full; this one drops the newest event
 instead, counts it, and puts an AllBlocksCleared event where the loss happened, so that a consumer never
 keeps a block the executor may have removed. The first batch (sequence 0) is AllBlocksCleared too: nothing
-an earlier process at the same endpoint announced is still held.
+an earlier process at the same endpoint announced is still held — except what it announces right after: the
+blocks its disk tier reopened (medium "DISK"), and any already in the pool.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Sequence
 
 import zmq
 
@@ -93,9 +95,13 @@ class ZmqKvPublisher:
     def start(self) -> None:
         self._thread.start()
 
-    def attach(self, hub: KvEventHub, sliding_window: int | None) -> None:
-        """Publishes hub's events from now on; sliding_window: the model's ModelConfig.kv_window."""
+    def attach(self, hub: KvEventHub, sliding_window: int | None, snapshot: Sequence[KvEvent] = ()) -> None:
+        """Publishes snapshot (what is held already: a restarted executor's disk tier), then hub's events from
+        now on; sliding_window: the model's ModelConfig.kv_window. The caller holds the model lock, so that no
+        event falls between the snapshot and the first one from hub."""
         self._sliding_window = sliding_window
+        for event in snapshot:
+            self.enqueue(event)
         hub.add_sink(self.enqueue)
 
     # ------------------------------------------------------------------ the model's path
