@@ -85,7 +85,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint", "deterministic", "tensor_parallel_size")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint", "deterministic", "tensor_parallel_size", "kv_dtype", "attention_backend")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,8 @@ class GetInfoResponse(_message.Message):
     KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -148,7 +150,9 @@ class GetInfoResponse(_message.Message):
     kv_fingerprint: str
     deterministic: bool
     tensor_parallel_size: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., deterministic: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    attention_backend: str
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., deterministic: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class KvPoolSizing(_message.Message):
     __slots__ = ("blocks", "tokens", "bytes", "reason")
