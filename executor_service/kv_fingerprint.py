@@ -12,6 +12,7 @@ or re-quantization of the weights changes it.
 from __future__ import annotations
 
 import hashlib
+import uuid
 from pathlib import Path
 
 from executor_service.config import ExecutorConfig
@@ -50,8 +51,11 @@ def fingerprint_of(config: ExecutorConfig, stack: ModelStack) -> str:
     """The fingerprint of an executor's KV pool (its model, dtype, block size and layout)."""
     kv = stack.kv
     layers, _, bs, heads, dim = kv.k.shape
-    return kv_fingerprint(weights_digest(config.model_dir), config.quantization,
+    mine = kv_fingerprint(weights_digest(config.model_dir), config.quantization,
                           str(kv.k.dtype).removeprefix("torch."), bs, layers, heads, dim, kv.window)
+    if config.tensor_parallel_size > 1:  # rank 0's pool holds only its KV heads: no transfer may match it
+        mine += f";tensor_parallel={config.tensor_parallel_size} ranks, not transferable ({uuid.uuid4().hex[:8]})"
+    return mine
 
 
 def parse(fingerprint: str) -> dict[str, str]:

@@ -65,6 +65,7 @@ def test_tp2_equals_tp1_token_for_token_and_logits_within_1e_4(family, checkpoin
     with start_executor(checkpoint(family), *ARGS, "--tensor-parallel-size", "2") as server:
         info = server.stub.GetInfo(epb.GetInfoRequest())
         assert info.tensor_parallel_size == 2 and info.num_kv_heads == 4  # the whole model's heads
+        assert "tensor_parallel=2 ranks, not transferable" in info.kv_fingerprint  # ImportKv never matches it
         got = run_scenario(server.stub)
     _compare(got, reference(family))
 
