@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import signal
-import threading
 import time
 
 import grpc
@@ -16,6 +15,7 @@ from executor_service.kv_block_bytes import crc32c
 from executor_service.kv_fingerprint import differences
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_executor, start_for
+from tests.tcp_relay import TcpRelay
 
 KV_BLOCKS = 64
 BS = 16
@@ -177,35 +177,58 @@ def test_checksum_corruption_is_data_loss(src, dst):
     assert crc32c(b"123456789") == 0xE3069283  # the Castagnoli check value: not plain CRC-32
 
 
-def test_source_killed_mid_transfer(model_dir, dst):
-    """SIGKILL of the source while the importer reads its stream: UNAVAILABLE, no block kept."""
-    source = start_executor(model_dir, "--kv-blocks", str(KV_BLOCKS))
-    try:
-        pre = source.stub.Prefill(pb.PrefillRequest(token_ids=prompt_of(200, seed=3)))
-        source.stub.ExportKv  # a slow export: one block a chunk, and the source stopped after the first chunk
-        before = free_blocks(dst)
-        box: dict = {}
+# A model whose KV is fat enough that an export (16 MiB) is more than the socket buffers and HTTP/2 windows on the
+# way hold (256 KiB a block: 32 layers x K,V x 16 slots x 4 KV heads x 16 dims x 4 bytes), with long prompts.
+FAT = dict(num_layers=32, config_overrides={"max_position_embeddings": 1024, "num_key_value_heads": 4})
+FAT_BLOCK_BYTES = 32 * 2 * BS * 4 * 16 * 4
 
-        def run():
-            try:
-                box["res"] = dst.stub.ImportKv(pb.ImportKvRequest(
-                    source_address=source.address, create_cache=True,
-                    export=pb.ExportKvRequest(cache_id=pre.cache.cache_id, max_chunk_bytes=1)), timeout=60)
-            except grpc.RpcError as exc:
-                box["err"] = exc
-        t = threading.Thread(target=run)
-        source.proc.send_signal(signal.SIGSTOP)  # frozen: the import waits on its stream
-        t.start()
-        time.sleep(1.0)
-        source.proc.kill()
-        t.join(60)
-        assert "err" in box and box["err"].code() == grpc.StatusCode.UNAVAILABLE, box
-        assert free_blocks(dst) == before
-    finally:
+
+def test_source_killed_mid_transfer(tiny_checkpoint):
+    """SIGKILL of the source while its export streams: the importer has received the header and the first
+    blocks (it took every block the import needs), the source has not sent the rest; the import ends
+    UNAVAILABLE and the importer gives back every block it took. The source's stream reaches the importer
+    through a TCP relay that passes its first bytes and then stops reading (TCP holds the source back): the point
+    of the kill is known."""
+    fat = tiny_checkpoint("llama", **FAT)
+    source = start_executor(fat, "--kv-blocks", "80")
+    importer = start_executor(fat, "--kv-blocks", "80")
+    relay = None
+    try:
+        length = 1000
+        blocks = -(-length // BS)
+        pre = source.stub.Prefill(pb.PrefillRequest(token_ids=prompt_of(length, seed=3)), timeout=120)
+        host, port = source.address.rsplit(":", 1)
+        relay = TcpRelay((host, int(port)), hold_after=4 * FAT_BLOCK_BYTES)
+        before = free_blocks(importer)
+        fut = importer.stub.ImportKv.future(pb.ImportKvRequest(
+            source_address=relay.address, create_cache=True,
+            export=pb.ExportKvRequest(cache_id=pre.cache.cache_id, max_chunk_bytes=1)), timeout=120)
+        deadline = time.monotonic() + 60
+        while (free_blocks(importer) != before - blocks or not relay.holding.is_set()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert free_blocks(importer) == before - blocks  # the header arrived: the import holds its blocks
+        assert relay.passed == relay.hold_after  # and the first chunks, not the rest
+        time.sleep(0.5)  # the source fills what the buffers on the way hold, and blocks
         source.proc.kill()
         source.proc.wait()
-        source._closed = True
-        source.channel.close()
+        relay.resume()  # read what the buffers held, then the end of the dead source's connection
+        assert relay.server_closed.wait(30)
+        assert relay.from_server < blocks * FAT_BLOCK_BYTES / 2, relay.from_server  # the source was mid-stream
+        with pytest.raises(grpc.RpcError) as err:
+            fut.result(timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "went away mid-transfer" in err.value.details() and relay.server_closed.is_set()
+        assert free_blocks(importer) == before  # no block leaked
+        assert not any(s.caches for s in importer.stub.ListCaches(pb.ListCachesRequest()).sessions)
+    finally:
+        for server in (source, importer):
+            server.proc.kill()
+            server.proc.wait()
+            server._closed = True
+            server.channel.close()
+        if relay is not None:
+            relay.cut()
 
 
 def test_importer_killed_mid_import(model_dir, src):
