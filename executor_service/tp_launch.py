@@ -143,9 +143,15 @@ class TpGroup:
         deadline = time.monotonic() + launch.join_timeout_s
         if launch.master is not None:
             host, _, port = launch.master.rpartition(":")
-            store: dist.Store = dist.TCPStore(host.strip("[]"), int(port), launch.size, launch.rank == 0,
-                                              timeout=timedelta(seconds=launch.join_timeout_s),
-                                              wait_for_workers=False)
+            try:
+                store: dist.Store = dist.TCPStore(host.strip("[]"), int(port), launch.size, launch.rank == 0,
+                                                  timeout=timedelta(seconds=launch.join_timeout_s),
+                                                  wait_for_workers=False)
+            except (RuntimeError, ValueError) as exc:  # port taken, rank 0 not reachable in time, a bad port
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                what = (f"host the rendezvous at {launch.master}" if launch.rank == 0 else
+                        f"reach rank 0's rendezvous at {launch.master} within {launch.join_timeout_s:g} s")
+                raise ValueError(f"tensor-parallel rank {launch.rank} could not {what} ({first})") from exc
         elif launch.store_path is not None:  # a local worker
             store = dist.FileStore(launch.store_path, launch.size)
         else:  # rank 0 on one machine: a private store, loopback links, and the workers started here

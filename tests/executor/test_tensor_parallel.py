@@ -118,6 +118,14 @@ def test_a_rank_that_never_joins_fails_the_start_naming_it(model_dir):
     assert time.monotonic() - start < 60
 
 
+def test_a_worker_that_cannot_reach_rank_0_fails_naming_the_rendezvous(model_dir):
+    port = _free_port()
+    done = _run("--model", str(model_dir), "--tensor-parallel-size", "2", "--tp-master", f"127.0.0.1:{port}",
+                "--tp-rank", "1", "--tp-join-timeout", "2")
+    assert done.returncode == 2, done.stderr
+    assert f"tensor-parallel rank 1 could not reach rank 0's rendezvous at 127.0.0.1:{port} within 2 s" in done.stderr
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts(model_dir):
     done = _run("--model", str(model_dir), "--port", "0", "--tensor-parallel-size", "3")
     assert done.returncode == 2
