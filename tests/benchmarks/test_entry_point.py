@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-NAMES = ["decode", "executor", "fleet", "forward", "host_sharing", "lora", "moe", "prefix", "serving", "spec",
+NAMES = ["decode", "disagg", "executor", "fleet", "forward", "host_sharing", "lora", "moe", "prefix", "serving", "spec",
          "startup", "step_profile", "structured", "tp"]
 
 

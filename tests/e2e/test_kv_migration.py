@@ -57,10 +57,10 @@ def _rest(call, first) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(request, model_dir):
-    """One `both` executor alone: the tokens every other arrangement must give."""
-    single = start_for(request, model_dir, *KV)
-    return start_scheduler_for(request, single.address)
+def reference(request, pair):
+    """One `both` executor alone (A, at its fixed address): the tokens every arrangement must give. (Its run
+    leaves the prompts cached on A: the pair's scheduler then routes them there, the executor to drain.)"""
+    return start_scheduler_for(request, f"127.0.0.1:{pair.port}")
 
 
 def _clean(reference, reqs) -> list[list[int]]:
@@ -74,7 +74,7 @@ class Pair:
     def __init__(self, request, model) -> None:
         self.model, self.port = model, _free_port()
         self.a = start_executor(model, "--port", str(self.port), *KV)
-        request.addfinalizer(lambda: self.a.close())
+        request.addfinalizer(lambda: self.a.close() if self.a.proc.poll() is None else None)  # (not once killed)
         self.b = start_for(request, model, *KV)
         self.scheduler = start_scheduler_for(request, self.a.address, "--executor", self.b.address,
                                              "--metrics-port", "0")
@@ -93,45 +93,6 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(request, model_dir) -> Pair:
     return Pair(request, model_dir)
-
-
-def test_a_drained_executors_streams_move_with_their_kv_and_it_exits_at_once(pair, reference):
-    reqs = _requests(8, 120)
-    clean = _clean(reference, reqs)
-    before = _counters(pair.scheduler)
-    on_a = _sampled(pair.a)
-    calls = [pair.scheduler.stub.Generate(r, timeout=120) for r in reqs]
-    firsts = [next(c) for c in calls]  # every stream is running, on both executors
-    assert _sampled(pair.a) > on_a, "no stream runs on A"
-    signalled = time.monotonic()
-    pair.a.send_sigterm()
-    assert pair.a.wait_exit() == 0, pair.a.stderr()
-    exited_s = time.monotonic() - signalled
-    got = [_rest(c, f) for c, f in zip(calls, firsts)]  # no error: a pause at most
-    assert got == clean  # greedy and seeded: exactly the undisturbed tokens
-    after = _counters(pair.scheduler)
-    moved = after["tandem:requests_migrated_total"] - before["tandem:requests_migrated_total"]
-    assert moved > 0, pair.scheduler.stderr()[-3000:]
-    assert after["tandem:tokens_recomputed_total"] == before["tandem:tokens_recomputed_total"]
-    assert after["tandem:kv_transfer_failures_total"] == before["tandem:kv_transfer_failures_total"]
-    assert after["tandem:kv_transfer_bytes_total"] > before["tandem:kv_transfer_bytes_total"]
-    assert exited_s < 8, f"the drained executor took {exited_s:.1f} s to exit"
-    wait_kv_free(pair.b.stub)
-    pair.restart_a()
-
-
-def test_sigkill_of_the_source_as_it_drains_loses_no_stream(pair, reference):
-    reqs = _requests(8, 100, base=90)
-    clean = _clean(reference, reqs)
-    calls = [pair.scheduler.stub.Generate(r, timeout=120) for r in reqs]
-    firsts = [next(c) for c in calls]
-    pair.a.send_sigterm()  # the scheduler starts moving A's streams ...
-    time.sleep(0.03)
-    pair.a.process.kill()  # ... and A dies under the transfers (or before them: a plain loss)
-    got = [_rest(c, f) for c, f in zip(calls, firsts)]
-    assert got == clean  # every stream ends, with the undisturbed tokens: moved or recomputed
-    wait_kv_free(pair.b.stub)
-    pair.restart_a()
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +137,41 @@ def test_a_scheduler_killed_while_transfers_run_leaks_no_block(request, roles):
     # Whatever it held (caches on both, an import half done) is freed when its session's lease ends (3 s)
     wait_kv_free(prefill.stub, timeout=20)
     wait_kv_free(decode.stub, timeout=20)
+
+
+def test_a_drained_executors_streams_move_with_their_kv_and_it_exits_at_once(pair, reference):
+    reqs = _requests(8, 80)
+    clean = _clean(reference, reqs)
+    before = _counters(pair.scheduler)
+    on_a = _sampled(pair.a)
+    calls = [pair.scheduler.stub.Generate(r, timeout=120) for r in reqs]
+    firsts = [next(c) for c in calls]  # every stream is running, on both executors
+    assert _sampled(pair.a) > on_a, "no stream runs on A"
+    signalled = time.monotonic()
+    pair.a.send_sigterm()
+    assert pair.a.wait_exit() == 0, pair.a.stderr()
+    exited_s = time.monotonic() - signalled
+    got = [_rest(c, f) for c, f in zip(calls, firsts)]  # no error: a pause at most
+    assert got == clean  # greedy and seeded: exactly the undisturbed tokens
+    after = _counters(pair.scheduler)
+    moved = after["tandem:requests_migrated_total"] - before["tandem:requests_migrated_total"]
+    assert moved > 0, pair.scheduler.stderr()[-3000:]
+    assert after["tandem:tokens_recomputed_total"] == before["tandem:tokens_recomputed_total"]
+    assert after["tandem:kv_transfer_failures_total"] == before["tandem:kv_transfer_failures_total"]
+    assert after["tandem:kv_transfer_bytes_total"] > before["tandem:kv_transfer_bytes_total"]
+    assert exited_s < 8, f"the drained executor took {exited_s:.1f} s to exit"
+    wait_kv_free(pair.b.stub)
+    pair.restart_a()
+
+
+def test_sigkill_of_the_source_as_it_drains_loses_no_stream(pair, reference):
+    reqs = _requests(8, 64, base=90)
+    clean = _clean(reference, reqs)
+    calls = [pair.scheduler.stub.Generate(r, timeout=120) for r in reqs]
+    firsts = [next(c) for c in calls]
+    pair.a.send_sigterm()  # the scheduler starts moving A's streams ...
+    time.sleep(0.03)
+    pair.a.process.kill()  # ... and A dies under the transfers (or before them: a plain loss)
+    got = [_rest(c, f) for c, f in zip(calls, firsts)]
+    assert got == clean  # every stream ends, with the undisturbed tokens: moved or recomputed
+    wait_kv_free(pair.b.stub)
