@@ -5,20 +5,26 @@ read it: docs/tensor-parallel.md, Measured."""
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from benchmarks.cli import add_common, add_sizes, int_list, make_log, model_dir, parse, parser
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
+from models.config import ModelConfig
+from models.tensor_parallel import shard_refusal
 from tandem import server_process
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 
 QUICK = {"sizes": "1,2", "batches": "1,4", "steps": 3, "warmup": 1, "context": 16, "prefill": 32}
-DEFAULTS = {"sizes": "1,2", "batches": "1,8", "steps": 16, "warmup": 3, "context": 64, "prefill": 256}
+DEFAULTS = {"sizes": "1,2,3", "batches": "1,8", "steps": 8, "warmup": 2, "context": 64, "prefill": 128}
 COLUMNS = [("tp", "tp"), ("threads_per_rank", "threads/rank"), ("batch", "batch"), ("decode_ms", "decode ms/step"),
            ("decode_ms_min", "min ms"), ("vs_tp1", "vs tp1", 3), ("prefill_ms", "prefill ms"),
            ("rank_rss_mib", "RSS MiB per rank")]
@@ -28,13 +34,17 @@ log = make_log("bench_tp")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = parser("tp", __doc__.split("\n\n")[0])
     add_common(ap, "tp", "sizes 1,2; batches 1,4; steps 3; context 16; prefill 32")
-    ap.add_argument("--sizes", default=None, help="tensor-parallel sizes, comma list (default 1,2)")
+    ap.add_argument("--sizes", default=None, help="tensor-parallel sizes, comma list; sizes the model cannot be "
+                                                  "split into (heads, KV heads) are skipped, logged (default 1,2,3)")
     ap.add_argument("--batches", default=None, help="decode batch sizes, comma list (default 1,8)")
     add_sizes(ap, DEFAULTS, {"steps": "timed decode calls per size and batch", "warmup": "untimed decode calls first",
                              "context": "prompt tokens of each decoding sequence",
                              "prefill": "tokens of the timed one-prompt prefill"})
     ap.add_argument("--threads-per-rank", type=int, default=None,
                     help="torch threads of every rank at every size (default: --threads / N, at least 1)")
+    ap.add_argument("--executor-args", default="",
+                    help="extra `python -m executor_service` flags for every size, one quoted string given with '=' "
+                         "(--executor-args='--decode-kernel torch': size 1 on the same eager forward as the ranks)")
     ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for each server's READY")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.size_list, args.batch_list = int_list(args.sizes, "--sizes"), int_list(args.batches, "--batches")
@@ -84,8 +94,8 @@ def prefill_ms(stub: Any, prompt: list[int]) -> float:
 def bench_size(model: Path, size: int, threads: int, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     per_rank = args.threads_per_rank or max(1, threads // size)
     server = server_process.launch_executor(model, "--threads", str(per_rank), "--tensor-parallel-size", str(size),
-                                            "--no-prefix-caching", ready_timeout=args.server_timeout)
-    import grpc
+                                            "--no-prefix-caching", *shlex.split(args.executor_args),
+                                            ready_timeout=args.server_timeout)
     try:
         stub = pb_grpc.ExecutorServiceStub(grpc.insecure_channel(server.address))
         rows = []
@@ -106,11 +116,15 @@ def bench_size(model: Path, size: int, threads: int, args: argparse.Namespace, v
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = model_dir(args.model)
-    import json
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    threads = args.threads or len(__import__("os").sched_getaffinity(0))
+    vocab = ModelConfig.from_dir(model).vocab_size
+    threads = args.threads or len(os.sched_getaffinity(0))
     rows: list[dict[str, Any]] = []
+    cfg = ModelConfig.from_dir(model)
     for size in args.size_list:
+        why = shard_refusal(cfg, size)
+        if why:
+            log(f"tp={size} skipped: {why}")
+            continue
         log(f"tp={size}: {args.threads_per_rank or max(1, threads // size)} threads per rank")
         rows += bench_size(model, size, threads, args, vocab)
     base = {r["batch"]: r["decode_ms"] for r in rows if r["tp"] == 1}
