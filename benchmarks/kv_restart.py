@@ -1,0 +1,138 @@
+"""KV disk tier across an executor restart: time to first token of a long prompt on a restarted executor whose
+disk tier holds the prompt's blocks, vs the same prompt cold; and the tier's read bandwidth. Method:
+docs/benchmarks.md ('kv_restart')."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.cli import add_common, add_sizes, make_log, model_dir, parse, parser, stop_on_sigterm
+from benchmarks.report import format_table, machine_info, write_json
+from benchmarks.workloads import random_prompts
+from tandem import server_process
+from tandem.executor.v1 import executor_pb2 as pb
+from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
+
+QUICK = {"prompt_len": 256, "repeats": 1}
+DEFAULTS = {"prompt_len": 1200, "repeats": 3}
+RPC_TIMEOUT_S = 600.0
+COLUMNS = [("case", "case"), ("runs", "runs"), ("cached_tokens", "cached tokens"), ("ttft_ms", "TTFT ms", 0),
+           ("ttft_min_ms", "min ms", 0), ("vs_cold", "vs cold")]
+log = make_log("bench_kv_restart")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = parser("kv_restart", __doc__.split("\n\n")[0])
+    add_common(ap, "kv_restart", "a 256-token prompt, one run per case")
+    add_sizes(ap, DEFAULTS, {"prompt-len": "tokens of the long prompt (default 1200)",
+                             "repeats": "restarts, each timing one warm and one cold prompt"})
+    ap.add_argument("--executor-args", default="", help="more executor flags, quoted")
+    args = parse(ap, argv, QUICK, DEFAULTS)
+    if args.prompt_len < 32 or args.repeats < 1:
+        ap.error("--prompt-len >= 32 and --repeats >= 1")
+    return args
+
+
+def ttft(stub: pb_grpc.ExecutorServiceStub, prompt: list[int]) -> tuple[float, int]:
+    """(seconds to the first token, tokens found cached): CreateCache (the prefix cache and its tiers), then the
+    Prefill of what is left; the cache is released."""
+    t = time.perf_counter()
+    made = stub.CreateCache(pb.CreateCacheRequest(items=[pb.CreateCacheItem(token_ids=prompt)]),
+                            timeout=RPC_TIMEOUT_S).results[0]
+    stub.Prefill(pb.PrefillRequest(token_ids=prompt[made.cached_tokens:], cache_id=made.cache.cache_id),
+                 timeout=RPC_TIMEOUT_S)
+    seconds = time.perf_counter() - t
+    stub.ReleaseCache(pb.ReleaseCacheRequest(cache_ids=[made.cache.cache_id]), timeout=RPC_TIMEOUT_S)
+    return seconds, made.cached_tokens
+
+
+def scrape(server: server_process.ServerProcess) -> dict[str, float]:
+    url = re.search(r"metrics on (http://\S+/metrics)", server.log()).group(1)
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def wait_written(server: server_process.ServerProcess, blocks: int, timeout_s: float = 120.0) -> float:
+    """Waits until the disk tier wrote `blocks` blocks (its writer runs in the background); returns its count."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = scrape(server).get("tandem:executor_kv_tier_written_blocks_total{DISK}", 0.0)
+        if n >= blocks or time.monotonic() > deadline:
+            return n
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop_on_sigterm()
+    directory = model_dir(args.model).resolve()
+    config = json.loads((directory / "config.json").read_text())
+    vocab, bs = int(config["vocab_size"]), 16
+    blocks = -(-args.prompt_len // bs)
+    # A pool that holds one long prompt and a bit: two more long prompts evict every block of the one before them to
+    # the disk tier (the pool evicts a released prompt's last blocks first, so one would leave its first ones).
+    pool = blocks + blocks // 4 + 2
+    # per restart: a (cached before it), b1 and b2 (evict a to disk), c (cold after it)
+    prompts = [p.tolist() for p in random_prompts(4 * args.repeats, args.prompt_len, vocab, seed=0)]
+    first = random_prompts(1, 2 * bs, vocab, seed=1)[0].tolist()  # a short untimed first request
+    cold, warm, reads = [], [], []
+    with tempfile.TemporaryDirectory(prefix="kv-restart-") as tmp:
+        flags = ["--kv-blocks", str(pool), "--kv-disk-dir", str(Path(tmp) / "tier"), "--kv-disk-gb", "8",
+                 "--metrics-port", "0", *args.executor_args.split()]
+        if args.threads:
+            flags += ["--threads", str(args.threads)]
+        for r in range(args.repeats):
+            a, b1, b2, c = prompts[4 * r:4 * r + 4]
+            server = server_process.launch_executor(directory, *flags)
+            try:  # before the restart: a's blocks reach the disk tier (b1, b2 evict them from the pool)
+                stub = pb_grpc.ExecutorServiceStub(grpc.insecure_channel(server.address))
+                for p in (a, b1, b2):
+                    ttft(stub, p)
+                written = wait_written(server, (r + 1) * (args.prompt_len // bs))
+                log(f"run {r}: {written:.0f} blocks on disk; restarting")
+            finally:
+                server.stop()
+            server = server_process.launch_executor(directory, *flags)
+            try:
+                stub = pb_grpc.ExecutorServiceStub(grpc.insecure_channel(server.address))
+                ttft(stub, first)  # the first request after a start pays one-time costs: not timed
+                seconds, cached = ttft(stub, a)
+                warm.append((seconds, cached))
+                seconds, cached = ttft(stub, c)
+                cold.append((seconds, cached))
+                m = scrape(server)
+                reads.append((m.get("tandem:executor_kv_tier_read_bytes_total", 0.0),
+                              m.get("tandem:executor_kv_tier_read_seconds_total", 0.0)))
+                log(f"run {r}: warm {1e3 * warm[-1][0]:.0f} ms ({warm[-1][1]} cached), cold {1e3 * seconds:.0f} ms")
+            finally:
+                server.stop()
+    cold_ms = statistics.median(1e3 * s for s, _ in cold)
+    rows: list[dict[str, Any]] = []
+    for case, runs in (("cold (after a restart)", cold), ("disk tier (after a restart)", warm)):
+        ms = statistics.median(1e3 * s for s, _ in runs)
+        rows.append({"case": case, "runs": len(runs), "cached_tokens": runs[0][1], "ttft_ms": ms,
+                     "ttft_min_ms": min(1e3 * s for s, _ in runs), "vs_cold": ms / cold_ms})
+    read_bytes, read_s = sum(b for b, _ in reads), sum(s for _, s in reads)
+    mb_s = read_bytes / read_s / 1e6 if read_s else None
+    print(format_table(rows, COLUMNS))
+    print(f"\ndisk tier reads: {read_bytes / 1e6:.1f} MB in {read_s:.3f} s = "
+          f"{'-' if mb_s is None else f'{mb_s:.0f}'} MB/s (files read and CRC-checked; page cache warm)")
+    out = write_json(args.out, {"benchmark": "bench_kv_restart", "machine": machine_info("cpu"),
+                                "config": {"model": directory.name, "prompt_len": args.prompt_len,
+                                           "repeats": args.repeats, "kv_blocks": pool,
+                                           "executor_args": args.executor_args},
+                                "rows": rows, "disk_read_bytes": read_bytes, "disk_read_seconds": read_s,
+                                "disk_read_mb_s": mb_s})
+    log(f"wrote {out}")
+    return 0
