@@ -108,6 +108,8 @@ class KvMigration:
             if imported is not None:  # (more tokens than the source held: not the cache asked for)
                 dst.policy.release_failed([imported[0]])
             seq.reset_cache()  # recomputed on dst: prompt + the tokens already streamed
+            if not dst.up:  # (lost meanwhile: the fleet has moved its queue already; this one goes elsewhere)
+                dst = self._target(seq.request, "prompt", src) or dst
         dst.adopt(seq, stream)
         self._set_owner(seq, dst)
 
@@ -157,8 +159,8 @@ class KvMigration:
                 dst.adopt(seq, stream)
                 self._set_owner(seq, dst)
             await asyncio.gather(*list(self._moves), return_exceptions=True)
-            log.warning("executor %s is draining: %d running requests moved (%d with their KV), %d queued ones "
-                        "routed anew, in %.2f s", src.client.address, left, len(running), len(queued),
+            log.warning("executor %s is draining: %d running requests handed over (%d held a cache to move), "
+                        "%d queued ones routed anew, in %.2f s", src.client.address, left, len(running), len(queued),
                         time.monotonic() - started)
         finally:
             src.held = False
@@ -176,7 +178,7 @@ class KvMigration:
                 async for msg in call:
                     if msg.status == health_pb2.HealthCheckResponse.SERVING:
                         self.draining.discard(engine)
-                    elif msg.status == health_pb2.HealthCheckResponse.NOT_SERVING and engine.up:
+                    elif msg.status == health_pb2.HealthCheckResponse.NOT_SERVING:  # (draining, or loading)
                         drained = True
                         break
             except grpc.aio.AioRpcError as exc:

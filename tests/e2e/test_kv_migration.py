@@ -120,6 +120,24 @@ def test_prefill_and_decode_executors_give_a_single_executors_tokens(request, ro
     wait_kv_free(decode.stub)
 
 
+def test_a_prefill_executor_killed_under_its_hand_offs_loses_no_stream(request, roles, reference):
+    _, decode = roles
+    prefill = start_executor(request.getfixturevalue("model_dir"), "--role", "prefill", *KV)
+    try:
+        scheduler = start_scheduler_for(request, prefill.address, "--executor", decode.address, "--metrics-port", "0")
+        reqs = _requests(12, 24, base=300)
+        clean = _clean(reference, reqs)
+        calls = [scheduler.stub.Generate(r, timeout=120) for r in reqs]
+        first = next(calls[0])
+        prefill.process.kill()  # prompts still queued there, hand-offs under way: recomputed on the decode one
+        got = [_rest(calls[0], first)] + [[t for m in c for t in m.token_ids] for c in calls[1:]]
+        assert got == clean  # every stream ends (no error), with a single executor's tokens
+        wait_kv_free(decode.stub)
+    finally:
+        prefill.process.kill()
+        prefill.channel.close()
+
+
 def test_a_scheduler_killed_while_transfers_run_leaks_no_block(request, roles):
     prefill, decode = roles
     scheduler = start_scheduler(prefill.address, "--executor", decode.address)
