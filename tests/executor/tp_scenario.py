@@ -1,5 +1,6 @@
 """One gRPC scenario run against an executor to compare tensor-parallel sizes (tests/executor/test_tensor_parallel.py):
-a batched, chunked prefill; decode steps of the whole batch; a TruncateCache into a sealed block and decoding
+a batched, chunked prefill; decode steps of the whole batch; speculative drafts; prompt logprobs over two
+chunks; a TruncateCache into a sealed block and decoding
 on from there (copy-on-write of a shared block); a CreateCache that reuses cached blocks, then its tail. It
 returns every sampled token and its logits, in order."""
 from __future__ import annotations
@@ -23,8 +24,12 @@ class Run:
         for r in results:
             assert not r.status.code, r.status
             if r.HasField("output"):
-                self.tokens.append(r.output.tokens[0].token_id)
-                self.logits.append(np.frombuffer(r.output.logits.data, dtype=np.float32).copy())
+                self.tokens.extend(t.token_id for t in r.output.tokens)
+                if r.output.logits.data:
+                    self.logits.append(np.frombuffer(r.output.logits.data, dtype=np.float32).copy())
+            for t in r.prompt_logprobs:  # the hidden-states-then-project path (every rank projects its slice)
+                self.tokens.extend([t.token_id, t.rank] + [a.token_id for a in t.top_logprobs])
+                self.logits.append(np.array([t.logprob] + [a.logprob for a in t.top_logprobs], dtype=np.float32))
         return results
 
 
@@ -48,6 +53,19 @@ def run_scenario(stub, decode_steps: int = 6) -> Run:
         last = run.tokens[-3:]
         items = [pb.UnifiedItem(cache_id=c, token_ids=[t], pos_offset=n, is_final_chunk=True, output=LOGITS)
                  for c, t, n in zip(caches, last, lens)]
+    # drafts verified in the batch (several logit rows, the rejected ones rolled back), then one more step
+    (drafted,) = run.step([pb.UnifiedItem(cache_id=caches[1], token_ids=[last[1]], pos_offset=lens[1],
+                                          is_final_chunk=True, draft_token_ids=[last[0], 5, 6])])
+    run.step([pb.UnifiedItem(cache_id=caches[1], token_ids=[run.tokens[-1]], pos_offset=drafted.cache.seq_len,
+                             is_final_chunk=True, output=LOGITS)])
+    # prompt logprobs, in two chunks: the forward keeps hidden states, the LM head runs on them in slices
+    p3 = [1] + [9 + (i * 53) % 380 for i in range(29)]
+    (scored,) = run.step([pb.UnifiedItem(token_ids=p3[:12], is_final_chunk=False, prompt_logprobs=3)])
+    (rest,) = run.step([pb.UnifiedItem(cache_id=scored.cache.cache_id, token_ids=p3[12:], pos_offset=12,
+                                       is_final_chunk=True, prompt_logprobs=3, output=LOGITS)])
+    assert (len(scored.prompt_logprobs), len(rest.prompt_logprobs)) == (11, 18)
+    assert len(drafted.output.tokens) >= 1
+    caches.append(scored.cache.cache_id)
     # back into p0's second block (sealed, in the prefix cache): the next write copies it first
     run.stub.TruncateCache(pb.TruncateCacheRequest(cache_id=caches[0], new_len=20), timeout=30)
     token = p0[20]
