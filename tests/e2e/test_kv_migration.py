@@ -3,7 +3,9 @@ stop (SIGTERM) while another serves — every stream continues with exactly the 
 (greedy and seeded), requests_migrated_total grows, no token is recomputed and the drained executor exits
 within seconds; SIGKILL of the source right as it drains loses no stream (recompute where the move failed);
 prefill + decode executors give the tokens of a single `both` executor, the prompt on one and the decode on
-the other; a scheduler SIGKILLed while transfers run leaks no KV block on either executor (session leases)."""
+the other, and a prefill executor killed under its hand-offs loses no stream; a scheduler SIGKILLed while
+transfers run leaks no KV block on either executor (session leases); an executor drained with no other one
+serving finishes its streams, then exits."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -193,3 +195,21 @@ def test_sigkill_of_the_source_as_it_drains_loses_no_stream(pair, reference):
     got = [_rest(c, f) for c, f in zip(calls, firsts)]
     assert got == clean  # every stream ends, with the undisturbed tokens: moved or recomputed
     wait_kv_free(pair.b.stub)
+
+
+def test_an_executor_draining_with_nowhere_to_move_finishes_its_streams_first(request, model_dir):
+    alone = start_executor(model_dir, *KV)
+    try:
+        scheduler = start_scheduler_for(request, alone.address)
+        reqs = _requests(4, 120, base=400)
+        clean = _clean(scheduler, reqs)
+        calls = [scheduler.stub.Generate(r, timeout=120) for r in reqs]
+        firsts = [next(c) for c in calls]
+        alone.send_sigterm()  # no other executor: it serves its sessions' streams to their end, then exits
+        got = [_rest(c, f) for c, f in zip(calls, firsts)]
+        assert got == clean  # no error, nothing recomputed: the streams ended where they ran
+        assert alone.wait_exit() == 0, alone.stderr()
+        assert "draining: waiting" in alone.stderr()
+    finally:
+        alone.process.kill()
+        alone.channel.close()
