@@ -124,8 +124,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "through its block table, one SDPA call; 'auto' (default): flashinfer, else flex on CUDA, "
                          "gathered on CPU (measured fastest there). GetInfo reports the one in use")
     ap.add_argument("--kv-dtype", choices=("auto", "float32", "bfloat16", "float16", "fp8_e4m3"), default="auto",
-                    help="the KV pool's element type: 'auto' (default), the weights' (--dtype); another dtype is "
-                         "refused until an attention path converts on read (fp8_e4m3 waits for a GPU, docs/cuda.md)")
+                    help="the KV pool's element type: 'auto' (default), the weights' (--dtype); another one "
+                         "stores K/V converted (bfloat16/float16: half of float32's bytes; fp8_e4m3: a quarter, "
+                         "scale 1.0) and converts them back on read; decode steps then run the PyTorch forward (the "
+                         "native kernel reads only the weights' dtype). GetInfo kv_dtype, docs/cuda.md")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="all-decode steps replay CUDA graphs captured per batch-size bucket before READY "
+                         "(docs/cuda.md). Default: where they can run (CUDA, the PyTorch decode forward, a dense "
+                         "model), else the log says why; --cuda-graphs: exit 2 where they cannot")
+    ap.add_argument("--cuda-graph-max-batch", type=int, default=64,
+                    help="largest decode batch captured as a CUDA graph (buckets 1, 2, 4, 8, 16, ... up to it); "
+                         "larger batches run the decode forward eagerly (default 64)")
     ap.add_argument("--huge-pages", choices=HUGE_PAGE_MODES, default="auto",
                     help="CPU: copy the weights into one mapping advised for transparent huge pages (the native "
                          "float32 step ~10-15%% faster at batch 1). 'auto' (default) gives them up when they fault "
@@ -199,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                                   compile=args.compile, compile_cache_dir=args.compile_cache_dir,
                                   decode_kernel=args.decode_kernel, native_cache_dir=args.native_cache_dir,
                                   attention_backend=args.attention_backend, kv_dtype=args.kv_dtype,
+                                  cuda_graphs=args.cuda_graphs, cuda_graph_max_batch=args.cuda_graph_max_batch,
                                   huge_pages=args.huge_pages, deterministic=args.deterministic,
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,

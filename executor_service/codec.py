@@ -228,6 +228,7 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
         quantization=info.quantization, role=info.role, kv_fingerprint=info.kv_fingerprint)
     msg.deterministic = info.deterministic
     msg.tensor_parallel_size = info.tensor_parallel_size
+    msg.kv_dtype, msg.attention_backend = info.kv_dtype, info.attention_backend
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     if info.kv_pool is not None:

@@ -45,6 +45,10 @@ class ExecutorConfig:
     # the KV pool's dtype (models/kv_dtype.py): auto (the weights') | float32 | bfloat16 | float16 | fp8_e4m3.
     attention_backend: str = "auto"
     kv_dtype: str = "auto"
+    # All-decode steps replay CUDA graphs captured at start (executor_service/cuda_graph_step.py): None = where
+    # they can run, True = required (else refused), False = never; graphs for batches up to cuda_graph_max_batch.
+    cuda_graphs: bool | None = None
+    cuda_graph_max_batch: int = 64
     # CPU weights in transparent huge pages (models/huge_pages.py): auto (unless they fault in slowly here) | on | off
     huge_pages: str = "auto"
     # Every call through the row-invariant native step, each row sampled alone: bit-identical results whatever

@@ -290,7 +290,8 @@ class Executor:
             resident_memory_bytes=resident_memory_bytes(), deterministic=self.config.deterministic,
             quantization=self.config.quantization,
             role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint,
-            tensor_parallel_size=self.config.tensor_parallel_size)
+            tensor_parallel_size=self.config.tensor_parallel_size, kv_dtype=self.stack.kv_dtype,
+            attention_backend=self.stack.attention_backend)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""

@@ -22,6 +22,8 @@ import torch
 
 from executor_service.batch import BatchRunner
 from executor_service.config import ExecutorConfig
+from executor_service.cuda_graph_step import CAPABILITY as CUDA_GRAPHS
+from executor_service.cuda_graph_step import graph_decode_step
 from executor_service.decode_kernel import DecodeStep, choose_decode_step
 from executor_service.deterministic import CAPABILITY as DETERMINISTIC
 from executor_service.deterministic import DeterministicRunner, config_refusal, deterministic_step
@@ -30,10 +32,11 @@ from executor_service.types import KvPoolSizing
 from models.attention_backend import AttentionBuilder, choose_backend
 from models.compiled_decode import CompiledDecode
 from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
+from models.cuda_graphs import CudaGraphDecode
 from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
 from models.huge_pages import move_parameters_to_huge_pages
 from models.kv_cache import PagedKvCache
-from models.kv_dtype import resolve_kv_dtype
+from models.kv_dtype import kv_dtype_name, resolve_kv_dtype
 from models.loader import load_model
 from models.mapped_pages import trim_heap
 from models.native_decode import NativeBuild, NativeDecode, model_refusal
@@ -57,6 +60,7 @@ class ModelStack:
     decode_step: DecodeStep | None  # all-decode batches run it; None: the eager forward
     runner: BatchRunner
     attention_backend: str = "gathered"  # the eager forward's paged attention (models/attention_backend.py)
+    cuda_graphs_refused: str | None = None  # why decode steps do not replay CUDA graphs (cuda_graph_step.py)
 
     @property
     def compiled(self) -> CompiledDecode | None:
@@ -72,7 +76,13 @@ class ModelStack:
         """GetInfo capability names that depend on the decode step."""
         return ((("compiled_decode",) if self.compiled is not None else ())
                 + (("native_decode",) if isinstance(self.decode_step, NativeDecode) else ())
-                + ((DETERMINISTIC,) if isinstance(self.runner, DeterministicRunner) else ()))
+                + ((DETERMINISTIC,) if isinstance(self.runner, DeterministicRunner) else ())
+                + ((CUDA_GRAPHS,) if isinstance(self.decode_step, CudaGraphDecode) else ()))
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pool's dtype, as --kv-dtype spells it (GetInfoResponse.kv_dtype)."""
+        return kv_dtype_name(self.kv.k.dtype)
 
 
 def build_model_stack(config: ExecutorConfig) -> ModelStack:
@@ -96,20 +106,24 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
                  "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),
                  HALF_UPCAST_MIN_ROWS)
     cfg, dtype = model.config, model.lm_head.weight.dtype
-    backend = choose_backend(config.attention_backend, device, cfg.attention_sinks)  # ValueError: refused
-    kv, kv_pool = build_kv_pool(config, device, cfg, resolve_kv_dtype(config.kv_dtype, dtype))  # sized, logged there
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # another than the weights': converted (models/kv_dtype.py)
+    backend = choose_backend(config.attention_backend, device, cfg.attention_sinks, kv_dtype != dtype)  # ValueError
+    kv, kv_pool = build_kv_pool(config, device, cfg, kv_dtype)  # sized, logged there
+    graphs_refused: str | None = None  # why decode steps do not replay CUDA graphs (None: they do, or were off)
     if config.deterministic:  # every call through the row-invariant native step (ValueError: refused)
         step = deterministic_step(config, model, kv)
         decode_step, runner = step, DeterministicRunner(model, kv, step)
     else:
         decode_step = choose_decode_step(config, model, kv)  # ValueError: a refused combination
+        decode_step, graphs_refused = graph_decode_step(config, model, kv, decode_step)  # captured now, on CUDA
         runner = BatchRunner(model, kv, config.attention_bound(), decode_step, AttentionBuilder(
-            backend, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device, config.attention_bound()))
+            backend, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device, config.attention_bound(),
+            dtype=dtype))
     trim_heap()  # the copies' sources freed under glibc's mmap threshold stay in its heap otherwise
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=decode_step,
-                      runner=runner, attention_backend=backend)
+                      runner=runner, attention_backend=backend, cuda_graphs_refused=graphs_refused)
 
 
 def _decode_runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:
@@ -117,4 +131,6 @@ def _decode_runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:
     KV pool exists; a native step that then fails to build falls back to it unpacked, and says so)."""
     if config.compile:
         return False
+    if resolve_kv_dtype(config.kv_dtype, model.lm_head.weight.dtype) != model.lm_head.weight.dtype:
+        return True  # the native step reads a pool in the weights' dtype only
     return config.decode_kernel == "torch" or model_refusal(model, NativeBuild(config.native_cache_dir)) is not None

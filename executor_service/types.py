@@ -211,6 +211,8 @@ class ExecutorInfo:
     role: str = "both"  # --role: prefill | decode | both
     kv_fingerprint: str = ""  # executor_service/kv_fingerprint.py
     tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the model is split over (tp_stack.py)
+    kv_dtype: str = ""  # the KV pool's dtype, as --kv-dtype spells it (models/kv_dtype.py)
+    attention_backend: str = ""  # the eager forward's paged attention (models/attention_backend.py)
 
 
 @dataclass(frozen=True)

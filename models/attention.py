@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from models.attention_spec import AttentionSpec, attend
 from models.kv_cache import PagedKvCache
+from models.kv_dtype import load_kv, store_kv
 from tandem.ceil_div import ceil_div
 
 
@@ -169,14 +170,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     group = heads // kv_heads
     k_pool = cache.k[layer]  # [num_blocks, block_size, kv_heads, d]
     v_pool = cache.v[layer]
-    k_pool.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
-    v_pool.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+    store_kv(k_pool, meta.slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv_dtype.py)
+    store_kv(v_pool, meta.slot_mapping, v)
     out = q.new_empty(total, heads, d)
     for b in meta.buckets:  # decode, prefill: one each, or sub-buckets of them under max_elements
         rows, max_q = b.block_tables.shape[0], b.max_q
-        if b.fresh and spec.plain and sinks is None:
+        if b.fresh and spec.plain and sinks is None and k_pool.dtype == q.dtype:
             # Whole prompts from position 0: their keys are this step's k/v, and the mask is plain causal,
-            # which lets the kernel skip the upper triangle.
+            # which lets the kernel skip the upper triangle. (Not for a pool in another dtype: every read sees
+            # the K/V as stored, as the flex path's do.)
             ob = _causal(q if b.covers_batch else q[b.token_index], k if b.covers_batch else k[b.token_index],
                          v if b.covers_batch else v[b.token_index], rows, scale)  # [B * n, heads * d]
             if b.covers_batch:
@@ -186,8 +188,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         # keys/values: [B * max_blocks, block_size, kv_heads, d] -> [B, kv_heads, L, d]
         flat_tables = b.block_tables.view(-1)
         length = b.mask.shape[-1]
-        keys = k_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d)[:, :length].transpose(1, 2)
-        values = v_pool.index_select(0, flat_tables).view(rows, -1, kv_heads, d)[:, :length].transpose(1, 2)
+        keys = load_kv(k_pool.index_select(0, flat_tables), q.dtype).view(rows, -1, kv_heads, d)[:, :length]
+        values = load_kv(v_pool.index_select(0, flat_tables), q.dtype).view(rows, -1, kv_heads, d)[:, :length]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if max_q == 1:
             # [B, kv_heads, group, d]; an all-decode batch needs no gather.
             qb = (q if b.covers_batch else q[b.token_index]).view(rows, kv_heads, group, d)

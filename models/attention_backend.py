@@ -32,9 +32,9 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def choose_backend(requested: str, device: torch.device, has_sinks: bool = False) -> str:
-    """The backend to run for --attention-backend `requested` on `device`. Raises ValueError for one that cannot
-    run there."""
+def choose_backend(requested: str, device: torch.device, has_sinks: bool = False, kv_converted: bool = False) -> str:
+    """The backend to run for --attention-backend `requested` on `device` (kv_converted: the KV pool's dtype is
+    not the activations', --kv-dtype). Raises ValueError for one that cannot run there."""
     if requested not in BACKENDS:
         raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
     cuda = device.type == "cuda"
@@ -43,11 +43,14 @@ def choose_backend(requested: str, device: torch.device, has_sinks: bool = False
             raise ValueError("--attention-backend flashinfer needs a CUDA device and the flashinfer-python package")
         if has_sinks:
             raise ValueError("--attention-backend flashinfer does not take attention sinks (GPT-OSS): use flex")
+        if kv_converted:  # (its kv_data_type and k/v scales wait for a GPU to be tested on, docs/cuda.md)
+            raise ValueError("--attention-backend flashinfer reads a KV pool in the weights' dtype only: use flex "
+                             "or gathered with this --kv-dtype")
         return requested
     if requested != "auto":
         return requested
     if cuda:
-        return "flashinfer" if flashinfer_importable() and not has_sinks else "flex"
+        return "flashinfer" if flashinfer_importable() and not has_sinks and not kv_converted else "flex"
     return "gathered"
 
 
@@ -55,10 +58,12 @@ class AttentionBuilder:
     """Builds one batch's attention metadata for the chosen backend (BatchRunner calls it once per batch)."""
 
     def __init__(self, backend: str, kv: PagedKvCache, heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device, max_elements: int | None = None, compile_flex: bool | None = None) -> None:
+                 device: torch.device, max_elements: int | None = None, compile_flex: bool | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         if backend not in BACKENDS[1:]:
             raise ValueError(f"no attention backend {backend!r} (choose_backend resolves auto)")
         self.backend, self.kv, self.device = backend, kv, device
+        self.dtype = kv.k.dtype if dtype is None else dtype  # the activations' (the pool's may differ: --kv-dtype)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.max_elements = max_elements
         # flex compiled on CUDA (eager flex scores every key of the pool); on CPU eager unless told, see
@@ -69,10 +74,11 @@ class AttentionBuilder:
         kv = self.kv
         if self.backend == "flex":
             return FlexMetadata(items, kv.block_size, kv.k.shape[1], self.device,
-                                kv.null_block if kv.window is not None else None, self.compile_flex)
+                                kv.null_block if kv.window is not None else None, self.compile_flex,
+                                converted=kv.k.dtype != self.dtype)
         if self.backend == "flashinfer":
             from models.flashinfer_attention import FlashInferMetadata  # noqa: PLC0415 (imports flashinfer)
             return FlashInferMetadata(items, kv.block_size, self.heads, self.kv_heads, self.head_dim,  # type: ignore[return-value]
                                       self.device, kv.k.dtype)
-        return AttentionMetadata(items, kv.block_size, self.heads // self.kv_heads, self.device, kv.k.dtype,
+        return AttentionMetadata(items, kv.block_size, self.heads // self.kv_heads, self.device, self.dtype,
                                  self.max_elements)

@@ -9,7 +9,9 @@ graph launches them as one. A graph's shapes are fixed, so:
 - the block table is as wide as the longest sequence can need (max positions / block size), padded with block
   0 and masked by the context lengths;
 - the inputs live in static buffers the step copies into before each replay.
-Batches over the largest bucket, and everything that is not an all-decode batch, run the eager forward.
+Batches over the largest bucket (or of a bucket the budget left uncaptured) run the same decode forward eagerly
+(`run` does it: `eager_calls` counts them); everything that is not an all-decode batch runs the eager forward
+of executor_service/batch.py. executor_service/cuda_graph_step.py decides whether the executor uses this.
 
 Capture stops at the start-up budget (`capture_budget_s`, default 60 s): buckets not captured by then run
 eager, and the log says which. Only with `torch.cuda.is_available()`; the bucket and padding logic below is
@@ -99,6 +101,8 @@ class CudaGraphDecode:
         self._pools = (kv.k.unbind(0), kv.v.unbind(0))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
         self.calls = 0  # steps replayed (read by tests and benchmarks)
+        self.eager_calls = 0  # steps with no captured bucket, run eagerly
+        self.takes_drafts = False  # (a DecodeStep: drafted calls run the eager forward)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -133,6 +137,11 @@ class CudaGraphDecode:
         meta = DecodeMetadata(s["positions"], s["slots"], s["table"], s["lens"], *self._pools)
         return self.model(s["ids"], meta, self.kv, None)  # [bucket, vocab] float32
 
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """The buckets whose graphs were captured, ascending."""
+        return tuple(sorted(self._graphs))
+
     def can_run(self, rows: int) -> bool:
         bucket = bucket_for(rows, self.buckets)
         return bucket is not None and bucket in self._graphs
@@ -142,8 +151,14 @@ class CudaGraphDecode:
         """One decode step through the bucket's graph -> float32 logits [B, vocab] (a copy: the graph's output
         buffer is overwritten by the next replay)."""
         bucket = bucket_for(len(token_ids), self.buckets)
-        if bucket is None or bucket not in self._graphs:
-            raise ValueError(f"no captured graph for {len(token_ids)} rows")
+        if bucket is None or bucket not in self._graphs:  # over the largest bucket, or not captured: eager
+            bs = self.kv.block_size
+            table = decode_block_table(tables, pasts, bs, len(token_ids))
+            slots = [blocks[p // bs] * bs + p % bs for blocks, p in zip(tables, pasts)]
+            t = lambda x: torch.as_tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+            self.eager_calls += 1
+            return self._forward({"ids": t(token_ids), "positions": t(pasts), "slots": t(slots), "table": t(table),
+                                  "lens": t([p + 1 for p in pasts])})
         graph, static, out = self._graphs[bucket]
         padded = pad_decode(token_ids, tables, pasts, bucket, self.kv.block_size, self.width)
         for name in ("ids", "positions", "slots", "table", "lens"):

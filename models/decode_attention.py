@@ -24,6 +24,7 @@ import torch
 
 from models.attention_spec import AttentionSpec, attend
 from models.kv_cache import PagedKvCache
+from models.kv_dtype import load_kv, store_kv
 
 
 @torch.library.custom_op("tandem::write_kv", mutates_args=())
@@ -32,9 +33,8 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Ten
     """k_pool, v_pool: one layer's [blocks, block_size, kv_heads, d]; k, v: [T, kv_heads, d] written at the flat
     slots slot_mapping [T]. Returns a 0-d int64 zero, the ticket the reads of the pool take as an input (see
     the module docstring)."""
-    kv_heads, d = k.shape[1], k.shape[2]
-    k_pool.view(-1, kv_heads, d).index_copy_(0, slot_mapping, k)
-    v_pool.view(-1, kv_heads, d).index_copy_(0, slot_mapping, v)
+    store_kv(k_pool, slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv_dtype.py)
+    store_kv(v_pool, slot_mapping, v)
     return slot_mapping.new_zeros(())
 
 
@@ -73,8 +73,9 @@ def attend_gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     rows, heads, d = q.shape
     kv_heads = k_pool.shape[2]
     flat = tables.reshape(-1)
-    keys = k_pool.index_select(0, flat).view(rows, -1, kv_heads, d).transpose(1, 2)  # [B, kv_heads, L, d]
-    values = v_pool.index_select(0, flat).view(rows, -1, kv_heads, d).transpose(1, 2)
+    # [B, kv_heads, L, d], in q's dtype whatever the pool's (--kv-dtype)
+    keys = load_kv(k_pool.index_select(0, flat), q.dtype).view(rows, -1, kv_heads, d).transpose(1, 2)
+    values = load_kv(v_pool.index_select(0, flat), q.dtype).view(rows, -1, kv_heads, d).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=q.device)[None, :]
     visible = positions < lens[:, None]  # [B, L]
     if spec.window is not None:

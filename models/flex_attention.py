@@ -19,6 +19,10 @@ score_mod; sinks (GPT-OSS) rescale the output by sigmoid(lse - sink), the share 
 term leaves to the keys (flex returns the row's logsumexp). On CPU, compiled flex (torch 2.13) returns no
 logsumexp and fails to compile the soft-cap score_mod: layers with either run flex's eager form there.
 
+A KV pool in another dtype than the activations' (--kv-dtype, models/kv_dtype.py; `converted=True`): the
+pool is not read in place. Each batch's blocks (the union of its items' tables, each block once) are gathered
+and converted to the activations' dtype, and the BlockMask indexes that compact key axis instead of the pool.
+
 Eager, flex_attention computes scores against every key of its key axis, i.e. the whole pool: a tested
 reference on CPU (small pools), not a fast path. Compiled (`compiled=True`: inductor's flex templates, C++ on
 CPU, Triton on CUDA) it visits the listed blocks only. models/attention_backend.py picks between this and
@@ -36,6 +40,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from models.attention import ItemLayout
 from models.attention_spec import AttentionSpec
 from models.kv_cache import PagedKvCache
+from models.kv_dtype import load_kv, store_kv
 from tandem.ceil_div import ceil_div
 
 Q_BLOCK = 128  # the BlockMask's query tile (every tile of one item row lists the same key blocks)
@@ -73,7 +78,7 @@ class FlexMetadata:
     """What FlexAttention needs for one packed batch, built once and shared by all layers."""
 
     def __init__(self, items: Sequence[ItemLayout], block_size: int, pool_blocks: int, device: torch.device,
-                 null_block: int | None = None, compiled: bool = False) -> None:
+                 null_block: int | None = None, compiled: bool = False, converted: bool = False) -> None:
         positions, slots = [], []
         for it in items:
             pos = np.arange(it.past, it.past + it.n_new, dtype=np.int64)
@@ -85,6 +90,19 @@ class FlexMetadata:
         self.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)  # [T]
         self.block_size, self.pool_blocks = block_size, pool_blocks
         self.flex = compiled_flex() if compiled else flex_attention
+        # converted: the key axis is the batch's blocks gathered (`gather`, physical ids), each item's blocks
+        # renamed to their index there
+        self.gather: torch.Tensor | None = None
+        if converted:
+            used = np.unique(np.concatenate([np.asarray(it.blocks[:ceil_div(it.past + it.n_new, block_size)],
+                                                        dtype=np.int64) for it in items]))
+            rename = np.full(pool_blocks, -1, dtype=np.int64)
+            rename[used] = np.arange(len(used))
+            items = [ItemLayout(rename[np.asarray(it.blocks[:ceil_div(it.past + it.n_new, block_size)],
+                                                  dtype=np.int64)].tolist(), it.past, it.n_new) for it in items]
+            null_block = None if null_block is None or rename[null_block] < 0 else int(rename[null_block])
+            self.pool_blocks = len(used)
+            self.gather = torch.from_numpy(used).to(device)
         starts = np.cumsum([0] + [it.n_new for it in items])[:-1]
         decode = [i for i, it in enumerate(items) if it.n_new == 1]
         prefill = [i for i, it in enumerate(items) if it.n_new > 1]
@@ -147,8 +165,10 @@ class FlexMetadata:
         total, heads, d = q.shape
         kv_heads = k.shape[1]
         k_pool, v_pool = cache.k[layer], cache.v[layer]  # [pool_blocks, block_size, kv_heads, d]
-        k_pool.view(-1, kv_heads, d).index_copy_(0, self.slot_mapping, k)
-        v_pool.view(-1, kv_heads, d).index_copy_(0, self.slot_mapping, v)
+        store_kv(k_pool, self.slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv_dtype.py)
+        store_kv(v_pool, self.slot_mapping, v)
+        if self.gather is not None:  # the batch's blocks, converted to q's dtype
+            k_pool, v_pool = (load_kv(p.index_select(0, self.gather), q.dtype) for p in (k_pool, v_pool))
         keys = k_pool.view(1, -1, kv_heads, d).transpose(1, 2)  # [1, kv_heads, pool_blocks * block_size, d]
         values = v_pool.view(1, -1, kv_heads, d).transpose(1, 2)
         out = q.new_empty(total, heads, d)

@@ -76,6 +76,7 @@ def test_get_info(stub, local, model_dir):
             info.max_seq_len) == (ref.vocab_size, ref.hidden_size, ref.num_layers, ref.num_heads, ref.num_kv_heads,
                                   ref.head_dim, ref.max_seq_len)
     assert (info.dtype, info.device, info.quantization) == ("float32", "cpu", "none")
+    assert (info.kv_dtype, info.attention_backend) == ("float32", "gathered") == (ref.kv_dtype, ref.attention_backend)
     assert list(info.eos_token_ids) == list(ref.eos_token_ids) == [2]
     assert info.HasField("bos_token_id") and info.bos_token_id == ref.bos_token_id == 1
     assert (info.kv.block_size, info.kv.total_blocks, info.kv.free_blocks, info.kv.active_caches) == (

@@ -1,17 +1,24 @@
-"""--kv-dtype (models/kv_dtype.py): resolution beside the weights' dtype, and the fp8 KV store/load round trip."""
+"""--kv-dtype (models/kv_dtype.py): resolution beside the weights' dtype, the fp8 KV store/load round trip, and the
+attention paths over a pool in another dtype than the activations' (gathered and flex, prefill, chunks after cached
+tokens, a prefix hit, decode, draft verify): the two paths agree with each other within float32 noise (they read the
+same stored K/V), and with a float32 pool within the dtype's precision."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models.kv_dtype import FP8_MAX, Fp8Kv, kv_dtype_name, resolve_kv_dtype
+from models.attention import ItemLayout
+from models.attention_backend import AttentionBuilder, choose_backend
+from models.kv_cache import PagedKvCache
+from models.kv_dtype import FP8, FP8_MAX, Fp8Kv, kv_dtype_name, load_kv, resolve_kv_dtype, store_kv
+from models.loader import load_model
 
 
 def test_resolution():
     assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_dtype("float32", torch.float32) == torch.float32
-    with pytest.raises(ValueError, match="use --kv-dtype auto"):
-        resolve_kv_dtype("fp8_e4m3", torch.bfloat16)
+    assert resolve_kv_dtype("fp8_e4m3", torch.bfloat16) == torch.float8_e4m3fn
+    assert resolve_kv_dtype("bfloat16", torch.float32) == torch.bfloat16
     with pytest.raises(ValueError, match="must be one of"):
         resolve_kv_dtype("int4", torch.float32)
     assert kv_dtype_name(torch.float8_e4m3fn) == "fp8_e4m3" and kv_dtype_name(torch.bfloat16) == "bfloat16"
@@ -33,3 +40,73 @@ def test_fp8_round_trip_within_e4m3_precision():
     pool.store(torch.tensor([1]), torch.full((1, 2, 16), 1e9))  # past the range: saturated, never NaN
     assert torch.isfinite(pool.load(torch.tensor([1]), torch.float32)).all()
     assert float(pool.load(torch.tensor([1]), torch.float32).max()) == pytest.approx(FP8_MAX * float(pool.scale))
+
+
+def test_store_and_load_convert_to_and_from_the_pool_dtype():
+    x = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(1)) * 3
+    slots = torch.tensor([0, 3, 17, 30, 31])
+    for dtype, rel in ((torch.float32, 0.0), (torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -11), (FP8, 2 ** -4)):
+        pool = torch.zeros(2, 16, 2, 8, dtype=dtype)
+        store_kv(pool, slots, x)
+        back = load_kv(pool.view(-1, 2, 8).index_select(0, slots), torch.float32)
+        assert back.dtype == torch.float32
+        assert float((back - x).abs().max()) <= rel * float(x.abs().max()) + 1e-6, dtype
+        assert not pool.view(-1, 2, 8)[1].float().any()  # other slots untouched
+    pool = torch.zeros(1, 4, 2, 8, dtype=FP8)
+    store_kv(pool, torch.tensor([0]), torch.full((1, 2, 8), -1e6))  # saturated, never NaN
+    assert float(load_kv(pool[0, :1], torch.float32).min()) == -FP8_MAX
+
+
+def test_auto_backend_leaves_flashinfer_out_for_a_converted_pool():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_backend("auto", cpu, kv_converted=True) == "gathered"
+    assert choose_backend("auto", cuda, kv_converted=True) == "flex"  # (flashinfer importable or not)
+    assert choose_backend("flex", cpu, kv_converted=True) == "flex"
+
+
+BS, POOL = 16, 24
+# logits against a float32 pool's, as a fraction of the largest |logit| (measured on the tiny Llama: bfloat16
+# <= 1.1%, fp8_e4m3 <= 17% (3 mantissa bits at scale 1.0); the bounds leave room)
+TOLERANCE = {torch.bfloat16: 0.03, torch.float16: 0.01, FP8: 0.3}
+
+
+def _scenario(model, builders, pools) -> list[torch.Tensor]:
+    """test_flex_attention's batches on each (builder, pool) -> per batch, the logits of every pool."""
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    tables = {"A": [0, 1, 2, 3], "B": [4, 5, 6], "C": [0, 1, 7, 8]}  # C's prompt starts with A's first 32 tokens
+    a, b = ids(37), ids(20)
+    batches = [[("A", 0, a), ("B", 0, b)], [("A", 37, ids(1)), ("B", 20, ids(15))],
+               [("A", 38, ids(4)), ("C", 32, ids(10)), ("B", 35, ids(1))], [("A", 42, ids(1)), ("C", 42, ids(3))]]
+    out = []
+    with torch.inference_mode():
+        for batch in batches:
+            items = [ItemLayout(tables[name], past, len(tok)) for name, past, tok in batch]
+            input_ids = torch.tensor([t for _, _, tok in batch for t in tok])
+            out.append(torch.stack([model(input_ids, builder(items), kv, None) for builder, kv in zip(builders, pools)]))
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bfloat16", "fp8_e4m3"])
+def test_gathered_and_flex_over_a_converted_pool(model_dir, kv_dtype):
+    model = load_model(model_dir, "cpu", "float32", progress=False)
+    cfg = model.config
+    cpu = torch.device("cpu")
+    pools = [PagedKvCache(cfg.num_layers, POOL, BS, cfg.num_kv_heads, cfg.head_dim, dtype, cpu)
+             for dtype in (torch.float32, kv_dtype, kv_dtype)]
+    builders = [AttentionBuilder(name, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cpu, dtype=torch.float32)
+                for name, kv in zip(("gathered", "gathered", "flex"), pools)]
+    assert pools[1].k.element_size() == (2 if kv_dtype == torch.bfloat16 else 1)  # of float32's 4
+    decisive_rows = 0
+    for step, (full, gathered, flex) in enumerate(_scenario(model, builders, pools)):
+        scale = float(full.abs().max())
+        # the same stored K/V through both paths: float32 noise only
+        assert torch.allclose(flex, gathered, rtol=1e-4, atol=1e-4 * scale), (step, float((flex - gathered).abs().max()))
+        assert float((gathered - full).abs().max()) <= TOLERANCE[kv_dtype] * scale, step
+        assert float((gathered - full).abs().max()) > 0  # the pool really holds converted values
+        # the greedy token agrees in every row whose float32 top two logits are further apart than the row's error
+        top2 = full.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > 2 * (gathered - full).abs().amax(-1)
+        assert torch.equal(gathered.argmax(-1)[decisive], full.argmax(-1)[decisive])
+        decisive_rows += int(decisive.sum())
+    assert decisive_rows > 0
