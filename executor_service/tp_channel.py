@@ -115,7 +115,8 @@ class ControlChannel:
                     self._send(Step("ping"))
                     self.pong()
                 except Exception as exc:  # noqa: BLE001
-                    fatal(self.why_down() or f"a worker did not answer the heartbeat ({_brief(exc)}): the group is down")
+                    fatal(self.why_down()
+                          or f"a worker did not answer the heartbeat ({_brief(exc)}): the group is down")
                 self._last = time.monotonic()
 
     def _send(self, step: Step) -> None:

@@ -3,9 +3,10 @@ rank 0 starts its workers) give the TP=1 executor's greedy tokens and logits wit
 with tied embeddings, Qwen3's q/k norms, Gemma 2's soft caps and sandwich norms, Qwen3-MoE's experts split by
 rank), through chunked prefill, batched decode, drafts, prompt logprobs, a truncation into a shared block
 (copy-on-write on every rank) and prefix-cache reuse (tests/executor/tp_scenario.py); TP=1 is an in-process
-executor. TP=4 runs Qwen3-MoE by default, the other three families under --long. A shard holds about 1/N of the weights. Faults: a rank
-that never joins fails the start naming it; a worker SIGKILLed mid-stream takes rank 0 down (exit 3) and a
-scheduler recomputes every request on its other executor; sizes that do not divide the heads are refused."""
+executor. TP=4 runs Qwen3-MoE by default, the other three families under --long. A shard holds about 1/N of
+the weights. Faults: a rank that never joins, or cannot reach rank 0, fails the start naming it; a worker
+SIGKILLed mid-stream takes rank 0 down (exit 3) and a scheduler recomputes every request on its other
+executor; sizes that do not divide the heads, and LoRA, are refused."""
 from __future__ import annotations
 
 import concurrent.futures as cf
