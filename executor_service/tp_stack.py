@@ -62,7 +62,9 @@ def build_tp_stack(config: ExecutorConfig, group: TpGroup) -> ModelStack:
     model = load_model(config.model_dir, device, config.dtype, progress=config.progress and not group.is_worker)
     shard_model(model, group.shard)  # ValueError: heads or sizes that do not divide
     trim_heap()
-    kernel = model.quantize(config.quantization)
+    kernel = model.quantize(config.quantization)  # per shard: row-parallel int8 scales are the shard's columns'
+    if kernel:
+        log.info("linear weights quantized to %s (%s kernel)", config.quantization, kernel)
     if config.cpu_packed_weights:  # (the eager forward runs every step)
         model.pack_cpu_weights()
     if device.type == "cpu":
