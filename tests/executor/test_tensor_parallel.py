@@ -6,7 +6,7 @@ rank), through chunked prefill, batched decode, drafts, prompt logprobs, a trunc
 executor. TP=4 runs Qwen3-MoE by default, the other three families under --long. A shard holds about 1/N of
 the weights. Faults: a rank that never joins, or cannot reach rank 0, fails the start naming it; a worker
 SIGKILLed mid-stream takes rank 0 down (exit 3) and a scheduler recomputes every request on its other
-executor; sizes that do not divide the heads, and LoRA, are refused."""
+executor; a worker exits when rank 0 is SIGKILLed; sizes that do not divide the heads, and LoRA, are refused."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -196,3 +196,24 @@ def test_a_worker_sigkilled_mid_stream_takes_rank_0_down_and_the_scheduler_recom
         assert ids == want.token_ids  # exactly the clean run's tokens: none lost, none repeated
         moved += rest[-1].usage.preemptions  # recomputed on the other executor
     assert moved > 0, "no stream was running on the tensor-parallel executor"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except FileNotFoundError:
+        return False
+    return "Z" not in state.split()[1]  # a zombie has exited
+
+
+def test_the_workers_exit_when_rank_0_is_sigkilled(model_dir):
+    tp = start_executor(model_dir, *ARGS, "--tensor-parallel-size", "2")
+    try:
+        (worker,) = _children(tp.proc.pid)
+        tp.process.kill()  # SIGKILL: rank 0 says nothing to its workers
+        deadline = time.monotonic() + 10  # the parent check runs every 0.5 s
+        while _alive(worker):
+            assert time.monotonic() < deadline, "the worker outlived rank 0"
+            time.sleep(0.1)
+    finally:
+        tp.channel.close()
