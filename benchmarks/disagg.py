@@ -127,9 +127,11 @@ async def migration_run(pair: Pair, args: Any, vocab: int, sig: signal.Signals) 
         before = [(t1 - t0) for (t0, _), (t1, _) in zip(r.messages, r.messages[1:]) if t1 <= t_signal]
         after = [(t1 - max(t0, t_signal)) for (t0, _), (t1, _) in zip(r.messages, r.messages[1:]) if t1 > t_signal]
         typical = sorted(before)[len(before) // 2] if before else 0.0
-        seen.append((max(after, default=0.0) - typical, max(after, default=0.0)))
-    pauses = [largest for _, largest in sorted(seen, reverse=True)[:max(1, len(seen) // 2)]]
+        seen.append((max(after, default=0.0) - typical, max(after, default=0.0), typical))
+    pauses = [largest for _, largest, _ in sorted(seen, reverse=True)[:max(1, len(seen) // 2)]]
+    steps = sorted(typical for _, _, typical in seen if typical)
     return {"pause": summarize(pauses, 1000.0), "exit_s": exit_s,
+            "step_ms": 1000 * steps[len(steps) // 2] if steps else None,
             "outputs": [r.output_ids for r in recs], "errors": [r.error for r in recs if r.error]}
 
 
@@ -191,10 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 pair.stop()
             outputs.append(out["outputs"])
-            delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("tandem:requests_migrated_total",
-                                                                      "tandem:tokens_recomputed_total")}
+            delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
+                "tandem:requests_migrated_total", "tandem:tokens_recomputed_total", "tandem:kv_transfer_seconds_sum",
+                "tandem:kv_transfer_seconds_count")}
+            n = delta["tandem:kv_transfer_seconds_count"]
             rows.append({"path": name, "pause_p50": out["pause"]["p50"],
-                         "pause_max": out["pause"]["max"], "exit_s": out["exit_s"],
+                         "pause_max": out["pause"]["max"], "step_ms": out["step_ms"],
+                         "transfer_ms_mean": 1000 * delta["tandem:kv_transfer_seconds_sum"] / n if n else None,
+                         "exit_s": out["exit_s"],
                          "migrated": int(delta["tandem:requests_migrated_total"]),
                          "recomputed_tokens": int(delta["tandem:tokens_recomputed_total"]),
                          "errors": len(out["errors"])})
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         if rows[0]["pause_p50"] and rows[1]["pause_p50"]:
             results["pause_p50_ratio"] = rows[1]["pause_p50"] / rows[0]["pause_p50"]
         print(format_table(rows, [("path", "path"), ("pause_p50", "pause p50 ms"),
-                                  ("pause_max", "pause max ms"), ("exit_s", "executor exit s"),
+                                  ("pause_max", "pause max ms"), ("step_ms", "usual gap ms"),
+                                  ("transfer_ms_mean", "transfer ms"), ("exit_s", "executor exit s"),
                                   ("migrated", "migrated"), ("recomputed_tokens", "tokens recomputed"),
                                   ("errors", "errors")]))
         print(f"tokens identical between the two paths: {results['migration_tokens_identical']}")
