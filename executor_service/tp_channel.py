@@ -49,9 +49,17 @@ def _brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:200]}"
 
 
+AT_FATAL: list[Callable[[], None]] = []  # quick cleanups `fatal` runs first (rank 0's rendezvous directory)
+
+
 def fatal(message: str) -> None:
     """Ends this rank at once: its group is down (the other ranks end on their failed collectives)."""
     log.error("tensor parallelism: %s; exiting with code %d", message, EXIT_GROUP_DOWN)
+    for cleanup in AT_FATAL:
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001  (exiting anyway)
+            pass
     logging.shutdown()
     os._exit(EXIT_GROUP_DOWN)
 

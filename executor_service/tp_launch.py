@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from executor_service.tp_channel import ControlChannel, fatal
+from executor_service.tp_channel import AT_FATAL, ControlChannel, fatal
 from models.tensor_parallel import Shard
 
 log = logging.getLogger("tandem.executor.tp")
@@ -154,8 +154,13 @@ class TpGroup:
                 raise ValueError(f"tensor-parallel rank {launch.rank} could not {what} ({first})") from exc
         elif launch.store_path is not None:  # a local worker
             store = dist.FileStore(launch.store_path, launch.size)
+            # (its group is down when it exits this way: rank 0, SIGKILLed, may have left its directory)
+            folder = os.path.dirname(launch.store_path)
+            if os.path.basename(folder).startswith("tandem-tp-"):  # only the directory rank 0 made
+                AT_FATAL.append(lambda: shutil.rmtree(folder, ignore_errors=True))
         else:  # rank 0 on one machine: a private store, loopback links, and the workers started here
             self._tmp = tempfile.mkdtemp(prefix="tandem-tp-")
+            AT_FATAL.append(lambda: shutil.rmtree(self._tmp or "", ignore_errors=True))
             path = os.path.join(self._tmp, "store")
             store = dist.FileStore(path, launch.size)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (inherited by the workers)
