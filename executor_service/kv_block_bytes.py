@@ -30,9 +30,11 @@ def read_blocks(kv: PagedKvCache, blocks: Sequence[int]) -> list[bytes]:
         return []
     with torch.inference_mode():
         idx = torch.tensor(list(blocks), dtype=torch.long, device=kv.k.device)
-        both = torch.stack((kv.k.index_select(1, idx), kv.v.index_select(1, idx)), dim=2)  # [L, n, 2, bs, H, D]
-        host = both.transpose(0, 1).contiguous().cpu()  # [n, L, 2, bs, H, D]
-    raw = host.view(torch.uint8).numpy()
+        # as bytes: the pool may be float8 (--kv-dtype), which has no index kernels on CPU (torch 2.13)
+        k, v = kv.k.view(torch.uint8), kv.v.view(torch.uint8)  # [L, blocks, bs, H, D * element size]
+        both = torch.stack((k.index_select(1, idx), v.index_select(1, idx)), dim=2)  # [L, n, 2, bs, H, D*e]
+        host = both.transpose(0, 1).contiguous().cpu()  # [n, L, 2, bs, H, D*e]
+    raw = host.numpy()
     return [raw[i].tobytes() for i in range(len(blocks))]
 
 
@@ -47,8 +49,9 @@ def write_blocks(kv: PagedKvCache, blocks: Sequence[int], payloads: Sequence[byt
             raise ValueError(f"a KV block is {size} bytes here, got {len(p)}")
     with torch.inference_mode():
         flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        host = flat.view(kv.k.dtype).view(len(blocks), layers, 2, bs, heads, dim)
-        dev = host.to(kv.k.device, non_blocking=False).transpose(0, 1)  # [L, n, 2, bs, H, D]
+        host = flat.view(len(blocks), layers, 2, bs, heads, dim * kv.k.element_size())
+        dev = host.to(kv.k.device, non_blocking=False).transpose(0, 1)  # [L, n, 2, bs, H, D*e]
         idx = torch.tensor(list(blocks), dtype=torch.long, device=kv.k.device)
-        kv.k.index_copy_(1, idx, dev[:, :, 0].contiguous())
-        kv.v.index_copy_(1, idx, dev[:, :, 1].contiguous())
+        # as bytes, like read_blocks: float8 pools have no index_copy_ kernel on CPU
+        kv.k.view(torch.uint8).index_copy_(1, idx, dev[:, :, 0].contiguous())
+        kv.v.view(torch.uint8).index_copy_(1, idx, dev[:, :, 1].contiguous())
