@@ -150,7 +150,9 @@ class KvMigration:
             queued = src.take_waiting()
             src.policy.release_failed(src.policy.take_stale())  # their reused prefixes there
             running = [s for s in src.policy.running if s.cache_id]
-            left = self.hand_off(src, list(src.policy.running), "decode")
+            decoding = [s for s in src.policy.running if s.output_ids]
+            prompting = [s for s in src.policy.running if not s.output_ids]  # (their prompt goes on elsewhere)
+            left = self.hand_off(src, decoding, "decode") + self.hand_off(src, prompting, "prompt")
             for seq, stream in queued:
                 dst = self._target(seq.request, "decode" if seq.output_ids else "prompt", src)
                 if dst is None:
