@@ -1,11 +1,13 @@
-"""Decode speed per weight mode (WEIGHTS-KERNEL: float32 | bf16 | fp16 | int8, eager | native | compiled), in parts:
-single-stream decode through real servers (with the executor's resident memory), batched in-process decode steps,
+"""Decode speed per weight mode (WEIGHTS-KERNEL: float32 | bf16 | fp16 | int8, eager | native | compiled; and
+float32-deterministic, the executor's --deterministic), in parts: single-stream decode through real servers (with
+the executor's resident memory), batched in-process decode steps (greedy, or --sampled), batched prefill calls,
 llama.cpp on the same weights (when llama-cpp-python is installed) and each low-precision mode's quality vs
 float32; the bandwidth each step reaches (weight bytes read per step x steps/s) against the machine's, measured in
 the same run. --shape: a random checkpoint of a served model's sizes. Method: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -19,6 +21,8 @@ import numpy as np
 from benchmarks.cli import (add_common, add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
                             serving_setup)
 from benchmarks.local_executor import DecodeBatch, build_executor
+from executor_service.types import OutputOptions
+from tandem.sampling_params import SamplingParams
 from benchmarks.quality import QualityReference
 from benchmarks.report import table, machine_info, model_json, write_json
 from benchmarks.shapes import bytes_read_per_step, memory_bandwidth, process_memory
@@ -30,11 +34,14 @@ from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 log = make_log("bench_decode")
 WEIGHTS = {"float32": "none", "bf16": "none", "fp16": "fp16", "int8": "int8"}  # -> --quantization
-KERNELS = {"eager": ("--decode-kernel", "torch"), "native": ("--decode-kernel", "native"), "compiled": ("--compile",)}
-MODES = [f"{w}-{k}" for w in WEIGHTS for k in KERNELS if k != "compiled" or w == "float32"]
+KERNELS = {"eager": ("--decode-kernel", "torch"), "native": ("--decode-kernel", "native"), "compiled": ("--compile",),
+           "deterministic": ("--deterministic",)}  # (the native step for every call, each row sampled alone)
+MODES = [f"{w}-{k}" for w in WEIGHTS for k in KERNELS if k not in ("compiled", "deterministic") or w == "float32"]
 LLAMA_PEER = {"float32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "q8_0"}  # weights -> llama.cpp's format
 WEIGHT_BYTES = {"float32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # per linear weight (norms, scales: not counted)
-PARTS = ("stream", "steps", "llama", "quality")
+PARTS = ("stream", "steps", "prefill", "llama", "quality")
+SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)  # --sampled (the seed: each sequence's index)
+SAMPLED_OUTPUT = OutputOptions(top_logprobs=5)
 DEFAULTS = {"modes": ",".join(m for m in MODES if m != "float32-compiled"), "parts": ",".join(PARTS),
             "batches": "1,8,32", "prompt_len": 128, "gen": 128, "requests": 3, "steps": 20}
 QUICK = {"modes": "float32-eager,float32-native,int8-native", "parts": "stream,steps,quality", "batches": "1,4",
@@ -49,7 +56,8 @@ def executor_options(mode: str) -> dict[str, Any]:
     """The in-process ExecutorConfig fields of a mode."""
     kernel = mode.split("-")[1]
     return {"dtype": "bfloat16" if weights_of(mode) == "bf16" else "float32", "quantization": WEIGHTS[weights_of(mode)],
-            "compile": kernel == "compiled", "decode_kernel": "native" if kernel == "native" else "torch"}
+            "compile": kernel == "compiled", "decode_kernel": "native" if kernel in ("native", "deterministic") else "torch",
+            "deterministic": kernel == "deterministic"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_sizes(ap, DEFAULTS, {"batches": "decode batch sizes of the steps part", "prompt-len": "prompt tokens",
                              "gen": "greedy tokens per request", "requests": "timed requests per mode",
                              "steps": "timed decode calls per batch size"})
+    ap.add_argument("--sampled", action="store_true",
+                    help="steps part: seeded sampling at temperature 1 with top-k 50 and top-p 0.9, and top-5 logprobs "
+                         "(default: greedy, tokens only)")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.mode_list, args.part_list = choices(args.modes, MODES, "--modes"), choices(args.parts, PARTS, "--parts")
     args.batch_list = int_list(args.batches, "--batches")
@@ -133,7 +144,11 @@ def steps_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[i
         for i in range(args.steps + 3):  # 3 warm-up calls
             for m, batch in batches.items():
                 start = time.perf_counter()
-                batch.advance(exs[m].decode(batch.decode_items()))
+                items = batch.decode_items(*((SAMPLED_OUTPUT,) if args.sampled else ()))
+                if args.sampled:  # seeded per sequence, so that every mode draws the same tokens
+                    items = [dataclasses.replace(it, sampling=dataclasses.replace(SAMPLED, seed=k))
+                             for k, it in enumerate(items)]
+                batch.advance(exs[m].decode(items))
                 if i >= 3:
                     times[m].append(time.perf_counter() - start)
         for m, batch in batches.items():
@@ -141,6 +156,29 @@ def steps_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[i
             ms = 1e3 * statistics.median(times[m])
             out[m][str(b)] = {"step_ms": ms, "tok_s": b / ms * 1e3}
             log(f"steps {m} B={b}: {ms:.1f} ms/step")
+    return out
+
+
+def prefill_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[int]]) -> dict[str, Any]:
+    """B prompts of --prompt-len tokens prefilled in one call (then released), per mode its own executor, the
+    modes interleaved call by call as in steps_part: the prompt's cost (what --deterministic pays most)."""
+    blocks = max(args.batch_list) * (args.prompt_len // 16 + 2) + 64
+    exs = {m: build_executor(model_dir, "cpu", kv_blocks=blocks, max_batch_tokens=max(4096, blocks * 16),
+                             prefix_caching=False, **executor_options(m)) for m in modes}
+    out: dict[str, Any] = {m: {} for m in modes}
+    for b in args.batch_list:
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(args.steps + 1):  # 1 warm-up call
+            for m, ex in exs.items():
+                batch, start = DecodeBatch(ex), time.perf_counter()
+                batch.prefill([prompt_pool[(i + k) % len(prompt_pool)] for k in range(b)])
+                if i >= 1:
+                    times[m].append(time.perf_counter() - start)
+                batch.release()
+        for m in modes:
+            ms = 1e3 * statistics.median(times[m])
+            out[m][str(b)] = {"prefill_ms": ms, "tok_s": b * args.prompt_len / ms * 1e3}
+            log(f"prefill {m} B={b}: {ms:.1f} ms per call of {b} x {args.prompt_len} tokens")
     return out
 
 
@@ -269,7 +307,13 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
             rows += [{"mode": m, "batch": int(b), "ms/step": v["step_ms"], "tok/s": v["tok_s"],
                       "vs eager": ratio(base.get(b), v, "step_ms"), "vs float32-eager": ratio(f32.get(b), v, "step_ms"),
                       **achieved(results, m, 1e3 / v["step_ms"])} for b, v in steps.get(m, {}).items()]
-        print(f"\ndecode steps (in-process Executor, context {args.prompt_len})")
+        print(f"\ndecode steps (in-process Executor, context {args.prompt_len}"
+              + (", seeded top-k/top-p sampling, top-5 logprobs)" if args.sampled else ", greedy)"))
+        print(table(rows, 1))
+    if results.get("prefill"):
+        rows = [{"mode": m, "batch": int(b), "ms/call": v["prefill_ms"], "prompt tok/s": v["tok_s"]}
+                for m in args.mode_list for b, v in results["prefill"].get(m, {}).items()]
+        print(f"\nprefill (in-process Executor, B prompts of {args.prompt_len} tokens in one call)")
         print(table(rows, 1))
     if quality:
         rows = [{"mode": m, "greedy agree": f"{q['agreed_tokens']}/{q['total_tokens']}",
@@ -296,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         for w in dict.fromkeys(weights_of(m) for m in args.mode_list):  # a weight format's modes interleaved
             results["steps"].update(steps_part(args, model_dir, [m for m in args.mode_list if weights_of(m) == w],
                                                prompts))
+    if "prefill" in args.part_list:
+        results["prefill"] = prefill_part(args, model_dir, args.mode_list, prompts)
     if "quality" in args.part_list:
         results["quality"] = quality_part(model_dir, [m for m in args.mode_list if weights_of(m) != "float32"])
     print_tables(args, results, f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, CPU")

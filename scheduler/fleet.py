@@ -38,6 +38,8 @@ from scheduler.sequence import Sequence
 from scheduler.token_masks import MaskWorker
 from tandem.errors import AdapterNotFound, Unsupported
 
+DETERMINISTIC = "deterministic"  # GetInfo capability of an executor run with --deterministic
+
 log = logging.getLogger("tandem.scheduler")
 
 
@@ -97,6 +99,13 @@ class Fleet:
             return self.reference
         return dataclasses.replace(serving[0].info, adapters=tuple(sorted({a for e in serving for a in e.info.adapters})),
                                    capabilities=frozenset(c for e in serving for c in e.info.capabilities))
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether every serving executor runs --deterministic (capability "deterministic"): then a request's tokens
+        and logprobs do not depend on where, or beside what, it ran (docs/deterministic.md)."""
+        serving = [e for e in self.engines if e.up]
+        return bool(serving) and all(DETERMINISTIC in e.info.capabilities for e in serving)
 
     @property
     def addresses(self) -> list[str]:

@@ -205,11 +205,12 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         return await front.generate(choices, requests, renderer, request, bool(body.stream))
 
     def cards() -> list[s.ModelCard]:
-        info, names = fleet.info, front.names()
-        base = [s.ModelCard(id=name, created=front.created, root=info.model_id, max_model_len=info.max_seq_len)
-                for name in names]
+        info, names, same = fleet.info, front.names(), fleet.deterministic
+        base = [s.ModelCard(id=name, created=front.created, root=info.model_id, max_model_len=info.max_seq_len,
+                            deterministic=same) for name in names]
         return base + [s.ModelCard(id=a, created=front.created, root=info.model_id, parent=names[0],
-                                   max_model_len=info.max_seq_len) for a in info.adapters if a not in names]
+                                   max_model_len=info.max_seq_len, deterministic=same)
+                       for a in info.adapters if a not in names]
 
     @app.get("/v1/models")
     async def models() -> Response:

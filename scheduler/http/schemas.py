@@ -379,6 +379,7 @@ class ModelCard(Out):
     root: str
     parent: str | None = None
     max_model_len: int
+    deterministic: bool = False  # every executor serving runs --deterministic (docs/deterministic.md)
 
 
 class ModelList(Out):

@@ -10,6 +10,7 @@ reference. Then, every one compared to it whole (every streamed token, logprob a
 - a KV pool so small that requests are preempted and recomputed (usage.preemptions > 0);
 - the executor SIGKILLed mid-run and restarted on its address (streams pause, recompute, finish);
 - a fleet of two executors, one SIGKILLed mid-run: the other takes its requests over.
+GetInfo and the scheduler's GET /v1/models say the executors are deterministic.
 The default run generates 16 tokens per request; `--long` runs the issue's 64.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from models.native_decode import machine_refusal
@@ -96,7 +98,7 @@ class Setup:
         self.request, self.model, self.tokens = request, model_dir, tokens
         self.port = _free_port()
         self.executor = self.start_executor(self.port, "--kv-blocks", "256")
-        self.scheduler = start_scheduler_for(request, self.executor.address)
+        self.scheduler = start_scheduler_for(request, self.executor.address, "--http-port", "0")
         self.reqs = requests(tokens)
         self.ref = [answer(collect(self.scheduler.stub, r, timeout=300)) for r in self.reqs]
 
@@ -111,6 +113,8 @@ def _run_all(setup: Setup) -> None:
     s, reqs, ref = setup, setup.reqs, setup.ref
     info = s.executor.stub.GetInfo(epb.GetInfoRequest())
     assert info.deterministic and "deterministic" in info.capabilities
+    cards = httpx.get(f"{s.scheduler.process.http_url}/v1/models", timeout=30).json()["data"]
+    assert [c["deterministic"] for c in cards] == [True]  # the scheduler says so too
 
     assert_same(together(s.scheduler.stub, reqs), ref, "all together")
     for chunk in ("16", "64"):
