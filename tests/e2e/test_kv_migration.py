@@ -1,11 +1,12 @@
-"""KV that moves between executors, with real processes (tiny llama): live migration off an executor told to
-stop (SIGTERM) while another serves — every stream continues with exactly the tokens of an undisturbed run
-(greedy and seeded), requests_migrated_total grows, no token is recomputed and the drained executor exits
-within seconds; SIGKILL of the source right as it drains loses no stream (recompute where the move failed);
-prefill + decode executors give the tokens of a single `both` executor, the prompt on one and the decode on
-the other, and a prefill executor killed under its hand-offs loses no stream; a scheduler SIGKILLed while
-transfers run leaks no KV block on either executor (session leases); an executor drained with no other one
-serving finishes its streams, then exits."""
+"""KV that moves between executors, with real processes (tiny llama): live migration off an executor told to stop
+(SIGTERM) while another serves — every stream continues with exactly the tokens of an undisturbed run (greedy and
+seeded), requests_migrated_total grows, no token is recomputed and the drained executor exits within seconds;
+SIGKILL of the source right as it drains loses no stream (recompute where the move failed); prefill + decode
+executors give the tokens of a single `both` executor, the prompt on one and the decode on the other; a transfer
+that fails (the prefill executor refuses the decode one's peer link) is recomputed on the decode executor and
+counted, and a prefill executor killed under its hand-offs loses no stream; a scheduler SIGKILLed while transfers
+run leaks no KV block on either executor (session leases); an executor drained with no other one serving finishes
+its streams, then exits."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -21,6 +22,7 @@ from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.grpc_harness import start_executor, start_for, start_scheduler, start_scheduler_for
 from tests.scheduler_client import collect, ids_request, wait_kv_free
+from tests.security_fixtures import new_token, write_tokens
 
 KV = ("--kv-blocks", "160", "--session-ttl", "3")
 _URL = re.compile(r"metrics on (https?://\S+/metrics)")
@@ -138,6 +140,24 @@ def test_a_prefill_executor_killed_under_its_hand_offs_loses_no_stream(request, 
     finally:
         prefill.process.kill()
         prefill.channel.close()
+
+
+def test_a_transfer_that_fails_is_recomputed_on_the_decode_executor(request, model_dir, tmp_path, roles, reference):
+    _, decode = roles
+    token = new_token()  # the prefill executor wants a token, which the decode executor's peer link lacks
+    prefill = start_for(request, model_dir, "--role", "prefill", *KV, "--auth-token-file",
+                        str(write_tokens(tmp_path / "executor.tokens", {token: "admin"})))
+    scheduler = start_scheduler_for(request, prefill.address, "--executor", decode.address, "--metrics-port", "0",
+                                    "--executor-token-file", str(write_tokens(tmp_path / "at.token", {token: "admin"})))
+    reqs = _requests(4, 12, base=350)
+    clean = _clean(reference, reqs)
+    before = _counters(scheduler)
+    assert _clean(scheduler, reqs) == clean  # no error: recomputed where it went
+    after = _counters(scheduler)
+    assert after["tandem:kv_transfer_failures_total"] - before["tandem:kv_transfer_failures_total"] == len(reqs)
+    assert after["tandem:requests_migrated_total"] == before["tandem:requests_migrated_total"]
+    assert after["tandem:tokens_recomputed_total"] > before["tandem:tokens_recomputed_total"]
+    wait_kv_free(decode.stub)
 
 
 def test_a_scheduler_killed_while_transfers_run_leaks_no_block(request, roles):
