@@ -263,8 +263,8 @@ class NativeDecode:
         self._desc: torch.ScriptObject | None = None  # a tandem.DecodeModel: holds every tensor it points into
         self._desc_of: tuple[torch.Tensor, int] | None = None  # (the K pool, the weights' version) described
         self.calls = 0  # decode steps that ran natively (read by tests and benchmarks)
-        # Rows of one sequence in one call (an item's drafts, verified: its table repeated, positions following
-        # each other), each attending over the rows before it.
+        # Adjacent rows of one sequence in one call (an item's drafts, verified: its table repeated, positions
+        # following each other), each attending over the rows before it.
         self.takes_drafts = True
         self._describe()  # now: a layout the kernel refuses fails the start, not the first step
 
@@ -319,8 +319,8 @@ class NativeDecode:
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int]) -> torch.Tensor:
         """One decode step: row i feeds token_ids[i] at position pasts[i] of the cache whose blocks are
-        tables[i] (already reserved for it; rows of one sequence at distinct positions each see the others
-        before them). Returns float32 logits [B, vocab]. Raises ValueError for a token
+        tables[i] (already reserved for it; adjacent rows of one sequence at consecutive positions each see
+        the ones before them). Returns float32 logits [B, vocab]. Raises ValueError for a token
         id or position the kernel refuses (nothing written), torch.OutOfMemoryError if its scratch memory
         could not be allocated."""
         desc = self._describe()

@@ -128,9 +128,10 @@ inline void store_kv(bf16_t* dst, const float* src, int64_t d) {
 }
 
 // One row's keys and values of KV heads [g0, g1): normalised (Qwen3) and rotated keys, and the values, written
-// into the cache slot of position pos. k: scratch [d]. Every row writes before any row attends (a barrier
-// between), so rows of one sequence at consecutive positions (a step that verifies drafts) each see the
-// rows before them, as one token per step would.
+// into the cache slot of position pos. k: scratch [d]. Where rows share a sequence (a step that verifies
+// drafts: adjacent rows, consecutive positions) every row writes before any row attends (a barrier between),
+// so each sees the rows before it, as one token per step would; otherwise a task writes its row's just before
+// attending. The arithmetic is the same either way.
 template <typename KV>
 void write_kv(const TdModel& m, const TdLayer& L, const float* qkv, const float* cos, const float* sin,
               const int64_t* table, int64_t pos, int64_t g0, int64_t g1, float* k) {
@@ -207,6 +208,10 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
                        int64_t width, const float* cos, const float* sin, float* logits, int threads) {
   const int64_t H = m.hidden, d = m.head_dim, Q = m.heads * d, QKV = Q + 2 * m.kv_heads * d, I = m.inter;
   const int64_t max_ctx = B ? *std::max_element(pos, pos + B) + 1 : 1;
+  // Whether some row may be of the sequence of the row before it (the same first block: drafts; also prompts
+  // sharing a cached prefix, for which the barrier below is merely unneeded).
+  bool rows_share = false;
+  for (int64_t b = 1; b < B && !rows_share; ++b) rows_share = tables[b * width] == tables[(b - 1) * width];
   const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
   std::vector<float> x, xn, qkv, att, gate, up, qd;
   std::vector<int8_t> qhi, qlo;
@@ -252,21 +257,27 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
         rms_norm_rows(x.data(), L.in_norm, m.eps, B, H, xn.data(), tid, nt);
         const Input xin{xn.data(), qhi.data(), qlo.data(), qd.data()};
         gemm(L.qkv, xin, B, qkv.data(), QKV, false, wide.data(), tid, nt);
-        // Keys and values of every row first: a row attends over the rows of its sequence before it.
+        // Keys and values of every row first where rows share a sequence (drafts: a row attends over the rows
+        // of its sequence before it); otherwise each task writes its own just before it attends (no barrier).
         int64_t t0, t1;
-        share(B * kvh, 1, tid, nt, t0, t1);
-        for (int64_t task = t0; task < t1; ++task) {
-          const int64_t b = task / kvh, g = task % kvh;
-          (m.bf16 ? write_kv<bf16_t> : write_kv<float>)(m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d,
-                                                        tables + b * width, pos[b], g, g + 1, qhk.data());
-        }
+        if (rows_share) {
+          share(B * kvh, 1, tid, nt, t0, t1);
+          for (int64_t task = t0; task < t1; ++task) {
+            const int64_t b = task / kvh, g = task % kvh;
+            (m.bf16 ? write_kv<bf16_t> : write_kv<float>)(m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d,
+                                                          tables + b * width, pos[b], g, g + 1, qhk.data());
+          }
 #pragma omp barrier
+        }
         // Tasks: whole rows (every KV head in one pass) when there are enough to share, else (row, KV head)
         // pairs.
         const bool by_item = B >= 2 * nt;
         share(by_item ? B : B * kvh, 1, tid, nt, t0, t1);
         for (int64_t task = t0; task < t1; ++task) {
           const int64_t b = by_item ? task : task / kvh, g0 = by_item ? 0 : task % kvh, g1 = by_item ? kvh : g0 + 1;
+          if (!rows_share)
+            (m.bf16 ? write_kv<bf16_t> : write_kv<float>)(m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d,
+                                                          tables + b * width, pos[b], g0, g1, qhk.data());
           (m.bf16 ? attend_heads<bf16_t> : attend_heads<float>)(
               m, L, qkv.data() + b * QKV, cos + b * d, sin + b * d, tables + b * width, pos[b], g0, g1,
               att.data() + b * Q + g0 * group * d, qhk.data(), scores);

@@ -149,8 +149,8 @@ class DecodeModel : public torch::CustomClassHolder {
 
 // token_ids, positions: [B] int64; block_tables: [B, width] int64 (row b's position t in block
 // block_tables[b][t / block_size], already reserved for it); cos, sin: [B, head_dim] float32 (the rotary
-// of each row's position). Writes each row's K/V at its position; returns float32 logits [B, vocab]. Rows
-// of one sequence (drafts: its table repeated, consecutive positions) each see the K/V of those before them.
+// of each row's position). Writes each row's K/V at its position; returns float32 logits [B, vocab]. Adjacent
+// rows of one sequence (drafts: its table repeated, consecutive positions) each see the K/V of those before them.
 Tensor decode_step(const c10::intrusive_ptr<DecodeModel>& model, const Tensor& token_ids, const Tensor& positions,
                    const Tensor& block_tables, const Tensor& cos, const Tensor& sin) {
   const TdModel& m = model->model();
