@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-NAMES = ["decode", "disagg", "executor", "fleet", "forward", "host_sharing", "lora", "moe", "prefix", "serving", "spec",
-         "startup", "step_profile", "structured", "tp"]
+NAMES = ["decode", "disagg", "executor", "fleet", "forward", "host_sharing", "kv_restart", "lora", "moe", "prefix",
+         "serving", "spec", "startup", "step_profile", "structured", "tp"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
