@@ -35,6 +35,7 @@ HTTP_STATUS_OF: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.DATA_LOSS: 500,  # KV that failed its checksum between executors (tandem/errors.py DataLoss)
 }
 _TYPE_OF = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 # The `code` of an error raised as a bare HTTP status (starlette's HTTPException, the connection guard).
