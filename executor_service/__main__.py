@@ -10,6 +10,7 @@ import torch
 
 from executor_service import cpu_cores
 from executor_service.config import ExecutorConfig
+from executor_service.deterministic import TENSOR_PARALLEL as DETERMINISTIC_TP_REFUSAL
 from executor_service.kv_events_endpoint import ZmqKvConfig
 from executor_service.kv_transfer_config import add_flags as add_kv_transfer_flags
 from executor_service.kv_transfer_config import from_args as kv_transfer_from_args
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                               metrics_port=args.metrics_port, security=server_security(args),
                               kv_events_zmq=_zmq_flags(args))
     try:
+        if args.deterministic and args.tensor_parallel_size > 1:  # (before any rank starts)
+            raise ValueError(f"--deterministic: {DETERMINISTIC_TP_REFUSAL}")
         tp = TpLaunch.from_args(args)  # None: the whole model in this process
         if tp is not None:
             return run_tensor_parallel(tp, executor_cfg, server_cfg, sys.argv[1:] if argv is None else list(argv))

@@ -10,8 +10,8 @@ Two parts, each row-invariant on its own:
   already keyed by (seed, position) only.
 
 What cannot be made invariant here is refused at start (ValueError, the CLI exits 2): LoRA adapters (their
-deltas run in the eager forward), --compile and --decode-kernel torch (eager steps), and whatever the native
-step itself refuses (a GPU, MoE layers, float16 models, the families ModelConfig.native_decode_refusal names,
+deltas run in the eager forward), --compile and --decode-kernel torch (eager steps), --tensor-parallel-size > 1
+(the CLI checks it before it starts ranks), and whatever the native step itself refuses (a GPU, MoE layers, float16 models, the families ModelConfig.native_decode_refusal names,
 a CPU without AVX2/FMA/F16C or no compiler).
 
 Prompt logprobs: the native step gives the logits of every row, so the runner scores prompt tokens from those
@@ -38,6 +38,8 @@ from models.transformer import DecoderModel
 log = logging.getLogger("tandem.executor")
 
 CAPABILITY = "deterministic"
+TENSOR_PARALLEL = ("--tensor-parallel-size > 1 sums each matrix product over the ranks (an all-reduce whose order is "
+                   "the collective's) in the eager forward; run it on one rank")
 
 
 def config_refusal(config: ExecutorConfig) -> str | None:
@@ -47,6 +49,8 @@ def config_refusal(config: ExecutorConfig) -> str | None:
         return "--compile runs decode steps through the eager (compiled) forward; drop one of them"
     if config.decode_kernel == "torch":
         return "--decode-kernel torch runs the eager forward; --deterministic needs the native step (auto or native)"
+    if config.tensor_parallel_size > 1:
+        return TENSOR_PARALLEL
     if config.adapters or config.adapter_root is not None:
         return ("LoRA adapters (--adapter, --adapter-root) run in the eager forward, whose matrix kernels reduce in "
                 "an order that depends on the batch; serve adapters from an executor without --deterministic")

@@ -157,8 +157,11 @@ def test_the_issues_32_by_64(request, model_dir):
     _run_all(Setup(request, model_dir, tokens=64))
 
 
-def test_refused_at_start_with_lora_before_loading(tmp_path, model_dir):
+@pytest.mark.parametrize("flags, words", [(("--adapter-root", "{tmp}"), "--deterministic: LoRA adapters"),
+                                          (("--tensor-parallel-size", "2"), "--deterministic: --tensor-parallel-size")])
+def test_refused_at_start_before_loading(tmp_path, model_dir, flags, words):
+    args = [f.format(tmp=tmp_path) for f in flags]
     done = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(model_dir), "--deterministic",
-                           "--adapter-root", str(tmp_path), "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "--deterministic: LoRA adapters" in done.stderr and str(tmp_path) not in done.stderr
+                           *args, "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert words in done.stderr and str(tmp_path) not in done.stderr

@@ -214,12 +214,15 @@ def test_rope_table_is_the_same_whatever_the_call(det):
     (dict(compile=True), "--compile"),
     (dict(decode_kernel="torch"), "--decode-kernel torch"),
     (dict(adapter_root="/tmp"), "LoRA"),
+    (dict(tensor_parallel_size=2), "--tensor-parallel-size"),  # (the CLI refuses it before starting ranks)
 ])
 def test_refused_combinations_say_what_to_change(model_dir, flags, words):
     config = ExecutorConfig(model_dir, device="cpu", deterministic=True, **flags)
     assert words in (config_refusal(config) or "")
-    with pytest.raises(ValueError, match="--deterministic"):
-        make_executor(model_dir, kv_blocks=16, deterministic=True, **flags)
+    assert config_refusal(ExecutorConfig(model_dir, device="cpu", deterministic=True)) is None
+    if "tensor_parallel_size" not in flags:
+        with pytest.raises(ValueError, match="--deterministic"):
+            make_executor(model_dir, kv_blocks=16, deterministic=True, **flags)
 
 
 def test_a_moe_model_is_refused(tiny_checkpoint):
