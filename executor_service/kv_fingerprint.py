@@ -55,6 +55,8 @@ def fingerprint_of(config: ExecutorConfig, stack: ModelStack) -> str:
                           str(kv.k.dtype).removeprefix("torch."), bs, layers, heads, dim, kv.window)
     if config.tensor_parallel_size > 1:  # rank 0's pool holds only its KV heads: no transfer may match it
         mine += f";tensor_parallel={config.tensor_parallel_size} ranks, not transferable ({uuid.uuid4().hex[:8]})"
+    if config.deterministic:  # its K/V came from the row-invariant step: another executor's are other bits
+        mine += ";kernels=deterministic"  # (docs/deterministic.md)
     return mine
 
 

@@ -20,6 +20,7 @@ import torch
 
 from executor_service.config import ExecutorConfig
 from executor_service.deterministic import config_refusal
+from executor_service.kv_fingerprint import differences
 from executor_service.types import CacheRef, DecodeItem, OutputOptions, UnifiedItem
 from models.deterministic_step import ROPE_BLOCK, RopeTable
 from models.native_decode import machine_refusal
@@ -235,3 +236,7 @@ def test_get_info_reports_it(det, model_dir):
     assert info.deterministic and "deterministic" in info.capabilities
     plain = make_executor(model_dir, kv_blocks=16)
     assert not plain.info().deterministic and "deterministic" not in plain.info().capabilities
+    # KV moves (ExportKv/ImportKv, the disk tier) only between pools of equal fingerprints: never between a
+    # deterministic pool and another, whose K/V are other bits
+    assert "kernels=deterministic" in info.kv_fingerprint
+    assert "kernels" in differences(info.kv_fingerprint, plain.info().kv_fingerprint)
