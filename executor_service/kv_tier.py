@@ -230,6 +230,19 @@ class DiskTier:
         os.utime(path)  # least recently used order survives a restart
         return b
 
+    def touch(self, hashes: list[bytes]) -> None:
+        """Marks these blocks most recently used, in this order (their files' mtime too: a restart reopens the
+        index in that order)."""
+        for h in hashes:
+            with self._guard:
+                if h not in self._files:
+                    continue
+                self._files.move_to_end(h)
+            try:
+                os.utime(self._path(h))
+            except OSError:
+                pass  # deleted meanwhile: the next reopen drops it
+
     def metas(self) -> list[TierBlock]:
         """Every block held, without its data (least recently used first)."""
         with self._guard:
@@ -294,7 +307,8 @@ class TierStore:
         self.on_disk_change: Callable[[TierChange], None] | None = None
         self._queue: queue.Queue[TierBlock] = queue.Queue(SPILL_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
-        self._writer.start()
+        if disk is not None:  # (a host tier alone needs no writer)
+            self._writer.start()
 
     def spill(self, blocks: list[TierBlock]) -> list[TierChange]:
         """Called under the model lock with blocks already copied out of the pool: never waits. Returns what the
@@ -334,13 +348,28 @@ class TierStore:
                                  d.read_seconds))
         return out
 
-    def flush(self, timeout_s: float = 10.0) -> None:
-        """Waits until every spill queued so far is written and announced (tests, benchmarks, shutdown). Never
-        call it holding the model lock: announcing takes it."""
+    def write_through(self, blocks: list[TierBlock], deadline: float) -> int:
+        """Queues blocks for the disk writer, waiting for room until deadline (time.monotonic()); returns how many
+        were queued (the first ones). For a shutdown's flush of the pool (kv_tier_flush.py), never a step: never
+        call it holding the model lock (the writer takes it to announce what it wrote, so a full queue would
+        never drain)."""
+        for n, b in enumerate(blocks):
+            try:
+                self._queue.put(b, timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                return n
+        return len(blocks)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Waits until every spill queued so far is written and announced (tests, benchmarks, shutdown); False
+        when timeout_s passed first. Never call it holding the model lock: announcing takes it."""
         done = threading.Event()
-        self._queue.put(TierBlock(b"", b"", "", b"", b""), timeout=timeout_s)  # a marker
-        self._marker = done
-        done.wait(timeout_s)
+        self._marker = done  # set before the marker is queued: the writer may reach it at once
+        try:
+            self._queue.put(TierBlock(b"", b"", "", b"", b""), timeout=timeout_s)  # a marker
+        except queue.Full:
+            return False
+        return done.wait(timeout_s)
 
     def _write_loop(self) -> None:
         assert self.disk is not None

@@ -16,6 +16,7 @@ class KvTransferConfig:
     disk_dir: Path | None = None  # disk tier directory (None: no disk tier)
     disk_gb: float = 0.0  # its size bound (GiB); the least recently used blocks go when full
     host_gb: float = 0.0  # host-memory tier size (GiB); 0 = none
+    disk_flush_s: float = 10.0  # on a clean stop: time to write the pool's cached blocks to the disk tier; 0 = none
     # ImportKv's link to the source executor: TLS (CA, optional mTLS cert/key) and a bearer token file
     peer_tls_ca: Path | None = None
     peer_tls_cert: Path | None = None
@@ -31,8 +32,8 @@ class KvTransferConfig:
     def validate(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.disk_gb < 0 or self.host_gb < 0:
-            raise ValueError("--kv-disk-gb and --kv-host-gb must be >= 0")
+        if self.disk_gb < 0 or self.host_gb < 0 or self.disk_flush_s < 0:
+            raise ValueError("--kv-disk-gb, --kv-host-gb and --kv-disk-flush-s must be >= 0")
         if (self.disk_dir is None) != (self.disk_gb == 0):
             raise ValueError("--kv-disk-dir and --kv-disk-gb go together: give both (a directory and its size "
                              "bound in GiB) or neither")
@@ -52,6 +53,10 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                         "of the same model and KV layout (needs --kv-disk-gb)")
     g.add_argument("--kv-disk-gb", type=float, default=0.0, metavar="GIB",
                    help="size bound of --kv-disk-dir in GiB; least recently used blocks go first when full")
+    g.add_argument("--kv-disk-flush-s", type=float, default=10.0, metavar="SECONDS",
+                   help="on a clean stop (SIGTERM, after the last request), time given to writing the prefix "
+                        "cache's blocks still in the KV pool to --kv-disk-dir, so that a restart finds the prefixes "
+                        "that were warm (most recently used first; 0 = none: only evicted blocks survive a restart)")
     g.add_argument("--kv-host-gb", type=float, default=0.0, metavar="GIB",
                    help="host-memory tier between the KV pool and the disk (mainly for CUDA; 0 = none): evicted "
                         "blocks are kept here first, lost on restart")
@@ -68,7 +73,8 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> KvTransferConfig:
     cfg = KvTransferConfig(role=args.role, disk_dir=args.kv_disk_dir, disk_gb=args.kv_disk_gb,
-                           host_gb=args.kv_host_gb, peer_tls_ca=args.peer_tls_ca, peer_tls_cert=args.peer_tls_cert,
+                           host_gb=args.kv_host_gb, disk_flush_s=args.kv_disk_flush_s, peer_tls_ca=args.peer_tls_ca,
+                           peer_tls_cert=args.peer_tls_cert,
                            peer_tls_key=args.peer_tls_key, peer_tls=args.peer_tls,
                            peer_token_file=args.peer_token_file, insecure=args.insecure)
     cfg.validate()

@@ -17,6 +17,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
 from executor_service.kv_events_endpoint import ZmqKvConfig
 from executor_service.kv_sizing import describe
+from executor_service.kv_tier_flush import flush_to_disk
 from executor_service.metrics_export import ExecutorExporter
 from executor_service.auth_scopes import scope_of
 from executor_service.interceptor import ErrorMappingInterceptor, RpcMetrics
@@ -143,6 +144,8 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     health_servicer.enter_graceful_shutdown()  # (idempotent)
     server.stop(max(1.0, deadline - time.monotonic())).wait()
     reaper.stop()
+    # the prefixes warm in the pool survive the restart (kv_tier_flush.py)
+    flush_to_disk(executor.prefix, lambda: executor.control_op("kv_flush"), executor_cfg.kv_transfer.disk_flush_s)
     thread.shutdown()
     if zmq_events is not None:
         zmq_events.close()

@@ -124,6 +124,12 @@ class BlockAllocator:
         """Every indexed hash (for a snapshot)."""
         return list(self._index)
 
+    def indexed_by_recency(self) -> list[bytes]:
+        """Every indexed hash, least recently used first: the free-but-cached ones in the order they would be
+        evicted, then the held ones (in use now, so the most recent)."""
+        held = [h for h, b in self._index.items() if self._refs[b] > 0]
+        return [self._hash[b] for b in self._cached] + held
+
     def _unindex(self, block: int) -> bytes:
         h = self._hash[block]
         self._hash[block] = None
