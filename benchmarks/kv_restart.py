@@ -1,5 +1,6 @@
 """KV disk tier across an executor restart: time to first token of a long prompt on a restarted executor whose
-disk tier holds the prompt's blocks, vs the same prompt cold; and the tier's read bandwidth. Method:
+disk tier holds the prompt's blocks (written by the clean stop's flush, or with --evict pushed out of the pool by
+other prompts before it), vs the same prompt cold; the tier's read bandwidth and the stop's flush time. Method:
 docs/benchmarks.md ('kv_restart')."""
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_sizes(ap, DEFAULTS, {"prompt-len": "tokens of the long prompt (default 1200)",
                              "repeats": "restarts, each timing one warm and one cold prompt"})
     ap.add_argument("--executor-args", default="", help="more executor flags, quoted")
+    ap.add_argument("--evict", action="store_true",
+                    help="put the prompt on disk the old way: two more long prompts evict its blocks from the pool "
+                         "before the stop (and --kv-disk-flush-s 0), instead of the stop's flush of the pool")
     args = parse(ap, argv, QUICK, DEFAULTS)
     if args.prompt_len < 32 or args.repeats < 1:
         ap.error("--prompt-len >= 32 and --repeats >= 1")
@@ -73,6 +77,9 @@ def wait_written(server: server_process.ServerProcess, blocks: int, timeout_s: f
         time.sleep(0.2)
 
 
+FLUSHED = re.compile(r"(\d+) KV blocks written to the disk tier in ([\d.]+)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop_on_sigterm()
@@ -80,27 +87,36 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((directory / "config.json").read_text())
     vocab, bs = int(config["vocab_size"]), 16
     blocks = -(-args.prompt_len // bs)
-    # A pool that holds one long prompt and a bit: two more long prompts evict every block of the one before them to
-    # the disk tier (the pool evicts a released prompt's last blocks first, so one would leave its first ones).
+    # A pool that holds one long prompt and a bit: with --evict, two more long prompts evict every block of the one
+    # before them to the disk tier (the pool evicts a released prompt's last blocks first, so one would leave its
+    # first ones); without, the stop's flush writes the prompt's blocks from the pool.
     pool = blocks + blocks // 4 + 2
-    # per restart: a (cached before it), b1 and b2 (evict a to disk), c (cold after it)
+    # per restart: a (cached before it), b1 and b2 (--evict: evict a to disk), c (cold after it)
     prompts = [p.tolist() for p in random_prompts(4 * args.repeats, args.prompt_len, vocab, seed=0)]
     first = random_prompts(1, 2 * bs, vocab, seed=1)[0].tolist()  # a short untimed first request
-    cold, warm, reads = [], [], []
+    cold, warm, reads, flushes = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="kv-restart-") as tmp:
         flags = ["--kv-blocks", str(pool), "--kv-disk-dir", str(Path(tmp) / "tier"), "--kv-disk-gb", "8",
-                 "--metrics-port", "0", *args.executor_args.split()]
+                 "--metrics-port", "0", *(["--kv-disk-flush-s", "0"] if args.evict else []),
+                 *args.executor_args.split()]
         if args.threads:
             flags += ["--threads", str(args.threads)]
         for r in range(args.repeats):
             a, b1, b2, c = prompts[4 * r:4 * r + 4]
             server = server_process.launch_executor(directory, *flags)
-            try:  # before the restart: a's blocks reach the disk tier (b1, b2 evict them from the pool)
+            try:  # before the restart: a's blocks reach the disk tier (the stop's flush, or b1, b2 evict them)
                 stub = pb_grpc.ExecutorServiceStub(grpc.insecure_channel(server.address))
-                for p in (a, b1, b2):
+                for p in (a, b1, b2) if args.evict else (a,):
                     ttft(stub, p)
-                written = wait_written(server, (r + 1) * (args.prompt_len // bs))
-                log(f"run {r}: {written:.0f} blocks on disk; restarting")
+                if args.evict:
+                    written = wait_written(server, args.prompt_len // bs)  # (counted since this start)
+                    log(f"run {r}: {written:.0f} blocks on disk; restarting")
+                server.send_signal()
+                server.wait_exit()
+                flushed = FLUSHED.search(server.log())
+                if flushed:
+                    flushes.append((int(flushed.group(1)), float(flushed.group(2))))
+                    log(f"run {r}: the stop wrote {flushes[-1][0]} blocks in {flushes[-1][1]:.2f} s; restarted")
             finally:
                 server.stop()
             server = server_process.launch_executor(directory, *flags)
@@ -128,11 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, COLUMNS))
     print(f"\ndisk tier reads: {read_bytes / 1e6:.1f} MB in {read_s:.3f} s = "
           f"{'-' if mb_s is None else f'{mb_s:.0f}'} MB/s (files read and CRC-checked; page cache warm)")
+    flush_s = statistics.median(s for _, s in flushes) if flushes else None
+    if flushes:
+        print(f"stop's flush of the pool: {flushes[0][0]} blocks in {flush_s:.2f} s (median of {len(flushes)})")
     out = write_json(args.out, {"benchmark": "bench_kv_restart", "machine": machine_info("cpu"),
                                 "config": {"model": directory.name, "prompt_len": args.prompt_len,
                                            "repeats": args.repeats, "kv_blocks": pool,
-                                           "executor_args": args.executor_args},
+                                           "executor_args": args.executor_args, "evict": args.evict},
                                 "rows": rows, "disk_read_bytes": read_bytes, "disk_read_seconds": read_s,
-                                "disk_read_mb_s": mb_s})
+                                "disk_read_mb_s": mb_s, "flush_blocks": flushes[0][0] if flushes else None,
+                                "flush_seconds": flush_s})
     log(f"wrote {out}")
     return 0
