@@ -49,6 +49,18 @@ class ItemLayout:
     n_new: int
 
 
+def token_slots(items: Sequence[ItemLayout], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each new token's position in its sequence and its flat slot in the pool (block id x block_size +
+    offset), items after one another: ([T], [T]) int64."""
+    positions, slots = [], []
+    for it in items:
+        pos = np.arange(it.past, it.past + it.n_new, dtype=np.int64)
+        blocks = np.asarray(it.blocks, dtype=np.int64)
+        positions.append(pos)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    return np.concatenate(positions), np.concatenate(slots)
+
+
 @dataclass
 class _Bucket:
     token_index: torch.Tensor  # [n] positions of this bucket's tokens in the packed batch
@@ -76,16 +88,11 @@ class AttentionMetadata:
 
     def __init__(self, items: Sequence[ItemLayout], block_size: int, group: int, device: torch.device,
                  dtype: torch.dtype, max_elements: int | None = None) -> None:
-        positions, slots = [], []
-        for it in items:
-            pos = np.arange(it.past, it.past + it.n_new, dtype=np.int64)
-            blocks = np.asarray(it.blocks, dtype=np.int64)
-            positions.append(pos)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        positions, slots = token_slots(items, block_size)
         self.items = tuple(items)  # what it was built from: tensor-parallel workers rebuild it (tp_leader.py)
         self.num_tokens = int(sum(it.n_new for it in items))
-        self.positions = torch.from_numpy(np.concatenate(positions)).to(device)  # [T]
-        self.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)  # [T]
+        self.positions = torch.from_numpy(positions).to(device)  # [T]
+        self.slot_mapping = torch.from_numpy(slots).to(device)  # [T]
         starts = np.cumsum([0] + [it.n_new for it in items])[:-1]
         decode = [i for i, it in enumerate(items) if it.n_new == 1]
         prefill = [i for i, it in enumerate(items) if it.n_new > 1]

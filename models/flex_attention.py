@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from models.attention import ItemLayout
+from models.attention import ItemLayout, token_slots
 from models.attention_spec import AttentionSpec
 from models.kv_cache import PagedKvCache
 from models.kv_dtype import load_kv, store_kv
@@ -79,15 +79,10 @@ class FlexMetadata:
 
     def __init__(self, items: Sequence[ItemLayout], block_size: int, pool_blocks: int, device: torch.device,
                  null_block: int | None = None, compiled: bool = False, converted: bool = False) -> None:
-        positions, slots = [], []
-        for it in items:
-            pos = np.arange(it.past, it.past + it.n_new, dtype=np.int64)
-            blocks = np.asarray(it.blocks, dtype=np.int64)
-            positions.append(pos)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        positions, slots = token_slots(items, block_size)
         self.num_tokens = int(sum(it.n_new for it in items))
-        self.positions = torch.from_numpy(np.concatenate(positions)).to(device)  # [T]
-        self.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)  # [T]
+        self.positions = torch.from_numpy(positions).to(device)  # [T]
+        self.slot_mapping = torch.from_numpy(slots).to(device)  # [T]
         self.block_size, self.pool_blocks = block_size, pool_blocks
         self.flex = compiled_flex() if compiled else flex_attention
         # converted: the key axis is the batch's blocks gathered (`gather`, physical ids), each item's blocks

@@ -69,12 +69,19 @@ class SparseMoeBlock(nn.Module):
         self.expert_tokens += counts
         token_of = order // self.top_k  # [T*k] token row of each sorted assignment
         weight_of = weights.reshape(-1)[order]  # [T*k]
+        return self.run_experts(x, counts, token_of, weight_of, flat_experts[order])
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor, weight_of: torch.Tensor,
+                    sorted_experts: torch.Tensor) -> torch.Tensor:
+        """The assignments, grouped by expert (counts [E] per expert; token row token_of, routing weight
+        weight_of and expert sorted_experts of each, [A]), through their experts, summed per token: [T, H]."""
         out = torch.zeros_like(x)
         if self.grouped:
             try:
-                return self._grouped(x, out, counts, token_of, weight_of, flat_experts[order])
+                return self._grouped(x, out, counts, token_of, weight_of, sorted_experts)
             except RuntimeError:  # this build/device/dtype lacks it: the loop below from now on
                 SparseMoeBlock.grouped = False
+                out.zero_()
         start = 0
         for e, n in enumerate(counts.tolist()):  # active experts only do work
             if n == 0:

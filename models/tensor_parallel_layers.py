@@ -97,24 +97,6 @@ class ExpertParallelMoe(SparseMoeBlock):
         counts = torch.bincount(local[mine], minlength=self.num_experts)  # [E_local]
         token_of = order // self.top_k
         weight_of = weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        if self.grouped:
-            try:
-                out = self._grouped(x, out, counts, token_of, weight_of, local[order])
-            except RuntimeError:  # this build/device/dtype lacks it: the loop below from now on
-                SparseMoeBlock.grouped = False
-                out.zero_()
-        if not self.grouped:
-            start = 0
-            for e, n in enumerate(counts.tolist()):
-                if n == 0:
-                    continue
-                rows = token_of[start:start + n]
-                gate_up = F.linear(x.index_select(0, rows), self.experts_gate_up[e],
-                                   self.experts_gate_up_bias[e] if self.gpt_oss else None)
-                y = F.linear(self._act(gate_up), self.experts_down[e],
-                             self.experts_down_bias[e] if self.gpt_oss else None)
-                out.index_add_(0, rows, y * weight_of[start:start + n, None])
-                start += n
+        out = self.run_experts(x, counts, token_of, weight_of, local[order])
         dist.all_reduce(out, group=self.group)
         return out
