@@ -93,6 +93,7 @@ def test_a_sigkill_mid_flush_leaves_a_tier_that_reopens(model_dir, tmp_path):
             while expected < len(hashes) and hashes[expected].hex() in on_disk:
                 expected += 1
             cached, token = first_token(server, prompts[i])
-            assert (cached, token) == (expected * BS, tokens[i]), i
+            # a prompt found whole still computes its last token (the next token comes from it)
+            assert (cached, token) == (min(expected * BS, len(prompts[i]) - 1), tokens[i]), i
             if i == n_prompts - 1:
                 assert cached >= BS
