@@ -72,6 +72,7 @@ def test_every_family_flex_matches_gathered(family_checkpoint, family):
     assert _run_scenario(model) == 92
 
 
+@pytest.mark.long  # ~20 s of inductor compile on 2 cores; CPU serving does not compile flex (docs/cuda.md)
 def test_compiled_flex_matches_gathered(model_dir):
     """The compiled form (inductor's C++ flex template on CPU): every batch of the scenario, one dynamic graph."""
     assert _run_scenario(load_model(model_dir, "cpu", "float32", progress=False), compile_flex=True) == 92
