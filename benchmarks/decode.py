@@ -17,9 +17,10 @@ from typing import Any
 
 import grpc
 import numpy as np
+import torch
 
 from benchmarks.cli import (add_common, add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
-                            serving_setup)
+                            serving_setup, torch_device)
 from benchmarks.local_executor import DecodeBatch, build_executor
 from executor_service.types import OutputOptions
 from tandem.sampling_params import SamplingParams
@@ -69,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_sizes(ap, DEFAULTS, {"batches": "decode batch sizes of the steps part", "prompt-len": "prompt tokens",
                              "gen": "greedy tokens per request", "requests": "timed requests per mode",
                              "steps": "timed decode calls per batch size"})
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the executors of the stream, steps and prefill parts run (default cpu; cuda: "
+                         "scripts/gpu_check); the memory bandwidth row is always the host's")
     ap.add_argument("--sampled", action="store_true",
                     help="steps part: seeded sampling at temperature 1 with top-k 50 and top-p 0.9, and top-5 logprobs "
                          "(default: greedy, tokens only)")
@@ -102,7 +106,7 @@ def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[li
     start fills the compile cache: its time to READY includes the compile, the second is a restart)."""
     opts = executor_options(mode)
     flags = ("--threads", str(threads), "--no-prefix-caching", "--quantization", opts["quantization"], "--dtype",
-             opts["dtype"], "--log-level", "WARNING") + KERNELS[mode.split("-")[1]]
+             opts["dtype"], "--device", args.device, "--log-level", "WARNING") + KERNELS[mode.split("-")[1]]
     wait = {"ready_timeout": 900.0} if opts["compile"] else {}  # compiling on 2 cores: minutes
     ready: list[float] = []
     servers = []
@@ -133,7 +137,7 @@ def steps_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[i
     """The modes of one weight format, each its own executor, stepped in turn (one step of each, then again) so
     that a noisy stretch of the shared machine hits every mode alike and the ratios between them hold."""
     blocks = (max(args.batch_list) * (args.prompt_len + args.steps + 8) // 16) + 64
-    exs = {m: build_executor(model_dir, "cpu", kv_blocks=blocks, max_batch_tokens=4096, prefix_caching=False,
+    exs = {m: build_executor(model_dir, args.device, kv_blocks=blocks, max_batch_tokens=4096, prefix_caching=False,
                              **executor_options(m)) for m in modes}
     out: dict[str, Any] = {m: {} for m in modes}
     for b in args.batch_list:
@@ -163,7 +167,7 @@ def prefill_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list
     """B prompts of --prompt-len tokens prefilled in one call (then released), per mode its own executor, the
     modes interleaved call by call as in steps_part: the prompt's cost (what --deterministic pays most)."""
     blocks = max(args.batch_list) * (args.prompt_len // 16 + 2) + 64
-    exs = {m: build_executor(model_dir, "cpu", kv_blocks=blocks, max_batch_tokens=max(4096, blocks * 16),
+    exs = {m: build_executor(model_dir, args.device, kv_blocks=blocks, max_batch_tokens=max(4096, blocks * 16),
                              prefix_caching=False, **executor_options(m)) for m in modes}
     out: dict[str, Any] = {m: {} for m in modes}
     for b in args.batch_list:
@@ -325,6 +329,7 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    torch_device(args.device)  # --device cuda without one: refused before any work
     threads, model_dir, cfg = serving_setup(args)
     prompts = vocabulary_prompts(args.requests + max(args.batch_list), args.prompt_len,
                                  model_vocabulary(model_dir, cfg), seed=0, stream=0)
@@ -344,9 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         results["prefill"] = prefill_part(args, model_dir, args.mode_list, prompts)
     if "quality" in args.part_list:
         results["quality"] = quality_part(model_dir, [m for m in args.mode_list if weights_of(m) != "float32"])
-    print_tables(args, results, f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, CPU")
+    print_tables(args, results, f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, "
+                 f"{'CPU' if args.device == 'cpu' else torch.cuda.get_device_name(0)}")
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"model": str(model_dir), "threads": threads}
-    path = write_json(args.out, {"benchmark": "bench_decode", "config": config, "machine": machine_info("cpu"),
+    path = write_json(args.out, {"benchmark": "bench_decode", "config": config, "machine": machine_info(args.device),
                                  "model": model_json(model_dir, cfg), **results})
     log(f"wrote {path}")
     return 0

@@ -23,6 +23,11 @@ DEFAULT_CACHE = Path.home() / ".cache" / "tandem" / "shapes"
 SHARD_BYTES = 1 << 30
 # name -> (transformers config class, its keyword arguments: the released model's config.json sizes)
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    # the default model's sizes, for a machine that cannot take its 98 MB GGUF along (a lent GPU: scripts/gpu_check)
+    "smollm2-135m": ("LlamaConfig", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bos_token_id=1, eos_token_id=2)),
     "smollm2-1.7b": ("LlamaConfig", dict(
         vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
         num_key_value_heads=32, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,

@@ -30,6 +30,7 @@ the gathered path.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -85,6 +86,11 @@ class FlexMetadata:
         self.slot_mapping = torch.from_numpy(slots).to(device)  # [T]
         self.block_size, self.pool_blocks = block_size, pool_blocks
         self.flex = compiled_flex() if compiled else flex_attention
+        # Triton's prefill kernel needs its key tile (BLOCK_N) to divide the BlockMask's key block, the cache's
+        # block size (16 by default); its default tile for bf16 at head dim 64 is 64 and, as the only config,
+        # fails to lower (seen on an H200, torch 2.11). The decode kernel shrinks its own tile already.
+        on_cuda = torch.device(device).type == "cuda"
+        self.kernel_options = {"BLOCK_N": math.gcd(block_size, 64)} if compiled and on_cuda else None
         # converted: the key axis is the batch's blocks gathered (`gather`, physical ids), each item's blocks
         # renamed to their index there
         self.gather: torch.Tensor | None = None
@@ -175,7 +181,8 @@ class FlexMetadata:
                 padded = q.new_zeros(rows, b.max_q, heads, d)
                 padded[b.batch_index, b.query_index] = q[b.token_index]
                 qb = padded.transpose(1, 2)  # [B, heads, max_q, d]
-            ob = _flex(self.flex, qb, keys, values, self._mask(b, spec.window), spec, sinks)  # [B, heads, max_q, d]
+            ob = _flex(self.flex, qb, keys, values, self._mask(b, spec.window), spec, sinks,
+                       self.kernel_options)  # [B, heads, max_q, d]
             if b.max_q == 1 and b.covers_batch:
                 return ob.reshape(total, heads * d)
             ob = ob.transpose(1, 2)  # [B, max_q, heads, d]
@@ -184,7 +191,8 @@ class FlexMetadata:
 
 
 def _flex(flex: Callable[..., object], q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask,
-          spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tensor:
+          spec: AttentionSpec, sinks: torch.Tensor | None, kernel_options: dict[str, int] | None = None
+          ) -> torch.Tensor:
     """One flex_attention call with the layer's soft cap and sinks: q [B, heads, Q, d] -> [B, heads, Q, d]."""
     score_mod = None
     if spec.softcap is not None:
@@ -201,9 +209,10 @@ def _flex(flex: Callable[..., object], q: torch.Tensor, keys: torch.Tensor, valu
         flex = flex_attention
     group = q.shape[1] // keys.shape[1]
     if sinks is None:
-        return flex(q, keys, values, score_mod=score_mod, block_mask=mask, scale=spec.scale, enable_gqa=group > 1)
+        return flex(q, keys, values, score_mod=score_mod, block_mask=mask, scale=spec.scale, enable_gqa=group > 1,
+                    kernel_options=kernel_options)
     out, aux = flex(q, keys, values, score_mod=score_mod, block_mask=mask, scale=spec.scale, enable_gqa=group > 1,
-                    return_aux=AuxRequest(lse=True))
+                    return_aux=AuxRequest(lse=True), kernel_options=kernel_options)
     # softmax over keys + sink = softmax over keys * sum / (sum + e^sink) = ... * sigmoid(lse - sink)
     share = torch.sigmoid(aux.lse.float() - sinks.float()[None, :, None])  # [B, heads, Q]
     return (out * share[..., None].to(out.dtype))

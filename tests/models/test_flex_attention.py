@@ -2,7 +2,8 @@
 every family's tiny checkpoint: the same batches (fresh prefill, a chunk after cached tokens, a prefix hit
 through shared blocks, decode, draft verify, sliding windows with the null block) on two pools, logits within
 fp32 1e-4 and the same greedy tokens. Flex runs eagerly here (torch 2.13's CPU flex template: see the module);
-one test runs it compiled on the tiny Llama."""
+one test runs it compiled on the tiny Llama. The tiny-Llama scenarios run on CUDA too where there is one (marked
+`cuda`: scripts/gpu_check), eager and compiled (Triton's flex kernel, the CUDA serving path)."""
 from __future__ import annotations
 
 import pytest
@@ -18,19 +19,23 @@ from tests.models.family_checkpoints import FAMILIES
 
 BS = 16
 POOL = 24
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda,
+                                     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
 
 
 def _pair(model, compile_flex: bool = False):
     cfg = model.config
+    device = next(model.parameters()).device
     pools = [PagedKvCache(cfg.num_layers, POOL, BS, cfg.num_kv_heads, cfg.head_dim, torch.float32,
-                          torch.device("cpu"), cfg.kv_window) for _ in range(2)]
-    builders = [AttentionBuilder(name, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"),
+                          device, cfg.kv_window) for _ in range(2)]
+    builders = [AttentionBuilder(name, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device,
                                  compile_flex=compile_flex) for name, kv in zip(("gathered", "flex"), pools)]
     return pools, builders
 
 
 def _run_scenario(model, compile_flex: bool = False) -> int:
-    """Runs the batches on both backends, asserting logits and greedy tokens agree; returns the rows compared."""
+    """Runs the batches on both backends (on the model's device), asserting logits and greedy tokens agree;
+    returns the rows compared."""
     pools, builders = _pair(model, compile_flex)
     window = pools[0].window
     g = torch.Generator().manual_seed(0)
@@ -52,7 +57,7 @@ def _run_scenario(model, compile_flex: bool = False) -> int:
                 # table points at the never-written null block instead (models/kv_cache.py)
                 tables["A"][0] = pools[0].null_block
             items = [ItemLayout(tables[name], past, len(tok)) for name, past, tok in batch]
-            input_ids = torch.tensor([t for _, _, tok in batch for t in tok])
+            input_ids = torch.tensor([t for _, _, tok in batch for t in tok], device=next(model.parameters()).device)
             out = [model(input_ids, builder(items), kv, None) for builder, kv in zip(builders, pools)]
             want, got = out
             scale = float(want.abs().max())
@@ -62,8 +67,9 @@ def _run_scenario(model, compile_flex: bool = False) -> int:
     return rows
 
 
-def test_tiny_llama_flex_matches_gathered(model_dir):
-    assert _run_scenario(load_model(model_dir, "cpu", "float32", progress=False)) == 92
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_tiny_llama_flex_matches_gathered(model_dir, device):
+    assert _run_scenario(load_model(model_dir, device, "float32", progress=False)) == 92
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -72,10 +78,12 @@ def test_every_family_flex_matches_gathered(family_checkpoint, family):
     assert _run_scenario(model) == 92
 
 
-@pytest.mark.long  # ~20 s of inductor compile on 2 cores; CPU serving does not compile flex (docs/cuda.md)
-def test_compiled_flex_matches_gathered(model_dir):
-    """The compiled form (inductor's C++ flex template on CPU): every batch of the scenario, one dynamic graph."""
-    assert _run_scenario(load_model(model_dir, "cpu", "float32", progress=False), compile_flex=True) == 92
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.long), ON_CUDA])
+def test_compiled_flex_matches_gathered(model_dir, device):
+    """The compiled form (inductor's C++ flex template on CPU, under --long: ~20 s of compile on 2 cores, and CPU
+    serving does not compile flex, docs/cuda.md; Triton's kernel on CUDA): every batch of the scenario, one
+    dynamic graph."""
+    assert _run_scenario(load_model(model_dir, device, "float32", progress=False), compile_flex=True) == 92
 
 
 @pytest.mark.parametrize("spec,sinks", [(AttentionSpec(0.25), False), (AttentionSpec(0.25, window=24), False),
