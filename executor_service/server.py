@@ -134,7 +134,11 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
              info.instance_id, ", ".join(addresses))
     print(f"READY {' '.join(addresses)}", flush=True)  # a line scripts can wait for
 
-    stop.wait()
+    # With a timeout: Python runs a signal's handler on the main thread only, between bytecodes. A SIGTERM the
+    # kernel hands to another thread (gRPC's, the model's, OpenMP's) only flags it, and an untimed wait would
+    # sleep on until something else woke the main thread (seen once in CI: killed 20 s after SIGTERM).
+    while not stop.wait(0.25):
+        pass
     deadline = time.monotonic() + cfg.grace_s
     if _sessions_hold_caches(executor):
         health_servicer.enter_graceful_shutdown()  # NOT_SERVING: schedulers move their requests (and KV) away

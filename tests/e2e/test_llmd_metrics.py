@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,7 +82,15 @@ def test_running_waiting_and_adapters_follow_the_requests(setup):
         calls.append(call)
         if n < MAX_RUNNING:
             started.append(next(call))  # running before the next arrives: the order decides who waits
-    drained = [threading.Thread(target=lambda c=c: [None for _ in c]) for c in calls]
+
+    def drain(call) -> None:  # a cancelled call ends its stream with CANCELLED: that is the point here
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.CANCELLED, e
+
+    drained = [threading.Thread(target=drain, args=(c,)) for c in calls]
     try:
         deadline = time.monotonic() + 10
         while True:  # the two that wait have reached the scheduler's queue (their calls are asynchronous)

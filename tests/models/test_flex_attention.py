@@ -72,9 +72,10 @@ def test_tiny_llama_flex_matches_gathered(model_dir, device):
     assert _run_scenario(load_model(model_dir, device, "float32", progress=False)) == 92
 
 
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_family_flex_matches_gathered(family_checkpoint, family):
-    model = load_model(family_checkpoint(family), "cpu", "float32", progress=False)
+def test_every_family_flex_matches_gathered(family_checkpoint, family, device):
+    model = load_model(family_checkpoint(family), device, "float32", progress=False)
     assert _run_scenario(model) == 92
 
 
