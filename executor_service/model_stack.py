@@ -107,7 +107,8 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
                  HALF_UPCAST_MIN_ROWS)
     cfg, dtype = model.config, model.lm_head.weight.dtype
     kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # another than the weights': converted (models/kv_dtype.py)
-    backend = choose_backend(config.attention_backend, device, cfg.attention_sinks, kv_dtype != dtype)  # ValueError
+    backend = choose_backend(config.attention_backend, device, cfg.attention_sinks, kv_dtype != dtype,
+                             config.block_size)  # ValueError
     kv, kv_pool = build_kv_pool(config, device, cfg, kv_dtype)  # sized, logged there
     graphs_refused: str | None = None  # why decode steps do not replay CUDA graphs (None: they do, or were off)
     if config.deterministic:  # every call through the row-invariant native step (ValueError: refused)

@@ -32,12 +32,18 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def choose_backend(requested: str, device: torch.device, has_sinks: bool = False, kv_converted: bool = False) -> str:
+def choose_backend(requested: str, device: torch.device, has_sinks: bool = False, kv_converted: bool = False,
+                   block_size: int = 16) -> str:
     """The backend to run for --attention-backend `requested` on `device` (kv_converted: the KV pool's dtype is
     not the activations', --kv-dtype). Raises ValueError for one that cannot run there."""
     if requested not in BACKENDS:
         raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
     cuda = device.type == "cuda"
+    # compiled flex on CUDA: Triton's key tile (16 at the least) must divide the KV block (models/flex_attention.py)
+    flex_fits = not cuda or block_size % 16 == 0
+    if requested == "flex" and not flex_fits:
+        raise ValueError(f"--attention-backend flex on CUDA needs a --block-size that is a multiple of 16, got "
+                         f"{block_size}")
     if requested == "flashinfer":
         if not cuda or not flashinfer_importable():
             raise ValueError("--attention-backend flashinfer needs a CUDA device and the flashinfer-python package")
@@ -49,9 +55,9 @@ def choose_backend(requested: str, device: torch.device, has_sinks: bool = False
         return requested
     if requested != "auto":
         return requested
-    if cuda:
-        return "flashinfer" if flashinfer_importable() and not has_sinks and not kv_converted else "flex"
-    return "gathered"
+    if cuda and flashinfer_importable() and not has_sinks and not kv_converted:
+        return "flashinfer"
+    return "flex" if cuda and flex_fits else "gathered"
 
 
 class AttentionBuilder:

@@ -60,7 +60,12 @@ class GrpcServer:
 
 def start_executor(model_dir: Path | str, *extra_args: str,
                    credentials: grpc.ChannelCredentials | None = None) -> GrpcServer:
-    """`python -m executor_service --model DIR --port 0 *extra_args`, returned once READY."""
+    """`python -m executor_service --model DIR --port 0 *extra_args`, returned once READY. On the CPU unless the
+    arguments name a --device: the suite compares with in-process CPU references (tests/executor_driver.py), and
+    on a machine with a GPU the executor's default (`auto`) would put it on CUDA in bfloat16; the CUDA checks are
+    the tests marked `cuda` (scripts/gpu_check)."""
+    if not any(a == "--device" or a.startswith("--device=") for a in extra_args):
+        extra_args = (*extra_args, "--device", "cpu")
     return GrpcServer(server_process.launch_executor(model_dir, *extra_args), executor_pb2_grpc.ExecutorServiceStub,
                       credentials)
 

@@ -115,6 +115,10 @@ def test_backend_choice():
     assert choose_backend("auto", cpu) == "gathered"  # measured faster for CPU prefill (docs/cuda.md)
     assert choose_backend("flex", cpu) == "flex"
     assert choose_backend("auto", cuda, has_sinks=True) == "flex"
+    assert choose_backend("auto", cuda, has_sinks=True, block_size=8) == "gathered"  # Triton's tile is >= 16
+    with pytest.raises(ValueError, match="multiple of 16, got 8"):
+        choose_backend("flex", cuda, block_size=8)
+    assert choose_backend("flex", cpu, block_size=8) == "flex"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         choose_backend("flashinfer", cpu)
     with pytest.raises(ValueError, match="must be one of"):
