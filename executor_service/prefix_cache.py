@@ -87,25 +87,14 @@ class PrefixCache:
         if not self.enabled:
             return
         bs = self.kv.block_size
-        first = len(table.hashes)
-        stored: list[bytes] = []
-        for i in range(first, table.length // bs):
+        entries = []
+        for i in range(len(table.hashes), table.length // bs):
             parent = table.hashes[i - 1] if i else root
-            h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            ids = tokens[i * bs:(i + 1) * bs]
+            h = block_hash(parent, ids)
             table.hashes.append(h)
-            if self.kv.allocator.register(table.blocks[i], h):
-                self._block_of[h] = table.blocks[i]
-                self._meta[h] = (b"" if i == 0 else parent, adapter, array("I", tokens[i * bs:(i + 1) * bs]).tobytes())
-                stored.append(h)
-        if stored:
-            self.stored_blocks += len(stored)
-            if self.events.active:
-                # registered blocks are consecutive unless another cache registered one in between first (then
-                # each run is its own event, since an event's hashes chain from one parent)
-                for run in _runs(stored, self._meta):
-                    parent = self._meta[run[0]][0]
-                    ids = tuple(t for h in run for t in array("I", self._meta[h][2]))
-                    self.events.publish(BlocksStored(tuple(run), parent, adapter, len(run) * bs, ids))
+            entries.append((table.blocks[i], h, b"" if i == 0 else parent, array("I", ids).tobytes()))
+        self._index(entries, adapter)
 
     def block_meta(self, h: bytes) -> tuple[bytes, str, bytes]:
         """(parent hash, adapter, token ids as uint32 bytes) of an indexed block."""
@@ -119,19 +108,9 @@ class PrefixCache:
         if not self.enabled:
             return 0
         bs = self.kv.block_size
-        stored = []
-        for i, (b, h) in enumerate(zip(blocks, hashes)):
-            if self.kv.allocator.register(b, h):
-                self._block_of[h] = b
-                self._meta[h] = (hashes[i - 1] if i else b"", adapter,
-                                 array("I", token_ids[i * bs:(i + 1) * bs]).tobytes())
-                stored.append(h)
-        self.stored_blocks += len(stored)
-        if stored and self.events.active:
-            for run in _runs(stored, self._meta):
-                ids = tuple(t for h in run for t in array("I", self._meta[h][2]))
-                self.events.publish(BlocksStored(tuple(run), self._meta[run[0]][0], adapter, len(run) * bs, ids))
-        return len(stored)
+        entries = [(b, h, hashes[i - 1] if i else b"", array("I", token_ids[i * bs:(i + 1) * bs]).tobytes())
+                   for i, (b, h) in enumerate(zip(blocks, hashes))]
+        return len(self._index(entries, adapter))
 
     def snapshot(self) -> list[KvEvent]:
         """Every indexed block, then every block of the tiers, as stored events (one per block: their chains may
@@ -169,21 +148,35 @@ class PrefixCache:
                 return blocks
             taken = a.allocate(len(found))
             self.tiers.write(taken, found)
-            first = len(blocks)
-            for b, t in zip(taken, found):
-                a.register(b, t.hash)
-                self._block_of[t.hash] = b
-                self._meta[t.hash] = (t.parent, t.adapter, t.token_ids)
-            self.stored_blocks += len(found)
-            if self.events.active:
-                bs = self.kv.block_size
-                ids = tuple(x for t in found for x in array("I", t.token_ids))
-                self.events.publish(BlocksStored(tuple(t.hash for t in found), found[0].parent if first else b"",
-                                                 found[0].adapter, len(found) * bs, ids))
-            a.free(reversed(taken))  # back to free-but-cached: adopt pins them with the rest
-            return blocks + taken
+            indexed = set(self._index([(b, t.hash, t.parent, t.token_ids) for b, t in zip(taken, found)],
+                                      found[0].adapter))
+            # the run ends before a block the pool holds already (its child outlived an evicted parent): that
+            # copy is not indexed, and adopt pins indexed blocks only
+            run = next((i for i, t in enumerate(found) if t.hash not in indexed), len(found))
+            a.free(reversed(taken))  # back to free-but-cached (the indexed ones): adopt pins them with the rest
+            return blocks + taken[:run]
         finally:
             a.free(reversed(blocks))
+
+    def _index(self, entries: list[tuple[int, bytes, bytes, bytes]], adapter: str) -> list[bytes]:
+        """Indexes full blocks whose contents are known: (pool block, hash, parent hash (b"" for a chain's first
+        block), token ids as uint32 bytes), skipping a hash another block holds already; counts them and
+        publishes BlocksStored. Returns the hashes indexed."""
+        stored = []
+        for b, h, parent, ids in entries:
+            if self.kv.allocator.register(b, h):
+                self._block_of[h] = b
+                self._meta[h] = (parent, adapter, ids)
+                stored.append(h)
+        self.stored_blocks += len(stored)
+        if stored and self.events.active:
+            # the blocks chain unless another cache registered one of them first: then each run is its own
+            # event (an event's hashes chain from one parent)
+            bs = self.kv.block_size
+            for run in _runs(stored, self._meta):
+                ids = tuple(t for h in run for t in array("I", self._meta[h][2]))
+                self.events.publish(BlocksStored(tuple(run), self._meta[run[0]][0], adapter, len(run) * bs, ids))
+        return stored
 
     def _removed(self, hashes: list[bytes]) -> None:
         if self.events.active:  # first: a consumer that ignores `medium` then keeps what the tiers announce next
