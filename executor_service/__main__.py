@@ -187,6 +187,7 @@ def _zmq_flags(args: argparse.Namespace) -> ZmqKvConfig | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        rank_cores = cpu_cores.share_with_local_ranks(args)  # TP started here: a slice of --cpu-cores per rank
         cpu_cores.apply(args)  # --cpu-cores: every thread of this process, now and later, on those cores
     except ValueError as exc:
         print(f"tandem-executor: error: {exc}", file=sys.stderr)
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.deterministic and args.tensor_parallel_size > 1:  # (before any rank starts)
             raise ValueError(f"--deterministic: {DETERMINISTIC_TP_REFUSAL}")
-        tp = TpLaunch.from_args(args)  # None: the whole model in this process
+        tp = TpLaunch.from_args(args, rank_cores)  # None: the whole model in this process
         if tp is not None:
             return run_tensor_parallel(tp, executor_cfg, server_cfg, sys.argv[1:] if argv is None else list(argv))
         return serve(executor_cfg, server_cfg)

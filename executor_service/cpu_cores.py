@@ -12,6 +12,10 @@ OMP_WAIT_POLICY=PASSIVE made the stream ~1.5x slower.
 The mask is set on every thread the process has when the flag is applied (the main thread, any threads
 imports started) and is inherited by every thread started after it (the model thread, its OpenMP team,
 gRPC's pools). Without --threads the executor then runs as many torch threads as cores listed.
+
+Tensor parallelism on one machine (rank 0 starts the other ranks): the list is cut into one contiguous slice per
+rank, rank 0 keeping the first and each worker started with its own, so that N ranks do not each run a team as
+wide as the whole list on the same cores.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                     help="run the executor's threads (torch's OpenMP team, the model thread, gRPC's) on these CPU "
                          "cores only, e.g. '0-3' or '0,2,4-5' (Linux's cpuset syntax; each must be one this process "
                          "may use). Without --threads, torch runs one thread per core listed. For executors sharing "
-                         "a host: give each its own cores. Default: every core the process may use")
+                         "a host: give each its own cores. With --tensor-parallel-size N on one machine, each rank "
+                         "gets a contiguous 1/N of the list. Default: every core the process may use")
 
 
 def parse_cores(text: str) -> tuple[int, ...]:
@@ -41,11 +46,13 @@ def parse_cores(text: str) -> tuple[int, ...]:
     return tuple(sorted(cores))
 
 
-def pin(cores: tuple[int, ...]) -> None:
+def pin(cores: tuple[int, ...], inherited_mask_limits: bool = True) -> None:
     """Every current thread of this process on `cores` (later threads inherit the mask). Raises ValueError
-    naming the cores this process may not use (outside its cgroup's cpuset or the machine)."""
+    naming the cores this process may not use (outside its cgroup's cpuset or the machine). A local
+    tensor-parallel worker (inherited_mask_limits=False) inherits rank 0's slice as its mask, but its own slice,
+    checked by rank 0 within the whole list, lies outside it."""
     allowed = os.sched_getaffinity(0)
-    missing = sorted(set(cores) - allowed)
+    missing = sorted(set(cores) - allowed) if inherited_mask_limits else []
     if missing:
         raise ValueError(f"--cpu-cores: core(s) {','.join(map(str, missing))} are not available to this process "
                          f"(it may use {_ranges(sorted(allowed))})")
@@ -62,9 +69,27 @@ def apply(args: argparse.Namespace) -> None:
     if args.cpu_cores is None:
         return
     cores = parse_cores(args.cpu_cores)
-    pin(cores)
+    pin(cores, inherited_mask_limits=args.tp_store is None)
     if not args.threads:
         args.threads = len(cores)
+
+
+def share_with_local_ranks(args: argparse.Namespace) -> list[str] | None:
+    """Tensor parallelism whose ranks rank 0 starts here (no --tp-master or torchrun rendezvous, not a worker):
+    --cpu-cores cut into one contiguous slice per rank, in cpuset syntax; args.cpu_cores becomes rank 0's. None
+    when there is nothing to share. Raises ValueError for fewer cores than ranks."""
+    size = args.tensor_parallel_size
+    if (args.cpu_cores is None or size <= 1 or args.tp_master is not None or args.tp_store is not None
+            or "MASTER_ADDR" in os.environ):
+        return None
+    cores = list(parse_cores(args.cpu_cores))
+    if len(cores) < size:
+        raise ValueError(f"--cpu-cores lists {len(cores)} core(s) for {size} tensor-parallel ranks: each rank "
+                         "needs one at least")
+    cuts = [len(cores) * r // size for r in range(size + 1)]
+    slices = [_ranges(cores[cuts[r]:cuts[r + 1]]) for r in range(size)]
+    args.cpu_cores = slices[0]
+    return slices
 
 
 def _ranges(cores: list[int]) -> str:

@@ -74,11 +74,12 @@ class TpLaunch:
     join_timeout_s: float = 60.0
     timeout_s: float = 60.0
     insecure: bool = False
+    rank_cores: tuple[str, ...] = ()  # local ranks' --cpu-cores slices (cpu_cores.share_with_local_ranks)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TpLaunch | None":
+    def from_args(cls, args: argparse.Namespace, rank_cores: list[str] | None = None) -> "TpLaunch | None":
         """None at size 1. Startup only: reads torchrun's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE when the
-        flags leave them out."""
+        flags leave them out. rank_cores: each rank's slice of --cpu-cores, for the workers started here."""
         env = os.environ
         size = args.tensor_parallel_size
         if size == 1 and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
@@ -99,7 +100,7 @@ class TpLaunch:
                 raise ValueError(f"--tp-master {master} is off loopback: torch.distributed links have no TLS or "
                                  "tokens; run the ranks on a private network and pass --insecure")
         return cls(size, rank, master, args.tp_store, args.tp_parent_pid, args.tp_join_timeout, args.tp_timeout,
-                   args.insecure)
+                   args.insecure, tuple(rank_cores or ()))
 
 
 def _loopback(host: str) -> bool:
@@ -167,7 +168,8 @@ class TpGroup:
             for r in range(1, launch.size):
                 self.workers[r] = subprocess.Popen(
                     [sys.executable, "-m", "executor_service", *worker_argv, "--tp-rank", str(r), "--tp-store", path,
-                     "--tp-parent-pid", str(os.getpid())],
+                     "--tp-parent-pid", str(os.getpid())]
+                    + (["--cpu-cores", launch.rank_cores[r]] if launch.rank_cores else []),  # (the last one wins)
                     stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True)
         store.set(f"tandem/joined/{launch.rank}", "1")
         if launch.rank == 0:

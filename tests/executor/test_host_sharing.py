@@ -6,6 +6,8 @@ The control: the same executor with OMP_WAIT_POLICY=ACTIVE (its team spins betwe
 show up in the measurement, so a busy-waiting executor would fail the first test."""
 from __future__ import annotations
 
+import argparse
+
 import os
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import time
 
 import pytest
 
-from executor_service.cpu_cores import parse_cores
+from executor_service.cpu_cores import parse_cores, share_with_local_ranks
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for
 
@@ -99,3 +101,17 @@ def test_parse_cores():
     for bad, message in (("3-1", "runs backwards"), ("0,a", "wants core numbers"), ("", "wants core numbers")):
         with pytest.raises(ValueError, match=message):
             parse_cores(bad)
+
+
+def test_tensor_parallel_ranks_started_here_share_the_cores():
+    def args(cores: str | None, size: int, **kw) -> argparse.Namespace:
+        return argparse.Namespace(cpu_cores=cores, tensor_parallel_size=size, tp_master=kw.get("master"),
+                                  tp_store=kw.get("store"))
+    a = args("0-3", 3)
+    assert share_with_local_ranks(a) == ["0", "1", "2-3"] and a.cpu_cores == "0"
+    assert share_with_local_ranks(args("0-3", 1)) is None  # no TP
+    assert share_with_local_ranks(args("0-3", 2, master="10.0.0.1:29500")) is None  # ranks on other machines
+    assert share_with_local_ranks(args("2-3", 2, store="/tmp/x")) is None  # a worker: rank 0 gave it its slice
+    assert share_with_local_ranks(args(None, 2)) is None
+    with pytest.raises(ValueError, match="lists 1 core\\(s\\) for 2 tensor-parallel ranks"):
+        share_with_local_ranks(args("0", 2))

@@ -10,6 +10,7 @@ executor; a worker exits when rank 0 is SIGKILLed; sizes that do not divide the 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import socket
 import subprocess
 import sys
@@ -217,3 +218,19 @@ def test_the_workers_exit_when_rank_0_is_sigkilled(model_dir):
             time.sleep(0.1)
     finally:
         tp.channel.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_local_ranks_each_get_their_slice_of_cpu_cores(model_dir):
+    """--cpu-cores with TP on one machine: rank 0 and the worker it starts run every thread on their own half."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    tp = start_executor(model_dir, "--kv-blocks", "64", "--tensor-parallel-size", "2",
+                        "--cpu-cores", f"{first},{second}")
+    try:
+        assert tp.stub.GetInfo(epb.GetInfoRequest()).tensor_parallel_size == 2
+        (worker,) = _children(tp.proc.pid)
+        for pid, core in ((tp.proc.pid, first), (worker, second)):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                assert os.sched_getaffinity(int(tid)) == {core}, (pid, tid)
+    finally:
+        tp.close()
