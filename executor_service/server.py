@@ -148,8 +148,13 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     health_servicer.enter_graceful_shutdown()  # (idempotent)
     server.stop(max(1.0, deadline - time.monotonic())).wait()
     reaper.stop()
-    # the prefixes warm in the pool survive the restart (kv_tier_flush.py)
-    flush_to_disk(executor.prefix, lambda: executor.control_op("kv_flush"), executor_cfg.kv_transfer.disk_flush_s)
+    # the prefixes warm in the pool survive the restart (kv_tier_flush.py); best effort: a failure loses only
+    # what a restart would have found warm, and must not keep the rest of the stop from running
+    try:
+        flush_to_disk(executor.prefix, lambda: executor.control_op("kv_flush"),
+                      executor_cfg.kv_transfer.disk_flush_s)
+    except Exception:  # noqa: BLE001 (any: a disk error, a bad block read)
+        log.exception("stopping: writing the pool's KV blocks to the disk tier failed; the stop goes on")
     thread.shutdown()
     if zmq_events is not None:
         zmq_events.close()
