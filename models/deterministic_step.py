@@ -79,17 +79,21 @@ class RowInvariantStep(NativeDecode):
         self.rope = RopeTable(model)
 
     @torch.inference_mode()
-    def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int]) -> torch.Tensor:
-        """NativeDecode.run with cos/sin from the rope table: float32 logits [B, vocab]."""
+    def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int],
+            head_rows: Sequence[int] | None = None) -> torch.Tensor:
+        """NativeDecode.run with cos/sin from the rope table: float32 logits [B, vocab], or [len(head_rows),
+        vocab] of those rows (ascending) only: the LM head is the costliest matrix of a row, and a prompt chunk
+        wants one row's logits. A row's logits are the same bits either way."""
         desc = self._describe()
         rows = len(token_ids)
         if rows == 0:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        head = None if head_rows is None else torch.from_numpy(np.asarray(head_rows, dtype=np.int64))
         ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
         where = np.asarray(pasts, dtype=np.int64)
         table = torch.from_numpy(decode_block_table(tables, pasts, self.kv.block_size, rows))  # [B, width] int64
         cos, sin = self.rope.cos_sin(where)  # [B, head_dim] each
-        logits = self.step(desc, ids, torch.from_numpy(where), table, cos, sin)
+        logits = self.step(desc, ids, torch.from_numpy(where), table, cos, sin, head)
         self.calls += 1
         return logits
 
@@ -101,13 +105,14 @@ class RowInvariantStep(NativeDecode):
         out, k = [], 0
         for start in range(0, len(token_ids), MAX_ROWS):
             end = min(start + MAX_ROWS, len(token_ids))
-            logits = self.run(token_ids[start:end], tables[start:end], pasts[start:end])
             picked = []
             while k < len(keep) and keep[k] < end:
                 picked.append(keep[k] - start)
                 k += 1
+            logits = self.run(token_ids[start:end], tables[start:end], pasts[start:end],
+                              None if len(picked) == end - start else picked)  # [len(picked), vocab]
             if picked:
-                out.append(logits if len(picked) == end - start else logits[picked])
+                out.append(logits)
         if not out:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
         return out[0] if len(out) == 1 else torch.cat(out)

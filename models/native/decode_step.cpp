@@ -205,7 +205,8 @@ void attend_heads(const TdModel& m, const TdLayer& L, const float* qkv, const fl
 }  // namespace
 
 int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const int64_t* pos, const int64_t* tables,
-                       int64_t width, const float* cos, const float* sin, float* logits, int threads) {
+                       int64_t width, const float* cos, const float* sin, const int64_t* head_rows, int64_t n_head,
+                       float* logits, int threads) {
   const int64_t H = m.hidden, d = m.head_dim, Q = m.heads * d, QKV = Q + 2 * m.kv_heads * d, I = m.inter;
   const int64_t max_ctx = B ? *std::max_element(pos, pos + B) + 1 : 1;
   // Whether some row may be of the sequence of the row before it (the same first block: drafts; also prompts
@@ -300,8 +301,18 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
 #pragma omp barrier
         gemm(L.down, Input{gate.data(), qhi.data(), qlo.data(), qd.data()}, B, x.data(), H, true, wide.data(), tid, nt);  // x += down(mid)
       }
-      rms_norm_rows(x.data(), m.final_norm, m.eps, B, H, xn.data(), tid, nt);
-      gemm(m.head, Input{xn.data(), qhi.data(), qlo.data(), qd.data()}, B, logits, m.vocab, false, wide.data(), tid, nt);
+      int64_t rows = B;  // the rows whose logits are wanted, moved to the front in order (gemm ended in a barrier)
+      if (head_rows != nullptr) {
+#pragma omp single
+        for (int64_t i = 0; i < n_head; ++i)  // ascending: row i's source is at or after i
+          if (head_rows[i] != i) std::memcpy(x.data() + i * H, x.data() + head_rows[i] * H, H * sizeof(float));
+        rows = n_head;  // (single ends in a barrier)
+      }
+      if (rows > 0) {
+        rms_norm_rows(x.data(), m.final_norm, m.eps, rows, H, xn.data(), tid, nt);
+        gemm(m.head, Input{xn.data(), qhi.data(), qlo.data(), qd.data()}, rows, logits, m.vocab, false, wide.data(), tid,
+             nt);
+      }
     }
   }
   return failed;

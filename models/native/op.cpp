@@ -152,7 +152,8 @@ class DecodeModel : public torch::CustomClassHolder {
 // of each row's position). Writes each row's K/V at its position; returns float32 logits [B, vocab]. Adjacent
 // rows of one sequence (drafts: its table repeated, consecutive positions) each see the K/V of those before them.
 Tensor decode_step(const c10::intrusive_ptr<DecodeModel>& model, const Tensor& token_ids, const Tensor& positions,
-                   const Tensor& block_tables, const Tensor& cos, const Tensor& sin) {
+                   const Tensor& block_tables, const Tensor& cos, const Tensor& sin,
+                   const std::optional<Tensor>& head_rows) {
   const TdModel& m = model->model();
   TORCH_CHECK_VALUE(token_ids.dim() == 1, "token_ids must be [B], not ", token_ids.sizes());
   const int64_t B = token_ids.size(0);
@@ -177,10 +178,21 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeModel>& model, const Tensor& t
                         block, " of a pool of ", model->num_blocks());
     }
   }
-  Tensor logits = at::empty({B, m.vocab}, token_ids.options().dtype(at::kFloat));
+  const int64_t* rows = nullptr;  // head_rows: [n] int64, ascending, each < B: the logits of those rows only
+  int64_t n_head = B;
+  if (head_rows.has_value()) {
+    TORCH_CHECK_VALUE(head_rows->dim() == 1, "head_rows must be [n], not ", head_rows->sizes());
+    n_head = head_rows->size(0);
+    check(*head_rows, "head_rows", {n_head}, at::kLong);
+    rows = head_rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < n_head; ++i)
+      TORCH_CHECK_VALUE(rows[i] >= 0 && rows[i] < B && (i == 0 || rows[i] > rows[i - 1]),
+                        "head_rows must be ascending row indices below ", B);
+  }
+  Tensor logits = at::empty({n_head, m.vocab}, token_ids.options().dtype(at::kFloat));
   if (B == 0) return logits;
-  const int failed = tandem_decode_step(m, B, ids, pos, tables, width, cos.data_ptr<float>(),
-                                        sin.data_ptr<float>(), logits.data_ptr<float>(), at::get_num_threads());
+  const int failed = tandem_decode_step(m, B, ids, pos, tables, width, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                        rows, n_head, logits.data_ptr<float>(), at::get_num_threads());
   TORCH_CHECK_WITH(OutOfMemoryError, !failed, "the native decode step could not allocate its scratch memory");
   return logits;
 }
@@ -192,7 +204,7 @@ TORCH_LIBRARY(tandem, m) {
       .def(torch::init<Tensor, Tensor, std::vector<Tensor>, OptionalTensors, std::vector<Tensor>, OptionalTensors,
                        OptionalTensors, Tensor, Tensor, int64_t, double, double>());
   m.def("decode_step(__torch__.torch.classes.tandem.DecodeModel model, Tensor token_ids, Tensor positions, "
-        "Tensor block_tables, Tensor cos, Tensor sin) -> Tensor");
+        "Tensor block_tables, Tensor cos, Tensor sin, Tensor? head_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_step", &decode_step); }

@@ -200,6 +200,24 @@ def test_sampler_row_alone_equals_the_row_in_any_batch_and_thread_count():
     assert before == torch.get_num_threads()
 
 
+def test_logits_of_chosen_rows_are_the_bits_of_every_rows(det):
+    """A prompt chunk's LM head for the rows it needs only (head_rows): those rows' logits are the same bits
+    as when every row's are computed; a bad list is refused before anything runs."""
+    step = det.stack.decode_step
+    free = det.stack.kv.allocator.allocate(2)
+    try:
+        ids = prompt_of(20, 9)  # one sequence of 20 rows in blocks `free`
+        full = step.run(ids, [free] * 20, list(range(20)))  # [20, vocab]
+        some = step.run(ids, [free] * 20, list(range(20)), [0, 7, 19])  # the same K/V written again
+        assert some.shape == (3, full.shape[1]) and torch.equal(some, full[[0, 7, 19]])
+        assert step.run(ids, [free] * 20, list(range(20)), []).shape == (0, full.shape[1])
+        for bad in ([3, 2], [20], [-1]):
+            with pytest.raises(ValueError, match="head_rows must be ascending row indices below 20"):
+                step.run(ids, [free] * 20, list(range(20)), bad)
+    finally:
+        det.stack.kv.allocator.free(free)
+
+
 def test_rope_table_is_the_same_whatever_the_call(det):
     table = RopeTable(det.model)
     positions = np.array([0, 5, ROPE_BLOCK - 1, ROPE_BLOCK, 3 * ROPE_BLOCK + 7], dtype=np.int64)
