@@ -22,12 +22,13 @@ from executor_service.kv_sizing import build_kv_pool
 from executor_service.model_stack import ModelStack, build_model_stack
 from executor_service.tp_launch import TpGroup, current
 from executor_service.tp_leader import CopyLog, LeaderModel
-from models.config import read_generation_defaults
+from models.config import ModelConfig, read_generation_defaults
 from models.huge_pages import move_parameters_to_huge_pages
 from models.kv_cache import PagedKvCache
-from models.loader import load_model
+from models.loader import load_model, resolve_dtype
 from models.mapped_pages import trim_heap
-from models.tensor_parallel import shard_model
+from models.tensor_parallel import Shard, shard_model
+from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor.tp")
 
@@ -53,14 +54,30 @@ def tp_refusal(config: ExecutorConfig) -> str | None:
     return None
 
 
+def load_shard(config: ExecutorConfig, shard: Shard, device: torch.device, progress: bool) -> DecoderModel:
+    """This rank's part of the model, on `device`. A checkpoint directory is loaded and cut on the host, then
+    the shard is moved: a rank's GPU never holds more than its part (the whole model may not fit one GPU, which
+    is why it is split), and the ranks of one machine share the file's pages while they cut. Raises ValueError
+    for sizes that do not divide."""
+    on_host = device.type != "cpu" and config.model_dir.suffix.lower() != ".gguf"
+    dtype = config.dtype
+    if on_host:  # the device's dtype (auto: bfloat16 on CUDA), loaded on the host
+        dtype = str(resolve_dtype(dtype, ModelConfig.from_dir(config.model_dir), device)).removeprefix("torch.")
+    model = load_model(config.model_dir, "cpu" if on_host else device, dtype, progress=progress)
+    shard_model(model, shard)
+    if on_host:
+        model.to(device)
+        model.init_rotary(device)  # (the rotary tables are not module buffers)
+    return model
+
+
 def build_tp_stack(config: ExecutorConfig, group: TpGroup) -> ModelStack:
     """This rank's stack. Raises ValueError for a combination tensor parallelism refuses."""
     why = tp_refusal(config)
     if why:
         raise ValueError(f"--tensor-parallel-size {group.shard.size}: {why}")
     device = config.resolve_device()
-    model = load_model(config.model_dir, device, config.dtype, progress=config.progress and not group.is_worker)
-    shard_model(model, group.shard)  # ValueError: heads or sizes that do not divide
+    model = load_shard(config, group.shard, device, progress=config.progress and not group.is_worker)
     trim_heap()
     kernel = model.quantize(config.quantization)  # per shard: row-parallel int8 scales are the shard's columns'
     if kernel:

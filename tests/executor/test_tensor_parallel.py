@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from executor_service.in_process_client import InProcessExecutorClient
 from executor_service.tp_channel import EXIT_GROUP_DOWN
@@ -234,3 +235,16 @@ def test_local_ranks_each_get_their_slice_of_cpu_cores(model_dir):
                 assert os.sched_getaffinity(int(tid)) == {core}, (pid, tid)
     finally:
         tp.close()
+
+
+def test_a_shard_is_cut_on_the_host_before_it_moves_to_its_device(model_dir):
+    """load_shard for a device other than the CPU (CUDA in service; the meta device stands in here): the rank's
+    device receives the cut shard only, never the whole model."""
+    from executor_service.config import ExecutorConfig
+    from executor_service.tp_stack import load_shard
+    whole = load_model(model_dir, "cpu", "float32", progress=False)
+    shard = load_shard(ExecutorConfig(model_dir, dtype="float32"), Shard(0, 2), torch.device("meta"), progress=False)
+    assert {p.device.type for p in shard.parameters()} == {"meta"}
+    q_whole = whole.model.layers[0].self_attn.qkv_proj.weight.shape[0]
+    assert shard.model.layers[0].self_attn.qkv_proj.weight.shape[0] == q_whole // 2
+    assert shard.rotary.inv_freq.device.type == "meta"
