@@ -22,3 +22,11 @@ def test_gpu_check_without_cuda_says_so_and_exits_0():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no CUDA device here" in proc.stdout
     assert "parity (CPU)" in proc.stdout and " ok " in proc.stdout, proc.stdout
+
+
+def test_gpu_check_help_and_unknown_arguments():
+    script = str(ROOT / "scripts" / "gpu_check")
+    shown = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0 and "--shape NAME" in shown.stdout and "--keep DIR" in shown.stdout, shown.stdout
+    refused = subprocess.run([script, "--bogus"], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "unknown argument --bogus" in refused.stderr, refused.stderr
