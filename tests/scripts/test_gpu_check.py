@@ -30,3 +30,17 @@ def test_gpu_check_help_and_unknown_arguments():
     assert shown.returncode == 0 and "--shape NAME" in shown.stdout and "--keep DIR" in shown.stdout, shown.stdout
     refused = subprocess.run([script, "--bogus"], capture_output=True, text=True, timeout=30)
     assert refused.returncode == 2 and "unknown argument --bogus" in refused.stderr, refused.stderr
+
+
+def test_a_missing_dependency_is_named_before_anything_runs(tmp_path):
+    """The first lent GPU lost a benchmark to a dependency its Python lacked (fastapi's opentelemetry-api): the
+    script now imports what it runs first and names what is missing."""
+    shadow = tmp_path / "fastapi"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'opentelemetry'\")\n")
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check"), "--quick"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cannot import what the checks run: ModuleNotFoundError: No module named 'opentelemetry'" in proc.stderr
+    assert "parity" not in proc.stdout  # nothing ran
