@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -67,12 +69,18 @@ def _tensor_files(model_dir: Path) -> tuple[dict[str, Path], Path]:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",
-               progress: bool = True) -> DecoderModel:
+               progress: bool = True, on_layer: Callable[[nn.Module], None] | None = None) -> DecoderModel:
+    """on_layer: called with each decoder layer once its weights are in place, before the next layer's are read
+    (tensor parallelism cuts the layer there, so that no more than one layer's fused or stacked weights are ever
+    whole: models/tensor_parallel.shard_layer)."""
     model_dir = Path(model_dir)
     if model_dir.suffix.lower() == ".gguf":  # a GGUF file (llama.cpp's format): models/gguf_loader.py
         from models.gguf_loader import load_gguf_model  # (it imports nothing from here: given what it shares)
-        return load_gguf_model(model_dir, torch.device(device),
-                               lambda cfg: resolve_dtype(dtype, cfg, torch.device(device)), _FUSED, progress)
+        model = load_gguf_model(model_dir, torch.device(device),
+                                lambda cfg: resolve_dtype(dtype, cfg, torch.device(device)), _FUSED, progress)
+        for layer in model.model.layers if on_layer is not None else ():  # (loaded whole, then cut)
+            on_layer(layer)
+        return model
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
@@ -100,13 +108,26 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         return sources[-1]
 
     state: dict[str, torch.Tensor] = {}
+    loaded: set[str] = set()
     used_expert_tensors: set[str] = set()
+    layer: str | None = None  # the decoder layer whose tensors are being read (on_layer)
+
+    def assign(done: str | None) -> None:  # (on_layer) what was read so far into the model, then the layer cut
+        model.load_state_dict(state, strict=False, assign=True)
+        loaded.update(state)
+        state.clear()
+        if done is not None:
+            on_layer(model.model.layers[int(done)])
+
     bar = tqdm(wanted.items(), desc=f"loading {model_dir.name}", unit="tensor", file=sys.stderr,
                disable=not progress, leave=False)
-    for name, meta in bar:
+    for name, meta in bar:  # (state_dict order: a layer's tensors are adjacent)
         sources.clear()
         prefix, _, suffix = name.partition("layers.")
         layer_no, _, rest = suffix.partition(".")
+        if on_layer is not None and (layer_no or None) != layer:
+            assign(layer)
+            layer = layer_no or None
         fused = _FUSED.get(rest) if suffix else None
         experts = _EXPERTS.get(rest) if suffix else None
         layout = CHECKPOINT_LAYOUTS.get(cfg.architecture)  # the family's own names (models/families/)
@@ -131,14 +152,19 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
             release_file_pages(sources)
     sources.clear()
     bar.close()
-    model.load_state_dict(state, strict=not tied, assign=True)
+    if on_layer is None:
+        model.load_state_dict(state, strict=not tied, assign=True)
+        loaded.update(state)
+    else:  # (every wanted tensor was read into `state` on the way: nothing can be missing)
+        assign(layer)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _warn_unused(files, set(state) | used_expert_tensors | read_names, tied)
+    _warn_unused(files, loaded | used_expert_tensors | read_names, tied)
     model.init_rotary(device)
     for m in model.modules():  # non-persistent buffers were built on the meta device
-        if isinstance(m, SparseMoeBlock):
-            m.expert_tokens = torch.zeros(m.num_experts, dtype=torch.int64, device=device)
+        if isinstance(m, SparseMoeBlock):  # (counts of every expert, those of other ranks too)
+            m.expert_tokens = torch.zeros(getattr(m, "total_experts", 0) or m.num_experts, dtype=torch.int64,
+                                          device=device)
     return model.eval()
 
 

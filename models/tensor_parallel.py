@@ -63,21 +63,29 @@ def shard_refusal(cfg: ModelConfig, size: int) -> str | None:
     return None
 
 
-def shard_model(model: DecoderModel, shard: Shard) -> None:
-    """Cuts `model` (as loaded: before quantizing, packing or huge pages) down to `shard`'s part, in place.
-    Raises ValueError when the model cannot be split that way."""
+def shard_model(model: DecoderModel, shard: Shard, layers_cut: bool = False) -> None:
+    """Cuts `model` (as loaded: before quantizing, packing or huge pages) down to `shard`'s part, in place
+    (layers_cut: its decoder layers were cut while loading, shard_layer). Raises ValueError when the model
+    cannot be split that way."""
     why = shard_refusal(model.config, shard.size)
     if why:
         raise ValueError(f"tensor parallelism: {why}")
     with torch.no_grad():
-        for layer in model.model.layers:
-            _attention(layer.self_attn, shard)
-            if isinstance(layer.mlp, SparseMoeBlock):
-                _experts(layer.mlp, shard)
-            else:
-                _mlp(layer.mlp, shard)
+        for layer in model.model.layers if not layers_cut else ():
+            shard_layer(layer, shard)
         _vocab(model, shard)
     model.weights_version += 1
+
+
+def shard_layer(layer: nn.Module, shard: Shard) -> None:
+    """Cuts one decoder layer down to `shard`'s part, in place (models/loader.py's on_layer calls it as each
+    layer is loaded; shard_model for a model loaded whole)."""
+    with torch.no_grad():
+        _attention(layer.self_attn, shard)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            _experts(layer.mlp, shard)
+        else:
+            _mlp(layer.mlp, shard)
 
 
 def _take(module: nn.Module, name: str, piece: torch.Tensor | None) -> None:

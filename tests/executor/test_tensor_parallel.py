@@ -248,3 +248,41 @@ def test_a_shard_is_cut_on_the_host_before_it_moves_to_its_device(model_dir):
     q_whole = whole.model.layers[0].self_attn.qkv_proj.weight.shape[0]
     assert shard.model.layers[0].self_attn.qkv_proj.weight.shape[0] == q_whole // 2
     assert shard.rotary.inv_freq.device.type == "meta"
+
+
+def test_layers_are_cut_as_they_load_so_one_layer_at_most_is_whole(checkpoint, monkeypatch):
+    """load_model's on_layer (what a rank loads with): when layer k is handed over, the layers before it are cut
+    already and those after it not read yet (still on the meta device), so the whole fused q/k/v and stacked
+    experts of one layer at most exist at a time; the result equals loading whole and cutting."""
+    from models.tensor_parallel import shard_layer
+    model_dir = checkpoint("qwen3_moe")
+    shard = Shard(1, 2)
+    seen = []
+
+    def on_layer(layer) -> None:
+        layers = list(model.model.layers)
+        k = layers.index(layer)
+        seen.append(k)
+        assert all(p.device.type == "meta" for later in layers[k + 1:] for p in later.parameters())
+        assert all(isinstance(earlier.mlp.experts_gate_up, torch.nn.Parameter) and earlier.mlp.num_experts
+                   == layer.mlp.num_experts // 2 for earlier in layers[:k])
+        shard_layer(layer, shard)
+
+    import models.loader as loader
+    built = loader.DecoderModel
+
+    def capture(cfg):  # the real class; kept so that on_layer can look at the other layers of the model
+        nonlocal model
+        model = built(cfg)
+        return model
+
+    model = None
+    monkeypatch.setattr(loader, "DecoderModel", capture)
+    cut = loader.load_model(model_dir, "cpu", "float32", progress=False, on_layer=on_layer)
+    shard_model(cut, shard, layers_cut=True)
+    assert seen == list(range(len(cut.model.layers)))
+    whole = load_model(model_dir, "cpu", "float32", progress=False)
+    shard_model(whole, shard)
+    a, b = cut.state_dict(), whole.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert cut.model.layers[0].mlp.expert_tokens.shape == whole.model.layers[0].mlp.expert_tokens.shape
