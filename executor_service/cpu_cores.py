@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from executor_service.tp_launch import rendezvous_master
+
 
 def add_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cpu-cores", metavar="LIST",
@@ -79,8 +81,7 @@ def share_with_local_ranks(args: argparse.Namespace) -> list[str] | None:
     --cpu-cores cut into one contiguous slice per rank, in cpuset syntax; args.cpu_cores becomes rank 0's. None
     when there is nothing to share. Raises ValueError for fewer cores than ranks."""
     size = args.tensor_parallel_size
-    if (args.cpu_cores is None or size <= 1 or args.tp_master is not None or args.tp_store is not None
-            or "MASTER_ADDR" in os.environ):
+    if args.cpu_cores is None or size <= 1 or args.tp_store is not None or rendezvous_master(args) is not None:
         return None
     cores = list(parse_cores(args.cpu_cores))
     if len(cores) < size:

@@ -11,8 +11,8 @@ Two parts, each row-invariant on its own:
 
 What cannot be made invariant here is refused at start (ValueError, the CLI exits 2): LoRA adapters (their
 deltas run in the eager forward), --compile and --decode-kernel torch (eager steps), --tensor-parallel-size > 1
-(the CLI checks it before it starts ranks), and whatever the native step itself refuses (a GPU, MoE layers, float16 models, the families ModelConfig.native_decode_refusal names,
-a CPU without AVX2/FMA/F16C or no compiler).
+(the CLI checks it before it starts ranks), and whatever the native step itself refuses (a GPU, MoE layers,
+float16 models, the families ModelConfig.native_decode_refusal names, a CPU without AVX2/FMA/F16C or no compiler).
 
 Prompt logprobs: the native step gives the logits of every row, so the runner scores prompt tokens from those
 logits directly (the "hidden state" a cache keeps between chunks is then its last row's logits).

@@ -88,9 +88,7 @@ class TpLaunch:
             return None
         if size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
-        master = args.tp_master
-        if master is None and args.tp_store is None and "MASTER_ADDR" in env:
-            master = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+        master = rendezvous_master(args)
         rank = args.tp_rank if args.tp_rank is not None else int(env.get("RANK", 0)) if master else 0
         if not 0 <= rank < size:
             raise ValueError(f"--tp-rank {rank} is outside 0..{size - 1}")
@@ -101,6 +99,15 @@ class TpLaunch:
                                  "tokens; run the ranks on a private network and pass --insecure")
         return cls(size, rank, master, args.tp_store, args.tp_parent_pid, args.tp_join_timeout, args.tp_timeout,
                    args.insecure, tuple(rank_cores or ()))
+
+
+def rendezvous_master(args: argparse.Namespace) -> str | None:
+    """ADDR:PORT of the rank-0 store this process meets its group at: --tp-master, else torchrun's MASTER_ADDR
+    and MASTER_PORT; None for one machine (rank 0 starts the workers, which find it through --tp-store)."""
+    if args.tp_master is not None or args.tp_store is not None:
+        return args.tp_master
+    env = os.environ
+    return f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}" if "MASTER_ADDR" in env else None
 
 
 def _loopback(host: str) -> bool:

@@ -27,7 +27,7 @@ from models.huge_pages import move_parameters_to_huge_pages
 from models.kv_cache import PagedKvCache
 from models.loader import load_model, resolve_dtype
 from models.mapped_pages import trim_heap
-from models.tensor_parallel import Shard, shard_layer, shard_model, shard_refusal
+from models.tensor_parallel import Shard, shard_layer, shard_model
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor.tp")
@@ -57,18 +57,13 @@ def tp_refusal(config: ExecutorConfig) -> str | None:
 def load_shard(config: ExecutorConfig, shard: Shard, device: torch.device, progress: bool) -> DecoderModel:
     """This rank's part of the model, on `device`. A checkpoint directory is loaded and cut on the host, then
     the shard is moved: a rank's GPU never holds more than its part (the whole model may not fit one GPU, which
-    is why it is split), and the ranks of one machine share the file's pages while they cut. Raises ValueError
-    for sizes that do not divide."""
+    is why it is split), and the ranks of one machine share the file's pages while they cut. A directory's sizes
+    were checked before the rank started (tp_main.refuse_early); a GGUF file's raise ValueError here."""
     directory = config.model_dir.suffix.lower() != ".gguf"  # (a GGUF file is loaded whole, then cut)
     on_host = device.type != "cpu" and directory
     dtype = config.dtype
-    if directory:
-        cfg = ModelConfig.from_dir(config.model_dir)
-        why = shard_refusal(cfg, shard.size)  # before anything is read
-        if why:
-            raise ValueError(f"tensor parallelism: {why}")
-        if on_host:  # the device's dtype (auto: bfloat16 on CUDA), loaded on the host
-            dtype = str(resolve_dtype(dtype, cfg, device)).removeprefix("torch.")
+    if on_host:  # the device's dtype (auto: bfloat16 on CUDA), loaded on the host
+        dtype = str(resolve_dtype(dtype, ModelConfig.from_dir(config.model_dir), device)).removeprefix("torch.")
     # a directory's layers cut as each is loaded: one layer's fused q/k/v and stacked experts whole at a time
     model = load_model(config.model_dir, "cpu" if on_host else device, dtype, progress=progress,
                        on_layer=(lambda layer: shard_layer(layer, shard)) if directory else None)

@@ -112,7 +112,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     used_expert_tensors: set[str] = set()
     layer: str | None = None  # the decoder layer whose tensors are being read (on_layer)
 
-    def assign(done: str | None) -> None:  # (on_layer) what was read so far into the model, then the layer cut
+    def assign(done: str | None) -> None:  # what was read so far into the model, then (on_layer) the layer cut
+        # (not strict: every wanted tensor is read into `state` on the way, so nothing can be missing)
         model.load_state_dict(state, strict=False, assign=True)
         loaded.update(state)
         state.clear()
@@ -152,11 +153,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
             release_file_pages(sources)
     sources.clear()
     bar.close()
-    if on_layer is None:
-        model.load_state_dict(state, strict=not tied, assign=True)
-        loaded.update(state)
-    else:  # (every wanted tensor was read into `state` on the way: nothing can be missing)
-        assign(layer)
+    assign(layer)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     _warn_unused(files, loaded | used_expert_tensors | read_names, tied)

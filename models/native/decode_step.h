@@ -46,10 +46,11 @@ struct TdModel {
 // One decode step of B rows, every layer, on `threads` OpenMP threads (torch's runtime: op.cpp passes
 // at::get_num_threads()). ids, pos: [B]; tables: [B, width]; cos, sin: [B, head_dim]; logits: [B, vocab]
 // (written), or with head_rows (n_head ascending row indices) [n_head, vocab]: the LM head of those rows only
-// (a prompt chunk wants its last row's), each row's logits the same bits either way. A row is one token of a sequence; several adjacent rows may be one sequence's tokens (a step
-// verifying drafts: the same table, consecutive positions), each attending over the positions up to its own,
-// the others' K/V included, as if they came one step at a time. Inputs are trusted (op.cpp checked them). Returns 0, or 1 when scratch memory could not be
-// allocated (nothing but this call's K/V slots written). Never throws.
+// (a prompt chunk wants its last row's), each row's logits the same bits either way. A row is one token of a
+// sequence; several adjacent rows may be one sequence's tokens (a step verifying drafts: the same table,
+// consecutive positions), each attending over the positions up to its own, the others' K/V included, as if they
+// came one step at a time. Inputs are trusted (op.cpp checked them). Returns 0, or 1 when scratch memory could
+// not be allocated (nothing but this call's K/V slots written). Never throws.
 int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const int64_t* pos, const int64_t* tables,
                        int64_t width, const float* cos, const float* sin, const int64_t* head_rows, int64_t n_head,
                        float* logits, int threads);
