@@ -152,10 +152,7 @@ class KvTransfer:
                 self.seconds["export"].observe(time.perf_counter() - start)
             done = True
         finally:
-            if not done:  # refused mid-way, or the importer went away (the generator was closed)
-                with self._guard:
-                    self.export_failures += 1
-            self._unpin(exp)
+            self._unpin(exp, failed=not done)  # not done: refused mid-way, or the importer went away (closed)
 
     def _pin_cache(self, cache_id: str, session: str) -> _Export:
         with self.ex.control_op("export_kv", session):
@@ -192,15 +189,16 @@ class KvTransfer:
             self.active_exports += 1
         return exp
 
-    def _unpin(self, exp: _Export) -> None:
+    def _unpin(self, exp: _Export, failed: bool) -> None:
         with self._guard:
             if exp.closed:
                 return
             exp.closed = True
         with self.ex.control_op("export_kv"):
             self.ex.kv.allocator.free(reversed(exp.blocks))
-        with self._guard:
+        with self._guard:  # no longer active and failed in one step: a scrape never sees one without the other
             self.active_exports -= 1
+            self.export_failures += failed
 
     # ----------------------------------------------------------------- import
     def import_(self, chunks: Iterable[tuple[TransferHeader | None, list[BlockPayload]]], create_cache: bool,
@@ -212,15 +210,15 @@ class KvTransfer:
         start = time.perf_counter()
         with self._guard:
             self.active_imports += 1
+        failed = True
         try:
-            return self._import(chunks, create_cache, session, start)
-        except BaseException:
-            with self._guard:
-                self.import_failures += 1
-            raise
+            result = self._import(chunks, create_cache, session, start)
+            failed = False
+            return result
         finally:
-            with self._guard:
+            with self._guard:  # (as _unpin: the two move together)
                 self.active_imports -= 1
+                self.import_failures += failed
 
     def _import(self, chunks: Iterable[tuple[TransferHeader | None, list[BlockPayload]]], create_cache: bool,
                 session: str, start: float) -> ImportResult:
