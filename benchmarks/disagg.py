@@ -1,4 +1,4 @@
-"""KV that moves between executors (issue 35), as a client sees it, on two executors and one scheduler:
+"""KV that moves between executors, as a client sees it, on two executors and one scheduler:
 
 - roles: 8 decoding streams beside a stream of long prompts; the decoding streams' inter-token latency
   (p50/p99) while the long prompts run, with `--role prefill` + `--role decode` executors vs two `both` ones,

@@ -13,7 +13,7 @@ import torch
 from benchmarks.local_executor import DecodeBatch, DecodeState
 from benchmarks.measure import Clock, median_seconds
 from benchmarks.workloads import token_budget_groups
-from executor_service import codec
+from executor_service.rpc import codec
 from executor_service.executor import Executor
 from executor_service.types import OutputMode, OutputOptions
 from tandem.executor.v1 import executor_pb2 as pb

@@ -12,7 +12,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
-from scheduler.grammar import JSON_OPTIONS
+from scheduler.structured.grammar import JSON_OPTIONS
 
 
 @dataclass

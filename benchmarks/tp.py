@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 38): decode-step and prefill time, and each rank's resident memory, of the same
+"""Tensor parallelism: decode-step and prefill time, and each rank's resident memory, of the same
 executor at --tensor-parallel-size 1, 2, ... (real server processes over gRPC, the same prompts). Each size gets
 the same cores in all: --threads T at size 1 is T/N threads per rank at size N (at least 1). Method and how to
 read it: docs/tensor-parallel.md, Measured."""

@@ -10,13 +10,13 @@ import torch
 
 from executor_service import cpu_cores
 from executor_service.config import ExecutorConfig
-from executor_service.deterministic import TENSOR_PARALLEL as DETERMINISTIC_TP_REFUSAL
-from executor_service.kv_events_endpoint import ZmqKvConfig
-from executor_service.kv_transfer_config import add_flags as add_kv_transfer_flags
-from executor_service.kv_transfer_config import from_args as kv_transfer_from_args
-from executor_service.server import ServerConfig, serve
-from executor_service.tp_launch import TpLaunch, add_tp_flags
-from executor_service.tp_main import run_tensor_parallel
+from executor_service.step.deterministic import TENSOR_PARALLEL as DETERMINISTIC_TP_REFUSAL
+from executor_service.kv.events.endpoint import ZmqKvConfig
+from executor_service.kv.transfer.config import add_flags as add_kv_transfer_flags
+from executor_service.kv.transfer.config import from_args as kv_transfer_from_args
+from executor_service.rpc.server import ServerConfig, serve
+from executor_service.tp.launch import TpLaunch, add_tp_flags
+from executor_service.tp.main import run_tensor_parallel
 from models.huge_pages import MODES as HUGE_PAGE_MODES
 from tandem.errors import TandemError
 from tandem.security.config import add_server_flags, server_security

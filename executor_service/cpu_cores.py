@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from executor_service.tp_launch import rendezvous_master
+from executor_service.tp.launch import rendezvous_master
 
 
 def add_flags(ap: argparse.ArgumentParser) -> None:

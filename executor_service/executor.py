@@ -9,7 +9,7 @@ lengths, tokens, registered sampling), whatever step it happens at.
 
 Every cache belongs to a session (sessions.py); an operation sees only its session's caches (`session=""`,
 the default, is the anonymous session, so direct callers need no sessions). Locking: operations that
-change caches or run the model hold the model lock (op_lock.py), control operations (release, truncate,
+change caches or run the model hold the model lock (executor_service/step/op_lock.py), control operations (release, truncate,
 close, reap, unload) ahead of queued model calls; reads (info, kv_usage, list_caches, list_adapters,
 metrics, keep_alive, open_session) take only the short locks of what they read and never wait for a
 model call.
@@ -23,23 +23,23 @@ from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Sequence
 
 from executor_service.adapters import AdapterRegistry
-from executor_service.batch_step import BatchStep
-from executor_service.cache_table import CacheState, CacheStore, CacheTable
+from executor_service.step.batch_step import BatchStep
+from executor_service.kv.cache_table import CacheState, CacheStore, CacheTable
 from executor_service.config import ExecutorConfig
-from executor_service.decode_steps import MAX_DECODE_STEPS, run_decode_steps  # noqa: F401  (re-exported)
-from executor_service.kv_events import KvEventHub, Subscription
-from executor_service.kv_fingerprint import fingerprint_of
-from executor_service.kv_tier_link import TierLink
-from executor_service.kv_transfer import KvTransfer
+from executor_service.step.decode_steps import MAX_DECODE_STEPS, run_decode_steps  # noqa: F401  (re-exported)
+from executor_service.kv.events.hub import KvEventHub, Subscription
+from executor_service.kv.fingerprint import fingerprint_of
+from executor_service.kv.tiers.link import TierLink
+from executor_service.kv.transfer.pinned_export import KvTransfer
 from executor_service.memory_probe import resident_memory_bytes
-from executor_service.metrics import ExecutorMetrics, MetricsSnapshot
+from executor_service.metrics.op_stats import ExecutorMetrics, MetricsSnapshot
 from executor_service.model_stack import ModelStack
-from executor_service.op_lock import OpLock
-from executor_service.prefix_cache import PrefixCache, PrefixCacheStats
-from executor_service.prompt_logprob_store import restore_prompt_logprobs
+from executor_service.step.op_lock import OpLock
+from executor_service.kv.prefix_cache import PrefixCache, PrefixCacheStats
+from executor_service.kv.prompt_logprob_store import restore_prompt_logprobs
 from executor_service.request_validation import RequestValidator, check_release_with_step, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
-from executor_service.tp_stack import build_stack
+from executor_service.tp.stack import build_stack
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, OutputOptions, PrefillResult, SessionLease,
                                     SessionListing, StepResults, UnifiedItem, UnifiedResult, VerifyResult)
@@ -50,29 +50,29 @@ from tandem.sampling_params import SamplingParams
 
 CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
                 "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling",
-                # issue 11: sessions with leases, per-item statuses, sampling registered with the cache
+                # sessions with leases, per-item statuses, sampling registered with the cache
                 "sessions", "item_status", "registered_sampling",
-                # issue 12: CreateCache (reuses cached prefixes when "prefix_caching" is listed too), KV events
+                # CreateCache (reuses cached prefixes when "prefix_caching" is listed too), KV events
                 "create_cache", "kv_events",
-                # issue 14: UnifiedItem/DecodeItem.draft_token_ids verified in the batch
+                # UnifiedItem/DecodeItem.draft_token_ids verified in the batch
                 "speculative_drafts",
-                # issue 18: UnifiedItem.allowed_tokens (token masks for constrained decoding) is applied
+                # UnifiedItem.allowed_tokens (token masks for constrained decoding) is applied
                 "token_masks",
-                # issue 30: release_cache_ids of UnifiedDecode and Decode, released before the items run
+                # release_cache_ids of UnifiedDecode and Decode, released before the items run
                 "release_with_step",
                 # UnifiedItem/CreateCacheItem.prompt_logprobs, kept beside the prefix cache's blocks
                 "prompt_logprobs",
-                # issue 34: DecodeItem.ngram_drafts (drafts proposed and verified within a multi-step Decode)
+                # DecodeItem.ngram_drafts (drafts proposed and verified within a multi-step Decode)
                 "multi_step_drafts",
-                # issue 35: ExportKv/ImportKv between executors (kv_transfer.py)
+                # ExportKv/ImportKv between executors (executor_service/kv/transfer/pinned_export.py)
                 "kv_transfer")
 
 
 class Executor:
     """The façade of the in-process API. Its parts, each in a file named for it: the model stack
-    (model_stack.py), request validation (request_validation.py), the cache table (cache_table.py), one step
-    over a session's caches (batch_step.py) and its packed forward (batch.py), adapters (adapters.py),
-    metrics (metrics.py)."""
+    (model_stack.py), request validation (request_validation.py), the cache table (executor_service/kv/cache_table.py), one step
+    over a session's caches (executor_service/step/batch_step.py) and its packed forward (executor_service/step/batch.py), adapters (adapters.py),
+    metrics (executor_service/metrics/op_stats.py)."""
 
     def __init__(self, config: ExecutorConfig, stack: ModelStack | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -102,7 +102,7 @@ class Executor:
         self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics)
         self._lock = OpLock()
         self.transfer = KvTransfer(self, fingerprint_of(config, stack))
-        if self.prefix.enabled:  # evicted blocks kept in host memory / on disk (kv_tier.py)
+        if self.prefix.enabled:  # evicted blocks kept in host memory / on disk (executor_service/kv/tiers/store.py)
             kt = config.kv_transfer
             self.prefix.tiers = TierLink.open(self.kv, self.transfer.fingerprint, kt.host_gb, kt.disk_dir, kt.disk_gb,
                                               self.events, lambda: self.control_op("kv_tier"))
@@ -307,7 +307,7 @@ class Executor:
         """The cache as it is now; length 0 when the session does not hold it (for failed items' results)."""
         return self._store.view(session).ref(cache_id)
 
-    # ----------------------------------------------------------------- for kv_transfer.py / kv_tiers.py
+    # ----------------------------------------------------------------- for executor_service/kv/transfer/pinned_export.py / kv_tiers.py
     def control_op(self, name: str, session: str | None = None) -> ContextManager[None]:
         """The model lock for a short state change outside a model call (a transfer's chunk)."""
         return self._op(name, session, control=True)

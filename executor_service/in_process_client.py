@@ -1,4 +1,4 @@
-"""An ExecutorClient (scheduler/executor_client.py) over an in-process Executor: no network, for tests and
+"""An ExecutorClient (scheduler/executor/client.py) over an in-process Executor: no network, for tests and
 benchmarks. It speaks the same messages as the gRPC server, through the same codec, and reports errors as a
 remote executor would (RemoteError with the status name the gRPC edge would choose), so a scheduler cannot
 tell it from the real thing except by speed.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence, TypeVar
 
-from executor_service import codec
+from executor_service.rpc import codec
 from executor_service.executor import Executor
 from tandem.errors import RemoteError, TandemError
 from tandem.executor.v1 import executor_pb2 as epb

@@ -20,26 +20,26 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.batch import BatchRunner
+from executor_service.step.batch import BatchRunner
 from executor_service.config import ExecutorConfig
-from executor_service.cuda_graph_step import CAPABILITY as CUDA_GRAPHS
-from executor_service.cuda_graph_step import graph_decode_step
-from executor_service.decode_kernel import DecodeStep, choose_decode_step
-from executor_service.deterministic import CAPABILITY as DETERMINISTIC
-from executor_service.deterministic import DeterministicRunner, config_refusal, deterministic_step
-from executor_service.kv_sizing import build_kv_pool
+from executor_service.step.cuda_graph_step import CAPABILITY as CUDA_GRAPHS
+from executor_service.step.cuda_graph_step import graph_decode_step
+from executor_service.step.decode_kernel import DecodeStep, choose_decode_step
+from executor_service.step.deterministic import CAPABILITY as DETERMINISTIC
+from executor_service.step.deterministic import DeterministicRunner, config_refusal, deterministic_step
+from executor_service.kv.sizing import build_kv_pool
 from executor_service.types import KvPoolSizing
-from models.attention_backend import AttentionBuilder, choose_backend
-from models.compiled_decode import CompiledDecode
+from models.attention.backend import AttentionBuilder, choose_backend
+from models.decode.compiled import CompiledDecode
 from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
-from models.cuda_graphs import CudaGraphDecode
+from models.decode.cuda_graphs import CudaGraphDecode
 from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
 from models.huge_pages import move_parameters_to_huge_pages
 from models.kv_cache import PagedKvCache
 from models.kv_dtype import kv_dtype_name, resolve_kv_dtype
 from models.loader import load_model
 from models.mapped_pages import trim_heap
-from models.native_decode import NativeBuild, NativeDecode, model_refusal
+from models.decode.native import NativeBuild, NativeDecode, model_refusal
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -59,8 +59,8 @@ class ModelStack:
     kv_pool: KvPoolSizing  # how the pool was sized, and why
     decode_step: DecodeStep | None  # all-decode batches run it; None: the eager forward
     runner: BatchRunner
-    attention_backend: str = "gathered"  # the eager forward's paged attention (models/attention_backend.py)
-    cuda_graphs_refused: str | None = None  # why decode steps do not replay CUDA graphs (cuda_graph_step.py)
+    attention_backend: str = "gathered"  # the eager forward's paged attention (models/attention/backend.py)
+    cuda_graphs_refused: str | None = None  # why decode steps do not replay CUDA graphs (executor_service/step/cuda_graph_step.py)
 
     @property
     def compiled(self) -> CompiledDecode | None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from executor_service.adapters import AdapterRegistry
-from executor_service.batch import PlannedItem
-from executor_service.cache_table import CacheState, CacheTable
-from executor_service.ngram_drafts import MAX_DRAFT_TOKENS  # noqa: F401  (re-exported)
+from executor_service.step.batch import PlannedItem
+from executor_service.kv.cache_table import CacheState, CacheTable
+from executor_service.step.ngram_drafts import MAX_DRAFT_TOKENS  # noqa: F401  (re-exported)
 from executor_service.types import CreateCacheItem, UnifiedItem
 from models.config import ModelConfig
 from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong, TandemError

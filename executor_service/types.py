@@ -7,7 +7,7 @@ from typing import Iterable, TypeVar
 
 import torch
 
-from executor_service.ngram_drafts import NgramDrafts
+from executor_service.step.ngram_drafts import NgramDrafts
 from tandem.errors import TandemError
 from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
@@ -79,7 +79,7 @@ class UnifiedItem:
     # sequence passes its true prompt length so the earlier outputs still count as outputs.
     prompt_len: int | None = None
     # Speculative decoding (final chunks only): tokens guessed to follow token_ids, verified in the same
-    # forward (batch.py). The output then holds the accepted drafts and the token sampled after them; the
+    # forward (executor_service/step/batch.py). The output then holds the accepted drafts and the token sampled after them; the
     # cache keeps only token_ids and the accepted drafts.
     draft_token_ids: tuple[int, ...] = ()
     # The packed mask of the tokens the token sampled after this item may be (tandem/token_mask.py's layout);
@@ -87,7 +87,7 @@ class UnifiedItem:
     allowed_tokens: bytes | None = None
     # Prompt logprobs: return each of this item's tokens' logprob (given the tokens before it) with this many
     # alternatives; None = not asked. The cache keeps the last position's hidden state for the next item
-    # (executor_service/prompt_logprobs.py).
+    # (executor_service/step/prompt_logprobs.py).
     prompt_logprobs: int | None = None
 
 
@@ -111,7 +111,7 @@ class DecodeItem:
     adapter: str = ""
     stop_token_ids: frozenset[int] = frozenset()
     draft_token_ids: tuple[int, ...] = ()  # as UnifiedItem's; only with num_steps <= 1
-    ngram_drafts: NgramDrafts | None = None  # the executor drafts before each step (executor_service/ngram_drafts.py)
+    ngram_drafts: NgramDrafts | None = None  # the executor drafts before each step (executor_service/step/ngram_drafts.py)
     max_tokens: int = 0  # most tokens returned in the call; 0 = num_steps
 
 
@@ -170,7 +170,7 @@ class VerifyResult:
 
 @dataclass(frozen=True)
 class KvPoolSizing:
-    """The KV pool's size and why (executor_service/kv_sizing.py decides it at start)."""
+    """The KV pool's size and why (executor_service/kv/sizing.py decides it at start)."""
 
     blocks: int
     tokens: int  # blocks x block_size
@@ -207,12 +207,12 @@ class ExecutorInfo:
     kv_pool: KvPoolSizing | None = None
     resident_memory_bytes: int = 0  # the process's RSS when the info was taken (0: not known)
     quantization: str = "none"  # --quantization: none | int8 | fp16
-    deterministic: bool = False  # --deterministic (executor_service/deterministic.py)
+    deterministic: bool = False  # --deterministic (executor_service/step/deterministic.py)
     role: str = "both"  # --role: prefill | decode | both
-    kv_fingerprint: str = ""  # executor_service/kv_fingerprint.py
-    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the model is split over (tp_stack.py)
+    kv_fingerprint: str = ""  # executor_service/kv/fingerprint.py
+    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the model is split over (executor_service/tp/stack.py)
     kv_dtype: str = ""  # the KV pool's dtype, as --kv-dtype spells it (models/kv_dtype.py)
-    attention_backend: str = ""  # the eager forward's paged attention (models/attention_backend.py)
+    attention_backend: str = ""  # the eager forward's paged attention (models/attention/backend.py)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class ModelConfig:
 
     @property
     def native_decode_refusal(self) -> str | None:
-        """Why the native C++ decode step (models/native_decode.py) cannot run this architecture: it runs the
+        """Why the native C++ decode step (models/decode/native.py) cannot run this architecture: it runs the
         Llama layout (pre-norm, per-head q/k norm, SiLU MLP, full attention with the default scale, one rope)
         and nothing else. None when the architecture is that layout (MoE and machine facts are checked there)."""
         facts = [

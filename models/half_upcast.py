@@ -9,7 +9,7 @@ streaming copy (~0.1 ns per weight) and not a fresh allocation (~0.6 ns: page fa
 float32 and rounds the result back to the activations' dtype. Half GEMMs accumulate in float32 as well, so
 the numbers differ only in summation order. Calls with fewer rows keep the half GEMM: converting the weights
 costs more than it saves below ~5 rows (measured 1.6-1.8x faster at 8 rows, 2.6-3x at 16), and batch-1
-decode is the native kernel's (models/native_decode.py), which reads half weights itself. The model runs one
+decode is the native kernel's (models/decode/native.py), which reads half weights itself. The model runs one
 forward at a time (the executor's model thread), so one scratch buffer serves all its layers.
 """
 from __future__ import annotations

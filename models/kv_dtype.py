@@ -5,7 +5,7 @@ the pool smaller (bfloat16/float16 beside float32 weights: half; fp8_e4m3 beside
 bfloat16: half) at the price of precision: K/V are converted as they are written into the pool (`store_kv`) and
 back to the activations' dtype as they are read (`load_kv`). The gathered and decode paths convert the rows
 they gather; the flex path gathers the batch's blocks (each once) converted, instead of reading the pool in
-place (models/flex_attention.py). The native CPU decode step reads the pool as the weights' dtype: it refuses
+place (models/attention/flex.py). The native CPU decode step reads the pool as the weights' dtype: it refuses
 such a pool (models/native_decode.native_refusal), so decode steps run the PyTorch forward, and
 `--decode-kernel native` (or --deterministic) beside it exits 2 with the reason.
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import AttentionMetadata
-from models.attention_spec import AttentionSpec
+from models.attention.paged import AttentionMetadata
+from models.attention.spec import AttentionSpec
 from models.config import ModelConfig
-from models.decode_attention import DecodeMetadata
+from models.decode.attention import DecodeMetadata
 from models.half_upcast import HalfUpcast
 from models.kv_cache import PagedKvCache
 from models.lora_batch import LoraBatch
@@ -44,7 +44,7 @@ class Linear(nn.Linear):
             return self.quant(x)
         if self.upcast is not None and x.shape[0] >= self.upcast.min_rows and not torch.compiler.is_compiling():
             return self.upcast.linear(x, self.weight, self.bias)
-        # Compiled (models/compiled_decode.py), the compiler packs the weights itself (inductor freezing).
+        # Compiled (models/decode/compiled.py), the compiler packs the weights itself (inductor freezing).
         if self.packed is not None and (x.shape[0] <= PACKED_MAX_TOKENS or self.plain_dropped) \
                 and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")

@@ -1,5 +1,5 @@
 """Loads an HF model directory (config.json + safetensors, single or sharded) into a DecoderModel (a GGUF
-file goes to models/gguf_loader.py).
+file goes to models/gguf/loader.py).
 
 The model is built on the meta device and each parameter is assigned straight from the file: a weight used
 as stored stays a view of the mapped file (resident once, in the page cache). A weight made from others (q/k/v
@@ -74,8 +74,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     (tensor parallelism cuts the layer there, so that no more than one layer's fused or stacked weights are ever
     whole: models/tensor_parallel.shard_layer)."""
     model_dir = Path(model_dir)
-    if model_dir.suffix.lower() == ".gguf":  # a GGUF file (llama.cpp's format): models/gguf_loader.py
-        from models.gguf_loader import load_gguf_model  # (it imports nothing from here: given what it shares)
+    if model_dir.suffix.lower() == ".gguf":  # a GGUF file (llama.cpp's format): models/gguf/loader.py
+        from models.gguf.loader import load_gguf_model  # (it imports nothing from here: given what it shares)
         model = load_gguf_model(model_dir, torch.device(device),
                                 lambda cfg: resolve_dtype(dtype, cfg, torch.device(device)), _FUSED, progress)
         for layer in model.model.layers if on_layer is not None else ():  # (loaded whole, then cut)

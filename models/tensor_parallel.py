@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 38): a loaded DecoderModel cut in place down to one rank's shard, Megatron-style.
+"""Tensor parallelism: a loaded DecoderModel cut in place down to one rank's shard, Megatron-style.
 
 Per layer: q/k/v column-parallel (the rank's query heads and KV heads: its KV pool holds only those), o_proj
 row-parallel (+ one all_reduce); gate/up column-parallel, down row-parallel (+ one all_reduce); MoE layers

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import AttentionMetadata
+from models.attention.paged import AttentionMetadata
 from models.config import ModelConfig
-from models.decode_attention import DecodeMetadata
+from models.decode.attention import DecodeMetadata
 from models.half_upcast import HalfUpcast, onednn_lacks
 from models.kv_cache import PagedKvCache
 from models.layers import MLP, PACKED_MAX_TOKENS, Attention, Linear, RMSNorm  # noqa: F401  (re-exported)
@@ -77,7 +77,7 @@ class DecoderModel(nn.Module):
         self.rotary: RotaryEmbedding | None = None  # the model's rope; set by the loader once the device is known
         self.layer_rotary: list[RotaryEmbedding | None] = []  # per layer (Gemma 3's local rope, NoPE layers)
         self.weights_version = 0  # bumped whenever weights change in place (quantize): kernels holding raw
-        # pointers to the weights (models/native_decode.py) rebuild their descriptors
+        # pointers to the weights (models/decode/native.py) rebuild their descriptors
 
     def init_rotary(self, device: torch.device) -> None:
         cfg = self.config

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scheduler.decode_bursts import BurstConfig
+from scheduler.engine.decode_bursts import BurstConfig
 from scheduler.http.limits import HttpLimits
-from scheduler.speculation import SpeculativeConfig
+from scheduler.engine.speculation import SpeculativeConfig
 from tandem.security.config import ServerSecurity
 
 
@@ -55,7 +55,7 @@ class SchedulerConfig:
     # The HTTP front's read timeouts, connection caps and prompts per request (--http-*-timeout-s, ...).
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
-    # Multi-step decode (scheduler/decode_bursts.py): --decode-burst-ms, --max-decode-steps
+    # Multi-step decode (scheduler/engine/decode_bursts.py): --decode-burst-ms, --max-decode-steps
     bursts: BurstConfig = field(default_factory=BurstConfig)
     security: ServerSecurity = ServerSecurity()  # this server's TLS, tokens, reflection (gRPC and HTTP alike)
     # The link to the executors: TLS when a CA or a client certificate is given (executor_tls_ca None: the

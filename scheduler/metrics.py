@@ -4,8 +4,8 @@ One SchedulerMetrics per server, on a registry of its own (not prometheus_client
 several schedulers can live in one test process). Names are vLLM's where they mean the same, with `tandem:`
 for `vllm:` (dashboards and alerts written for vLLM carry over); docs/metrics.md lists them all.
 
-Request figures are counted as they happen: each request's stream (scheduler/request_stream.py) reports its
-admission, tokens and end through the RequestEvents hooks (scheduler/request_events.py) that SchedulerMetrics
+Request figures are counted as they happen: each request's stream (scheduler/output/request_stream.py) reports its
+admission, tokens and end through the RequestEvents hooks (scheduler/output/request_events.py) that SchedulerMetrics
 implements, into plain counters and lock-free histograms (the event loop is their one writer) that
 _RequestCollector exports when scraped. Queue lengths, KV usage and the per-executor counters the engines
 keep anyway are read when scraped, as plain ExecutorStats from a callable the server hands over
@@ -23,9 +23,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler.executor_info import ExecutorStats
-from scheduler.kv_migration_metrics import KvMoveCollector, KvMoveCounters
-from scheduler.model_server_metrics import ModelServerCollector
+from scheduler.executor.info import ExecutorStats
+from scheduler.fleet.kv_migration_metrics import KvMoveCollector, KvMoveCounters
+from scheduler.compat.llmd_gauges import ModelServerCollector
 from scheduler.request import FinishReason
 from tandem.histogram import SingleWriterHistogram
 from tandem.metrics_http import serve_metrics
@@ -76,7 +76,7 @@ class SchedulerMetrics:
     def watch(self, executors: Callable[[], list[ExecutorStats]], model_name: str = "",
               prefix_caching: Callable[[], bool] = lambda: False) -> None:
         """Exports each executor's queue lengths, KV usage and counters, read from executors() when scraped,
-        and the pod-level gauges under vLLM's names that llm-d reads (scheduler/model_server_metrics.py)."""
+        and the pod-level gauges under vLLM's names that llm-d reads (scheduler/compat/llmd_gauges.py)."""
         self.registry.register(_ExecutorCollector(executors))
         self.registry.register(ModelServerCollector(executors, model_name, prefix_caching))
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from tandem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from scheduler.grammar import CompiledConstraint
+    from scheduler.structured.grammar import CompiledConstraint
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class GenerateRequest:
     adapter: str = ""
     top_logprobs: int = 0
     keep_special_tokens: bool = False
-    constraint: "CompiledConstraint | None" = None  # structured output (scheduler/grammar.py); None = none
+    constraint: "CompiledConstraint | None" = None  # structured output (scheduler/structured/grammar.py); None = none
     prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None = no prompt logprobs
 
     def choices(self, n: int) -> list["GenerateRequest"]:

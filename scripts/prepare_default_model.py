@@ -9,7 +9,7 @@ completion marker and return at once. The last stdout line is the model director
 
     dir=$(python scripts/prepare_default_model.py | tail -1)
 
-The conversion is Tandem's own GGUF path (models/gguf_*.py, scheduler/gguf_tokenizer.py: what serves
+The conversion is Tandem's own GGUF path (models/gguf_*.py, scheduler/text/gguf_tokenizer.py: what serves
 `--model FILE.gguf`), written out as a directory. Preparation only (needs gguf, numpy, safetensors,
 tokenizers); never imported by the servers.
 """
@@ -99,15 +99,15 @@ def _gguf_modules() -> Any:
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
-    import models.gguf_config as gguf_config
-    import models.gguf_file as gguf_file
-    import models.gguf_tensors as gguf_tensors
-    import scheduler.gguf_tokenizer as gguf_tokenizer
+    import models.gguf.config as gguf_config
+    import models.gguf.file as gguf_file
+    import models.gguf.tensors as gguf_tensors
+    import scheduler.text.gguf_tokenizer as gguf_tokenizer
     return gguf_config, gguf_file, gguf_tensors, gguf_tokenizer
 
 
 def hf_name(name: str) -> str:
-    """The HF name of a tensor of a llama GGUF (models/gguf_tensors.py)."""
+    """The HF name of a tensor of a llama GGUF (models/gguf/tensors.py)."""
     gguf_tensors = _gguf_modules()[2]
     try:
         return gguf_tensors.hf_name(name, "llama")
@@ -116,15 +116,15 @@ def hf_name(name: str) -> str:
 
 
 def unpermute_rope_rows(w: Any, n_head: int) -> Any:
-    """Inverse of llama.cpp convert_hf_to_gguf's `permute` of attn_q/attn_k rows (models/gguf_tensors.py)."""
+    """Inverse of llama.cpp convert_hf_to_gguf's `permute` of attn_q/attn_k rows (models/gguf/tensors.py)."""
     return _gguf_modules()[2].unpermute_rope_rows(w, n_head)
 
 
 def convert(gguf: Path, dest: Path) -> None:
     """Writes the HF model directory into `dest` (an empty temp dir) through Tandem's GGUF path: the metadata
-    as the HF config (models/gguf_config.py), each tensor dequantized to float32 under its HF name with the
-    Q/K rows un-permuted (models/gguf_tensors.py), the tokenizer as the scheduler builds it from the file
-    (scheduler/gguf_tokenizer.py). Heavy imports live here."""
+    as the HF config (models/gguf/config.py), each tensor dequantized to float32 under its HF name with the
+    Q/K rows un-permuted (models/gguf/tensors.py), the tokenizer as the scheduler builds it from the file
+    (scheduler/text/gguf_tokenizer.py). Heavy imports live here."""
     gguf_config, gguf_file, gguf_tensors, gguf_tokenizer = _gguf_modules()
     try:
         with step(f"reading GGUF {gguf.name}"):

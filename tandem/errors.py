@@ -134,7 +134,7 @@ class TooManyCalls(CapacityExceeded):
 
 class DataLoss(TandemError):
     """Data that arrived (or was read back) corrupted or incomplete: a KV block whose checksum does not match,
-    a transfer stream that ended short (executor_service/kv_transfer.py)."""
+    a transfer stream that ended short (executor_service/kv/transfer/pinned_export.py)."""
 
 
 class BlocksNotCached(TandemError):

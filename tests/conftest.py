@@ -74,7 +74,7 @@ def _limit_threads() -> None:
 
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory) -> Callable[..., Path]:
-    """family_checkpoint(family, **config_overrides) -> a tiny checkpoint of one of issue 32's families
+    """family_checkpoint(family, **config_overrides) -> a tiny checkpoint of one of the families
     (tests/models/family_checkpoints.py); skips when this transformers lacks the family's classes. Each
     distinct request is built once per session."""
     from tests.models.family_checkpoints import make_family_checkpoint, missing_config_class

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import grpc
 
-from scheduler.executor_client import ExecutorUnreachable
+from scheduler.executor.client import ExecutorUnreachable
 from tandem.errors import RemoteError
 from tandem.executor.v1 import executor_pb2 as epb
 

@@ -1,5 +1,5 @@
 // One decode step of a dense decoder (Llama / Qwen2 / Qwen3) for B sequences, every layer in one call:
-// the native decode kernel behind `--decode-kernel native` (models/native_decode.py builds and calls it).
+// the native decode kernel behind `--decode-kernel native` (models/decode/native.py builds and calls it).
 //
 // Why it exists: at batch 1 a decode step of a small model is bound by reading its weights, and the eager
 // PyTorch step spends half its time elsewhere (hundreds of small ops, Python between them, a gathered K/V

@@ -1,4 +1,4 @@
-// The native decode step as a torch op (models/native_decode.py builds this file with decode_step.cpp through
+// The native decode step as a torch op (models/decode/native.py builds this file with decode_step.cpp through
 // torch.utils.cpp_extension and calls it):
 //
 //   model = torch.classes.tandem.DecodeModel(embed, final_norm, norms, qk_norms, weights, scales, biases,

@@ -18,8 +18,8 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from scheduler import codec
-from scheduler.fleet import Fleet
+from scheduler.rpc import codec
+from scheduler.fleet.fleet import Fleet
 from scheduler.http import convert, errors, tool_calls
 from scheduler.http import schemas as s
 from scheduler.http.auth import TokenAuth

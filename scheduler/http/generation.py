@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from scheduler.fleet import Fleet
+from scheduler.fleet.fleet import Fleet
 from scheduler.request import Delta, GenerateRequest
-from scheduler.request_stream import RequestStream
+from scheduler.output.request_stream import RequestStream
 from scheduler.token_limits import Lease
 from tandem.errors import TandemError
 

@@ -15,7 +15,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from scheduler.chat_input import check_function_name
+from scheduler.text.chat_input import check_function_name
 from scheduler.http import schemas as s
 from scheduler.http.errors import BadParameter
 from tandem.errors import InvalidRequest

@@ -8,7 +8,7 @@ than once per second) or on SIGHUP:
 - the HTTP front (uvicorn): an SSLContext whose SNI callback (run at every handshake, SNI sent or not) moves
   the handshake onto a context built from the current files, with the same effect.
 - the scheduler's channels to executors: ClientTls.version changes, and the client opens a new channel for
-  new calls (scheduler/executor_client.py).
+  new calls (scheduler/executor/client.py).
 
 A file set that does not load (a half-written rotation, a key that does not match) is refused with a log line
 and the certificates read before stay in force. At startup it is an error naming the flag.

@@ -46,13 +46,13 @@ def test_the_image_installs_a_compiler_and_ninja():
 
 
 def test_the_image_prebuilds_the_native_kernel_for_the_pods_user():
-    """`python -m models.native_decode` runs after the package is installed and as the user the manifests
+    """`python -m models.decode.native` runs after the package is installed and as the user the manifests
     run as (uid 1000), so the library lands in the cache the executor reads (~/.cache/tandem/native)."""
-    build = _index(lambda op, args: op == "RUN" and "python -m models.native_decode" in args)
+    build = _index(lambda op, args: op == "RUN" and "python -m models.decode.native" in args)
     assert build > _index(lambda op, args: op == "RUN" and "pip install ." in args)
     assert build > _index(lambda op, args: op == "USER" and args.startswith("1000"))
     assert ("ENV", "HOME=/home/tandem") in _instructions()[:build]
-    tree = ast.parse((ROOT / "models" / "native_decode.py").read_text())  # (no torch imported here)
+    tree = ast.parse((ROOT / "models" / "decode" / "native.py").read_text())  # (no torch imported here)
     assert any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body)
     assert any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body)
 

@@ -11,7 +11,7 @@ import re
 import pytest
 import yaml
 
-from executor_service.tp_launch import TpLaunch
+from executor_service.tp.launch import TpLaunch
 from tests.cli_parsers import ROOT, cli_parser
 
 MANIFEST = ROOT / "deploy" / "k8s" / "tensor-parallel" / "40-executor-lws.yaml"

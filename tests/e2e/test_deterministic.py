@@ -1,4 +1,4 @@
-"""--deterministic with real processes (issue 36): the same requests give bit-identical tokens AND logprobs
+"""--deterministic with real processes: the same requests give bit-identical tokens AND logprobs
 (top-5 alternatives included) through the scheduler, whatever happened around them.
 
 32 requests over the tiny Llama (half greedy, half seeded sampling at temperature 1 with top-k and top-p;
@@ -24,7 +24,7 @@ import sys
 import httpx
 import pytest
 
-from models.native_decode import machine_refusal
+from models.decode.native import machine_refusal
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb

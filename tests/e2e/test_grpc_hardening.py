@@ -1,4 +1,4 @@
-"""Both gRPC servers against malformed input and overload (issue 31, the gRPC half), with real processes: a tiny
+"""Both gRPC servers against malformed input and overload (the gRPC half of the hardening), with real processes: a tiny
 llama executor with an adapter root, a scheduler with default limits and one with a low --max-concurrent-rpcs.
 Each refusal is a precise status with a plain message, a neighbour request is served, and the KV ends idle.
 

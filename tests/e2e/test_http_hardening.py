@@ -1,4 +1,4 @@
-"""The HTTP front against malformed input and greedy or slow clients (issue 31), with real processes: a tiny
+"""The HTTP front against malformed input and greedy or slow clients, with real processes: a tiny
 llama executor and two schedulers — one with default limits, one with short read deadlines, small connection
 caps and tokens with a per-token share. Each refusal is a 4xx with OpenAI's error body naming the field or
 the limit, the next request on the same connection (or a neighbour's) is served, and the KV ends idle.

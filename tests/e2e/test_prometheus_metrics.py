@@ -137,7 +137,7 @@ def test_counters_and_histograms_match_the_workload(scheduler, executor):
     assert e('tandem:executor_step_duration_seconds_count{kind="decode"}') > 0
     assert sum(e(f'tandem:executor_step_tokens_sum{{kind="{k}"}}') for k in kinds) == \
         e("tandem:executor_tokens_processed_total") == prompt + generated - requests
-    # each scheduler step is one UnifiedDecode, or one Decode of several steps (a burst, decode_bursts.py)
+    # each scheduler step is one UnifiedDecode, or one Decode of several steps (a burst, scheduler/engine/decode_bursts.py)
     assert e('tandem:executor_rpc_duration_seconds_count{method="UnifiedDecode"}') + \
         e('tandem:executor_rpc_duration_seconds_count{method="Decode"}') == \
         delta(after_s, before_s, f"tandem:scheduler_steps_total{where}")

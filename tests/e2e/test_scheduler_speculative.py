@@ -1,4 +1,4 @@
-"""Speculative decoding end to end (issue 14), both servers as real processes: schedulers with
+"""Speculative decoding end to end, both servers as real processes: schedulers with
 `--speculative ngram` and with it off give the same outputs.
 
 Tiny Llama: one executor shared by a speculating scheduler (--ngram-min 1, so its rarely repeating output
@@ -17,7 +17,7 @@ import random
 import openai
 import pytest
 
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.e2e.test_prometheus_metrics import scrape

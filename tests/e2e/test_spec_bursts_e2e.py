@@ -1,4 +1,4 @@
-"""Speculation inside multi-step decode (issue 34) with real processes: one executor (tiny Llama), a
+"""Speculation inside multi-step decode with real processes: one executor (tiny Llama), a
 scheduler with `--speculative ngram` and bursts and one with bursts only; the same requests through both end with identical tokens, text, logprobs and finish reasons:
 greedy loops that n-gram lookup predicts (most drafts accepted), seeded sampling, penalties, a stop token,
 a stop string, max_new_tokens, and a constrained-free batch of several at once. The speculating side really

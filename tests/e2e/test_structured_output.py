@@ -1,4 +1,4 @@
-"""Structured output on the default model through the full stack (issue 18): JSON schemas (nested objects,
+"""Structured output on the default model through the full stack: JSON schemas (nested objects,
 arrays, enums, bounded numbers, required/optional properties, $ref), regexes, choices and a Lark grammar,
 greedy and sampled, every output valid; unconstrained requests in the same batch unchanged; greedy constrained
 tokens equal to transformers' greedy decoding under the same llguidance masks; invalid constraints refused with
@@ -21,9 +21,9 @@ import torch
 from openai import BadRequestError, OpenAI
 from transformers import DynamicCache
 
-from scheduler.constraint import TokenConstraint
-from scheduler.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler
-from scheduler.tokenizer import ChatMessage, ModelTokenizer
+from scheduler.structured.constraint import TokenConstraint
+from scheduler.structured.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler
+from scheduler.text.tokenizer import ChatMessage, ModelTokenizer
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as pb
 from tandem.token_mask import mask_words

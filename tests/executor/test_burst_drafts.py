@@ -1,4 +1,4 @@
-"""Speculation inside multi-step Decode (DecodeItem.ngram_drafts, issue 34), on the tiny fp32 Llama in process:
+"""Speculation inside multi-step Decode (DecodeItem.ngram_drafts), on the tiny fp32 Llama in process:
 the executor drafts from each sequence's own tokens before every step and verifies the drafts in the step's
 forward. Every test compares with the same Decode without ngram_drafts (plain decoding, one token per
 forward): greedy and seeded sampling give identical tokens (and logprobs), the caches end at the same length
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from executor_service.ngram_drafts import NgramDrafts, propose
+from executor_service.step.ngram_drafts import NgramDrafts, propose
 from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem
 from tandem.errors import InvalidRequest, KvCapacityExceeded
 from tandem.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""The compiled decode step (--compile, models/compiled_decode.py) on CPU: the attention forms it uses, and
+"""The compiled decode step (--compile, models/decode/compiled.py) on CPU: the attention forms it uses, and
 the executor with it against transformers / peft and against the eager path — greedy runs, mixed batches
 (prefill chunks beside decodes, releases), LoRA (which stays eager beside compiled base steps), a fault in
 the compiled call, and a real `--compile` server on Qwen3-MoE.
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from executor_service.types import CacheRef, DecodeItem
-from models.compiled_decode import CompiledDecode, set_compile_cache_dir
-from models.decode_attention import attend_gathered, write_kv
+from models.decode.compiled import CompiledDecode, set_compile_cache_dir
+from models.decode.attention import attend_gathered, write_kv
 from tests.executor.test_lora_parity import ADAPTERS, Setup as LoraSetup
 from tests.executor_driver import LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run
 from tests.hf_reference import HfReference, rel_err
@@ -155,7 +155,7 @@ def test_moe_server_with_compile_matches_transformers(tiny_checkpoint):
     compiled segments): two sequences through UnifiedDecode — a prefill beside a decode (an eager, mixed call),
     then both decoding (compiled, batch 2), then one alone (compiled, padded batch 1) — give transformers'
     greedy tokens and logits."""
-    from executor_service import codec
+    from executor_service.rpc import codec
     from tandem.executor.v1 import executor_pb2 as pb
     from tests.grpc_harness import start_executor
     model_dir = tiny_checkpoint("qwen3_moe", config_overrides=dict(num_experts=8, num_experts_per_tok=2,

@@ -52,7 +52,7 @@ def test_executor_with_and_without_packing_agree(tiny_checkpoint, arch):
 
 def test_native_decode_step_leaves_weights_plain(model_dir):
     """The native step reads the plain weights: with it, packing them would hold each weight twice."""
-    from models.native_decode import machine_refusal
+    from models.decode.native import machine_refusal
     if machine_refusal():
         pytest.skip(machine_refusal())
     ex = make_executor(model_dir, decode_kernel="native")

@@ -1,4 +1,4 @@
-"""Whether decode steps replay CUDA graphs (executor_service/cuda_graph_step.py): on CPU the chosen step stays and
+"""Whether decode steps replay CUDA graphs (executor_service/step/cuda_graph_step.py): on CPU the chosen step stays and
 the log says why, --cuda-graphs there is refused, --no-cuda-graphs asks nothing; on CUDA (marked `cuda`, skipped
 here; scripts/gpu_check runs it) an executor replaying graphs gives the eager executor's greedy tokens."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
-from executor_service.cuda_graph_step import cuda_graph_refusal, graph_decode_step
+from executor_service.step.cuda_graph_step import cuda_graph_refusal, graph_decode_step
 from models.kv_cache import PagedKvCache
 from models.loader import load_model
 from tandem.executor.v1 import executor_pb2 as pb
@@ -27,7 +27,7 @@ def model_and_kv(model_dir):
 
 def test_cpu_keeps_the_chosen_step_and_logs_why(model_dir, model_and_kv, caplog):
     model, kv = model_and_kv
-    chosen = object()  # whatever decode_kernel.py chose stays
+    chosen = object()  # whatever executor_service/step/decode_kernel.py chose stays
     with caplog.at_level(logging.INFO, logger="tandem.executor"):
         step, reason = graph_decode_step(ExecutorConfig(model_dir), model, kv, chosen)  # type: ignore[arg-type]
     assert step is chosen and reason == "the device is cpu, not CUDA"

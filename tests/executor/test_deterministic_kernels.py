@@ -1,5 +1,5 @@
-"""--deterministic in process (issue 36): the row-invariant forward (models/deterministic_step.py), the
-invariant sampler (models/sampler.py) and the executor over them (executor_service/deterministic.py).
+"""--deterministic in process: the row-invariant forward (models/decode/deterministic.py), the
+invariant sampler (models/sampler.py) and the executor over them (executor_service/step/deterministic.py).
 
 Held here, bit for bit (tokens, logprobs, top-5 alternatives): a sequence's run is the same whether its prompt
 went whole, in chunks of 1, 3, 16 or 7, alone or beside other items (prompt chunks and decode rows of other
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
-from executor_service.deterministic import config_refusal
-from executor_service.kv_fingerprint import differences
+from executor_service.step.deterministic import config_refusal
+from executor_service.kv.fingerprint import differences
 from executor_service.types import CacheRef, DecodeItem, OutputOptions, UnifiedItem
-from models.deterministic_step import ROPE_BLOCK, RopeTable
-from models.native_decode import machine_refusal
+from models.decode.deterministic import ROPE_BLOCK, RopeTable
+from models.decode.native import machine_refusal
 from models.sampler import Sampler, SamplingRow
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor, raising

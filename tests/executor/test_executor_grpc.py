@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from executor_service import codec
+from executor_service.rpc import codec
 from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem
 from tandem.sampling_params import SamplingParams
 from tandem.common.v1 import common_pb2 as cpb

@@ -1,4 +1,4 @@
-"""Issue 32 through the real executor process (gRPC): one sliding-window family (Mistral) and one MoE family
+"""The families through the real executor process (gRPC): one sliding-window family (Mistral) and one MoE family
 (Mixtral), default flags (the decode kernel chosen as in production). Greedy tokens and logits equal
 transformers' in a batch of two sequences with chunked prefill, and a Mistral sequence four windows long holds
 at most window / block_size + 1 blocks (KvUsage and ListCaches say so)."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_service import codec
+from executor_service.rpc import codec
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for
 from tests.hf_reference import HfReference, rel_err

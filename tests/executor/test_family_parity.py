@@ -1,4 +1,4 @@
-"""Issue 32's families (Mistral, Mixtral, Gemma 2/3, Phi-3, Granite, OLMo 2, SmolLM3, GPT-OSS) through the
+"""the families (Mistral, Mixtral, Gemma 2/3, Phi-3, Granite, OLMo 2, SmolLM3, GPT-OSS) through the
 in-process Executor against transformers on the same tiny random fp32 checkpoints: greedy tokens equal and
 logits within 1e-4 relative error, with chunked prefill, prompts and generations past the sliding windows
 (and past Phi-3's LongRoPE switch at 64 positions), a mixed batch of several sequences, and preemption
@@ -54,7 +54,7 @@ def family(request, family_checkpoint):
 
 def executor_for(model_dir, kernel: str, monkeypatch, **kwargs):
     if kernel == "decode-metadata":  # CompiledDecode's path with torch.compile as the identity: eager
-        monkeypatch.setattr("models.compiled_decode.torch.compile", lambda fn, **_: fn)
+        monkeypatch.setattr("models.decode.compiled.torch.compile", lambda fn, **_: fn)
         return make_executor(model_dir, compile=True, **kwargs)
     return make_executor(model_dir, decode_kernel=kernel, **kwargs)
 

@@ -1,4 +1,4 @@
-"""Executors sharing a host (issue 34): an idle executor sleeps (its CPU time from /proc over a few seconds, after
+"""Executors sharing a host: an idle executor sleeps (its CPU time from /proc over a few seconds, after
 decode steps have started its OpenMP team), and `--cpu-cores` puts every thread of the process on the cores
 listed (executor_service/cpu_cores.py). Real executor processes on the tiny model.
 

@@ -1,4 +1,4 @@
-"""Per-item results in process (issue 11): in Decode and UnifiedDecode an item that is wrong on its own gets
+"""Per-item results in process: in Decode and UnifiedDecode an item that is wrong on its own gets
 its own error and writes nothing; the others run and answer exactly as they would alone. Errors of the call
 (no items, too many tokens, KV full) still raise with nothing written. The in-process client answers with
 the same per-item statuses as the gRPC server."""

@@ -1,4 +1,4 @@
-"""Per-item statuses over gRPC (issue 11), on a real executor process: a bad item of a UnifiedDecode or Decode
+"""Per-item statuses over gRPC, on a real executor process: a bad item of a UnifiedDecode or Decode
 answers with its own status (code + message naming it), writes nothing, and the items beside it run; the
 call answers OK even when every item failed; the KV pool returns to its total. Plus the reply-size refusal's
 way out (bfloat16 logits) and sampling registered with the cache."""

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from executor_service.kv_block_bytes import block_nbytes, read_blocks, write_blocks
+from executor_service.kv.block_bytes import block_nbytes, read_blocks, write_blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])

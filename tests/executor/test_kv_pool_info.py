@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_service.kv_sizing import DEFAULT_MAX_SEQUENCES
+from executor_service.kv.sizing import DEFAULT_MAX_SEQUENCES
 from models.kv_cache import PagedKvCache
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for

@@ -1,4 +1,4 @@
-"""executor_service/kv_sizing.py: the KV pool's size for each flag and default, in blocks, tokens and bytes,
+"""executor_service/kv/sizing.py: the KV pool's size for each flag and default, in blocks, tokens and bytes,
 with a reason a user can read. Free memory is faked, so the numbers are exact."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service import kv_sizing
+from executor_service.kv import sizing as kv_sizing
 from executor_service.config import ExecutorConfig
-from executor_service.kv_sizing import (CPU_KV_BUDGET_BYTES, DEFAULT_KV_FRACTION_CUDA, DEFAULT_MAX_SEQUENCES,
+from executor_service.kv.sizing import (CPU_KV_BUDGET_BYTES, DEFAULT_KV_FRACTION_CUDA, DEFAULT_MAX_SEQUENCES,
                                         describe, size_kv_pool)
 
 GiB = 1 << 30

@@ -20,9 +20,10 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from executor_service.vllm_kv_wire import hash_to_int
+from executor_service.kv.events.vllm_wire import hash_to_int
 from tandem.block_hash import chain_hashes, root_hash
 from tandem.executor.v1 import executor_pb2 as pb
+from tandem.executor.v1 import executor_pb2_grpc as executor_grpc
 from tests.grpc_harness import start_executor
 from tests.kv_event_reader import KvEventReader
 from tests.vllm_kv_event_defs import AllBlocksCleared, BlockRemoved, BlockStored, replay
@@ -206,9 +207,14 @@ def test_transfer_metrics(model_dir):
             server.stub.ImportKv(pb.ImportKvRequest(source_address="127.0.0.1:9", create_cache=True,
                                                     export=pb.ExportKvRequest(cache_id=pre.cache.cache_id)))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        stream = server.stub.ExportKv(pb.ExportKvRequest(cache_id=pre.cache.cache_id, max_chunk_bytes=1))
-        next(stream)  # the first of 3 chunks, then the reader goes away: a failed export
-        stream.cancel()
+        # the first of 3 chunks, then the reader goes away: a failed export. A receive window smaller than a
+        # chunk (and no window growth) keeps the executor from having sent all 3 before the cancel arrives.
+        with grpc.insecure_channel(server.address, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                            ("grpc.http2.bdp_probe", 0)]) as slow:
+            stream = executor_grpc.ExecutorServiceStub(slow).ExportKv(
+                pb.ExportKvRequest(cache_id=pre.cache.cache_id, max_chunk_bytes=1))
+            next(stream)
+            stream.cancel()
         m = wait_metric(server, ("tandem:executor_kv_transfer_failures_total", (("direction", "export"),)), 1)
         exp, imp = (("direction", "export"),), (("direction", "import"),)
         assert m[("tandem:executor_kv_transfers_total", exp)] == 1 and m[("tandem:executor_kv_transfers_total", imp)] == 1

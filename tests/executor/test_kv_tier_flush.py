@@ -1,4 +1,4 @@
-"""A clean stop keeps the pool's warm prefixes (kv_tier_flush.py, docs/kv-transfer.md 'Tiers'), through real
+"""A clean stop keeps the pool's warm prefixes (executor_service/kv/tiers/flush.py, docs/kv-transfer.md 'Tiers'), through real
 executor processes: a prompt whose blocks never left the pool is written to --kv-disk-dir on SIGTERM, and the
 restarted executor finds it (a prefix hit, the same next token); --kv-disk-flush-s 0 writes nothing; a SIGKILL
 in the middle of the flush leaves a tier whose every file is whole, that reopens and serves no wrong token."""
@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from executor_service.kv_tier import decode
+from executor_service.kv.tiers.store import decode
 from tandem.block_hash import chain_hashes, root_hash
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_executor

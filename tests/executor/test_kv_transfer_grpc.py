@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from executor_service.kv_block_bytes import crc32c
-from executor_service.kv_fingerprint import differences
+from executor_service.kv.block_bytes import crc32c
+from executor_service.kv.fingerprint import differences
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_executor, start_for
 from tests.tcp_relay import TcpRelay

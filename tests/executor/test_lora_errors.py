@@ -1,4 +1,4 @@
-"""LoRA adapters (issue 5): bad adapter directories, paths outside --adapter-root, wrong names and wrong
+"""LoRA adapters: bad adapter directories, paths outside --adapter-root, wrong names and wrong
 state raise typed errors with the right gRPC code, leave the executor exactly as it was (adapter list,
 counters, KV) and it keeps serving. Plus the same codes over a real gRPC server."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_service import codec
+from executor_service.rpc import codec
 from tandem.status_map import status_for
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import AdapterNotFound, CacheStateConflict, InvalidRequest, PermissionDenied, TandemError

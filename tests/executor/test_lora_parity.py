@@ -1,4 +1,4 @@
-"""Multi-LoRA parity (issue 5): the executor with PEFT adapters against peft's own forward on tiny fp32
+"""Multi-LoRA parity: the executor with PEFT adapters against peft's own forward on tiny fp32
 checkpoints: whole and chunked prefill, decode steps, mixed batches of base + several adapters, the
 device LRU (max_adapters_on_device) and unload / reload."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The native decode kernel (`--decode-kernel native`, models/native_decode.py) against transformers and the
+"""The native decode kernel (`--decode-kernel native`, models/decode/native.py) against transformers and the
 PyTorch step: greedy runs on every dense architecture (Qwen2's biases, Qwen3's q/k norms), mixed batches with
 chunks and releases, LoRA beside native base steps, quantized weights, batch invariance, a failed step that
 changes nothing, the op's own checks of what it is given, the choice of kernel (auto / native / torch /
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
-from executor_service.decode_kernel import choose_decode_step
+from executor_service.step.decode_kernel import choose_decode_step
 from executor_service.types import CacheRef, DecodeItem
-from models.native_decode import (NativeBuild, NativeDecode, build_library, load_kernel, machine_refusal,
+from models.decode.native import (NativeBuild, NativeDecode, build_library, load_kernel, machine_refusal,
                                   native_refusal)
 from tests.executor.test_lora_parity import ADAPTERS, Setup as LoraSetup
 from tests.executor_driver import (LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run,
@@ -274,7 +274,7 @@ def test_real_executor_process_serves_native_steps(tiny_checkpoint):
     a greedy run through Decode matches transformers — with a bad item (a token id past the vocabulary, then
     a wrong position) beside it in every call: each bad item fails alone, the good one is unaffected, and
     after the release the pool is whole (nothing leaked). On a MoE model the flag exits 2 with the reason."""
-    from executor_service import codec
+    from executor_service.rpc import codec
     from tandem.executor.v1 import executor_pb2 as pb
     from tests.grpc_harness import start_executor
     model_dir = tiny_checkpoint("qwen3")

@@ -1,4 +1,4 @@
-"""Drafts verified inside the native decode step (issue 34): an item with k draft tokens is k + 1 rows of its
+"""Drafts verified inside the native decode step: an item with k draft tokens is k + 1 rows of its
 sequence in one native call (models/native/decode_step.cpp: every row's K/V written before any row attends),
 so a drafted step, alone or within a multi-step burst, never falls back to the eager forward.
 
@@ -15,9 +15,9 @@ import itertools
 
 import pytest
 
-from executor_service.ngram_drafts import NgramDrafts
+from executor_service.step.ngram_drafts import NgramDrafts
 from executor_service.types import CacheRef, DecodeItem, OutputOptions, UnifiedItem
-from models.native_decode import machine_refusal
+from models.decode.native import machine_refusal
 from tests.executor.test_burst_drafts import LOOPING, looping
 from tests.executor.test_speculative_verify import (PROMPTS, SCHEDULES, Run, oracle_drafts, plain_run,
                                                     prompt_of)

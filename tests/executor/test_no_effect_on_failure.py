@@ -1,4 +1,4 @@
-"""A call that fails changed nothing (issue 11), shown by injecting faults in process: the sampler or the
+"""A call that fails changed nothing, shown by injecting faults in process: the sampler or the
 model forward raising (a bug, a device OOM) after the KV was reserved, at the first step or a later step of
 a multi-step Decode; a call whose deadline passed before it reached the model thread; a reply over the
 message limit. After each: every cache's length, tokens, prompt end and registered sampling, the free
@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 
-from executor_service.interceptor import RpcMetrics
-from executor_service.model_thread import ModelThread
-from executor_service.servicer import ExecutorServicer
+from executor_service.rpc.interceptor import RpcMetrics
+from executor_service.step.model_thread import ModelThread
+from executor_service.rpc.servicer import ExecutorServicer
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import DeadlineExceeded, DeviceOutOfMemory, ReplyTooLarge
 from tandem.executor.v1 import executor_pb2 as pb

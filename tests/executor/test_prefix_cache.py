@@ -1,4 +1,4 @@
-"""Automatic prefix caching in process (issue 12): prompts reuse cached prefixes through create_caches, and
+"""Automatic prefix caching in process: prompts reuse cached prefixes through create_caches, and
 every output equals that of an executor with prefix caching off on the same weights (tokens identical,
 logits within the parity suites' tolerance): a shared system prompt over many requests (tiny model and
 SmolLM2), multi-turn chat, mixed batches with chunked prefill, multi-step decode, Qwen3-MoE, a small pool

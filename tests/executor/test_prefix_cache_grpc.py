@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from executor_service import codec
+from executor_service.rpc import codec
 from tandem.block_hash import chain_hashes, root_hash
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc

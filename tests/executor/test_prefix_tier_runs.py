@@ -1,4 +1,4 @@
-"""A prefix loaded back from the KV tiers (executor_service/prefix_cache.py, _load_from_tiers) stops before a
+"""A prefix loaded back from the KV tiers (executor_service/kv/prefix_cache.py, _load_from_tiers) stops before a
 block the pool already holds: with a sliding window a cache frees its early blocks while it still holds later
 ones, so a parent can be evicted (and spilled) while its child stays in the pool. The copy loaded for that child
 cannot be indexed (its hash is taken), and adopting an unindexed block would corrupt the allocator; the run the
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from executor_service.kv_events import KvEventHub
-from executor_service.kv_tier_link import TierLink
-from executor_service.prefix_cache import PrefixCache
+from executor_service.kv.events.hub import KvEventHub
+from executor_service.kv.tiers.link import TierLink
+from executor_service.kv.prefix_cache import PrefixCache
 from models.kv_cache import BlockTable, PagedKvCache
 from tandem.block_hash import chain_hashes
 

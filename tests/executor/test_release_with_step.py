@@ -1,4 +1,4 @@
-"""Frees ride with the step (issue 30): UnifiedDecode and Decode release the caches their release_cache_ids
+"""Frees ride with the step: UnifiedDecode and Decode release the caches their release_cache_ids
 name before their items run, as ReleaseCache would (idempotent, unknown and other sessions' ids ignored),
 in the same model operation; the freed blocks serve the call's own items; the caches stay released when
 the call then fails; more than 4096 ids is INVALID_ARGUMENT with nothing released. In process, through the

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.shapes import make_checkpoint, weight_bytes
-from models.native_decode import machine_refusal
+from models.decode.native import machine_refusal
 from tests.grpc_harness import start_executor, start_scheduler
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.scheduler_client import collect, ids_request

@@ -1,4 +1,4 @@
-"""Sampling parameters registered with the cache (issue 11): set at creation and by every item that sends
+"""Sampling parameters registered with the cache: set at creation and by every item that sends
 some; an item that sends none (UnifiedItem.sampling None, the proto's unset field) samples with the
 registered ones. A failed item or call registers nothing."""
 from __future__ import annotations

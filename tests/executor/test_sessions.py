@@ -1,4 +1,4 @@
-"""Sessions and leases in process (issue 11), on a fake clock: no sleeps. A session's caches go when it is
+"""Sessions and leases in process, on a fake clock: no sleeps. A session's caches go when it is
 closed or its lease lapses (and the reaper runs); every call renews the lease, a call in flight holds it;
 a session sees only its own caches; the anonymous session follows the same TTL rule. Plus the model lock's
 priority for control operations and the bounded model-call queue."""
@@ -12,8 +12,8 @@ import pytest
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
-from executor_service.model_thread import ModelThread
-from executor_service.op_lock import OpLock
+from executor_service.step.model_thread import ModelThread
+from executor_service.step.op_lock import OpLock
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import CacheNotFound, InvalidRequest, QueueFull, SessionNotFound
 from tandem.status_map import status_for

@@ -1,4 +1,4 @@
-"""Sessions and leases against real executor processes (issue 11): caches freed on CloseSession, on lease
+"""Sessions and leases against real executor processes: caches freed on CloseSession, on lease
 expiry (a client SIGKILLed, an idle anonymous user), kept by KeepAlive; another session's caches invisible;
 ListCaches; instance ids; and control calls answered while a long model call runs and the bounded model
 queue refuses the excess at once.

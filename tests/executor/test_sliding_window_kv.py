@@ -1,4 +1,4 @@
-"""Sliding windows that save memory (issue 32): a model whose every layer slides (Mistral) keeps only the
+"""Sliding windows that save memory: a model whose every layer slides (Mistral) keeps only the
 blocks its next query's window reads; a model mixing sliding and full layers (Gemma 2) keeps them all. Parity
 with transformers throughout, prefix caching over slid-out blocks, the refused truncation into freed blocks,
 ForwardVerify + truncate, and the KvUsage accounting."""

@@ -1,4 +1,4 @@
-"""Speculative decoding in the executor (issue 14): draft tokens (UnifiedItem / DecodeItem.draft_token_ids)
+"""Speculative decoding in the executor: draft tokens (UnifiedItem / DecodeItem.draft_token_ids)
 verified inside the batch's forward, on tiny fp32 checkpoints in process.
 
 The drafts are ORACLE drafts: the tokens a run without drafts produced, sent all right, right for a prefix
@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from executor_service import codec
+from executor_service.rpc import codec
 from executor_service.in_process_client import InProcessExecutorClient
 from executor_service.request_validation import MAX_DRAFT_TOKENS
 from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 38) through real processes: `--tensor-parallel-size 2` and `4` (gloo, one machine:
+"""Tensor parallelism through real processes: `--tensor-parallel-size 2` and `4` (gloo, one machine:
 rank 0 starts its workers) give the TP=1 executor's greedy tokens and logits within 1e-4 on four families (Llama
 with tied embeddings, Qwen3's q/k norms, Gemma 2's soft caps and sandwich norms, Qwen3-MoE's experts split by
 rank), through chunked prefill, batched decode, drafts, prompt logprobs, a truncation into a shared block
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from executor_service.in_process_client import InProcessExecutorClient
-from executor_service.tp_channel import EXIT_GROUP_DOWN
+from executor_service.tp.channel import EXIT_GROUP_DOWN
 from models.loader import load_model
 from models.tensor_parallel import Shard, shard_model
 from tandem.executor.v1 import executor_pb2 as epb
@@ -241,7 +241,7 @@ def test_a_shard_is_cut_on_the_host_before_it_moves_to_its_device(model_dir):
     """load_shard for a device other than the CPU (CUDA in service; the meta device stands in here): the rank's
     device receives the cut shard only, never the whole model."""
     from executor_service.config import ExecutorConfig
-    from executor_service.tp_stack import load_shard
+    from executor_service.tp.stack import load_shard
     whole = load_model(model_dir, "cpu", "float32", progress=False)
     shard = load_shard(ExecutorConfig(model_dir, dtype="float32"), Shard(0, 2), torch.device("meta"), progress=False)
     assert {p.device.type for p in shard.parameters()} == {"meta"}

@@ -1,4 +1,4 @@
-"""Token masks (UnifiedItem.allowed_tokens, issue 18) on the executor: applied before every other sampling step
+"""Token masks (UnifiedItem.allowed_tokens) on the executor: applied before every other sampling step
 (bias, penalties, temperature, filters), logprobs and returned logits raw; a mask of the wrong length, one that
 allows nothing, or one on a chunk that samples nothing fails its item alone with INVALID_ARGUMENT. Through the
 in-process client, i.e. the gRPC codec and per-item statuses the gRPC server uses."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_service.codec import decode_logits
+from executor_service.rpc.codec import decode_logits
 from executor_service.in_process_client import InProcessExecutorClient
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as pb

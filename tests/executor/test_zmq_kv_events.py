@@ -20,9 +20,9 @@ import urllib.request
 import pytest
 import zmq
 
-from executor_service.kv_events import BlocksRemoved, BlocksStored
-from executor_service.vllm_kv_wire import hash_to_int
-from executor_service.zmq_kv_publisher import ZmqKvPublisher
+from executor_service.kv.events.hub import BlocksRemoved, BlocksStored
+from executor_service.kv.events.vllm_wire import hash_to_int
+from executor_service.kv.events.zmq_publisher import ZmqKvPublisher
 from tandem.block_hash import chain_hashes, root_hash
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for

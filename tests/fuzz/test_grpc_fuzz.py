@@ -1,4 +1,4 @@
-"""Property-based fuzzing of both gRPC services (issue 31) against real processes: a tiny llama executor (with an
+"""Property-based fuzzing of both gRPC services against real processes: a tiny llama executor (with an
 adapter root) and a scheduler with default flags. Hypothesis draws
 
 - valid-shaped request messages of every unary ExecutorService RPC and of GenerateService's Generate and

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the OpenAI-compatible HTTP front (issue 31) against real processes: a tiny llama
+"""Property-based fuzzing of the OpenAI-compatible HTTP front against real processes: a tiny llama
 executor and a scheduler with default flags. For every body hypothesis draws (tests/fuzz/strategies.py:
 valid-shaped chat completions, completions, tokenize and detokenize requests with huge integers, surrogates,
 odd Unicode, wrong types and nesting; any JSON to any route; raw bytes and odd headers on a socket):

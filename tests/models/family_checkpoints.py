@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of the model families beyond Llama/Qwen (issue 32), written by transformers itself
+"""Tiny random checkpoints of the model families beyond Llama/Qwen, written by transformers itself
 from its own config classes (no downloads), with the tiny trained tokenizer of scripts/make_tiny_checkpoint.py.
 
 Each family's settings make what differs from Llama visible in the logits: small windows (prompts and

@@ -1,4 +1,4 @@
-"""Bounded attention work per call (issue 11): a bucket whose padded workspace (rows x queries x longest
+"""Bounded attention work per call: a bucket whose padded workspace (rows x queries x longest
 context) is over --max-attention-elements is split into sub-buckets of similar context lengths, and the
 answers do not change: a batch mixing one long context with many short items gives the same logits as each
 item run alone."""
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-import models.attention as attention
+import models.attention.paged as attention
 from executor_service.types import UnifiedItem
-from models.attention import ItemLayout, attention_elements, split_bucket
+from models.attention.paged import ItemLayout, attention_elements, split_bucket
 from tests.executor_driver import LOGITS, make_executor
 from tests.hf_reference import rel_err
 

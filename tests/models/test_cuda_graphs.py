@@ -1,4 +1,4 @@
-"""CUDA graphs for decode (models/cuda_graphs.py): the bucket and padding logic on CPU; the capture and a padded
+"""CUDA graphs for decode (models/decode/cuda_graphs.py): the bucket and padding logic on CPU; the capture and a padded
 bucket's tokens against the eager step on CUDA (marked `cuda`, skipped without it; scripts/gpu_check runs them)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.cuda_graphs import bucket_for, graph_buckets, pad_decode
+from models.decode.cuda_graphs import bucket_for, graph_buckets, pad_decode
 from models.kv_cache import decode_block_table
 
 
@@ -41,8 +41,8 @@ def test_padding_repeats_row_zero_and_fixes_the_table_width():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_padded_bucket_gives_the_eager_tokens(model_dir):
-    from models.attention import ItemLayout
-    from models.cuda_graphs import CudaGraphDecode
+    from models.attention.paged import ItemLayout
+    from models.decode.cuda_graphs import CudaGraphDecode
     from models.kv_cache import PagedKvCache
     from models.loader import load_model
     model = load_model(model_dir, "cuda", "float32", progress=False)
@@ -52,7 +52,7 @@ def test_padded_bucket_gives_the_eager_tokens(model_dir):
                           torch.device("cuda")) for _ in range(2)]
     graphs = CudaGraphDecode(model, pools[1], max_batch=8)
     graphs.capture()
-    from models.attention_backend import AttentionBuilder
+    from models.attention.backend import AttentionBuilder
     tables = [[1, 2], [3, 4], [5, 6]]  # 3 rows: the bucket of 4, one padded row
     prompts = [list(range(5, 25)), list(range(30, 41)), list(range(50, 53))]
     with torch.inference_mode():

@@ -1,4 +1,4 @@
-"""Issue 32's families at the config and checkpoint level: what each config.json becomes, the fields the code
+"""the families at the config and checkpoint level: what each config.json becomes, the fields the code
 does not implement refused by name, the native decode step's refusal facts, and GPT-OSS's MXFP4 experts
 dequantized at load (on a checkpoint this test quantizes itself)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FlexAttention paged attention (models/flex_attention.py) against the gathered path (models/attention.py) on
+"""FlexAttention paged attention (models/attention/flex.py) against the gathered path (models/attention/paged.py) on
 every family's tiny checkpoint: the same batches (fresh prefill, a chunk after cached tokens, a prefix hit
 through shared blocks, decode, draft verify, sliding windows with the null block) on two pools, logits within
 fp32 1e-4 and the same greedy tokens. Flex runs eagerly here (torch 2.13's CPU flex template: see the module);
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import ItemLayout
-from models.attention_backend import AttentionBuilder, choose_backend
-from models.attention_spec import AttentionSpec
-from models.flex_attention import FlexMetadata
+from models.attention.paged import ItemLayout
+from models.attention.backend import AttentionBuilder, choose_backend
+from models.attention.spec import AttentionSpec
+from models.attention.flex import FlexMetadata
 from models.kv_cache import PagedKvCache
 from models.loader import load_model
 from tests.models.family_checkpoints import FAMILIES
@@ -92,7 +92,7 @@ def test_compiled_flex_matches_gathered(model_dir, device):
                                         (AttentionSpec(0.25, window=24, softcap=3.0), True)])
 def test_flex_layer_matches_gathered_layer(spec, sinks):
     """One layer's attention alone: windows, soft caps and sinks (the sigmoid(lse - sink) rescale)."""
-    from models.attention import AttentionMetadata
+    from models.attention.paged import AttentionMetadata
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, d = 4, 2, 16
     pools = [PagedKvCache(1, 20, BS, kv_heads, d, torch.float32, torch.device("cpu")) for _ in range(2)]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from models.gguf_config import hf_config
-from models.gguf_file import GgufFile
-from models.gguf_tensors import permute_rope_rows, unpermute_rope_rows
+from models.gguf.config import hf_config
+from models.gguf.file import GgufFile
+from models.gguf.tensors import permute_rope_rows, unpermute_rope_rows
 from models.loader import load_model
 from tandem.errors import CheckpointError
 from tests.executor.test_executor_parity import prompt_of
@@ -182,7 +182,7 @@ def test_gemma3_reads_the_sliding_pattern_and_local_rope_base_newer_files_write(
 
 @pytest.mark.parametrize("factor, head_dim", [(8.0, 128), (32.0, 64)])  # Llama 3.1 8B, Llama 3.2 1B
 def test_llama3_rope_parameters_come_back_exactly_from_rope_freqs(factor, head_dim):
-    from models.gguf_config import _llama3_factors, _llama3_rope
+    from models.gguf.config import _llama3_factors, _llama3_rope
 
     want = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}

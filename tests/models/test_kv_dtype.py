@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import ItemLayout
-from models.attention_backend import AttentionBuilder, choose_backend
+from models.attention.paged import ItemLayout
+from models.attention.backend import AttentionBuilder, choose_backend
 from models.kv_cache import PagedKvCache
 from models.kv_dtype import FP8, FP8_MAX, Fp8Kv, kv_dtype_name, load_kv, resolve_kv_dtype, store_kv
 from models.loader import load_model

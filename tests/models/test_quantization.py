@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from executor_service.__main__ import parse_args
-from executor_service.codec import info_to_pb
+from executor_service.rpc.codec import info_to_pb
 from models.quantization import Fp16Weight, Int8Weight, fbgemm_usable, quantize_per_channel
 from models.moe import SparseMoeBlock
 from models.transformer import Linear

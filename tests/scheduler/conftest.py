@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.text.tokenizer import ModelTokenizer
 
 
 @pytest.fixture(scope="session")

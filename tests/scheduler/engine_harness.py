@@ -6,9 +6,9 @@ import asyncio
 from typing import Callable
 
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
+from scheduler.engine.engine import Engine
 from scheduler.request import Delta
-from scheduler.codec import executor_info_from_pb
+from scheduler.rpc.codec import executor_info_from_pb
 from tandem.errors import TandemError
 
 

@@ -1,4 +1,4 @@
-"""Multi-step decode (scheduler/decode_bursts.py): when a step is only decodes and nothing waits, the engine
+"""Multi-step decode (scheduler/engine/decode_bursts.py): when a step is only decodes and nothing waits, the engine
 asks the executor for several decode steps in one Decode call. The rules that keep a burst to one step, and
 over the real in-process executor: the tokens, logprobs and stops of bursts are those of one step per call,
 a burst never passes max_new_tokens nor the free blocks, a stop string inside a burst ends the text there,
@@ -12,13 +12,13 @@ import random
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler.constraint import TokenConstraint
-from scheduler.decode_bursts import BurstConfig, DecodeBursts, MULTI_STEP_DECODE
-from scheduler.planner import StepItem, StepPlan
+from scheduler.structured.constraint import TokenConstraint
+from scheduler.engine.decode_bursts import BurstConfig, DecodeBursts, MULTI_STEP_DECODE
+from scheduler.engine.planner import StepItem, StepPlan
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence
-from scheduler.speculation import MULTI_STEP_DRAFTS, SpeculativeConfig, Speculator
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.engine.sequence import Sequence
+from scheduler.engine.speculation import MULTI_STEP_DRAFTS, SpeculativeConfig, Speculator
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor

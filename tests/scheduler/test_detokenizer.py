@@ -1,4 +1,4 @@
-"""scheduler.detokenizer.IncrementalDetokenizer with SmolLM2's byte-level BPE tokenizer (multi-byte characters
+"""scheduler.output.detokenizer.IncrementalDetokenizer with SmolLM2's byte-level BPE tokenizer (multi-byte characters
 are split across tokens)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.tokenizer import ChatMessage
+from scheduler.output.detokenizer import IncrementalDetokenizer
+from scheduler.text.tokenizer import ChatMessage
 
 REPLACEMENT = "\ufffd"
 IM_END = 2  # <|im_end|> in SmolLM2

@@ -1,11 +1,11 @@
-"""Which executors a request may go to in each phase (scheduler/disaggregation.py): prompts to prefill (or
+"""Which executors a request may go to in each phase (scheduler/fleet/disaggregation.py): prompts to prefill (or
 both) executors, decodes to decode (or both) ones, anything when no serving executor fits, never a draining
 or avoided one; a fleet naming no role is unchanged."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from scheduler.disaggregation import eligible
+from scheduler.fleet.disaggregation import eligible
 
 
 class _Engine:  # (what eligible reads of an engine: its info's role; hashable, by identity, as engines are)

@@ -1,11 +1,11 @@
-"""scheduler.discovery: --executor targets to addresses (plain, unix:, dns:/// resolved)."""
+"""scheduler.fleet.discovery: --executor targets to addresses (plain, unix:, dns:/// resolved)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from scheduler.discovery import is_dns, resolve, resolve_all, resolve_named, split_host_port
+from scheduler.fleet.discovery import is_dns, resolve, resolve_all, resolve_named, split_host_port
 
 
 def test_plain_targets_stand_for_themselves_and_dns_names_resolve():

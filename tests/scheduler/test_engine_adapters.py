@@ -9,7 +9,7 @@ import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.errors import AdapterNotFound
 from tests.executor_driver import greedy_run, make_executor
 from tests.faulty_executor_client import Fault, FaultyExecutorClient

@@ -13,18 +13,18 @@ import re
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler import codec
-from scheduler.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler
+from scheduler.rpc import codec
+from scheduler.structured.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler
 from scheduler.request import FinishReason, GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.engine.sequence import Sequence
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.errors import InvalidRequest, RemoteError, Unsupported
 from tandem.generate.v1 import generate_pb2 as pb
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import Fault, FaultyExecutorClient
 from tests.scheduler.engine_harness import Running, collect, tokens, until
-from scheduler.codec import executor_info_from_pb
+from scheduler.rpc.codec import executor_info_from_pb
 
 WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "tag"],

@@ -11,9 +11,9 @@ import asyncio
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler.executor_client import ExecutorUnreachable
+from scheduler.executor.client import ExecutorUnreachable
 from scheduler.request import FinishReason, GenerateRequest, StoppingCriteria
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.errors import RemoteError
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor

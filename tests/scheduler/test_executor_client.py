@@ -1,4 +1,4 @@
-"""scheduler.executor_client: which gRPC failures mean the executor is lost (only the transport's, and a refusal
+"""scheduler.executor.client: which gRPC failures mean the executor is lost (only the transport's, and a refusal
 of the scheduler's own credentials), and which RESOURCE_EXHAUSTED means KV exhaustion (only the executor's "KV
 cache full")."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 import grpc
 import pytest
 
-from scheduler.executor_client import (ExecutorRefusedCredentials, ExecutorUnreachable, GrpcExecutorClient,
+from scheduler.executor.client import (ExecutorRefusedCredentials, ExecutorUnreachable, GrpcExecutorClient,
                                        is_kv_exhaustion)
 from tandem.errors import RemoteError
 

@@ -10,7 +10,7 @@ import shutil
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from scheduler.executor_client import SERVICE_NAME, ExecutorRefusedCredentials, GrpcExecutorClient
+from scheduler.executor.client import SERVICE_NAME, ExecutorRefusedCredentials, GrpcExecutorClient
 from tandem.security.auth import Authenticator
 from tandem.security.grpc_auth import AioAuthInterceptor, everyone_user
 from tandem.security.tls import ClientTls, client_paths

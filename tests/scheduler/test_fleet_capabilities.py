@@ -11,17 +11,17 @@ import re
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler.codec import TOKEN_MASKS
+from scheduler.rpc.codec import TOKEN_MASKS
 from scheduler.config import SchedulerConfig
-from scheduler.fleet import Fleet
-from scheduler.grammar import ConstraintKind, ConstraintSpec
+from scheduler.fleet.fleet import Fleet
+from scheduler.structured.grammar import ConstraintKind, ConstraintSpec
 from scheduler.request import FinishReason, GenerateRequest, StoppingCriteria
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.errors import Unsupported
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import FaultyExecutorClient
 from tests.scheduler.engine_harness import collect, tokens
-from scheduler.codec import executor_info_from_pb
+from scheduler.rpc.codec import executor_info_from_pb
 
 WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
 

@@ -1,4 +1,4 @@
-"""The scheduler's tokenizer from a GGUF file (scheduler/gguf_tokenizer.py): the same ids, texts, special tokens and
+"""The scheduler's tokenizer from a GGUF file (scheduler/text/gguf_tokenizer.py): the same ids, texts, special tokens and
 chat prompts as the HF tokenizer of the same model."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from scheduler.tokenizer import ChatMessage, ModelTokenizer
+from scheduler.text.tokenizer import ChatMessage, ModelTokenizer
 from tandem.errors import CheckpointError
 from tests.conftest import load_script
 from tests.gguf_files import write_gguf

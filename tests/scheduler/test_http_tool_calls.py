@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from scheduler.chat_input import messages_from_pb, tools_from_pb
+from scheduler.text.chat_input import messages_from_pb, tools_from_pb
 from scheduler.http import convert, tool_calls
 from scheduler.http.errors import BadParameter
 from scheduler.http.render import ChatRenderer

@@ -2,8 +2,8 @@
 (the pool "GPU", the host tier "CPU", the disk tier "DISK") holds it."""
 from __future__ import annotations
 
-from scheduler.kv_follower import MediumIndex
-from scheduler.router import PrefixIndex
+from scheduler.fleet.kv_follower import MediumIndex
+from scheduler.fleet.router import PrefixIndex
 
 A, B = b"a" * 16, b"b" * 16
 

@@ -1,13 +1,13 @@
-"""scheduler.planner.Planner.plan over real Sequence objects in hand-set states."""
+"""scheduler.engine.planner.Planner.plan over real Sequence objects in hand-set states."""
 from __future__ import annotations
 
 import pytest
 
-from scheduler.planner import Planner, StepItem
+from scheduler.engine.planner import Planner, StepItem
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence, Status
+from scheduler.engine.sequence import Sequence, Status
 
 BS = 4  # tokens per KV block in these tests
 

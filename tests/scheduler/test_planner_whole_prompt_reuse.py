@@ -1,11 +1,11 @@
 """Admission of a waiting sequence whose reused prefix is every block of its prompt but the last token
-(CreateCache, executor_service/prefix_cache.py): writing that token copies the shared last block, so the
+(CreateCache, executor_service/kv/prefix_cache.py): writing that token copies the shared last block, so the
 planner counts one block more than the growth, and admits it as a one-token final item."""
 from __future__ import annotations
 
-from scheduler.planner import Planner
+from scheduler.engine.planner import Planner
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence, Status
+from scheduler.engine.sequence import Sequence, Status
 from tandem.kv_usage import KvUsage
 
 BS = 4

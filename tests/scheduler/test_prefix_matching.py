@@ -9,14 +9,14 @@ import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.policy import SchedulingPolicy
+from scheduler.engine.engine import Engine
+from scheduler.engine.policy import SchedulingPolicy
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence
+from scheduler.engine.sequence import Sequence
 from tandem.codec import kv_usage_from_pb
 from tandem.executor.v1 import executor_pb2 as epb
 from tests.executor_driver import make_executor
-from scheduler.codec import executor_info_from_pb
+from scheduler.rpc.codec import executor_info_from_pb
 
 SYSTEM = [1] + [5 + (i * 7) % 300 for i in range(63)]  # 64 tokens: 4 blocks of 16
 

@@ -1,9 +1,9 @@
-"""scheduler.prefix_wait: which shared prompt prefix a waiting request waits for, over real Sequences."""
+"""scheduler.engine.prefix_wait: which shared prompt prefix a waiting request waits for, over real Sequences."""
 from __future__ import annotations
 
-from scheduler.prefix_wait import awaited_prefix, shared_prefix
+from scheduler.engine.prefix_wait import awaited_prefix, shared_prefix
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence
+from scheduler.engine.sequence import Sequence
 
 BS = 4
 SYSTEM = tuple(range(100, 112))  # 3 blocks of 4

@@ -10,7 +10,7 @@ import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.errors import RemoteError
 from tests.executor_driver import make_executor
 from tests.scheduler.engine_harness import Running, collect, tokens

@@ -1,7 +1,7 @@
-"""scheduler.router: the score (affinity, free KV, load), the choice, and the PrefixIndex of an executor."""
+"""scheduler.fleet.router: the score (affinity, free KV, load), the choice, and the PrefixIndex of an executor."""
 from __future__ import annotations
 
-from scheduler.router import AFFINITY, Candidate, PrefixIndex, choose, prompt_hashes, score
+from scheduler.fleet.router import AFFINITY, Candidate, PrefixIndex, choose, prompt_hashes, score
 from tandem.block_hash import chain_hashes, root_hash
 
 BS = 16

@@ -1,4 +1,4 @@
-"""scheduler.tokenizer.ModelTokenizer against transformers' AutoTokenizer loaded from the same directory."""
+"""scheduler.text.tokenizer.ModelTokenizer against transformers' AutoTokenizer loaded from the same directory."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tandem.errors import CheckpointError, InvalidRequest, Unsupported
-from scheduler.tokenizer import ChatMessage, ModelTokenizer, Tool, ToolCall, read_chat_template
+from scheduler.text.tokenizer import ChatMessage, ModelTokenizer, Tool, ToolCall, read_chat_template
 
 TEXTS = [
     "Hello world",

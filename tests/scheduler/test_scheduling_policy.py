@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler import codec
+from scheduler.rpc import codec
 from scheduler.config import SchedulerConfig
-from scheduler.executor_client import ExecutorUnreachable, is_kv_exhaustion
-from scheduler.policy import Failure, SchedulingPolicy
+from scheduler.executor.client import ExecutorUnreachable, is_kv_exhaustion
+from scheduler.engine.policy import Failure, SchedulingPolicy
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence, Status
+from scheduler.engine.sequence import Sequence, Status
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import CapacityExceeded, RemoteError
 from tests.executor_driver import greedy_run, make_executor
@@ -64,7 +64,7 @@ def submit(policy: SchedulingPolicy, info, req: GenerateRequest) -> Sequence:
 
 
 def step(policy: SchedulingPolicy, client):
-    """One step as scheduler/engine.py takes it, synchronously: plan, release what the plan freed, run, apply."""
+    """One step as scheduler/engine/engine.py takes it, synchronously: plan, release what the plan freed, run, apply."""
     plan = policy.schedule()
     ids = policy.take_releases()
     if ids:

@@ -10,16 +10,16 @@ import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
+from scheduler.engine.engine import Engine
 from tandem.loggable import loggable
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.servicer import GenerateServicer
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.rpc.servicer import GenerateServicer
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.errors import InvalidRequest, SequenceTooLong, TandemError
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import FaultyExecutorClient
-from scheduler.codec import executor_info_from_pb
+from scheduler.rpc.codec import executor_info_from_pb
 
 BIG = 2_000_000  # characters of the large prompt (2 MB): seconds of tokenizing on one core
 

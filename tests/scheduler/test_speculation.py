@@ -10,11 +10,11 @@ import pytest
 
 from scheduler.__main__ import parse_args
 from scheduler.config import SchedulerConfig
-from scheduler.draft_proposer import DraftProposer, NgramProposer
-from scheduler.planner import Planner
+from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
+from scheduler.engine.planner import Planner
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence, Status
-from scheduler.speculation import SpeculativeConfig, Speculator, from_args
+from scheduler.engine.sequence import Sequence, Status
+from scheduler.engine.speculation import SpeculativeConfig, Speculator, from_args
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 
@@ -304,7 +304,7 @@ def test_cli_flags():
 def test_a_step_refused_for_kv_with_drafts_is_retried_without_them_before_any_preemption():
     """Blocks held by another client of the executor: the step may fail only because of its drafts. The
     policy then plans the next step without drafts (no preemption); drafts resume on the step after."""
-    from scheduler.policy import SchedulingPolicy
+    from scheduler.engine.policy import SchedulingPolicy
     from tandem.errors import RemoteError
     cfg = SchedulerConfig("x", speculative=SpeculativeConfig("ngram"))
     policy = SchedulingPolicy(cfg, kv(500))

@@ -12,13 +12,13 @@ import dataclasses
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler import codec
+from scheduler.rpc import codec
 from scheduler.config import SchedulerConfig
-from scheduler.policy import SchedulingPolicy
+from scheduler.engine.policy import SchedulingPolicy
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
-from scheduler.sequence import Sequence
-from scheduler.speculation import SpeculativeConfig
-from scheduler.tokenizer import ModelTokenizer
+from scheduler.engine.sequence import Sequence
+from scheduler.engine.speculation import SpeculativeConfig
+from scheduler.text.tokenizer import ModelTokenizer
 from tandem.codec import kv_usage_from_pb
 from tests.executor_driver import greedy_run, make_executor
 from tests.scheduler.engine_harness import Running, collect, tokens
@@ -89,7 +89,7 @@ class Step:
 
 
 def run_steps(policy: SchedulingPolicy, client, edit=None) -> list[Step]:
-    """Steps until the policy has no work (as scheduler/engine.py: plan, release, run, apply); releases what
+    """Steps until the policy has no work (as scheduler/engine/engine.py: plan, release, run, apply); releases what
     finished. edit(plan) may change a plan before it is sent."""
     steps = []
     while policy.has_work:

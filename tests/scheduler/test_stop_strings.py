@@ -1,11 +1,11 @@
-"""scheduler.stop_strings.StopStringMatcher: stop strings matched across feeds, possible starts held back."""
+"""scheduler.output.stop_strings.StopStringMatcher: stop strings matched across feeds, possible starts held back."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from scheduler.stop_strings import StopMatch, StopStringMatcher
+from scheduler.output.stop_strings import StopMatch, StopStringMatcher
 
 
 def _run(matcher: StopStringMatcher, chunks: list[str]) -> tuple[str, StopMatch | None, int]:

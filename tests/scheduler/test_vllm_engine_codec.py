@@ -10,9 +10,9 @@ import zipfile
 
 import pytest
 
-from scheduler import tokenizer_bundle
-from scheduler import vllm_engine_codec as vcodec
-from scheduler.executor_info import ExecutorStats
+from scheduler.text import tokenizer_bundle
+from scheduler.compat import vllm_engine_codec as vcodec
+from scheduler.executor.info import ExecutorStats
 from scheduler.request import Delta, FinishReason, TokenLogprob, Usage
 from tandem.errors import CheckpointError, InvalidRequest, Unsupported
 from tandem.vendor.smg import vllm_engine_pb2 as vpb

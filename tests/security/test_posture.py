@@ -23,7 +23,7 @@ def test_exposed_without_tls_or_tokens_needs_insecure():
 
 
 def test_tokens_without_tls_on_an_exposed_port_need_insecure():
-    """Issue 31, case 9: tokens without TLS would travel in clear; every port on the host counts."""
+    """Case 9: tokens without TLS would travel in clear; every port on the host counts."""
     for ports in (["gRPC"], ["HTTP"], ["metrics"], ["gRPC", "HTTP", "metrics"]):
         with pytest.raises(InsecureBinding) as err:
             check_exposure("0.0.0.0", ports, tls=False, tokens=True, insecure=False)

@@ -1,4 +1,4 @@
-"""The long soak (scripts/soak, issue 31): real executor and scheduler processes under a mixed load — gRPC
+"""The long soak (scripts/soak): real executor and scheduler processes under a mixed load — gRPC
 Generate streams, OpenAI chat completions and completions over HTTP (streaming and not), client cancels and
 disconnects, LoRA adapters loaded and unloaded, any process SIGKILLed and restarted with requests in flight —
 for a given time, then a report: requests by outcome, lost requests, leaked KV blocks, errors by status, the

@@ -1,0 +1,1 @@
+"""KV events: the hub, SubscribeKvEvents streams, and vLLM-format ZMQ publishing."""

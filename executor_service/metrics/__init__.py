@@ -1,0 +1,1 @@
+"""The executor's metrics: operation stats, Prometheus families, KV-movement counters."""

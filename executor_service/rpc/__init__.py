@@ -1,0 +1,1 @@
+"""The executor's gRPC edge: server, servicer, interceptor, codec, auth scopes, reply sizes."""

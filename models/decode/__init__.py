@@ -1,0 +1,1 @@
+"""Decode-step implementations: native C++, row-invariant (deterministic), compiled, CUDA graphs."""

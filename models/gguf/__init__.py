@@ -1,0 +1,1 @@
+"""GGUF files: reading, metadata -> config, tensor names, loading into a DecoderModel."""

@@ -1,0 +1,1 @@
+"""The continuous-batching engine: loop, policy, planner, bursts, speculation, recovery, step answers."""

@@ -1,0 +1,156 @@
+"""Speculative decoding in the scheduler: its settings, and how many draft tokens each decoding sequence gets.
+
+The executor verifies drafts inside the step's UnifiedDecode (UnifiedItem.draft_token_ids): the output is
+exactly the one of one token per step, and a step returns the accepted drafts plus one sampled token. Drafts
+pay when a decode step is bound by reading the weights (small batches): checking k more positions then costs
+little more than one. They cost when the step is already compute bound (large batches), so:
+- no drafts at all when the step has more decoding sequences than --speculative-max-batch (a measured
+  default: python -m benchmarks spec);
+- per sequence, the draft length adapts: after a fully accepted draft it grows by one (up to
+  --num-speculative-tokens), after a partly accepted one it is the accepted length + 1, and after drafts
+  accepted not at all the sequence sits out 2, 4, ... 16 steps before it drafts again;
+- no drafts while a request is short of min_new_tokens (the EOS ban then changes from position to position),
+  and never past its max_new_tokens or the model's length (Sequence.draft_room).
+"""
+from __future__ import annotations
+
+import argparse
+import weakref
+from dataclasses import dataclass
+
+from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
+from scheduler.engine.sequence import Sequence
+from scheduler.engine.step_outcome import ItemResult, StepOutcome
+
+METHODS = ("off", "ngram")
+SPECULATIVE_DRAFTS = "speculative_drafts"  # GetInfo capability: UnifiedItem.draft_token_ids is verified
+MULTI_STEP_DRAFTS = "multi_step_drafts"  # GetInfo capability: DecodeItem.ngram_drafts (drafts within a burst)
+_BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
+_MAX_COOLDOWN_STEPS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"  # "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py)
+    num_tokens: int = 4  # most draft tokens per sequence and step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Decoding sequences in a step above which nobody drafts (verification would cost more than it saves).
+    max_batch: int = 4  # measured: chat at 8 decoding ran 0.79x, at 4 1.09x (docs/performance.md, benchmarks spec)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= 32:
+            raise ValueError(f"--num-speculative-tokens must be in 1..32 (the executor's limit), got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= --ngram-min ({self.ngram_min}) <= --ngram-max ({self.ngram_max})")
+        if self.max_batch < 0:
+            raise ValueError(f"--speculative-max-batch must be >= 0, got {self.max_batch}")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    d = SpeculativeConfig()
+    g = ap.add_argument_group("speculative decoding (drafts verified inside the batch; output unchanged)")
+    g.add_argument("--speculative", choices=METHODS, default=d.method,
+                   help="draft tokens for decoding requests: 'ngram' looks the last tokens up in the request's prompt "
+                        "and output and proposes what followed (wins when the output copies the input: editing, "
+                        "extraction, code changes, RAG). The executor verifies them in the same step; greedy and "
+                        f"seeded outputs are identical to 'off' (default {d.method})")
+    g.add_argument("--num-speculative-tokens", type=int, default=d.num_tokens, metavar="N",
+                   help=f"most draft tokens per request and step (1..32; default {d.num_tokens})")
+    g.add_argument("--ngram-max", type=int, default=d.ngram_max, metavar="N",
+                   help=f"longest n-gram matched first (default {d.ngram_max})")
+    g.add_argument("--ngram-min", type=int, default=d.ngram_min, metavar="N",
+                   help=f"shortest n-gram tried (default {d.ngram_min})")
+    g.add_argument("--speculative-max-batch", type=int, default=d.max_batch, metavar="N",
+                   help="no drafts in a step with more decoding requests than this: verification then costs more "
+                        f"than it saves (default {d.max_batch}, measured with python -m benchmarks spec; 0 = never draft)")
+
+
+def from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    return SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                             args.speculative_max_batch)
+
+
+@dataclass
+class _DraftLength:
+    tokens: int  # draft length for the next step
+    misses: int = 0  # drafts in a row accepted not at all
+    cooldown: int = 0  # steps to sit out before drafting again
+
+
+class Speculator:
+    def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer | None = None) -> None:
+        self.cfg = cfg
+        self.proposer = proposer or NgramProposer(cfg.ngram_min, cfg.ngram_max)
+        # (weak: a sequence that ends without forget() leaves nothing behind)
+        self._lengths: weakref.WeakKeyDictionary[Sequence, _DraftLength] = weakref.WeakKeyDictionary()
+
+    def step_allows_drafts(self, decoding: int) -> bool:
+        return 0 < decoding <= self.cfg.max_batch
+
+    def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding sequence this step (at most limit: the step's token and block room).
+        None for a constrained sequence (its token mask covers one position only)."""
+        if not seq.allows_drafts:
+            return ()
+        state = self._lengths.get(seq)
+        if state is None:
+            state = self._lengths[seq] = _DraftLength(self.cfg.num_tokens)
+        if state.cooldown:
+            state.cooldown -= 1
+            return ()
+        n = min(state.tokens, limit, seq.draft_room())
+        return tuple(self.proposer.propose(seq, n)) if n > 0 else ()
+
+    def burst_drafting(self, seqs: list[Sequence]) -> dict[Sequence, tuple[int, int, int]]:
+        """The sequences of a multi-step burst the executor drafts for within it (DecodeItem.ngram_drafts),
+        with (max draft tokens, n-gram min, n-gram max): the same rules as single steps (--speculative-max-batch,
+        no constrained sequence, room for a draft) and the same settings; the executor adapts the length
+        step by step itself."""
+        cfg = self.cfg
+        ngram_max = min(cfg.ngram_max, _BURST_MAX_NGRAM)
+        if not self.step_allows_drafts(len(seqs)) or cfg.ngram_min > ngram_max:
+            return {}
+        settings = (cfg.num_tokens, cfg.ngram_min, ngram_max)
+        return {s: settings for s in seqs if s.allows_drafts and s.draft_room() > 0}
+
+    def settle(self, out: StepOutcome, seq: Sequence, drafts: tuple[int, ...], res: ItemResult) -> None:
+        """Counts what a step verified for seq (the step's metrics, the request's usage): the draft it carried
+        (res.tokens = the accepted drafts and the token after them), or those the executor made within a
+        burst (res.burst_drafts)."""
+        if drafts:
+            accepted = max(0, len(res.tokens) - 1)
+            out.drafts += 1
+            out.drafted, out.accepted = out.drafted + len(drafts), out.accepted + accepted
+            self.observe(seq, len(drafts), accepted)
+        steps, drafted, accepted = res.burst_drafts
+        if steps:  # (the executor adapted these drafts' length: nothing to learn here)
+            out.drafts += steps
+            out.drafted, out.accepted = out.drafted + drafted, out.accepted + accepted
+            seq.drafted_tokens += drafted
+            seq.accepted_tokens += accepted
+
+    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """The executor accepted `accepted` of the `drafted` tokens sent for seq."""
+        seq.drafted_tokens += drafted
+        seq.accepted_tokens += accepted
+        state = self._lengths.get(seq)
+        if state is None:
+            return
+        if accepted == drafted:
+            state.tokens, state.misses = min(self.cfg.num_tokens, state.tokens + 1), 0
+        elif accepted:
+            state.tokens, state.misses = accepted + 1, 0
+        else:
+            state.tokens, state.misses = 1, state.misses + 1
+            state.cooldown = min(2 ** state.misses, _MAX_COOLDOWN_STEPS)
+
+    def forget(self, seq: Sequence) -> None:
+        self._lengths.pop(seq, None)
+        self.proposer.forget(seq)

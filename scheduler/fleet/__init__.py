@@ -1,0 +1,1 @@
+"""Many executors: the fleet, routing, discovery, KV-event following, migration, disaggregation."""

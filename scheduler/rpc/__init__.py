@@ -1,0 +1,1 @@
+"""The scheduler's client-facing gRPC edge: GenerateService server, servicer, interceptor, codec."""

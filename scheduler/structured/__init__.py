@@ -1,0 +1,1 @@
+"""Structured output: grammars compiled with llguidance, per-sequence constraints, token masks."""

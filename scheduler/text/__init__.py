@@ -1,0 +1,1 @@
+"""Text in: tokenizers (HF and GGUF), the tokenizer bundle, chat inputs."""
