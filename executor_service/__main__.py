@@ -10,7 +10,6 @@ import torch
 
 from executor_service import cpu_cores
 from executor_service.config import ExecutorConfig
-from executor_service.step.deterministic import TENSOR_PARALLEL as DETERMINISTIC_TP_REFUSAL
 from executor_service.kv.events.endpoint import ZmqKvConfig
 from executor_service.kv.transfer.config import add_flags as add_kv_transfer_flags
 from executor_service.kv.transfer.config import from_args as kv_transfer_from_args
@@ -223,8 +222,6 @@ def main(argv: list[str] | None = None) -> int:
                               metrics_port=args.metrics_port, security=server_security(args),
                               kv_events_zmq=_zmq_flags(args))
     try:
-        if args.deterministic and args.tensor_parallel_size > 1:  # (before any rank starts)
-            raise ValueError(f"--deterministic: {DETERMINISTIC_TP_REFUSAL}")
         tp = TpLaunch.from_args(args, rank_cores)  # None: the whole model in this process
         if tp is not None:
             return run_tensor_parallel(tp, executor_cfg, server_cfg, sys.argv[1:] if argv is None else list(argv))

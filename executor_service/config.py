@@ -37,7 +37,7 @@ class ExecutorConfig:
     # compiled before READY (compile_cache_dir: inductor's on-disk caches; None = torch's default).
     compile: bool = False
     compile_cache_dir: Path | None = None
-    # Which step runs decode calls (executor_service/step/decode_kernel.py): auto | native | torch. native_cache_dir:
+    # Which step runs decode calls (executor_service/step/decode_choice.py): auto | native | torch. native_cache_dir:
     # where the native kernel's compiled library is kept (None: ~/.cache/tandem/native).
     decode_kernel: str = "auto"
     native_cache_dir: Path | None = None
@@ -45,7 +45,7 @@ class ExecutorConfig:
     # the KV pool's dtype (models/kv_dtype.py): auto (the weights') | float32 | bfloat16 | float16 | fp8_e4m3.
     attention_backend: str = "auto"
     kv_dtype: str = "auto"
-    # All-decode steps replay CUDA graphs captured at start (executor_service/step/cuda_graph_step.py): None = where
+    # All-decode steps replay CUDA graphs captured at start (executor_service/step/decode_choice.py): None = where
     # they can run, True = required (else refused), False = never; graphs for batches up to cuda_graph_max_batch.
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64

@@ -284,7 +284,7 @@ class Executor:
             max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
             capabilities=CAPABILITIES + (("prefix_caching",) if self.prefix.enabled else ())
-            + self.stack.capabilities(),
+            + self.stack.decode_capabilities,
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
             resident_memory_bytes=resident_memory_bytes(), deterministic=self.config.deterministic,

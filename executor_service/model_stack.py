@@ -20,26 +20,21 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.step.batch import BatchRunner
 from executor_service.config import ExecutorConfig
-from executor_service.step.cuda_graph_step import CAPABILITY as CUDA_GRAPHS
-from executor_service.step.cuda_graph_step import graph_decode_step
-from executor_service.step.decode_kernel import DecodeStep, choose_decode_step
-from executor_service.step.deterministic import CAPABILITY as DETERMINISTIC
-from executor_service.step.deterministic import DeterministicRunner, config_refusal, deterministic_step
 from executor_service.kv.sizing import build_kv_pool
+from executor_service.step.batch import BatchRunner
+from executor_service.step.decode_choice import choose_decode, flag_refusal, runs_eager
 from executor_service.types import KvPoolSizing
 from models.attention.backend import AttentionBuilder, choose_backend
-from models.decode.compiled import CompiledDecode
 from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
-from models.decode.cuda_graphs import CudaGraphDecode
+from models.decode.compiled import CompiledDecode
+from models.decode.step import DecodeStep
 from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
 from models.huge_pages import move_parameters_to_huge_pages
 from models.kv_cache import PagedKvCache
 from models.kv_dtype import kv_dtype_name, resolve_kv_dtype
 from models.loader import load_model
 from models.mapped_pages import trim_heap
-from models.decode.native import NativeBuild, NativeDecode, model_refusal
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -60,7 +55,7 @@ class ModelStack:
     decode_step: DecodeStep | None  # all-decode batches run it; None: the eager forward
     runner: BatchRunner
     attention_backend: str = "gathered"  # the eager forward's paged attention (models/attention/backend.py)
-    cuda_graphs_refused: str | None = None  # why decode steps do not replay CUDA graphs (executor_service/step/cuda_graph_step.py)
+    decode_capabilities: tuple[str, ...] = ()  # GetInfo capabilities of the decode choice (step/decode_choice.py)
 
     @property
     def compiled(self) -> CompiledDecode | None:
@@ -72,13 +67,6 @@ class ModelStack:
         """The weights' dtype (of the LM head: quantized linears keep it as their output dtype)."""
         return self.model.lm_head.weight.dtype
 
-    def capabilities(self) -> tuple[str, ...]:
-        """GetInfo capability names that depend on the decode step."""
-        return ((("compiled_decode",) if self.compiled is not None else ())
-                + (("native_decode",) if isinstance(self.decode_step, NativeDecode) else ())
-                + ((DETERMINISTIC,) if isinstance(self.runner, DeterministicRunner) else ())
-                + ((CUDA_GRAPHS,) if isinstance(self.decode_step, CudaGraphDecode) else ()))
-
     @property
     def kv_dtype(self) -> str:
         """The KV pool's dtype, as --kv-dtype spells it (GetInfoResponse.kv_dtype)."""
@@ -89,15 +77,15 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     """Loads the model of config.model_dir onto config's device and builds everything a batch runs on.
     Raises ValueError for a combination that cannot run (the CLI exits 2 with the message)."""
     device = config.resolve_device()
-    if config.deterministic and (reason := config_refusal(config)):
-        raise ValueError(f"--deterministic: {reason}")  # before loading: the flags alone refuse it
+    if reason := flag_refusal(config):
+        raise ValueError(reason)  # before loading: the flags alone refuse it
     model = load_model(config.model_dir, device, config.dtype, progress=config.progress)
     kernel = model.quantize(config.quantization)  # before packing: it skips those
     if kernel:
         log.info("linear weights quantized to %s (%s kernel)", config.quantization, kernel)
     # CPU float32 with the eager decode step: the linear weights in oneDNN's packed layout instead of the plain
     # one. Before the KV pool is sized, so that the pool's share of free memory accounts for them.
-    if config.cpu_packed_weights and _decode_runs_eager(config, model):
+    if config.cpu_packed_weights and runs_eager(config, model):
         model.pack_cpu_weights()
     if device.type == "cpu":  # (after quantizing: the arena lives as long as any weight in it)
         move_parameters_to_huge_pages(model, config.huge_pages)
@@ -110,28 +98,11 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     backend = choose_backend(config.attention_backend, device, cfg.attention_sinks, kv_dtype != dtype,
                              config.block_size)  # ValueError
     kv, kv_pool = build_kv_pool(config, device, cfg, kv_dtype)  # sized, logged there
-    graphs_refused: str | None = None  # why decode steps do not replay CUDA graphs (None: they do, or were off)
-    if config.deterministic:  # every call through the row-invariant native step (ValueError: refused)
-        step = deterministic_step(config, model, kv)
-        decode_step, runner = step, DeterministicRunner(model, kv, step)
-    else:
-        decode_step = choose_decode_step(config, model, kv)  # ValueError: a refused combination
-        decode_step, graphs_refused = graph_decode_step(config, model, kv, decode_step)  # captured now, on CUDA
-        runner = BatchRunner(model, kv, config.attention_bound(), decode_step, AttentionBuilder(
-            backend, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device, config.attention_bound(),
-            dtype=dtype))
+    choice = choose_decode(config, model, kv, AttentionBuilder(  # ValueError: a refused combination
+        backend, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device, config.attention_bound(), dtype=dtype))
     trim_heap()  # the copies' sources freed under glibc's mmap threshold stay in its heap otherwise
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
-                      kv=kv, kv_pool=kv_pool, decode_step=decode_step,
-                      runner=runner, attention_backend=backend, cuda_graphs_refused=graphs_refused)
+                      kv=kv, kv_pool=kv_pool, decode_step=choice.step, runner=choice.runner,
+                      attention_backend=backend, decode_capabilities=choice.capabilities)
 
-
-def _decode_runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:
-    """Whether decode steps will run the eager forward (what choose_decode_step will choose, asked before the
-    KV pool exists; a native step that then fails to build falls back to it unpacked, and says so)."""
-    if config.compile:
-        return False
-    if resolve_kv_dtype(config.kv_dtype, model.lm_head.weight.dtype) != model.lm_head.weight.dtype:
-        return True  # the native step reads a pool in the weights' dtype only
-    return config.decode_kernel == "torch" or model_refusal(model, NativeBuild(config.native_cache_dir)) is not None

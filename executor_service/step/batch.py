@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from executor_service.kv.cache_table import CacheSnapshot, CacheState
-from executor_service.step.decode_kernel import DecodeStep
+from models.decode.step import DecodeStep
 from executor_service.step.prompt_logprobs import LogprobRows, extend_trail, score
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention.paged import AttentionMetadata, ItemLayout
@@ -49,7 +49,7 @@ class BatchRunner:
                  attention: Callable[[Sequence[ItemLayout]], AttentionMetadata] | None = None) -> None:
         self.model = model
         # All-decode batches without LoRA (or drafts, unless it takes them) run it (executor_service/
-        # executor_service/step/decode_kernel.py); None: eager.
+        # executor_service/step/decode_choice.py); None: eager.
         self.decode_step = decode_step
         self.kv = kv
         self.device = model.lm_head.weight.device

@@ -9,9 +9,9 @@ Two parts, each row-invariant on its own:
 - the sampler: each row sampled alone on one thread (models/sampler.py, invariant=True); its draws were
   already keyed by (seed, position) only.
 
-What cannot be made invariant here is refused at start (ValueError, the CLI exits 2): LoRA adapters (their
-deltas run in the eager forward), --compile and --decode-kernel torch (eager steps), --tensor-parallel-size > 1
-(the CLI checks it before it starts ranks), and whatever the native step itself refuses (a GPU, MoE layers,
+What cannot be made invariant here is refused at start by executor_service/step/decode_choice.py (ValueError,
+the CLI exits 2): LoRA adapters (their deltas run in the eager forward), --compile and --decode-kernel torch
+(eager steps), --tensor-parallel-size > 1, and whatever the native step itself refuses (a GPU, MoE layers,
 float16 models, the families ModelConfig.native_decode_refusal names, a CPU without AVX2/FMA/F16C or no compiler).
 
 Prompt logprobs: the native step gives the logits of every row, so the runner scores prompt tokens from those
@@ -19,63 +19,17 @@ logits directly (the "hidden state" a cache keeps between chunks is then its las
 """
 from __future__ import annotations
 
-import logging
-import time
 from typing import Callable
 
 import torch
 
 from executor_service.step.batch import BatchRunner, PlannedItem
-from executor_service.config import ExecutorConfig
 from executor_service.step.prompt_logprobs import LogprobRows, score
 from models.decode.deterministic import RowInvariantStep
 from models.kv_cache import PagedKvCache
 from models.lora import LoraWeights
-from models.decode.native import NativeBuild, native_refusal
 from models.sampler import Sampler
 from models.transformer import DecoderModel
-
-log = logging.getLogger("tandem.executor")
-
-CAPABILITY = "deterministic"
-TENSOR_PARALLEL = ("--tensor-parallel-size > 1 sums each matrix product over the ranks (an all-reduce whose order is "
-                   "the collective's) in the eager forward; run it on one rank")
-
-
-def config_refusal(config: ExecutorConfig) -> str | None:
-    """Why --deterministic does not combine with the rest of this configuration (before the model loads);
-    None when it does."""
-    if config.compile:
-        return "--compile runs decode steps through the eager (compiled) forward; drop one of them"
-    if config.decode_kernel == "torch":
-        return "--decode-kernel torch runs the eager forward; --deterministic needs the native step (auto or native)"
-    if config.tensor_parallel_size > 1:
-        return TENSOR_PARALLEL
-    if config.adapters or config.adapter_root is not None:
-        return ("LoRA adapters (--adapter, --adapter-root) run in the eager forward, whose matrix kernels reduce in "
-                "an order that depends on the batch; serve adapters from an executor without --deterministic")
-    return None
-
-
-def deterministic_step(config: ExecutorConfig, model: DecoderModel, kv: PagedKvCache,
-                       build: NativeBuild | None = None) -> RowInvariantStep:
-    """The row-invariant step over this model and pool. Raises ValueError where --deterministic cannot run
-    (the reason says what to change)."""
-    reason = config_refusal(config)
-    build = build or NativeBuild(config.native_cache_dir)
-    if reason is None:
-        native = native_refusal(model, kv, build)
-        reason = None if native is None else f"it runs every token through the native step, which cannot run: {native}"
-    if reason is not None:
-        raise ValueError(f"--deterministic: {reason}")
-    start = time.monotonic()
-    try:
-        step = RowInvariantStep(model, kv, build, config.huge_pages)
-    except (RuntimeError, OSError) as exc:  # the build failed, or the library would not load
-        raise ValueError(f"--deterministic: the native step could not be built or loaded: {exc}") from exc
-    log.info("--deterministic: every call runs the native step, each row sampled alone (ready in %.1f s)",
-             time.monotonic() - start)
-    return step
 
 
 class DeterministicRunner(BatchRunner):

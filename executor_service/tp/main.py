@@ -12,7 +12,8 @@ import torch
 from executor_service.config import ExecutorConfig
 from executor_service.rpc.server import ServerConfig, serve
 from executor_service.tp.launch import TpLaunch, start_group
-from executor_service.tp.stack import build_tp_stack, tp_refusal
+from executor_service.step.decode_choice import flag_refusal
+from executor_service.tp.stack import build_tp_stack
 from executor_service.tp.worker import serve_worker
 from models.config import ModelConfig
 from models.tensor_parallel import shard_refusal
@@ -33,9 +34,10 @@ def rank_device(device: str, launch: TpLaunch) -> str:
 def refuse_early(cfg: ExecutorConfig, size: int) -> None:
     """Raises ValueError for what cannot run sharded, before any rank starts (the model's config.json read; a
     GGUF file's config is checked once loaded, by shard_model)."""
-    why = tp_refusal(cfg)
-    if why is None and cfg.model_dir.suffix.lower() != ".gguf":
-        why = shard_refusal(ModelConfig.from_dir(cfg.model_dir), size)
+    why = flag_refusal(dataclasses.replace(cfg, tensor_parallel_size=size))
+    if why:
+        raise ValueError(why)
+    why = shard_refusal(ModelConfig.from_dir(cfg.model_dir), size) if cfg.model_dir.suffix.lower() != ".gguf" else None
     if why:
         raise ValueError(f"--tensor-parallel-size {size}: {why}")
 

@@ -3,10 +3,10 @@ pages, KV pool), with the model cut to this rank's shard right after loading (mo
 KV pool of this rank's KV heads, as many blocks on every rank (the smallest any rank sized: rank 0 hands out
 block ids that every pool must have). Rank 0's batch runner drives the workers (executor_service/tp/leader.py).
 
-What a tensor-parallel executor refuses at start, with the reason (`tp_refusal`): the native and compiled
-decode steps and --deterministic (they read whole weights; the eager forward with the gathered paged attention
-runs every step, with oneDNN's packed weights on CPU), LoRA adapters (A/B are not sharded yet), KV tiers and
-KV dtypes other than the weights'.
+What a tensor-parallel executor refuses at start is in executor_service/step/decode_choice.py's table of
+flags (`flag_refusal`): the native and compiled decode steps and --deterministic (they read whole weights; the
+eager forward with the gathered paged attention runs every step, with oneDNN's packed weights on CPU), LoRA
+adapters (A/B are not sharded yet), KV tiers and KV dtypes other than the weights'.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from executor_service.step.batch import BatchRunner
 from executor_service.config import ExecutorConfig
 from executor_service.kv.sizing import build_kv_pool
 from executor_service.model_stack import ModelStack, build_model_stack
+from executor_service.step.decode_choice import flag_refusal
 from executor_service.tp.launch import TpGroup, current
 from executor_service.tp.leader import CopyLog, LeaderModel
 from models.config import ModelConfig, read_generation_defaults
@@ -31,27 +32,6 @@ from models.tensor_parallel import Shard, shard_layer, shard_model
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor.tp")
-
-
-def tp_refusal(config: ExecutorConfig) -> str | None:
-    """Why `config` cannot run tensor-parallel (None: it can)."""
-    if config.compile:
-        return "--compile (the compiled decode step) does not run sharded; tensor parallelism runs the eager forward"
-    if config.decode_kernel == "native":
-        return "--decode-kernel native reads whole weights; tensor parallelism runs the eager forward"
-    if config.adapters or config.adapter_root is not None:
-        return "LoRA adapters (--adapter, --adapter-root) are not sharded by rank yet"
-    if config.deterministic:
-        return "--deterministic runs the native step, which reads whole weights"
-    tiers = config.kv_transfer
-    if tiers.host_gb or tiers.disk_dir is not None:
-        return "KV tiers (--kv-host-gb, --kv-disk-dir) would hold rank 0's KV heads only"
-    # (getattr: flags that arrive with the attention backends)
-    if getattr(config, "attention_backend", "auto") not in ("auto", "gathered"):
-        return "the ranks run the gathered paged attention only (--attention-backend auto or gathered)"
-    if getattr(config, "kv_dtype", "auto") != "auto":
-        return "--kv-dtype other than auto is not sharded yet"
-    return None
 
 
 def load_shard(config: ExecutorConfig, shard: Shard, device: torch.device, progress: bool) -> DecoderModel:
@@ -76,9 +56,9 @@ def load_shard(config: ExecutorConfig, shard: Shard, device: torch.device, progr
 
 def build_tp_stack(config: ExecutorConfig, group: TpGroup) -> ModelStack:
     """This rank's stack. Raises ValueError for a combination tensor parallelism refuses."""
-    why = tp_refusal(config)
+    why = flag_refusal(config)
     if why:
-        raise ValueError(f"--tensor-parallel-size {group.shard.size}: {why}")
+        raise ValueError(why)
     device = config.resolve_device()
     model = load_shard(config, group.shard, device, progress=config.progress and not group.is_worker)
     trim_heap()

@@ -10,7 +10,7 @@ batch's attention metadata for it.
 
 auto: on CUDA, flashinfer where importable (and the model has no sinks), else flex compiled; on CPU, gathered,
 measured faster for prefill than flex (SmolLM2, 512-token prompt, 2 cores: table in docs/cuda.md). On CPU the
-decode step stays the native one (executor_service/step/decode_kernel.py) whatever the backend.
+decode step stays the native one (executor_service/step/decode_choice.py) whatever the backend.
 """
 from __future__ import annotations
 

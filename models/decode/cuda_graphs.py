@@ -11,7 +11,7 @@ graph launches them as one. A graph's shapes are fixed, so:
 - the inputs live in static buffers the step copies into before each replay.
 Batches over the largest bucket (or of a bucket the budget left uncaptured) run the same decode forward eagerly
 (`run` does it: `eager_calls` counts them); everything that is not an all-decode batch runs the eager forward
-of executor_service/step/batch.py. executor_service/step/cuda_graph_step.py decides whether the executor uses this.
+of executor_service/step/batch.py. executor_service/step/decode_choice.py decides whether the executor uses this.
 
 Capture stops at the start-up budget (`capture_budget_s`, default 60 s): buckets not captured by then run
 eager, and the log says which. Only with `torch.cuda.is_available()`; the bucket and padding logic below is
@@ -141,10 +141,6 @@ class CudaGraphDecode:
     def captured(self) -> tuple[int, ...]:
         """The buckets whose graphs were captured, ascending."""
         return tuple(sorted(self._graphs))
-
-    def can_run(self, rows: int) -> bool:
-        bucket = bucket_for(rows, self.buckets)
-        return bucket is not None and bucket in self._graphs
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int]) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from models.kv_cache import PagedKvCache, decode_block_table
+from models.kv_cache import PagedKvCache
 from models.decode.native import NativeBuild, NativeDecode
 from models.sampler import one_thread
 from models.transformer import DecoderModel
@@ -71,31 +71,16 @@ class RopeTable:
 
 
 class RowInvariantStep(NativeDecode):
-    """The native step with the rope table, and `rows` for calls of any number of rows per sequence."""
+    """The native step with cos/sin from the rope table, and `rows` for calls of any number of rows per sequence."""
 
     def __init__(self, model: DecoderModel, kv: PagedKvCache, build: NativeBuild | None = None,
                  huge_pages: str = "auto") -> None:
         super().__init__(model, kv, build, huge_pages)  # ValueError / RuntimeError: see NativeDecode
         self.rope = RopeTable(model)
 
-    @torch.inference_mode()
-    def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int],
-            head_rows: Sequence[int] | None = None) -> torch.Tensor:
-        """NativeDecode.run with cos/sin from the rope table: float32 logits [B, vocab], or [len(head_rows),
-        vocab] of those rows (ascending) only: the LM head is the costliest matrix of a row, and a prompt chunk
-        wants one row's logits. A row's logits are the same bits either way."""
-        desc = self._describe()
-        rows = len(token_ids)
-        if rows == 0:
-            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        head = None if head_rows is None else torch.from_numpy(np.asarray(head_rows, dtype=np.int64))
-        ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
-        where = np.asarray(pasts, dtype=np.int64)
-        table = torch.from_numpy(decode_block_table(tables, pasts, self.kv.block_size, rows))  # [B, width] int64
-        cos, sin = self.rope.cos_sin(where)  # [B, head_dim] each
-        logits = self.step(desc, ids, torch.from_numpy(where), table, cos, sin, head)
-        self.calls += 1
-        return logits
+    def _cos_sin(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """NativeDecode.run's cos/sin, from the rope table (the same bits for a position whatever the call)."""
+        return self.rope.cos_sin(positions)
 
     def rows(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int],
              keep: Sequence[int]) -> torch.Tensor:

@@ -317,24 +317,32 @@ class NativeDecode:
         return self._desc
 
     @torch.inference_mode()
-    def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int]) -> torch.Tensor:
+    def run(self, token_ids: Sequence[int], tables: Sequence[Sequence[int]], pasts: Sequence[int],
+            head_rows: Sequence[int] | None = None) -> torch.Tensor:
         """One decode step: row i feeds token_ids[i] at position pasts[i] of the cache whose blocks are
         tables[i] (already reserved for it; adjacent rows of one sequence at consecutive positions each see
-        the ones before them). Returns float32 logits [B, vocab]. Raises ValueError for a token
-        id or position the kernel refuses (nothing written), torch.OutOfMemoryError if its scratch memory
-        could not be allocated."""
+        the ones before them). Returns float32 logits [B, vocab], or [len(head_rows), vocab] of those rows
+        (ascending) only: the LM head is the costliest matrix of a row, and a prompt chunk wants one row's
+        logits; a row's logits are the same bits either way. Raises ValueError for a token id or position the
+        kernel refuses (nothing written), torch.OutOfMemoryError if its scratch memory could not be allocated."""
         desc = self._describe()
         rows = len(token_ids)
         if rows == 0:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
         ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))  # (numpy: a third of torch.tensor's time)
-        positions = torch.from_numpy(np.asarray(pasts, dtype=np.int64))
+        positions = np.asarray(pasts, dtype=np.int64)
         table = torch.from_numpy(decode_block_table(tables, pasts, self.kv.block_size, rows))  # [B, width] int64
-        cos, sin = self.model.rotary.cos_sin(positions, torch.float32)  # [B, head_dim] each
-        logits = self.step(desc, ids, positions, table, cos.contiguous(), sin.contiguous())
+        cos, sin = self._cos_sin(positions)  # [B, head_dim] float32 each, contiguous
+        head = None if head_rows is None else torch.from_numpy(np.asarray(head_rows, dtype=np.int64))
+        logits = self.step(desc, ids, torch.from_numpy(positions), table, cos, sin, head)
         self.calls += 1
         return logits
 
+    def _cos_sin(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B] int64 -> the rotary cos, sin [B, head_dim] float32 (the row-invariant step overrides
+        where they come from)."""
+        cos, sin = self.model.rotary.cos_sin(torch.from_numpy(positions), torch.float32)
+        return cos.contiguous(), sin.contiguous()
 
 def _float(t: torch.Tensor | None) -> torch.Tensor | None:
     """t as float32, contiguous (a copy only where it is not already: a bfloat16 model's norms, say)."""

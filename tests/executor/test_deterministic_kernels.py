@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
-from executor_service.step.deterministic import config_refusal
+from executor_service.step.decode_choice import flag_refusal
 from executor_service.kv.fingerprint import differences
 from executor_service.types import CacheRef, DecodeItem, OutputOptions, UnifiedItem
 from models.decode.deterministic import ROPE_BLOCK, RopeTable
@@ -237,8 +237,8 @@ def test_rope_table_is_the_same_whatever_the_call(det):
 ])
 def test_refused_combinations_say_what_to_change(model_dir, flags, words):
     config = ExecutorConfig(model_dir, device="cpu", deterministic=True, **flags)
-    assert words in (config_refusal(config) or "")
-    assert config_refusal(ExecutorConfig(model_dir, device="cpu", deterministic=True)) is None
+    assert words in (flag_refusal(config) or "")
+    assert flag_refusal(ExecutorConfig(model_dir, device="cpu", deterministic=True)) is None
     if "tensor_parallel_size" not in flags:
         with pytest.raises(ValueError, match="--deterministic"):
             make_executor(model_dir, kv_blocks=16, deterministic=True, **flags)

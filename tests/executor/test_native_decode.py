@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
-from executor_service.step.decode_kernel import choose_decode_step
+from executor_service.step.decode_choice import choose_decode
 from executor_service.types import CacheRef, DecodeItem
 from models.decode.native import (NativeBuild, NativeDecode, build_library, load_kernel, machine_refusal,
                                   native_refusal)
@@ -223,10 +223,10 @@ def test_kernel_choice_and_refusals(tiny_checkpoint):
     llama, moe = tiny_checkpoint("llama"), tiny_checkpoint("qwen3_moe")
     auto = make_executor(moe)  # MoE: auto falls back to the PyTorch step
     assert auto.decode_step is None
-    with pytest.raises(ValueError, match="native cannot run here: MoE"):
+    with pytest.raises(ValueError, match="--decode-kernel native: the native step cannot run here: MoE"):
         make_executor(moe, decode_kernel="native")
     with pytest.raises(ValueError, match="does not combine"):
-        choose_decode_step(ExecutorConfig(llama, compile=True, decode_kernel="native"), auto.model, auto.kv)
+        choose_decode(ExecutorConfig(llama, compile=True, decode_kernel="native"), auto.model, auto.kv)
     with pytest.raises(ValueError, match="unknown --decode-kernel"):
         make_executor(llama, decode_kernel="fast")
     assert isinstance(make_executor(llama).decode_step, NativeDecode)  # auto picks native where it can run
@@ -261,12 +261,13 @@ def test_no_compiler_or_a_failed_build_falls_back_under_auto(tiny_checkpoint, ca
                           (failing, "could not be built or loaded")):
         caplog.clear()
         with caplog.at_level("INFO", logger="tandem.executor"):
-            assert choose_decode_step(ExecutorConfig(model_dir), ex.model, ex.kv, build) is None
+            assert choose_decode(ExecutorConfig(model_dir), ex.model, ex.kv, build=build).step is None
         assert logged in caplog.text
-    with pytest.raises(ValueError, match=r"native cannot run here: no C\+\+ compiler"):
-        choose_decode_step(ExecutorConfig(model_dir, decode_kernel="native"), ex.model, ex.kv, missing)
-    with pytest.raises(ValueError, match="--decode-kernel native: building the native decode step failed"):
-        choose_decode_step(ExecutorConfig(model_dir, decode_kernel="native"), ex.model, ex.kv, failing)
+    with pytest.raises(ValueError, match=r"native step cannot run here: no C\+\+ compiler"):
+        choose_decode(ExecutorConfig(model_dir, decode_kernel="native"), ex.model, ex.kv, build=missing)
+    with pytest.raises(ValueError, match="--decode-kernel native: the native kernel could not be built or loaded: "
+                                         "building the native decode step failed"):
+        choose_decode(ExecutorConfig(model_dir, decode_kernel="native"), ex.model, ex.kv, build=failing)
 
 
 def test_real_executor_process_serves_native_steps(tiny_checkpoint):
