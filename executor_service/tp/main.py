@@ -16,6 +16,7 @@ from executor_service.tp.stack import build_tp_stack, tp_refusal
 from executor_service.tp.worker import serve_worker
 from models.config import ModelConfig
 from models.tensor_parallel import shard_refusal
+from tandem.model_path import is_gguf
 
 log = logging.getLogger("tandem.executor.tp")
 
@@ -34,7 +35,7 @@ def refuse_early(cfg: ExecutorConfig, size: int) -> None:
     """Raises ValueError for what cannot run sharded, before any rank starts (the model's config.json read; a
     GGUF file's config is checked once loaded, by shard_model)."""
     why = tp_refusal(cfg)
-    if why is None and cfg.model_dir.suffix.lower() != ".gguf":
+    if why is None and not is_gguf(cfg.model_dir):
         why = shard_refusal(ModelConfig.from_dir(cfg.model_dir), size)
     if why:
         raise ValueError(f"--tensor-parallel-size {size}: {why}")
