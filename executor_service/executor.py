@@ -1,11 +1,11 @@
 """The in-process Executor: serves the operations of the executor API over a model stack (the model, the
 paged KV pool, the decode step: built by model_stack.py); usable without a network.
 
-Its operations descend from the reference `ModelExecutor` trait (prefill, decode, batch decode,
-unified_decode, forward_verify, truncate_kv, release_cache). Every operation validates its request before
-touching state and runs under one model lock. A batch item that is wrong on its own fails alone (its result
-carries the error; nothing of it is written); any other error leaves every cache as it found it (blocks,
-lengths, tokens, registered sampling), whatever step it happens at.
+Its operations follow the Rust engine's `ModelExecutor` trait the design descends from (prefill, decode, batch
+decode, unified_decode, forward_verify, truncate_kv, release_cache). Every operation validates its request
+before touching state and runs under one model lock. A batch item that is wrong on its own fails alone (its
+result carries the error; nothing of it is written); any other error leaves every cache as it found it
+(blocks, lengths, tokens, registered sampling), whatever step it happens at.
 
 Every cache belongs to a session (sessions.py); an operation sees only its session's caches (`session=""`,
 the default, is the anonymous session, so direct callers need no sessions). Locking: operations that
@@ -44,28 +44,18 @@ from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, Crea
                                     DecodeResult, ExecutorInfo, OutputOptions, PrefillResult, SessionLease,
                                     SessionListing, StepResults, UnifiedItem, UnifiedResult, VerifyResult)
 from models.moe import SparseMoeBlock
+from tandem import capabilities as caps
 from tandem.errors import AdapterInUse, CacheStateConflict, InvalidRequest, PositionMismatch, TandemError
 from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
 
-CAPABILITIES = ("lora", "paged_kv", "unified_decode", "chunked_prefill", "multi_step_decode", "forward_verify",
-                "truncate_cache", "logits_output", "top_logprobs", "seeded_sampling",
-                # sessions with leases, per-item statuses, sampling registered with the cache
-                "sessions", "item_status", "registered_sampling",
-                # CreateCache (reuses cached prefixes when "prefix_caching" is listed too), KV events
-                "create_cache", "kv_events",
-                # UnifiedItem/DecodeItem.draft_token_ids verified in the batch
-                "speculative_drafts",
-                # UnifiedItem.allowed_tokens (token masks for constrained decoding) is applied
-                "token_masks",
-                # release_cache_ids of UnifiedDecode and Decode, released before the items run
-                "release_with_step",
-                # UnifiedItem/CreateCacheItem.prompt_logprobs, kept beside the prefix cache's blocks
-                "prompt_logprobs",
-                # DecodeItem.ngram_drafts (drafts proposed and verified within a multi-step Decode)
-                "multi_step_drafts",
-                # ExportKv/ImportKv between executors (executor_service/kv/transfer/pinned_export.py)
-                "kv_transfer")
+# What this build always does (tandem/capabilities.py says what each name promises); "prefix_caching" and the
+# decode step's names (ModelStack.capabilities) depend on the configuration.
+CAPABILITIES = (caps.LORA, caps.PAGED_KV, caps.UNIFIED_DECODE, caps.CHUNKED_PREFILL, caps.MULTI_STEP_DECODE,
+                caps.FORWARD_VERIFY, caps.TRUNCATE_CACHE, caps.LOGITS_OUTPUT, caps.TOP_LOGPROBS,
+                caps.SEEDED_SAMPLING, caps.SESSIONS, caps.ITEM_STATUS, caps.REGISTERED_SAMPLING,
+                caps.CREATE_CACHE, caps.KV_EVENTS, caps.SPECULATIVE_DRAFTS, caps.TOKEN_MASKS,
+                caps.RELEASE_WITH_STEP, caps.PROMPT_LOGPROBS, caps.MULTI_STEP_DRAFTS, caps.KV_TRANSFER)
 
 
 class Executor:
@@ -283,7 +273,7 @@ class Executor:
             bos_token_id=self.generation.bos_token_id, kv=self.kv_usage(), instance_id=self.instance_id,
             max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
-            capabilities=CAPABILITIES + (("prefix_caching",) if self.prefix.enabled else ())
+            capabilities=CAPABILITIES + ((caps.PREFIX_CACHING,) if self.prefix.enabled else ())
             + self.stack.decode_capabilities,
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,

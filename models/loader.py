@@ -22,6 +22,7 @@ from models.config import ModelConfig
 from models.mapped_pages import release_file_pages
 from models.families import CHECKPOINT_LAYOUTS
 from tandem.errors import CheckpointError
+from tandem.model_path import is_gguf
 from models.transformer import DecoderModel
 from models.moe import SparseMoeBlock
 
@@ -74,7 +75,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     (tensor parallelism cuts the layer there, so that no more than one layer's fused or stacked weights are ever
     whole: models/tensor_parallel.shard_layer)."""
     model_dir = Path(model_dir)
-    if model_dir.suffix.lower() == ".gguf":  # a GGUF file (llama.cpp's format): models/gguf/loader.py
+    if is_gguf(model_dir):  # a GGUF file (llama.cpp's format): models/gguf/loader.py
         from models.gguf.loader import load_gguf_model  # (it imports nothing from here: given what it shares)
         model = load_gguf_model(model_dir, torch.device(device),
                                 lambda cfg: resolve_dtype(dtype, cfg, torch.device(device)), _FUSED, progress)

@@ -38,11 +38,11 @@ from models.decode.step import DecodeStep
 from models.kv_cache import PagedKvCache
 from models.kv_dtype import resolve_kv_dtype
 from models.transformer import DecoderModel
+from tandem import capabilities as caps
 
 log = logging.getLogger("tandem.executor")
 
 DECODE_KERNELS = ("auto", "native", "torch")
-NATIVE, COMPILED, GRAPHS, DETERMINISTIC = "native_decode", "compiled_decode", "cuda_graphs", "deterministic"
 
 
 def _tp(c: ExecutorConfig) -> bool:
@@ -87,7 +87,8 @@ CONFLICTS: tuple[Conflict, ...] = (
              "--compile (the compiled decode step) does not run sharded; tensor parallelism runs the eager forward"),
     Conflict("--tensor-parallel-size", _tp, lambda c: c.decode_kernel == "native",
              "--decode-kernel native reads whole weights; tensor parallelism runs the eager forward"),
-    Conflict("--tensor-parallel-size", _tp, _lora, "LoRA adapters (--adapter, --adapter-root) are not sharded by rank yet"),
+    Conflict("--tensor-parallel-size", _tp, _lora,
+             "LoRA adapters (--adapter, --adapter-root) are not sharded by rank yet"),
     Conflict("--tensor-parallel-size", _tp, lambda c: bool(c.kv_transfer.host_gb) or c.kv_transfer.disk_dir is not None,
              "KV tiers (--kv-host-gb, --kv-disk-dir) would hold rank 0's KV heads only"),
     Conflict("--tensor-parallel-size", _tp, lambda c: c.attention_backend not in ("auto", "gathered"),
@@ -148,27 +149,29 @@ def _choose(config: ExecutorConfig, model: DecoderModel, kv: PagedKvCache, atten
     start = time.monotonic()
     if config.deterministic:
         step, _ = _native(RowInvariantStep, model, kv, build, config.huge_pages, "--deterministic")
-        return DecodeChoice(step, DeterministicRunner(model, kv, step), (NATIVE, DETERMINISTIC),
-                            "the row-invariant native step (--deterministic: every call, each row sampled alone; "
-                            f"ready in {time.monotonic() - start:.1f} s)")
+        return DecodeChoice(step, DeterministicRunner(model, kv, step),
+                            capabilities=(caps.NATIVE_DECODE, caps.DETERMINISTIC),
+                            reason="the row-invariant native step (--deterministic: every call, each row sampled "
+                                   f"alone; ready in {time.monotonic() - start:.1f} s)")
     runner = lambda s: BatchRunner(model, kv, config.attention_bound(), s, attention)  # noqa: E731
     if config.compile:
         compiled = _compile(config, model, kv)
-        return DecodeChoice(compiled, runner(compiled), (COMPILED,),
-                            f"the torch.compile'd forward (--compile; compiled in {time.monotonic() - start:.1f} s)")
+        return DecodeChoice(compiled, runner(compiled), capabilities=(caps.COMPILED_DECODE,),
+                            reason=f"the torch.compile'd forward (--compile; compiled in "
+                                   f"{time.monotonic() - start:.1f} s)")
     eager = "--decode-kernel torch"
     if config.decode_kernel != "torch":
         native, eager = _native(NativeDecode, model, kv, build, config.huge_pages,
                                 "--decode-kernel native" if config.decode_kernel == "native" else None)
         if native is not None:
-            return DecodeChoice(native, runner(native), (NATIVE,),
-                                f"the native kernel (ready in {time.monotonic() - start:.1f} s)")
+            return DecodeChoice(native, runner(native), capabilities=(caps.NATIVE_DECODE,),
+                                reason=f"the native kernel (ready in {time.monotonic() - start:.1f} s)")
     if config.cuda_graphs is False or graphs_refused is not None:
         graphs = "--no-cuda-graphs" if graphs_refused is None else f"no CUDA graphs: {graphs_refused}"
-        return DecodeChoice(None, runner(None), (), f"the PyTorch forward ({eager}; {graphs})")
+        return DecodeChoice(None, runner(None), capabilities=(), reason=f"the PyTorch forward ({eager}; {graphs})")
     captured = _capture(config, model, kv)
-    return DecodeChoice(captured, runner(captured), (GRAPHS,),
-                        f"CUDA graphs of the PyTorch forward ({eager}; {len(captured.captured)} of "
+    return DecodeChoice(captured, runner(captured), capabilities=(caps.CUDA_GRAPHS,),
+                        reason=f"CUDA graphs of the PyTorch forward ({eager}; {len(captured.captured)} of "
                         f"{len(captured.buckets)} batch-size buckets up to {config.cuda_graph_max_batch} rows "
                         f"captured in {time.monotonic() - start:.1f} s)")
 

@@ -2,20 +2,17 @@
 lookup over the sequence's own tokens, which the cache records (CacheState.tokens), so a burst can draft at
 every step from the tokens it has just sampled without a round trip to the scheduler.
 
-The lookup is the scheduler's NgramProposer's (scheduler/engine/draft_proposer.py): the last n tokens, n from
-ngram_max down to ngram_min, matched against the earlier tokens; the tokens after the latest earlier match
-are the draft. Here it is one vectorised scan per step (numpy compares every window at once: a few tens of
-microseconds for a few thousand tokens), with nothing kept between calls, since a cache's tokens may be
-truncated or rolled back between them. Drafts never change the output (executor_service/step/batch.py verifies them as one token
-per step would sample); they only change how many forwards the tokens take.
+The lookup is tandem/ngram_match.py's `propose`, the rule the scheduler's NgramProposer drafts by too, in
+its stateless form: one vectorised scan per step with nothing kept between calls, since a cache's tokens may
+be truncated or rolled back between them. Drafts never change the output (executor_service/step/batch.py
+verifies them as one token per step would sample); they only change how many forwards the tokens take.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from tandem.ngram_match import propose
 
 MAX_DRAFT_TOKENS = 32  # per item and step (UnifiedItem.draft_token_ids too): more than a handful is rarely
 # accepted, and each costs a KV slot and a logits row
@@ -36,23 +33,6 @@ class NgramDrafts:
             return (f"ngram_drafts needs 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, got ngram_min "
                     f"{self.ngram_min}, ngram_max {self.ngram_max}")
         return None
-
-
-def propose(tokens: Sequence[int], ngram_min: int, ngram_max: int, max_tokens: int) -> list[int]:
-    """Up to max_tokens tokens that followed the latest earlier occurrence of the longest matching suffix of
-    tokens (n in ngram_max..ngram_min); [] when none matches or max_tokens < 1."""
-    length = len(tokens)
-    if max_tokens < 1 or length <= ngram_min:
-        return []
-    arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
-        # Windows starting at 0 .. length-1-n: each ends before the last token, so the suffix never finds itself.
-        windows = sliding_window_view(arr[:length - 1], n)
-        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start:min(start + max_tokens, length)].tolist()
-    return []
 
 
 class DraftLength:

@@ -17,6 +17,7 @@ from executor_service.tp.stack import build_tp_stack
 from executor_service.tp.worker import serve_worker
 from models.config import ModelConfig
 from models.tensor_parallel import shard_refusal
+from tandem.model_path import is_gguf
 
 log = logging.getLogger("tandem.executor.tp")
 
@@ -37,7 +38,7 @@ def refuse_early(cfg: ExecutorConfig, size: int) -> None:
     why = flag_refusal(dataclasses.replace(cfg, tensor_parallel_size=size))
     if why:
         raise ValueError(why)
-    why = shard_refusal(ModelConfig.from_dir(cfg.model_dir), size) if cfg.model_dir.suffix.lower() != ".gguf" else None
+    why = None if is_gguf(cfg.model_dir) else shard_refusal(ModelConfig.from_dir(cfg.model_dir), size)
     if why:
         raise ValueError(f"--tensor-parallel-size {size}: {why}")
 

@@ -19,11 +19,6 @@ _LARGE_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenize
                  "tokenizer.ggml.scores")
 
 
-def is_gguf(path: str | Path) -> bool:
-    """Whether `path` names a GGUF file (by its suffix; the magic is checked when it is opened)."""
-    return Path(path).suffix.lower() == ".gguf"
-
-
 class GgufFile:
     """An open GGUF file: `metadata` (every key but the tokenizer's arrays), `tensor_shapes` (numpy order:
     [rows, columns] for a matrix), `tensor_types` (GGML type names) and `tensor(name)` -> float32 array."""

@@ -46,13 +46,13 @@ from scheduler.rpc import codec
 from scheduler.executor.client import is_kv_exhaustion
 from scheduler.engine.planner import StepPlan
 from scheduler.engine.sequence import Sequence
-from scheduler.engine.speculation import MULTI_STEP_DRAFTS, Speculator
+from scheduler.engine.speculation import Speculator
+from tandem.capabilities import MULTI_STEP_DECODE, MULTI_STEP_DRAFTS
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.errors import RemoteError
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 
-MULTI_STEP_DECODE = "multi_step_decode"  # GetInfo capability: Decode runs num_steps > 1
 # Errors a single step would meet the same way (the engine's step-error handling covers them): no answer in
 # time (lost), a forgotten session or unknown caches (NOT_FOUND), a lost connection (UNAVAILABLE).
 _SAME_FOR_ONE_STEP = frozenset({"DEADLINE_EXCEEDED", "NOT_FOUND", "UNAVAILABLE"})

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
 from scheduler.engine.sequence import Sequence
 from scheduler.engine.step_outcome import ItemResult, StepOutcome
+# engine.py imports SPECULATIVE_DRAFTS from here (until it takes it from tandem.capabilities itself)
+from tandem.capabilities import SPECULATIVE_DRAFTS  # noqa: F401
 
 METHODS = ("off", "ngram")
-SPECULATIVE_DRAFTS = "speculative_drafts"  # GetInfo capability: UnifiedItem.draft_token_ids is verified
-MULTI_STEP_DRAFTS = "multi_step_drafts"  # GetInfo capability: DecodeItem.ngram_drafts (drafts within a burst)
 _BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16
 

@@ -36,9 +36,8 @@ from scheduler.output.request_stream import RequestStream
 from scheduler.fleet.router import Candidate, PrefixIndex, choose, prompt_hashes
 from scheduler.engine.sequence import Sequence
 from scheduler.structured.token_masks import MaskWorker
+from tandem.capabilities import DETERMINISTIC
 from tandem.errors import AdapterNotFound, Unsupported
-
-DETERMINISTIC = "deterministic"  # GetInfo capability of an executor run with --deterministic
 
 log = logging.getLogger("tandem.scheduler")
 

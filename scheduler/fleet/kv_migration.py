@@ -34,11 +34,11 @@ from scheduler.request import GenerateRequest
 from scheduler.output.request_events import RequestEvents
 from scheduler.output.request_stream import RequestStream
 from scheduler.engine.sequence import Sequence, Status
+from tandem.capabilities import KV_TRANSFER
 from tandem.errors import RemoteError
 
 log = logging.getLogger("tandem.scheduler")
 
-KV_TRANSFER = "kv_transfer"  # GetInfo capability: ExportKv / ImportKv
 IMPORT_TIMEOUT_S = 120.0  # one ImportKv: a long prompt's cache across hosts takes seconds
 HEALTH_POLL_S = 1.0  # a drained executor: how often to ask whether a new process serves there
 

@@ -20,6 +20,7 @@ from scheduler.executor.info import ExecutorInfo, ExecutorStats
 from scheduler.engine.planner import StepItem, StepPlan
 from scheduler.engine.sequence import Sequence
 from scheduler.engine.step_outcome import ItemResult
+from tandem.capabilities import PROMPT_LOGPROBS, TOKEN_MASKS
 from tandem.kv_usage import KvUsage
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob
 from scheduler.text.chat_input import chat_chars, messages_from_pb, tools_from_pb
@@ -30,8 +31,6 @@ MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
 MAX_CHAT_MESSAGES = 4096
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # ItemStatus.code -> "NOT_FOUND"
-TOKEN_MASKS = "token_masks"  # GetInfo capability: UnifiedItem.allowed_tokens is applied
-PROMPT_LOGPROBS = "prompt_logprobs"  # GetInfo capability: UnifiedItem/CreateCacheItem.prompt_logprobs
 
 
 def capabilities_needed(request: GenerateRequest) -> frozenset[str]:

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from tandem.call_limit import CallLimit, backlog_options
+from tandem.capabilities import PREFIX_CACHING
 from tandem.grpc_setup import add_health_reflection_and_ports
 from tandem.errors import CheckpointError, RemoteError
 from tandem.executor.v1 import executor_pb2 as epb
@@ -21,7 +22,6 @@ from tandem.vendor.smg import vllm_engine_pb2_grpc
 from scheduler.rpc import codec
 from scheduler.fleet import discovery
 from scheduler.config import SchedulerConfig
-from scheduler.engine.engine import PREFIX_CACHING
 from scheduler.executor.info import ExecutorInfo
 from scheduler.fleet.fleet import Fleet
 from scheduler.engine.recovery import unfit_reason

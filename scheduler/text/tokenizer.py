@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from scheduler.text.gguf_tokenizer import GgufTokenizer
 from tandem.errors import CheckpointError, InvalidRequest, Unsupported
+from tandem.model_path import is_gguf
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ class ModelTokenizer:
 
     def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
         self.model_dir = Path(model_dir)
-        if self.model_dir.suffix.lower() == ".gguf":
+        if is_gguf(self.model_dir):
             gguf = GgufTokenizer(self.model_dir)
             self._tok, config = gguf.tokenizer, gguf.config
         else:

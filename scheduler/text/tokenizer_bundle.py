@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.errors import CheckpointError, Unsupported
+from tandem.model_path import is_gguf
 
 CHUNK_BYTES = 64 * 1024  # per message: what smg's servicers send (its client accepts any size)
 MAX_FILE_BYTES = 64 * 1024 * 1024  # a tokenizer file past this is not a tokenizer file (a mislaid weight file)
@@ -34,7 +35,7 @@ class Bundle:
 def build(model_dir: Path, chat_template: str | None = None) -> Bundle:
     """The archive of model_dir's tokenizer files (run off the event loop: it reads and compresses files).
     chat_template: the scheduler's own (--chat-template), written over the directory's."""
-    if model_dir.suffix.lower() == ".gguf":
+    if is_gguf(model_dir):
         raise Unsupported("this scheduler reads its tokenizer from a GGUF file, which a router cannot load: give "
                           "the router the tokenizer directory of the same model (smg --model-path or "
                           "--tokenizer-path)")

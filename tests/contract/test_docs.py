@@ -87,3 +87,43 @@ def test_quantization_quality_bounds_are_stated_where_the_tests_say():
     text = " ".join((ROOT / "docs" / "performance.md").read_text(encoding="utf-8").split())
     assert ("fp16 every greedy token and |ΔNLL| < 0.002; int8 |ΔNLL| < 0.02 and top-1 ≥ 120/128; "
             "bfloat16 (native) |ΔNLL| < 0.005 and top-1 ≥ 126/128") in text
+
+
+PATH_MENTION = re.compile(r"(?<![\w/.-])((?:executor_service|scheduler|models|tandem|tests|benchmarks|scripts|deploy|"
+                          r"protos|docs)/[\w/.-]*\w\.(?:py|md|proto|cpp|h|yaml|yml|json|toml|sh|txt))(?![\w/])")
+
+
+MODULE_MENTION = re.compile(r"(?<![\w/.-])(\w+\.py)(?![\w/])")
+PLACEHOLDER = re.compile(r"[A-Z]{3,}")  # `scripts/bench_NAME.py`: a pattern, not a file
+
+
+def _path_mentions(path: Path) -> set[str]:
+    """Repository paths a page names in its text (code blocks included: commands name files too)."""
+    return {m for m in PATH_MENTION.findall(path.read_text(encoding="utf-8")) if not PLACEHOLDER.search(m)}
+
+
+def _module_mentions(path: Path) -> set[str]:
+    """Bare module file names a page names (`engine.py`), placeholders left out."""
+    return {m for m in MODULE_MENTION.findall(path.read_text(encoding="utf-8")) if not PLACEHOLDER.search(m)}
+
+
+def _repository_file_names() -> set[str]:
+    return {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "node_modules" not in p.parts}
+
+
+@pytest.mark.parametrize("page", [README, *docs_pages()], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_named_files_exist(page: Path):
+    """Every `dir/file.py` (and .md, .proto, .cpp ...) a page names is in the repository, and every bare
+    `module.py` it names is the name of one: moved or renamed code takes the docs with it."""
+    missing = sorted(m for m in _path_mentions(page) if not (ROOT / m).exists())
+    assert not missing, f"{page.relative_to(ROOT)} names files that are not there: {missing}"
+    unknown = sorted(_module_mentions(page) - _repository_file_names())
+    assert not unknown, f"{page.relative_to(ROOT)} names modules no file of the repository is called: {unknown}"
+
+
+def test_named_files_check_can_fail(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text("See `executor_service/no_such_module.py`, executor_service/executor.py and `gone.py`; "
+                    "scripts/bench_NAME.py is a pattern.\n")
+    assert _path_mentions(page) == {"executor_service/no_such_module.py", "executor_service/executor.py"}
+    assert _module_mentions(page) == {"gone.py"} and "gone.py" not in _repository_file_names()

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from executor_service.step.ngram_drafts import NgramDrafts, propose
+from executor_service.step.ngram_drafts import NgramDrafts
 from executor_service.types import CacheRef, DecodeItem, OutputMode, OutputOptions, UnifiedItem
 from tandem.errors import InvalidRequest, KvCapacityExceeded
+from tandem.ngram_match import propose
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor, raising
 

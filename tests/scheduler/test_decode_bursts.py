@@ -13,12 +13,13 @@ import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
 from scheduler.structured.constraint import TokenConstraint
-from scheduler.engine.decode_bursts import BurstConfig, DecodeBursts, MULTI_STEP_DECODE
+from scheduler.engine.decode_bursts import BurstConfig, DecodeBursts
 from scheduler.engine.planner import StepItem, StepPlan
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.engine.sequence import Sequence
-from scheduler.engine.speculation import MULTI_STEP_DRAFTS, SpeculativeConfig, Speculator
+from scheduler.engine.speculation import SpeculativeConfig, Speculator
 from scheduler.text.tokenizer import ModelTokenizer
+from tandem.capabilities import MULTI_STEP_DECODE, MULTI_STEP_DRAFTS
 from tandem.kv_usage import KvUsage
 from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor

@@ -11,12 +11,12 @@ import re
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler.rpc.codec import TOKEN_MASKS
 from scheduler.config import SchedulerConfig
 from scheduler.fleet.fleet import Fleet
 from scheduler.structured.grammar import ConstraintKind, ConstraintSpec
 from scheduler.request import FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.text.tokenizer import ModelTokenizer
+from tandem.capabilities import TOKEN_MASKS
 from tandem.errors import Unsupported
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import FaultyExecutorClient

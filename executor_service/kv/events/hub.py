@@ -109,11 +109,6 @@ class KvEventHub:
         with self._guard:
             self._sinks.append(sink)
 
-    def remove_sink(self, sink: KvEventSink) -> None:
-        with self._guard:
-            if sink in self._sinks:
-                self._sinks.remove(sink)
-
     def publish(self, event: KvEvent) -> None:
         with self._guard:
             subs = list(self._subs)
