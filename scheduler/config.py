@@ -4,13 +4,49 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scheduler.engine.decode_bursts import BurstConfig
 from scheduler.http.limits import HttpLimits
-from scheduler.engine.speculation import SpeculativeConfig
 from tandem.security.config import ServerSecurity
 
 
 RPC_HEADROOM = 64  # calls --max-concurrent-rpcs allows by default beyond those that could run or queue
+METHODS = ("off", "ngram")  # --speculative
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"  # "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py)
+    num_tokens: int = 4  # most draft tokens per sequence and step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Decoding sequences in a step above which nobody drafts (verification would cost more than it saves).
+    max_batch: int = 4  # measured: chat at 8 decoding ran 0.79x, at 4 1.09x (docs/performance.md, benchmarks spec)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= 32:
+            raise ValueError(f"--num-speculative-tokens must be in 1..32 (the executor's limit), got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= --ngram-min ({self.ngram_min}) <= --ngram-max ({self.ngram_max})")
+        if self.max_batch < 0:
+            raise ValueError(f"--speculative-max-batch must be >= 0, got {self.max_batch}")
+
+
+# Multi-step decode (scheduler/engine/decode_bursts.py): how long a burst of decode steps in one call may take.
+@dataclass(frozen=True)
+class BurstConfig:
+    window_ms: float = 100.0  # a burst's target duration; 0 = one step per call, always
+    max_steps: int = 16  # steps per call at most (the executor takes up to 256)
+
+    def validate(self) -> None:
+        if not self.window_ms >= 0:
+            raise ValueError(f"--decode-burst-ms must be >= 0, got {self.window_ms}")
+        if not 1 <= self.max_steps <= 256:
+            raise ValueError(f"--max-decode-steps must be in 1..256, got {self.max_steps}")
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from scheduler.config import BurstConfig
 from scheduler.rpc import codec
 from scheduler.executor.client import is_kv_exhaustion
 from scheduler.engine.planner import StepPlan
@@ -58,18 +59,6 @@ from tandem.kv_usage import KvUsage
 _SAME_FOR_ONE_STEP = frozenset({"DEADLINE_EXCEEDED", "NOT_FOUND", "UNAVAILABLE"})
 log = logging.getLogger("tandem.scheduler")
 _SMOOTHING = 0.3  # weight of the newest call in the per-step time estimate
-
-
-@dataclass(frozen=True)
-class BurstConfig:
-    window_ms: float = 100.0  # a burst's target duration; 0 = one step per call, always
-    max_steps: int = 16  # steps per call at most (the executor takes up to 256)
-
-    def validate(self) -> None:
-        if not self.window_ms >= 0:
-            raise ValueError(f"--decode-burst-ms must be >= 0, got {self.window_ms}")
-        if not 1 <= self.max_steps <= 256:
-            raise ValueError(f"--max-decode-steps must be in 1..256, got {self.max_steps}")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

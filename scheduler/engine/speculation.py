@@ -1,4 +1,4 @@
-"""Speculative decoding in the scheduler: its settings, and how many draft tokens each decoding sequence gets.
+"""Speculative decoding in the scheduler: its flags, and how many draft tokens each decoding sequence gets.
 
 The executor verifies drafts inside the step's UnifiedDecode (UnifiedItem.draft_token_ids): the output is
 exactly the one of one token per step, and a step returns the accepted drafts plus one sampled token. Drafts
@@ -18,39 +18,15 @@ import argparse
 import weakref
 from dataclasses import dataclass
 
+from scheduler.config import METHODS, SpeculativeConfig
 from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
 from scheduler.engine.sequence import Sequence
 from scheduler.engine.step_outcome import ItemResult, StepOutcome
 # engine.py imports SPECULATIVE_DRAFTS from here (until it takes it from tandem.capabilities itself)
 from tandem.capabilities import SPECULATIVE_DRAFTS  # noqa: F401
 
-METHODS = ("off", "ngram")
 _BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str = "off"  # "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py)
-    num_tokens: int = 4  # most draft tokens per sequence and step
-    ngram_min: int = 2
-    ngram_max: int = 4
-    # Decoding sequences in a step above which nobody drafts (verification would cost more than it saves).
-    max_batch: int = 4  # measured: chat at 8 decoding ran 0.79x, at 4 1.09x (docs/performance.md, benchmarks spec)
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "off"
-
-    def validate(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"--speculative must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if not 1 <= self.num_tokens <= 32:
-            raise ValueError(f"--num-speculative-tokens must be in 1..32 (the executor's limit), got {self.num_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= --ngram-min ({self.ngram_min}) <= --ngram-max ({self.ngram_max})")
-        if self.max_batch < 0:
-            raise ValueError(f"--speculative-max-batch must be >= 0, got {self.max_batch}")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

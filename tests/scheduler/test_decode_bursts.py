@@ -13,7 +13,8 @@ import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
 from scheduler.structured.constraint import TokenConstraint
-from scheduler.engine.decode_bursts import BurstConfig, DecodeBursts
+from scheduler.config import BurstConfig
+from scheduler.engine.decode_bursts import DecodeBursts
 from scheduler.engine.planner import StepItem, StepPlan
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.engine.sequence import Sequence

@@ -14,7 +14,8 @@ from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
 from scheduler.engine.planner import Planner
 from scheduler.request import GenerateRequest, StoppingCriteria
 from scheduler.engine.sequence import Sequence, Status
-from scheduler.engine.speculation import SpeculativeConfig, Speculator, from_args
+from scheduler.config import SpeculativeConfig
+from scheduler.engine.speculation import Speculator, from_args
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 

@@ -17,7 +17,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.engine.sequence import Sequence
-from scheduler.engine.speculation import SpeculativeConfig
+from scheduler.config import SpeculativeConfig
 from scheduler.text.tokenizer import ModelTokenizer
 from tandem.codec import kv_usage_from_pb
 from tests.executor_driver import greedy_run, make_executor
