@@ -43,7 +43,7 @@ def tp_refusal(config: ExecutorConfig) -> str | None:
         return "LoRA adapters (--adapter, --adapter-root) are not sharded by rank yet"
     if config.deterministic:
         return "--deterministic runs the native step, which reads whole weights"
-    tiers = config.kv_transfer
+    tiers = config.kv_tiers
     if tiers.host_gb or tiers.disk_dir is not None:
         return "KV tiers (--kv-host-gb, --kv-disk-dir) would hold rank 0's KV heads only"
     # (getattr: flags that arrive with the attention backends)
