@@ -21,7 +21,7 @@ from tandem.vendor.smg import vllm_engine_pb2_grpc
 from scheduler.rpc import codec
 from scheduler.fleet import discovery
 from scheduler.config import SchedulerConfig
-from scheduler.engine.engine import PREFIX_CACHING
+from scheduler.engine.executor_calls import PREFIX_CACHING
 from scheduler.executor.info import ExecutorInfo
 from scheduler.fleet.fleet import Fleet
 from scheduler.engine.recovery import unfit_reason
