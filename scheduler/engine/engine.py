@@ -163,7 +163,7 @@ class Engine:
             if not self.up:
                 continue
             if not self.policy.has_work:
-                if not self.policy.has_releases:
+                if not self.policy.releases.has_pending:
                     await self._sleep(self.session.keep_alive_in())
                 continue
             self._stepping = True

@@ -79,7 +79,7 @@ class ExecutorCalls:
         started, losses = self.clock(), self.recovery.losses
         steps = self.bursts.steps(plan, bool(self.policy.waiting), self.policy.kv, self._info().capabilities,
                                   self.planner.speculator)
-        release = self.policy.take_releases(MAX_RELEASES_PER_STEP) if self.releases_ride else []
+        release = self.policy.releases.take(MAX_RELEASES_PER_STEP) if self.releases_ride else []
         try:
             if steps > 1:  # a burst: several decode steps on the executor (scheduler/engine/decode_bursts.py)
                 resp = await self.client.decode(self.bursts.to_pb(plan), steps, self.session.id, release=release)
@@ -88,7 +88,7 @@ class ExecutorCalls:
                 await self.masks.attach(plan, items)  # (returns at once when no item is constrained)
                 resp = await self.client.unified_decode(items, self.session.id, release=release)
         except (ExecutorUnreachable, RemoteError) as exc:
-            self.policy.release_failed(release)  # releasing is idempotent: they go again (or stale, if lost)
+            self.policy.releases.failed(release)  # releasing is idempotent: they go again (or stale, if lost)
             if losses == self.recovery.losses:
                 if isinstance(exc, RemoteError) and self.bursts.refused(steps, exc):
                     self.policy.step_refused(plan)  # nothing ran: the step goes again, in fewer steps
@@ -97,12 +97,12 @@ class ExecutorCalls:
             return None, steps
         results = codec.item_results_from_pb(resp)
         if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
-            self.policy.keep_stale([r.cache_id for r in results if r.cache_id] + release)
+            self.policy.releases.keep_stale([r.cache_id for r in results if r.cache_id] + release)
             return None, steps
         if not self.session.id and names_unknown_cache(plan, results):  # no sessions: a restart shows as
             await self.refresh_info()  # unknown caches; a new instance id says so (refresh_info starts recovery)
             if not self.up:
-                self.policy.keep_stale([r.cache_id for r in results if r.cache_id])
+                self.policy.releases.keep_stale([r.cache_id for r in results if r.cache_id])
                 return None, steps
         self.session.renewed(started)
         return StepAnswer(results, kv_usage_from_pb(resp.kv), self.clock() - started), steps
@@ -145,7 +145,7 @@ class ExecutorCalls:
             return
         created, kv = codec.created_caches_from_pb(resp)
         if losses != self.recovery.losses:  # declared lost meanwhile: the caches went with it
-            self.policy.keep_stale([c[0] for c in created if c is not None])
+            self.policy.releases.keep_stale([c[0] for c in created if c is not None])
             return
         self.policy.kv = kv
         self.policy.attach_prefixes(seqs, created)
@@ -153,17 +153,17 @@ class ExecutorCalls:
 
     async def release_pending(self) -> None:
         """A ReleaseCache call of its own, for releases no step call carries."""
-        if not self.policy.has_releases or not self.up:
+        if not self.policy.releases.has_pending or not self.up:
             return
-        ids = self.policy.take_releases()
+        ids = self.policy.releases.take()
         started = self.clock()
         try:
             resp = await self.client.release(ids, self.session.id)
         except (ExecutorUnreachable, RemoteError) as exc:
             failure = self._failed(exc, Call.RELEASE, f"{len(ids)} caches stay held until the session ends",
-                                        before_loss=lambda: self.policy.release_failed(ids))
+                                        before_loss=lambda: self.policy.releases.failed(ids))
             if failure is Verdict.RETRY:
-                self.policy.release_failed(ids)  # retried (ReleaseCache is idempotent)
+                self.policy.releases.failed(ids)  # retried (ReleaseCache is idempotent)
             return
         self.session.renewed(started)
         self.policy.kv = kv_usage_from_pb(resp.kv)
