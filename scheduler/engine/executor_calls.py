@@ -15,7 +15,7 @@ from scheduler.engine.planner import StepPlan
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.engine.recovery import Recovery
 from scheduler.engine.speculation import SPECULATIVE_DRAFTS
-from scheduler.engine.step_answer import StepAnswer, names_unknown_cache
+from scheduler.engine.step_answer import ItemResult, StepAnswer
 from scheduler.executor.call_failures import Call, Verdict, classify
 from scheduler.executor.client import ExecutorClient, ExecutorUnreachable
 from scheduler.executor.info import ExecutorInfo
@@ -99,7 +99,7 @@ class ExecutorCalls:
         if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
             self.policy.releases.keep_stale([r.cache_id for r in results if r.cache_id] + release)
             return None, steps
-        if not self.session.id and names_unknown_cache(plan, results):  # no sessions: a restart shows as
+        if not self.session.id and _names_unknown_cache(plan, results):  # no sessions: a restart shows as
             await self.refresh_info()  # unknown caches; a new instance id says so (refresh_info starts recovery)
             if not self.up:
                 self.policy.releases.keep_stale([r.cache_id for r in results if r.cache_id])
@@ -190,3 +190,10 @@ class ExecutorCalls:
             level = logging.ERROR if failure.verdict is Verdict.FAILED and call is Call.RELEASE else logging.WARNING
             log.log(level, "%s; %s", failure.reason, consequence or "retrying")
         return failure.verdict
+
+
+def _names_unknown_cache(plan: StepPlan, results: list[ItemResult]) -> bool:
+    """Whether an item that named an existing cache failed NOT_FOUND (the executor no longer holds it): the one
+    question asked of an answer without sessions, where an executor's restart shows only this way."""
+    return any(isinstance(r.error, RemoteError) and r.error.status_name == "NOT_FOUND" and item.seq.cache_id
+               for item, r in zip(plan.items, results))

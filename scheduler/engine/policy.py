@@ -38,7 +38,8 @@ from scheduler.engine.prefix_wait import shared_prefix
 from scheduler.engine.release_ledger import ReleaseLedger
 from scheduler.engine.sequence import Sequence, Status
 from scheduler.engine.speculation import Speculator
-from scheduler.engine.step_outcome import Emitted, Failure, ItemResult, StepOutcome
+from scheduler.engine.step_answer import ItemResult
+from scheduler.engine.step_outcome import Emitted, Failure, StepOutcome
 from tandem.errors import AdapterNotFound, CapacityExceeded, RemoteError, TandemError
 from tandem.kv_usage import KvUsage
 

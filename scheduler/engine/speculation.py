@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
 from scheduler.engine.sequence import Sequence
-from scheduler.engine.step_outcome import ItemResult, StepOutcome
+from scheduler.engine.step_answer import ItemResult
+from scheduler.engine.step_outcome import StepOutcome
 
 METHODS = ("off", "ngram")
 SPECULATIVE_DRAFTS = "speculative_drafts"  # GetInfo capability: UnifiedItem.draft_token_ids is verified
