@@ -13,6 +13,9 @@ from typing import Iterable
 
 
 class ReleaseLedger:
+    """One engine's caches to release: pending (for the executor serving now) and stale (for when one serves
+    again)."""
+
     def __init__(self) -> None:
         self._pending: list[str] = []
         self._stale: list[str] = []  # caches a lost executor (or a forgotten session) may still hold
