@@ -11,6 +11,8 @@ import torch
 from executor_service import cpu_cores
 from executor_service.config import ExecutorConfig
 from executor_service.kv.events.endpoint import ZmqKvConfig
+from executor_service.kv.tiers.config import add_flags as add_kv_tier_flags
+from executor_service.kv.tiers.config import from_args as kv_tiers_from_args
 from executor_service.kv.transfer.config import add_flags as add_kv_transfer_flags
 from executor_service.kv.transfer.config import from_args as kv_transfer_from_args
 from executor_service.rpc.server import ServerConfig, serve
@@ -159,6 +161,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     add_tp_flags(ap)
     add_kv_transfer_flags(ap)
+    add_kv_tier_flags(ap)
     add_server_flags(ap)
     return ap.parse_args(argv)
 
@@ -193,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         kv_transfer = kv_transfer_from_args(args)
+        kv_tiers = kv_tiers_from_args(args)
     except ValueError as exc:
         print(f"tandem-executor: error: {exc}", file=sys.stderr)
         return 2
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,
                                   prefix_caching=not args.no_prefix_caching,
                                   max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer,
-                                  kv_transfer=kv_transfer)
+                                  kv_transfer=kv_transfer, kv_tiers=kv_tiers)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
                               threads=args.threads, max_queued_calls=args.max_queued_calls,
                               metrics_port=args.metrics_port, security=server_security(args),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service.kv.tiers.config import KvTierConfig
 from executor_service.kv.transfer.config import KvTransferConfig
 from models.kv_cache import DEFAULT_BLOCK_SIZE
 
@@ -70,8 +71,10 @@ class ExecutorConfig:
     kv_events_buffer: int = 10_000  # events a subscriber may have unread before it is dropped
     # Ranks the model is split over (executor_service/tp/stack.py); 1 = the whole model here.
     tensor_parallel_size: int = 1
-    # Role, KV tiers (host memory, disk) and ImportKv's link to other executors (executor_service/kv/transfer/config.py)
+    # Role and ImportKv's link to other executors (executor_service/kv/transfer/config.py)
     kv_transfer: KvTransferConfig = KvTransferConfig()
+    # KV tiers under the prefix cache: host memory, disk (executor_service/kv/tiers/config.py)
+    kv_tiers: KvTierConfig = KvTierConfig()
 
     def attention_bound(self) -> int | None:
         """The attention workspace limit to split buckets at; None = never split."""

@@ -152,7 +152,7 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     # what a restart would have found warm, and must not keep the rest of the stop from running
     try:
         flush_to_disk(executor.prefix, lambda: executor.control_op("kv_flush"),
-                      executor_cfg.kv_transfer.disk_flush_s)
+                      executor_cfg.kv_tiers.disk_flush_s)
     except Exception:  # noqa: BLE001 (any: a disk error, a bad block read)
         log.exception("stopping: writing the pool's KV blocks to the disk tier failed; the stop goes on")
     thread.shutdown()

@@ -89,7 +89,7 @@ CONFLICTS: tuple[Conflict, ...] = (
              "--decode-kernel native reads whole weights; tensor parallelism runs the eager forward"),
     Conflict("--tensor-parallel-size", _tp, _lora,
              "LoRA adapters (--adapter, --adapter-root) are not sharded by rank yet"),
-    Conflict("--tensor-parallel-size", _tp, lambda c: bool(c.kv_transfer.host_gb) or c.kv_transfer.disk_dir is not None,
+    Conflict("--tensor-parallel-size", _tp, lambda c: bool(c.kv_tiers.host_gb) or c.kv_tiers.disk_dir is not None,
              "KV tiers (--kv-host-gb, --kv-disk-dir) would hold rank 0's KV heads only"),
     Conflict("--tensor-parallel-size", _tp, lambda c: c.attention_backend not in ("auto", "gathered"),
              "the ranks run the gathered paged attention only (--attention-backend auto or gathered)"),

@@ -7,8 +7,8 @@ pass sends; a *decode step* is one forward on the executor (a burst runs several
 Everything runs on the server's asyncio loop (no locks). In steady state a pass is one RPC: the caches the
 policy retired ride with the next step call (capability "release_with_step") and the step renews the session's
 lease; ReleaseCache goes alone only when no step follows or to an older executor, KeepAlive only when idle,
-CreateCache when new requests may reuse cached prefixes. What a failed call means: scheduler/executor/call_failures.py;
-the executor's loss and return: scheduler/engine/recovery.py.
+CreateCache when new requests may reuse cached prefixes. The calls themselves and what their failures mean:
+scheduler/engine/executor_calls.py; the executor's loss and return: scheduler/engine/recovery.py.
 """
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ import time
 from typing import Callable, Iterator
 
 from scheduler.rpc import codec
-from scheduler.executor.call_failures import Call, Verdict, classify
 from scheduler.config import SchedulerConfig
 from scheduler.engine.decode_bursts import DecodeBursts
+from scheduler.engine.executor_calls import STALL_POLL_S, ExecutorCalls
 from scheduler.executor.client import ExecutorClient, ExecutorUnreachable
 from scheduler.executor.info import ExecutorInfo, ExecutorStats, adapters_of
 from scheduler.output.output_processor import OutputProcessor
-from scheduler.engine.planner import StepPlan
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.engine.recovery import Recovery
 from scheduler.request import GenerateRequest
@@ -32,21 +31,11 @@ from scheduler.output.request_events import RequestEvents
 from scheduler.output.request_stream import RequestStream
 from scheduler.engine.sequence import Sequence
 from scheduler.executor.session import ExecutorSession
-from scheduler.engine.speculation import SPECULATIVE_DRAFTS
-from scheduler.engine.step_answer import StepAnswer, names_unknown_cache
 from scheduler.engine.throughput_log import ThroughputLog
 from scheduler.structured.token_masks import MaskWorker, StepMasks
-from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError, Unavailable
-from tandem.kv_usage import KvUsage
 
 log = logging.getLogger("tandem.scheduler")
-_STALL_POLL_S = (0.02, 0.5)  # KV held by another client of the executor: look again, backing off to 0.5 s
-_KEEP_ALIVE_RETRY_S = 1.0
-MAX_RELEASES_PER_STEP = 4096  # the contract's limit on release_cache_ids
-REGISTERED_SAMPLING = "registered_sampling"  # GetInfo capability: sampling is registered with the cache
-PREFIX_CACHING = "prefix_caching"  # GetInfo capability: CreateCache reuses cached prompt prefixes
-RELEASE_WITH_STEP = "release_with_step"  # GetInfo capability: step calls carry release_cache_ids
 
 
 class Engine:
@@ -72,8 +61,10 @@ class Engine:
                                  self.streams.fail, on_health, lambda: self.closed)
         self.step_calls = 0
         self.bursts = DecodeBursts(cfg.bursts)
+        self.calls = ExecutorCalls(client, self.session, self.policy, self.recovery, self.streams, self.masks,
+                                   self.bursts, clock, lambda: self.info, self._fresh_info)
         self._wake = asyncio.Event()
-        self._stall_poll_s = _STALL_POLL_S[0]
+        self._stall_poll_s = STALL_POLL_S[0]
         self._stepping = False
         self._stopping = False
         self._throughput = ThroughputLog(self.policy)
@@ -131,22 +122,14 @@ class Engine:
         """Ends the loop's wait (a request, an abort, the executor's return)."""
         self._wake.set()
 
+
     async def refresh_info(self) -> None:
-        """Re-reads the executor's info (adapters loaded since, KV). A slow or failed answer keeps what the
-        scheduler knew; no answer, or another instance, is the executor's loss."""
-        if not self.up:
-            return
-        try:
-            info = codec.executor_info_from_pb(await self.client.info())
-        except (ExecutorUnreachable, RemoteError) as exc:
-            self._failed_call(exc, Call.INFO, "keeping the executor's last info")
-            return
-        if info.instance_id != self.info.instance_id:
-            self.recovery.lost(f"executor {self.client.address} restarted (instance {self.info.instance_id!r} is "
-                               f"now {info.instance_id!r}): its caches are gone")
-            return
+        """Re-reads the executor's info (scheduler/engine/executor_calls.py)."""
+        await self.calls.refresh_info()
+
+    def _fresh_info(self, info: ExecutorInfo) -> None:
+        """A new GetInfo answer of the same executor instance (adapters loaded since, KV)."""
         self.info = info
-        self.policy.kv = info.kv
 
     def _adopt(self, info: ExecutorInfo) -> None:
         """An executor serves again (recovery checked it serves our model): its limits, adapters, queue."""
@@ -174,13 +157,13 @@ class Engine:
                 await self._sleep(None)
                 continue
             self.streams.fail(self.policy.expire_waiting())
-            if not (self.policy.has_work and self._releases_ride):
-                await self._release_pending()  # (else they ride with this pass's step call)
-            await self._keep_alive_if_due()
+            if not (self.policy.has_work and self.calls.releases_ride):
+                await self.calls.release_pending()  # (else they ride with this pass's step call)
+            await self.calls.keep_alive_if_due()
             if not self.up:
                 continue
             if not self.policy.has_work:
-                if not self.policy.has_releases:
+                if not self.policy.releases.has_pending:
                     await self._sleep(self.session.keep_alive_in())
                 continue
             self._stepping = True
@@ -212,7 +195,7 @@ class Engine:
         self.closed = True
         self.recovery.stop()
         if self.up:
-            await self._release_pending()
+            await self.calls.release_pending()
             try:
                 await self.session.close()
             except (ExecutorUnreachable, RemoteError) as exc:
@@ -227,33 +210,30 @@ class Engine:
         except asyncio.TimeoutError:
             pass
 
-    @property
-    def _releases_ride(self) -> bool:  # (the executor applies release_cache_ids)
-        return RELEASE_WITH_STEP in self.info.capabilities
 
     async def _pass(self) -> None:
         policy = self.policy
-        await self._match_prefixes()
+        await self.calls.match_prefixes()
         if not self.up:
             return
         plan = policy.schedule()
         self.streams.admitted(plan.admitted)
         if not plan.items:
-            await self._release_pending()  # no step call to ride with (the plan may count on these blocks)
+            await self.calls.release_pending()  # no step call to ride with (the plan may count on these blocks)
             # (else: plan again with what releasing the waiting prefixes freed, or after the lookup)
             if self.up and not plan.unpinned and not plan.head_needs_lookup:
                 await self._stalled()
             return
-        if not self._releases_ride and (plan.preempted or plan.unpinned):
-            await self._release_pending()  # the plan counts on the victims' blocks being free
+        if not self.calls.releases_ride and (plan.preempted or plan.unpinned):
+            await self.calls.release_pending()  # the plan counts on the victims' blocks being free
             if not self.up:
                 return
-        resp, steps = await self._step_call(plan)
+        resp, steps = await self.calls.step(plan)
         if resp is None:
             return
         self.bursts.observe(plan, steps, resp.elapsed_s)
         self.step_calls += 1
-        self._stall_poll_s = _STALL_POLL_S[0]
+        self._stall_poll_s = STALL_POLL_S[0]
         outcome = policy.update(plan, resp.results, resp.kv)
         self.masks.prefetch(policy.running)  # the next step's masks, computed while the loop streams and plans
         for seq in self.streams.process(outcome):  # a stop string ended it: only the text showed it
@@ -261,91 +241,13 @@ class Engine:
         self._throughput.add(len(outcome.emitted) if steps > 1 else sum(item.count for item in plan.items))
         self.after_step()
 
-    async def _step_call(self, plan: StepPlan) -> tuple[StepAnswer | None, int]:
-        """Sends the plan (with the pending releases when they ride along). None: no result to apply (the
-        failure was handled: a loss, a refused burst to send again, an error that ended the step's requests)."""
-        started, losses = self.clock(), self.recovery.losses
-        steps = self.bursts.steps(plan, bool(self.policy.waiting), self.policy.kv, self.info.capabilities,
-                                  self.planner.speculator)
-        release = self.policy.take_releases(MAX_RELEASES_PER_STEP) if self._releases_ride else []
-        try:
-            if steps > 1:  # a burst: several decode steps on the executor (scheduler/engine/decode_bursts.py)
-                resp = await self.client.decode(self.bursts.to_pb(plan), steps, self.session.id, release=release)
-            else:
-                items = codec.step_to_pb(plan, REGISTERED_SAMPLING in self.info.capabilities)
-                await self.masks.attach(plan, items)  # (returns at once when no item is constrained)
-                resp = await self.client.unified_decode(items, self.session.id, release=release)
-        except (ExecutorUnreachable, RemoteError) as exc:
-            self.policy.release_failed(release)  # releasing is idempotent: they go again (or stale, if lost)
-            if losses == self.recovery.losses:
-                if isinstance(exc, RemoteError) and self.bursts.refused(steps, exc):
-                    self.policy.step_refused(plan)  # nothing ran: the step goes again, in fewer steps
-                else:
-                    await self._step_failed(plan, exc)
-            return None, steps
-        results = codec.item_results_from_pb(resp)
-        if losses != self.recovery.losses:  # declared lost meanwhile (by a handler's GetInfo): the plan was requeued
-            self.policy.keep_stale([r.cache_id for r in results if r.cache_id] + release)
-            return None, steps
-        if not self.session.id and names_unknown_cache(plan, results):  # no sessions: a restart shows as
-            await self.refresh_info()  # unknown caches; a new instance id says so (refresh_info starts recovery)
-            if not self.up:
-                self.policy.keep_stale([r.cache_id for r in results if r.cache_id])
-                return None, steps
-        self.session.renewed(started)
-        return StepAnswer(results, kv_usage_from_pb(resp.kv), self.clock() - started), steps
-
-    async def _step_failed(self, plan: StepPlan, exc: ExecutorUnreachable | RemoteError) -> None:
-        failure = classify(exc, Call.STEP, self.client.address, bool(self.session.id))
-        if failure.verdict is Verdict.LOST:
-            self.recovery.lost(failure.reason)
-            return
-        if failure.verdict is Verdict.CHECK_RESTART:
-            await self.refresh_info()  # no sessions: unknown caches may mean a restart (a new instance id)
-            if not self.up:
-                return
-        kv_full = failure.verdict is Verdict.KV_FULL
-        self.streams.fail(self.policy.step_failed(plan, exc, kv_full))
-        if kv_full:  # someone else took blocks: make room (done), look at the pool, plan again
-            await self.refresh_info()
-            if not self.policy.running:
-                await asyncio.sleep(_STALL_POLL_S[0])
-
-    async def _match_prefixes(self) -> None:
-        """Before admission: the waiting sequences that may be admitted get caches holding the longest prefix
-        the executor has cached (CreateCache pins it at once), so admission counts only the blocks they
-        still need and the step sends only the rest of their prompts. A failed lookup only means no reuse."""
-        # (read each pass: an executor back after a loss may have it on or off)
-        self.planner.reuse_prefixes = PREFIX_CACHING in self.info.capabilities
-        self.planner.speculator = self.policy.speculator if SPECULATIVE_DRAFTS in self.info.capabilities else None
-        if not self.planner.reuse_prefixes:
-            return
-        seqs = self.policy.to_match()
-        if not seqs:
-            return
-        items = codec.create_cache_items(seqs)
-        losses = self.recovery.losses
-        try:
-            resp = await self.client.create_caches(items, self.session.id)
-        except (ExecutorUnreachable, RemoteError) as exc:
-            if losses == self.recovery.losses:
-                self._failed_call(exc, Call.CREATE_CACHE, "these requests start without a reused prefix")
-            return
-        created, kv = codec.created_caches_from_pb(resp)
-        if losses != self.recovery.losses:  # declared lost meanwhile: the caches went with it
-            self.policy.keep_stale([c[0] for c in created if c is not None])
-            return
-        self.policy.kv = kv
-        self.policy.attach_prefixes(seqs, created)
-        self.streams.prefixes_found(seqs)
-
     async def _stalled(self) -> None:
         """No item fits this step. Preempt if our own sequences hold the blocks; fail a request that cannot
         fit even an empty cache; otherwise the blocks are held elsewhere: look again after a pause that
-        grows to _STALL_POLL_S[1] (the head's wait ends at cfg.max_queue_time_s in any case)."""
+        grows to STALL_POLL_S[1] (the head's wait ends at cfg.max_queue_time_s in any case)."""
         if self.policy.preempt_for_stall():
             return
-        await self._release_pending()
+        await self.calls.release_pending()
         await self.refresh_info()
         if not self.up:
             return
@@ -354,44 +256,4 @@ class Engine:
             self.streams.fail([head])
             return
         await asyncio.sleep(self._stall_poll_s)
-        self._stall_poll_s = min(self._stall_poll_s * 2, _STALL_POLL_S[1])
-
-    async def _release_pending(self) -> None:
-        """A ReleaseCache call of its own, for releases no step call carries."""
-        if not self.policy.has_releases or not self.up:
-            return
-        ids = self.policy.take_releases()
-        started = self.clock()
-        try:
-            resp = await self.client.release(ids, self.session.id)
-        except (ExecutorUnreachable, RemoteError) as exc:
-            failure = self._failed_call(exc, Call.RELEASE, f"{len(ids)} caches stay held until the session ends",
-                                        before_loss=lambda: self.policy.release_failed(ids))
-            if failure is Verdict.RETRY:
-                self.policy.release_failed(ids)  # retried (ReleaseCache is idempotent)
-            return
-        self.session.renewed(started)
-        self.policy.kv = kv_usage_from_pb(resp.kv)
-
-    async def _keep_alive_if_due(self) -> None:
-        due = self.session.keep_alive_in()
-        if due is None or due > 0:
-            return
-        try:
-            await self.session.keep_alive()
-        except (ExecutorUnreachable, RemoteError) as exc:
-            if self._failed_call(exc, Call.KEEP_ALIVE) is Verdict.RETRY:
-                self.session.retry_keep_alive_in(_KEEP_ALIVE_RETRY_S)
-
-    def _failed_call(self, exc: ExecutorUnreachable | RemoteError, call: Call, consequence: str = "",
-                     before_loss: Callable[[], None] | None = None) -> Verdict:
-        """A control call failed: a loss starts recovery; anything else is logged (the caller retries)."""
-        failure = classify(exc, call, self.client.address, bool(self.session.id))
-        if failure.verdict is Verdict.LOST:
-            if before_loss is not None:
-                before_loss()  # (stale now: released, or their session closed, once the executor is back)
-            self.recovery.lost(failure.reason)
-        else:  # (a release that failed leaves KV held: an error; the others cost only a retry or a reuse)
-            level = logging.ERROR if failure.verdict is Verdict.FAILED and call is Call.RELEASE else logging.WARNING
-            log.log(level, "%s; %s", failure.reason, consequence or "retrying")
-        return failure.verdict
+        self._stall_poll_s = min(self._stall_poll_s * 2, STALL_POLL_S[1])

@@ -1,11 +1,13 @@
 """The scheduling policy as a synchronous object: no asyncio, no I/O.
 
 It owns the waiting and running queues, admission, the step plan (scheduler/engine/planner.py) and the preemption
-choice, and applies a step's results. Time comes from an injected clock, so tests drive it by hand. A thin async loop (scheduler/engine/engine.py) moves data between it, the
-executor client and the client streams, in the shape of vLLM V1's `schedule()` / `update_from_output()`:
+choice, and applies a step's results; the caches to release are in its ledger (scheduler/engine/release_ledger.py).
+Time comes from an injected clock, so tests drive it by hand. A thin async loop (scheduler/engine/engine.py) moves
+data between it, the executor client and the client streams, in the shape of vLLM V1's `schedule()` /
+`update_from_output()`:
 
     plan = policy.schedule()                   # which sequences, how many tokens (preemptions applied)
-    ids = policy.take_releases()               # caches to release on the executor (before plan.items run)
+    ids = policy.releases.take()               # caches to release on the executor (before plan.items run)
     results = <the executor runs plan.items>   # one step call (the releases ride with it)
     outcome = policy.update(plan, results, kv) # tokens appended, finished and failed sequences retired
 
@@ -33,9 +35,11 @@ from typing import Callable, Iterator
 from scheduler.config import SchedulerConfig
 from scheduler.engine.planner import Planner, StepPlan
 from scheduler.engine.prefix_wait import shared_prefix
+from scheduler.engine.release_ledger import ReleaseLedger
 from scheduler.engine.sequence import Sequence, Status
 from scheduler.engine.speculation import Speculator
-from scheduler.engine.step_outcome import Emitted, Failure, ItemResult, StepOutcome
+from scheduler.engine.step_answer import ItemResult
+from scheduler.engine.step_outcome import Emitted, Failure, StepOutcome
 from tandem.errors import AdapterNotFound, CapacityExceeded, RemoteError, TandemError
 from tandem.kv_usage import KvUsage
 
@@ -63,8 +67,7 @@ class SchedulingPolicy:
         # for waiting ones until a plan fits, or pinning them would take the blocks just freed right back.
         self.short_of_blocks = False
         self._arrivals = arrivals or itertools.count()
-        self._to_release: list[str] = []
-        self._stale: list[str] = []  # caches a lost executor (or a forgotten session) may still hold
+        self.releases = ReleaseLedger()  # the caches to release on the executor (scheduler/engine/release_ledger.py)
         self._in_flight: set[Sequence] = set()
 
     def _budget(self, executor_max_batch_tokens: int) -> int:
@@ -104,7 +107,7 @@ class SchedulingPolicy:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq not in self._in_flight and seq.cache_id:
-            self._to_release.append(seq.cache_id)
+            self.releases.add(seq.cache_id)
             seq.cache_id = ""
         self._forget(seq)
         seq.status = Status.FINISHED
@@ -113,14 +116,10 @@ class SchedulingPolicy:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    @property
-    def has_releases(self) -> bool:
-        return bool(self._to_release)
-
     # ----------------------------------------------------------------- a step
     def schedule(self) -> StepPlan:
         """Plans the next step and applies its preemptions and admissions. Release the caches from
-        take_releases() before sending plan.items: the plan counts on the preempted sequences' blocks."""
+        releases.take() before sending plan.items: the plan counts on the preempted sequences' blocks."""
         plan = self.planner.plan(self.running, self.waiting, self.kv)
         for victim in plan.preempted:
             self._preempt(victim)
@@ -273,7 +272,7 @@ class SchedulingPolicy:
                 continue
             cache_id, cached, *prompt_logprobs = res  # (prompt logprobs when the sequence asked)
             if seq.finished or seq not in self.waiting or (seq.cache_id and cached <= seq.num_cached):
-                self._to_release.append(cache_id)
+                self.releases.add(cache_id)
                 continue
             self._release(seq)  # (looked up again: the new cache reuses more than the one it held)
             seq.drop_cache()
@@ -285,14 +284,13 @@ class SchedulingPolicy:
         be recomputed (caches forgotten, outputs kept); nothing ends. Returns how many were running. The
         forgotten caches are kept as stale: release them once an executor serves (unknown ids are no error)."""
         stale = [s for s in self._in_flight if s.finished and s.cache_id]  # aborted during the lost step
-        self._stale += self._to_release + [s.cache_id for s in stale + self.running if s.cache_id]
-        self._to_release = []
+        self.releases.executor_lost(s.cache_id for s in stale + self.running if s.cache_id)
         self._in_flight = set()
         for seq in stale:
             seq.cache_id = ""
         for seq in self.waiting:  # reused prefixes taken for sequences not admitted yet: gone too
             if seq.cache_id:
-                self._stale.append(seq.cache_id)
+                self.releases.keep_stale([seq.cache_id])
                 seq.drop_cache()
         requeued = list(self.running)
         self.running.clear()
@@ -307,17 +305,9 @@ class SchedulingPolicy:
         taken, self.waiting = self.waiting, []
         for seq in taken:
             if seq.cache_id:
-                self._stale.append(seq.cache_id)
+                self.releases.keep_stale([seq.cache_id])
             seq.drop_cache()
         return taken
-
-    def take_stale(self) -> list[str]:
-        ids, self._stale = self._stale, []
-        return ids
-
-    def keep_stale(self, cache_ids: list[str]) -> None:
-        """Releasing the stale caches failed: keep them for the next try."""
-        self._stale.extend(cache_ids)
 
     def fail_all(self, error: TandemError) -> list[Failure]:
         """Every live request ends with error (the executor did not come back in time, or came back unfit)."""
@@ -349,18 +339,9 @@ class SchedulingPolicy:
         return ended
 
     # ----------------------------------------------------------------- caches
-    def take_releases(self, limit: int | None = None) -> list[str]:
-        """The caches to release on the executor now (at most limit; the rest stay pending)."""
-        ids, self._to_release = self._to_release[:limit], self._to_release[len(self._to_release[:limit]):]
-        return ids
-
-    def release_failed(self, cache_ids: list[str]) -> None:
-        """The release did not reach the executor: keep the ids for the next try."""
-        self._to_release.extend(cache_ids)
-
     def _release(self, seq: Sequence) -> None:
         if seq.cache_id:
-            self._to_release.append(seq.cache_id)
+            self.releases.add(seq.cache_id)
             seq.cache_id = ""
 
     def _end(self, seq: Sequence) -> None:

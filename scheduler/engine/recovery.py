@@ -108,7 +108,7 @@ class Recovery:
             self.refusal = self.unfit = unfit
             self._fail(self.policy.fail_all(Unavailable(unfit)))
             return False
-        stale = self.policy.take_stale()
+        stale = self.policy.releases.take_stale()
         same_process = info.instance_id == known.instance_id  # "" == "": unknown, so it may be
         try:
             if same_process and self._lost_session:
@@ -118,7 +118,7 @@ class Recovery:
             self._lost_session = ""
             await self.session.open(info.session_ttl_ms)
         except (ExecutorUnreachable, RemoteError) as exc:
-            self.policy.keep_stale(stale)
+            self.policy.releases.keep_stale(stale)
             log.warning("executor %s answers but cannot be used yet: %s", self.client.address, exc)
             return False
         self._adopt(info)

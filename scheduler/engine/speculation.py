@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from scheduler.config import METHODS, SpeculativeConfig
 from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
 from scheduler.engine.sequence import Sequence
-from scheduler.engine.step_outcome import ItemResult, StepOutcome
-# engine.py imports SPECULATIVE_DRAFTS from here (until it takes it from tandem.capabilities itself)
-from tandem.capabilities import SPECULATIVE_DRAFTS  # noqa: F401
+from scheduler.engine.step_answer import ItemResult
+from scheduler.engine.step_outcome import StepOutcome
 
 _BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16

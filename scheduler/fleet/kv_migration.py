@@ -86,11 +86,11 @@ class KvMigration:
         old_id, old_len = seq.cache_id, seq.num_cached
         imported = await self._import(src, dst, old_id) if old_id else None
         if old_id:  # the source's copy goes (with src's next call, or alone); unknown ids are no error
-            src.policy.release_failed([old_id])
+            src.policy.releases.failed([old_id])
             src.wake()
         if seq.finished or stream is None or stream.finished:  # the client went away meanwhile
             if imported is not None:
-                dst.policy.release_failed([imported[0]])
+                dst.policy.releases.failed([imported[0]])
                 dst.wake()
             if stream is not None:
                 stream.cancelled()
@@ -106,7 +106,7 @@ class KvMigration:
                 self._events.migrated()
         else:
             if imported is not None:  # (more tokens than the source held: not the cache asked for)
-                dst.policy.release_failed([imported[0]])
+                dst.policy.releases.failed([imported[0]])
             seq.reset_cache()  # recomputed on dst: prompt + the tokens already streamed
             if not dst.up:  # (lost meanwhile: the fleet has moved its queue already; this one goes elsewhere)
                 dst = self._target(seq.request, "prompt", src) or dst
@@ -148,7 +148,7 @@ class KvMigration:
         await src.hold()
         try:
             queued = src.take_waiting()
-            src.policy.release_failed(src.policy.take_stale())  # their reused prefixes there
+            src.policy.releases.failed(src.policy.releases.take_stale())  # their reused prefixes there
             running = [s for s in src.policy.running if s.cache_id]
             decoding = [s for s in src.policy.running if s.output_ids]
             prompting = [s for s in src.policy.running if not s.output_ids]  # (their prompt goes on elsewhere)

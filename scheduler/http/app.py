@@ -21,7 +21,9 @@ from fastapi.responses import Response, StreamingResponse
 from scheduler.rpc import codec
 from scheduler.fleet.fleet import Fleet
 from scheduler.http import convert, errors, tool_calls
-from scheduler.http import schemas as s
+from scheduler.http import response_schemas as s
+from scheduler.http.request_schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                             TokenizeRequest)
 from scheduler.http.auth import TokenAuth
 from scheduler.http.body_limit import BodyLimit
 from scheduler.http.cors import Cors
@@ -163,7 +165,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
     errors.install(app)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: s.ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         n = body.n or 1
         opts = body.stream_options
 
@@ -180,7 +182,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         return await front.generate(n, requests, renderer, request, bool(body.stream))
 
     @app.post("/v1/completions")
-    async def completions(body: s.CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         n = body.n or 1
         opts = body.stream_options
 
@@ -232,7 +234,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         return Response(status_code=200)
 
     @app.post("/tokenize")
-    async def tokenize(body: s.TokenizeRequest) -> Response:
+    async def tokenize(body: TokenizeRequest) -> Response:
         if (body.prompt is None) == (body.messages is None):
             raise BadParameter("prompt", "give exactly one of prompt or messages")
         if body.prompt is not None:
@@ -255,7 +257,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         return _json(await front.off_loop(run))
 
     @app.post("/detokenize")
-    async def detokenize(body: s.DetokenizeRequest) -> Response:
+    async def detokenize(body: DetokenizeRequest) -> Response:
         vocab = fleet.info.vocab_size
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:

@@ -16,7 +16,7 @@ import re
 from scheduler.http import tool_calls
 from scheduler.http.errors import BadParameter
 from scheduler.http.limits import HttpLimits
-from scheduler.http.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
+from scheduler.http.request_schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as pb
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from scheduler.http import schemas as s
+from scheduler.http import response_schemas as s
 from scheduler.request import TokenLogprob
 
 

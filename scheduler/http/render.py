@@ -14,7 +14,7 @@ import time
 import uuid
 from functools import lru_cache
 
-from scheduler.http import schemas as s
+from scheduler.http import response_schemas as s
 from scheduler.http.prompt_echo import echo_logprobs, vllm_prompt_logprobs
 from scheduler.http.tool_calls import ToolCallStream, ToolMode, calls
 from scheduler.request import Delta, FinishReason, TokenLogprob

@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass
 
 from scheduler.text.chat_input import check_function_name
-from scheduler.http import schemas as s
+from scheduler.http import response_schemas as s
+from scheduler.http.request_schemas import ChatCompletionRequest, TokenizeRequest
 from scheduler.http.errors import BadParameter
 from tandem.errors import InvalidRequest
 from tandem.generate.v1 import generate_pb2 as pb
@@ -31,7 +32,7 @@ class ToolMode:
     tools: tuple[str, ...]
 
 
-def tools_pb(body: s.ChatCompletionRequest | s.TokenizeRequest) -> list[pb.Tool]:
+def tools_pb(body: ChatCompletionRequest | TokenizeRequest) -> list[pb.Tool]:
     out = []
     for i, t in enumerate(body.tools or []):
         try:
@@ -43,7 +44,7 @@ def tools_pb(body: s.ChatCompletionRequest | s.TokenizeRequest) -> list[pb.Tool]
     return out
 
 
-def tool_mode(body: s.ChatCompletionRequest) -> ToolMode | None:
+def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
     """The request's tool choice, checked: None when the output is free text."""
     names = tuple(t.function.name for t in body.tools or [])
     choice = body.tool_choice
@@ -66,7 +67,7 @@ def tool_mode(body: s.ChatCompletionRequest) -> ToolMode | None:
     return ToolMode(choice.function.name, names)
 
 
-def constraint(body: s.ChatCompletionRequest, mode: ToolMode) -> pb.Constraint:
+def constraint(body: ChatCompletionRequest, mode: ToolMode) -> pb.Constraint:
     """The JSON Schema the output must follow."""
     params = {t.function.name: t.function.parameters or NO_ARGUMENTS for t in body.tools or []}
     if mode.name is not None:

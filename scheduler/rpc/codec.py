@@ -19,7 +19,7 @@ from scheduler.structured.grammar import CompiledConstraint, ConstraintKind, Con
 from scheduler.executor.info import ExecutorInfo, ExecutorStats
 from scheduler.engine.planner import StepItem, StepPlan
 from scheduler.engine.sequence import Sequence
-from scheduler.engine.step_outcome import ItemResult
+from scheduler.engine.step_answer import ItemResult
 from tandem.capabilities import PROMPT_LOGPROBS, TOKEN_MASKS
 from tandem.kv_usage import KvUsage
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob

@@ -19,12 +19,6 @@ from tandem.executor.v1 import executor_pb2 as pb
 from tests.conftest import ROOT
 from tests.grpc_harness import start_executor
 
-# Files that spell capability names themselves, left as they were because others were changing them when the
-# vocabulary came in: each is to take its names from tandem.capabilities, and then its entry goes (a stale
-# entry fails test_names_are_spelled_only_in_the_vocabulary).
-PENDING = {
-    "scheduler/engine/engine.py": {caps.REGISTERED_SAMPLING, caps.PREFIX_CACHING, caps.RELEASE_WITH_STEP},
-}
 
 Use = tuple[int, str, bool]  # (line, capability name, spelled here as a string literal rather than a name)
 
@@ -160,7 +154,7 @@ def test_names_are_spelled_only_in_the_vocabulary(checked, produced):
             if own := own_constants(ast.parse(path.read_text(encoding="utf-8"))):
                 spelled.setdefault(str(path.relative_to(ROOT)), set()).update(name for _, name, _ in own)
     spelled = {path: names for path, names in spelled.items() if names}
-    assert spelled == PENDING, "spell capability names as tandem.capabilities' constants (then shrink PENDING)"
+    assert spelled == {}, "spell capability names as tandem.capabilities' constants"
 
 
 CONFIGURATIONS = {"default": (), "torch-step-no-prefix-caching": ("--decode-kernel", "torch", "--no-prefix-caching")}

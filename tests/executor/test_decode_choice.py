@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
-from executor_service.kv.transfer.config import KvTransferConfig
+from executor_service.kv.tiers.config import KvTierConfig
 from executor_service.step.decode_choice import CONFLICTS, choose_decode, flag_refusal
 from models.kv_cache import PagedKvCache
 from models.loader import load_model
@@ -37,7 +37,7 @@ CLASHES = [  # (flags, the flag named first): one per row of CONFLICTS, in its o
     (dict(tensor_parallel_size=2, compile=True), "--tensor-parallel-size: --compile"),
     (dict(tensor_parallel_size=2, decode_kernel="native"), "--tensor-parallel-size: --decode-kernel native"),
     (dict(tensor_parallel_size=2, adapter_root="/tmp"), "--tensor-parallel-size: LoRA adapters"),
-    (dict(tensor_parallel_size=2, kv_transfer=KvTransferConfig(host_gb=1.0)), "--tensor-parallel-size: KV tiers"),
+    (dict(tensor_parallel_size=2, kv_tiers=KvTierConfig(host_gb=1.0)), "--tensor-parallel-size: KV tiers"),
     (dict(tensor_parallel_size=2, attention_backend="flex"), "--tensor-parallel-size: the ranks run the gathered"),
     (dict(tensor_parallel_size=2, kv_dtype="bfloat16"), "--tensor-parallel-size: --kv-dtype"),
 ]

@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from executor_service.kv.tiers.store import decode
+from executor_service.kv.tiers.block_file import decode
 from tandem.block_hash import chain_hashes, root_hash
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_executor

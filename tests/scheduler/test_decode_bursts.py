@@ -257,7 +257,7 @@ def test_a_refused_burst_leaves_every_sequence_as_it_was(model_dir):
     want = submit(alone[0], info, GenerateRequest("w", PROMPTS[0], StoppingCriteria(8, ignore_eos=True)))
     while alone[0].has_work:
         step(alone[0], client)
-    client.release_now(alone[0].take_releases())
+    client.release_now(alone[0].releases.take())
     a, b = (submit(policy, info, GenerateRequest(r, PROMPTS[i], StoppingCriteria(8, ignore_eos=True)))
             for i, r in enumerate("ab"))
     for _ in range(2):  # prefill, one decode
@@ -266,13 +266,13 @@ def test_a_refused_burst_leaves_every_sequence_as_it_was(model_dir):
     plan = policy.schedule()
     assert [i.seq for i in plan.items] == [a, b] and all(i.seq.is_decoding for i in plan.items)
     policy.abort(b)  # the client cancels while the burst is in flight: its cache waits for the answer
-    assert policy.take_releases() == []
+    assert policy.releases.take() == []
     policy.step_refused(plan)
-    (released,) = policy.take_releases()
+    (released,) = policy.releases.take()
     assert client.release_now([released]).released == 1 and b.cache_id == ""
     assert (a.cache_id, a.num_cached, list(a.output_ids)) == kept and policy.running == [a]
     while policy.has_work:
         step(policy, client)
     assert a.output_ids == want.output_ids
-    client.release_now(policy.take_releases())
+    client.release_now(policy.releases.take())
     assert client.info_now().kv.active_caches == 0

@@ -13,7 +13,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.http import convert, errors, render
 from scheduler.http.errors import BadParameter
 from scheduler.http.limits import HttpLimits
-from scheduler.http.schemas import ChatCompletionRequest, CompletionRequest
+from scheduler.http.request_schemas import ChatCompletionRequest, CompletionRequest
 from scheduler.request import GenerateRequest, StoppingCriteria, Usage
 from tandem.sampling_params import SamplingParams
 from tandem.status_map import STATUS_OF

@@ -16,7 +16,7 @@ from scheduler.text.chat_input import messages_from_pb, tools_from_pb
 from scheduler.http import convert, tool_calls
 from scheduler.http.errors import BadParameter
 from scheduler.http.render import ChatRenderer
-from scheduler.http.schemas import ChatCompletionRequest
+from scheduler.http.request_schemas import ChatCompletionRequest
 from scheduler.request import Delta, FinishReason
 from tandem.errors import InvalidRequest
 from tandem.generate.v1 import generate_pb2 as pb

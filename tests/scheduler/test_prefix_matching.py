@@ -79,13 +79,13 @@ def test_policy_looks_up_free_slots_only_and_releases_what_ends(client, tok):
     policy.waiting.remove(seqs[1])
     policy.attach_prefixes(picked, [(r.cache.cache_id, r.cache.seq_len) for r in resp.results])
     assert seqs[0].cache_id and not seqs[1].cache_id
-    released = policy.take_releases()
+    released = policy.releases.take()
     assert released == [resp.results[1].cache.cache_id]  # the ended request's new cache goes back at once
     assert policy.to_match() == [seqs[2]]
     # The executor is lost: the reused prefix held by the waiting request is stale, the request starts over.
     policy.executor_lost()
     assert not seqs[0].cache_id and seqs[0].num_cached == 0 and seqs[0].preemptions == 0
-    assert resp.results[0].cache.cache_id in policy.take_stale()
+    assert resp.results[0].cache.cache_id in policy.releases.take_stale()
 
 
 def test_no_prefix_is_reused_while_the_running_requests_are_short_of_blocks(client, tok):
@@ -104,7 +104,7 @@ def test_no_prefix_is_reused_while_the_running_requests_are_short_of_blocks(clie
     policy.kv = kv_usage_from_pb(epb.KvUsage(block_size=16, total_blocks=8, free_blocks=0))
     plan = policy.schedule()
     assert plan.unpinned == [waiting] and not plan.items
-    assert policy.take_releases() == ["held"] and not waiting.cache_id and waiting.num_cached == 0
+    assert policy.releases.take() == ["held"] and not waiting.cache_id and waiting.num_cached == 0
     assert policy.short_of_blocks and policy.to_match() == []  # not looked up again at once
     policy.kv = kv_usage_from_pb(epb.KvUsage(block_size=16, total_blocks=8, free_blocks=1))
     plan = policy.schedule()  # the decode fits now: the plan runs it and lookups resume

@@ -66,7 +66,7 @@ def submit(policy: SchedulingPolicy, info, req: GenerateRequest) -> Sequence:
 def step(policy: SchedulingPolicy, client):
     """One step as scheduler/engine/engine.py takes it, synchronously: plan, release what the plan freed, run, apply."""
     plan = policy.schedule()
-    ids = policy.take_releases()
+    ids = policy.releases.take()
     if ids:
         client.release_now(ids)
     shapes = [(i.start, i.count, i.is_final) for i in plan.items]  # is_final reads the sequence: before update
@@ -94,7 +94,7 @@ def test_one_request_admission_chunked_prefill_decode_finish(client, reference):
     assert seq.finished and not policy.running and not policy.waiting
 
     # the finished sequence's cache is the loop's to release; then the pool is whole again
-    (cache_id,) = policy.take_releases()
+    (cache_id,) = policy.releases.take()
     assert client.release_now([cache_id]).released == 1
     kv = client.info_now().kv
     assert (kv.free_blocks, kv.active_caches) == (total, 0)
@@ -118,7 +118,8 @@ def test_executor_loss_requeues_for_recompute_with_the_same_tokens(client, refer
     assert not policy.running and policy.waiting == [a, b] and not any(s.finished for s in (a, b))
     assert (a.cache_id, a.num_cached, b.cache_id, b.num_cached) == ("", 0, "", 0)
     assert (a.output_ids, b.output_ids) == before and a.preemptions == b.preemptions == 1  # outputs kept
-    assert not policy.has_releases and set(policy.take_stale()) == held  # the old executor's, if it returns
+    # the old executor's, if it returns
+    assert not policy.releases.has_pending and set(policy.releases.take_stale()) == held
     client.release_now(list(held))
     assert client.info_now().kv.free_blocks == policy.kv.total_blocks
 
@@ -156,7 +157,7 @@ def test_a_rejected_step_fails_its_requests_with_the_status(client):
     error = RemoteError("INVALID_ARGUMENT", "bad")
     failed = policy.step_failed(plan, error, kv_full=False)
     assert failed == [Failure(a, error)] and a.finished and not policy.has_work
-    assert policy.take_releases() == [held]  # nothing of the step was written; the cache goes
+    assert policy.releases.take() == [held]  # nothing of the step was written; the cache goes
 
 
 def test_an_item_that_failed_alone_ends_its_request_and_frees_its_cache(client, reference):
@@ -172,7 +173,7 @@ def test_an_item_that_failed_alone_ends_its_request_and_frees_its_cache(client, 
     (failure,) = outcome.failed
     assert failure.seq is a and failure.error.status_name == "NOT_FOUND" and a.finished
     assert [e.seq for e in outcome.emitted] == [b] and policy.running == [b]
-    assert policy.take_releases() == [held]  # its cache is as it was: released
+    assert policy.releases.take() == [held]  # its cache is as it was: released
     client.release_now([held])
     while policy.has_work:
         step(policy, client)
@@ -198,7 +199,7 @@ def test_a_request_not_admitted_in_time_ends_resource_exhausted_saying_why(clien
                                             f"given to it: of the executor's {total} blocks 1 are free")
     assert str(expired[1].error).startswith("not admitted within 60 s: 1 requests ahead of it in the queue; the "
                                             "first of them waits because it needs 1 KV blocks")
-    assert a.finished and b.finished and not policy.has_work and not policy.has_releases
+    assert a.finished and b.finished and not policy.has_work and not policy.releases.has_pending
 
 
 def test_queue_time_restarts_after_a_preemption_and_after_the_executor_returns(client):
@@ -215,7 +216,7 @@ def test_queue_time_restarts_after_a_preemption_and_after_the_executor_returns(c
     assert policy.expire_waiting() == []
     clock.now += 1
     assert [f.seq for f in policy.expire_waiting()] == [a]
-    client.release_now(policy.take_stale())
+    client.release_now(policy.releases.take_stale())
 
 
 def test_requests_whose_adapter_is_gone_after_a_restart_end_not_found(client):

@@ -96,7 +96,7 @@ def run_steps(policy: SchedulingPolicy, client, edit=None) -> list[Step]:
         plan = policy.schedule()
         if edit is not None:
             plan = edit(plan)
-        if ids := policy.take_releases():
+        if ids := policy.releases.take():
             client.release_now(ids)
         drafts = sum(len(i.drafts) for i in plan.items)
         resp = client.unified_decode_now(codec.step_to_pb(plan))
@@ -104,7 +104,7 @@ def run_steps(policy: SchedulingPolicy, client, edit=None) -> list[Step]:
         out = policy.update(plan, results, kv_usage_from_pb(resp.kv))
         steps.append(Step(drafts, sum(len(r.tokens) for r in results), [e.token.token_id for e in out.emitted],
                           out.drafted, out.accepted, next((e.finish for e in out.emitted if e.finish), None)))
-    if ids := policy.take_releases():
+    if ids := policy.releases.take():
         client.release_now(ids)
     kv = client.info_now().kv
     assert (kv.free_blocks, kv.active_caches) == (kv.total_blocks, 0)

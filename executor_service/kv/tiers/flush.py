@@ -7,8 +7,8 @@ than it holds). Blocks are written most recently used first: a prompt's head blo
 the pool's most recent, and a flush cut short by its time bound still leaves whole prefixes (a tail without its
 head never matches). Once written, the files are touched least recently used first, so that a restart's index
 (ordered by mtime) evicts in the order the pool would have. A SIGKILL mid-flush loses only what was not written
-yet: each file is written whole under a temporary name and renamed (executor_service/kv/tiers/store.py), and a restart drops the
-temporaries.
+yet: each file is written whole under a temporary name and renamed (executor_service/kv/tiers/disk.py), and a
+restart drops the temporaries.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from executor_service.kv.block_bytes import read_blocks
-from executor_service.kv.tiers.store import TierBlock
+from executor_service.kv.tiers.block_file import TierBlock
 from executor_service.kv.tiers.link import LockFactory
 from executor_service.kv.prefix_cache import PrefixCache
 
@@ -104,5 +104,6 @@ def _collect(prefix: PrefixCache, host_of: dict[bytes, TierBlock], hashes: list[
 
 
 def _file_bytes(data_bytes: int, block_size: int) -> int:
-    """A block file's size (kv_tier.encode) with a parent and no adapter name: the tier's room, in blocks."""
+    """A block file's size (executor_service/kv/tiers/block_file.py's encode) with a parent and no adapter name:
+    the tier's room, in blocks."""
     return 12 + 8 + 16 + 4 * block_size + data_bytes

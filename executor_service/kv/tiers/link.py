@@ -13,7 +13,10 @@ from typing import Callable, ContextManager, Sequence
 
 from executor_service.kv.block_bytes import block_nbytes, read_blocks, write_blocks
 from executor_service.kv.events.hub import BlocksRemoved, BlocksStored, KvEvent, KvEventHub
-from executor_service.kv.tiers.store import DiskTier, HostTier, TierBlock, TierChange, TierStats, TierStore
+from executor_service.kv.tiers.block_file import TierBlock
+from executor_service.kv.tiers.disk import DiskTier
+from executor_service.kv.tiers.host import HostTier
+from executor_service.kv.tiers.store import TierChange, TierStats, TierStore
 from models.kv_cache import PagedKvCache
 
 LockFactory = Callable[[], ContextManager[None]]
