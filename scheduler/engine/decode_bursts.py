@@ -43,7 +43,7 @@ import logging
 from dataclasses import replace
 
 from scheduler.config import BurstConfig
-from scheduler.rpc import codec
+from scheduler.engine import executor_codec as codec
 from scheduler.executor.client import is_kv_exhaustion
 from scheduler.engine.planner import StepPlan
 from scheduler.engine.sequence import Sequence

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Callable, Iterator
 
-from scheduler.rpc import codec
+from scheduler.engine import executor_codec as codec
 from scheduler.config import SchedulerConfig
 from scheduler.engine.decode_bursts import DecodeBursts
 from scheduler.engine.executor_calls import STALL_POLL_S, ExecutorCalls

@@ -20,7 +20,7 @@ from scheduler.executor.client import ExecutorClient, ExecutorUnreachable
 from scheduler.executor.info import ExecutorInfo
 from scheduler.executor.session import ExecutorSession
 from scheduler.output.output_processor import OutputProcessor
-from scheduler.rpc import codec
+from scheduler.engine import executor_codec as codec
 from scheduler.structured.token_masks import StepMasks
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError

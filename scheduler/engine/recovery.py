@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import Callable
 
-from scheduler.rpc import codec
+from scheduler.engine import executor_codec as codec
 from scheduler.config import SchedulerConfig
 from scheduler.executor.client import ExecutorClient, ExecutorUnreachable
 from scheduler.executor.info import ExecutorInfo

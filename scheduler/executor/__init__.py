@@ -1,1 +1,1 @@
-"""The scheduler's view of one executor: the client, the executor.v1 codec, info, session, failure rules."""
+"""The scheduler's view of one executor: the client, its info, the session, what a failed call means."""

@@ -1,5 +1,5 @@
 """What the scheduler knows of an executor (domain form of tandem.executor.v1.GetInfoResponse, converted by
-scheduler/rpc/codec.py), and what it publishes about each one (ExecutorStats: GetModelInfo and the metrics read
+scheduler/engine/executor_codec.py), and what it publishes about each one (ExecutorStats: GetModelInfo and the metrics read
 these plain values; nothing outside an engine reads the engine itself)."""
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import logging
 import dataclasses
 from typing import Callable
 
-from scheduler.rpc.codec import capabilities_needed
+from scheduler.engine.executor_codec import capabilities_needed
 from scheduler.fleet.disaggregation import eligible, hand_off_prompts_done
 from scheduler.config import SchedulerConfig
 from scheduler.engine.engine import Engine

@@ -19,7 +19,7 @@ from tandem.errors import CheckpointError, RemoteError
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 from tandem.vendor.smg import vllm_engine_pb2_grpc
-from scheduler.rpc import codec
+from scheduler.engine import executor_codec as codec
 from scheduler.fleet import discovery
 from scheduler.config import SchedulerConfig
 from scheduler.executor.info import ExecutorInfo

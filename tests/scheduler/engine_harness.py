@@ -8,7 +8,7 @@ from typing import Callable
 from scheduler.config import SchedulerConfig
 from scheduler.engine.engine import Engine
 from scheduler.request import Delta
-from scheduler.rpc.codec import executor_info_from_pb
+from scheduler.engine.executor_codec import executor_info_from_pb
 from tandem.errors import TandemError
 
 

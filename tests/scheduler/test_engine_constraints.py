@@ -24,7 +24,7 @@ from tandem.sampling_params import SamplingParams
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import Fault, FaultyExecutorClient
 from tests.scheduler.engine_harness import Running, collect, tokens, until
-from scheduler.rpc.codec import executor_info_from_pb
+from scheduler.engine.executor_codec import executor_info_from_pb
 
 WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "tag"],

@@ -21,7 +21,7 @@ from tandem.errors import Unsupported
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import FaultyExecutorClient
 from tests.scheduler.engine_harness import collect, tokens
-from scheduler.rpc.codec import executor_info_from_pb
+from scheduler.engine.executor_codec import executor_info_from_pb
 
 WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."
 

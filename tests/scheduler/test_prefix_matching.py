@@ -16,7 +16,7 @@ from scheduler.engine.sequence import Sequence
 from tandem.codec import kv_usage_from_pb
 from tandem.executor.v1 import executor_pb2 as epb
 from tests.executor_driver import make_executor
-from scheduler.rpc.codec import executor_info_from_pb
+from scheduler.engine.executor_codec import executor_info_from_pb
 
 SYSTEM = [1] + [5 + (i * 7) % 300 for i in range(63)]  # 64 tokens: 4 blocks of 16
 

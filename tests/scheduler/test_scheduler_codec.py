@@ -10,8 +10,9 @@ from tandem.sampling_params import SamplingParams
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
+from scheduler.engine.executor_codec import item_results_from_pb
 from scheduler.rpc.codec import (MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                             MAX_TOP_LOGPROBS, check_input_size, delta_to_pb, item_results_from_pb, request_from_pb,
+                             MAX_TOP_LOGPROBS, check_input_size, delta_to_pb, request_from_pb,
                              sampling_params_from_pb)
 from tandem.codec import sampling_to_pb
 from scheduler.request import Delta, FinishReason, StoppingCriteria, TokenLogprob, Usage

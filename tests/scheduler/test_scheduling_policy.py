@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler.rpc import codec
+from scheduler.engine import executor_codec as codec
 from scheduler.config import SchedulerConfig
 from scheduler.executor.client import ExecutorUnreachable, is_kv_exhaustion
 from scheduler.engine.policy import Failure, SchedulingPolicy

@@ -19,7 +19,7 @@ from tandem.errors import InvalidRequest, SequenceTooLong, TandemError
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.executor_driver import make_executor
 from tests.faulty_executor_client import FaultyExecutorClient
-from scheduler.rpc.codec import executor_info_from_pb
+from scheduler.engine.executor_codec import executor_info_from_pb
 
 BIG = 2_000_000  # characters of the large prompt (2 MB): seconds of tokenizing on one core
 

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from executor_service.in_process_client import InProcessExecutorClient
-from scheduler.rpc import codec
+from scheduler.engine import executor_codec as codec
 from scheduler.config import SchedulerConfig
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
