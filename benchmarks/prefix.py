@@ -26,7 +26,7 @@ from benchmarks.measure import CpuMeter, cores_text, summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record, agreement, aggregate, exact
 from benchmarks.workloads import KV_SLACK_BLOCKS, model_vocabulary, vocabulary_prompts
-from models.kv_cache import DEFAULT_BLOCK_SIZE
+from models.kv.paged_cache import DEFAULT_BLOCK_SIZE
 from tandem.ceil_div import ceil_div
 
 WORKLOADS = ("system-prompt", "multi-turn")

@@ -18,7 +18,7 @@ from benchmarks.cli import add_common, add_sizes, int_list, make_log, model_dir,
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
 from models.config import ModelConfig
-from models.tensor_parallel import shard_refusal
+from models.parallel.shard import shard_refusal
 from tandem import server_process
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc

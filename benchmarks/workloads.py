@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from models.kv_cache import DEFAULT_BLOCK_SIZE
+from models.kv.paged_cache import DEFAULT_BLOCK_SIZE
 from tandem.ceil_div import ceil_div
 
 T = TypeVar("T")

@@ -15,10 +15,10 @@ from executor_service.kv.tiers.config import add_flags as add_kv_tier_flags
 from executor_service.kv.tiers.config import from_args as kv_tiers_from_args
 from executor_service.kv.transfer.config import add_flags as add_kv_transfer_flags
 from executor_service.kv.transfer.config import from_args as kv_transfer_from_args
-from executor_service.rpc.server import ServerConfig, serve
+from executor_service.server import ServerConfig, serve
 from executor_service.tp.launch import TpLaunch, add_tp_flags
 from executor_service.tp.main import run_tensor_parallel
-from models.huge_pages import MODES as HUGE_PAGE_MODES
+from models.memory.huge_pages import MODES as HUGE_PAGE_MODES
 from tandem.errors import TandemError
 from tandem.security.config import add_server_flags, server_security
 

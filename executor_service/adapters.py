@@ -20,7 +20,7 @@ import torch
 from executor_service.types import AdapterInfo
 from models.config import ModelConfig
 from tandem.errors import AdapterInUse, AdapterNotFound, InvalidRequest, PermissionDenied
-from models.lora import CONFIG_FILE, WEIGHTS_FILE, LoraWeights, read_adapter
+from models.lora.weights import CONFIG_FILE, WEIGHTS_FILE, LoraWeights, read_adapter
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path cannot name a directory

@@ -8,7 +8,7 @@ import torch
 
 from executor_service.kv.tiers.config import KvTierConfig
 from executor_service.kv.transfer.config import KvTransferConfig
-from models.kv_cache import DEFAULT_BLOCK_SIZE
+from models.kv.paged_cache import DEFAULT_BLOCK_SIZE
 
 # Default attention workspace bound per call, per token of --max-batch-tokens (models/attention/paged.py): 8192 x 64
 # = 524k elements, i.e. 256 decode rows at a 2k context in one bucket; larger buckets are split.
@@ -20,7 +20,7 @@ class ExecutorConfig:
     model_dir: Path
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int8: linear weights (models/quantization.py)
+    quantization: str = "none"  # none | int8: linear weights (models/quant/linear.py)
     # KV pool: exactly kv_blocks blocks, or kv_memory_fraction of the free memory, or (both None) the
     # device's default sizing (executor_service/kv/sizing.py).
     kv_blocks: int | None = None
@@ -43,14 +43,14 @@ class ExecutorConfig:
     decode_kernel: str = "auto"
     native_cache_dir: Path | None = None
     # Paged attention of the eager forward (models/attention/backend.py): auto | flex | flashinfer | gathered;
-    # the KV pool's dtype (models/kv_dtype.py): auto (the weights') | float32 | bfloat16 | float16 | fp8_e4m3.
+    # the KV pool's dtype (models/kv/dtype.py): auto (the weights') | float32 | bfloat16 | float16 | fp8_e4m3.
     attention_backend: str = "auto"
     kv_dtype: str = "auto"
     # All-decode steps replay CUDA graphs captured at start (executor_service/step/decode_choice.py): None = where
     # they can run, True = required (else refused), False = never; graphs for batches up to cuda_graph_max_batch.
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64
-    # CPU weights in transparent huge pages (models/huge_pages.py): auto (unless they fault in slowly here) | on | off
+    # CPU weights in transparent huge pages (models/memory/huge_pages.py): auto (unless they fault in slowly here) | on | off
     huge_pages: str = "auto"
     # Every call through the row-invariant native step, each row sampled alone: bit-identical results whatever
     # the batch, chunking, preemption or executor (executor_service/step/deterministic.py, docs/deterministic.md)

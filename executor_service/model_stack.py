@@ -9,7 +9,7 @@ then stay out of the arena) and before sizing the KV pool, so that the pool's sh
 for them; the decode step is chosen last, over the model and the pool it runs on.
 
 One resident copy of each weight: the loader maps the checkpoint and releases what it copies, and so do the
-huge-page arena and the packed layout (models/mapped_pages.py). The packed layout replaces the plain weights,
+huge-page arena and the packed layout (models/memory/mapped_pages.py). The packed layout replaces the plain weights,
 which the native and compiled decode steps read: weights are packed only where decode steps will run the
 eager forward (`--decode-kernel torch`, or a model or machine the native step refuses).
 """
@@ -30,11 +30,11 @@ from models.config import GenerationDefaults, ModelConfig, read_generation_defau
 from models.decode.compiled import CompiledDecode
 from models.decode.step import DecodeStep
 from models.half_upcast import MIN_ROWS as HALF_UPCAST_MIN_ROWS
-from models.huge_pages import move_parameters_to_huge_pages
-from models.kv_cache import PagedKvCache
-from models.kv_dtype import kv_dtype_name, resolve_kv_dtype
+from models.memory.huge_pages import move_parameters_to_huge_pages
+from models.kv.paged_cache import PagedKvCache
+from models.kv.dtype import kv_dtype_name, resolve_kv_dtype
 from models.loader import load_model
-from models.mapped_pages import trim_heap
+from models.memory.mapped_pages import trim_heap
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -94,7 +94,7 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
                  "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),
                  HALF_UPCAST_MIN_ROWS)
     cfg, dtype = model.config, model.lm_head.weight.dtype
-    kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # another than the weights': converted (models/kv_dtype.py)
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # another than the weights': converted (models/kv/dtype.py)
     backend = choose_backend(config.attention_backend, device, cfg.attention_sinks, kv_dtype != dtype,
                              config.block_size)  # ValueError
     kv, kv_pool = build_kv_pool(config, device, cfg, kv_dtype)  # sized, logged there

@@ -87,7 +87,7 @@ class UnifiedItem:
     allowed_tokens: bytes | None = None
     # Prompt logprobs: return each of this item's tokens' logprob (given the tokens before it) with this many
     # alternatives; None = not asked. The cache keeps the last position's hidden state for the next item
-    # (executor_service/step/prompt_logprobs.py).
+    # (executor_service/prompt_logprobs.py).
     prompt_logprobs: int | None = None
 
 
@@ -211,7 +211,7 @@ class ExecutorInfo:
     role: str = "both"  # --role: prefill | decode | both
     kv_fingerprint: str = ""  # executor_service/kv/fingerprint.py
     tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the model is split over (executor_service/tp/stack.py)
-    kv_dtype: str = ""  # the KV pool's dtype, as --kv-dtype spells it (models/kv_dtype.py)
+    kv_dtype: str = ""  # the KV pool's dtype, as --kv-dtype spells it (models/kv/dtype.py)
     attention_backend: str = ""  # the eager forward's paged attention (models/attention/backend.py)
 
 

@@ -19,12 +19,12 @@ from torch import nn
 from models.attention.paged import AttentionMetadata
 from models.attention.spec import AttentionSpec
 from models.config import ModelConfig
-from models.decode.attention import DecodeMetadata
+from models.attention.decode import DecodeMetadata
 from models.half_upcast import HalfUpcast
-from models.kv_cache import PagedKvCache
-from models.lora_batch import LoraBatch
-from models.mapped_pages import release_file_pages
-from models.quantization import Fp16Weight, Int8Weight
+from models.kv.paged_cache import PagedKvCache
+from models.lora.batch import LoraBatch
+from models.memory.mapped_pages import release_file_pages
+from models.quant.linear import Fp16Weight, Int8Weight
 from models.rope import apply_rotary
 
 PACKED_MAX_TOKENS = 512  # rows per call up to which the packed weights are used (measured crossover ~512-2048)
@@ -34,7 +34,7 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state_dict) with an optional oneDNN pre-packed weight for small calls."""
 
     packed: torch.Tensor | None = None  # opaque mkldnn tensor [out, in], set by DecoderModel.pack_cpu_weights
-    quant: Int8Weight | Fp16Weight | None = None  # set by DecoderModel.quantize (models/quantization.py)
+    quant: Int8Weight | Fp16Weight | None = None  # set by DecoderModel.quantize (models/quant/linear.py)
     upcast: HalfUpcast | None = None  # set by DecoderModel.upcast_cpu_half_linears (models/half_upcast.py)
     plain_dropped = False  # the packed weight replaced the plain one (drop_plain_weight)
 

@@ -4,7 +4,7 @@ file goes to models/gguf/loader.py).
 The model is built on the meta device and each parameter is assigned straight from the file: a weight used
 as stored stays a view of the mapped file (resident once, in the page cache). A weight made from others (q/k/v
 fused into one tensor, stacked experts, another dtype) is a copy, and its sources' pages are released once it
-is made (models/mapped_pages.py), so that memory holds one copy of each weight.
+is made (models/memory/mapped_pages.py), so that memory holds one copy of each weight.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.config import ModelConfig
-from models.mapped_pages import release_file_pages
+from models.memory.mapped_pages import release_file_pages
 from models.families import CHECKPOINT_LAYOUTS
 from tandem.errors import CheckpointError
 from tandem.model_path import is_gguf

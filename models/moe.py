@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.lora_batch import LoraBatch
+from models.lora.batch import LoraBatch
 
 
 class SparseMoeBlock(nn.Module):

@@ -17,13 +17,13 @@ from torch import nn
 
 from models.attention.paged import AttentionMetadata
 from models.config import ModelConfig
-from models.decode.attention import DecodeMetadata
+from models.attention.decode import DecodeMetadata
 from models.half_upcast import HalfUpcast, onednn_lacks
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from models.layers import MLP, PACKED_MAX_TOKENS, Attention, Linear, RMSNorm  # noqa: F401  (re-exported)
-from models.lora_batch import LoraBatch
+from models.lora.batch import LoraBatch
 from models.moe import SparseMoeBlock
-from models.quantization import quantize_linears
+from models.quant.linear import quantize_linears
 from models.rope import RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # one layer's (cos, sin) [T, rotary_dim] each; None: no RoPE
@@ -88,7 +88,7 @@ class DecoderModel(nn.Module):
                              else self.rotary for i in range(cfg.num_layers)]
 
     def quantize(self, mode: str, force_dequant: bool = False) -> str | None:
-        """Low-precision linear weights (models/quantization.py); returns the kernel used, None for "none"."""
+        """Low-precision linear weights (models/quant/linear.py); returns the kernel used, None for "none"."""
         self.weights_version += 1
         return quantize_linears(self, mode, lambda m: isinstance(m, Linear), force_dequant)
 

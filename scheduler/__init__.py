@@ -1,1 +1,1 @@
-"""scheduler"""
+"""The scheduler process (torch-free): tokenizes, batches continuously over executors, streams to clients."""

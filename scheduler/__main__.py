@@ -12,7 +12,7 @@ from scheduler.engine import decode_bursts
 from scheduler.engine import speculation
 from scheduler.config import SchedulerConfig
 from scheduler.http import limits as http_limits
-from scheduler.rpc.server import serve_async
+from scheduler.server import serve_async
 from tandem.security.config import add_server_flags, server_security
 
 _D = SchedulerConfig("")  # defaults, for the help text

@@ -10,7 +10,7 @@ from typing import Sequence
 import google_crc32c
 import torch
 
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 
 
 def crc32c(data: bytes | memoryview) -> int:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
-from executor_service.step.prompt_logprobs import PromptLogprobTrail
+from executor_service.prompt_logprobs import PromptLogprobTrail
 from executor_service.sessions import ANONYMOUS, SessionRegistry
 from executor_service.types import CacheListing, CacheRef, SessionListing
-from models.kv_cache import BlockTable, PagedKvCache
+from models.kv.paged_cache import BlockTable, PagedKvCache
 from tandem.errors import CacheNotFound
 from tandem.sampling_params import SamplingParams
 
@@ -44,7 +44,7 @@ class CacheState:
     # tokens reused when CreateCache created it.
     root: bytes = b""
     cached_tokens: int = 0
-    # Prompt logprobs (executor_service/step/prompt_logprobs.py): the final hidden state [hidden_size] of the last
+    # Prompt logprobs (executor_service/prompt_logprobs.py): the final hidden state [hidden_size] of the last
     # written position when the last item asked for them (or CreateCache restored it), to score the next
     # item's first token; and what was computed for the blocks not yet stored beside the prefix cache.
     plp_hidden: torch.Tensor | None = None

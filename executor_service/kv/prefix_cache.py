@@ -1,4 +1,4 @@
-"""Automatic prefix caching: the executor's side of the block-hash index (models/block_allocator.py).
+"""Automatic prefix caching: the executor's side of the block-hash index (models/kv/block_allocator.py).
 
 Every full block a forward completes is hashed (tandem/block_hash.py: chained from its parent block, the
 cache's root of adapter, adapter weights digest and cache salt) and registered, so that CreateCache can
@@ -14,7 +14,7 @@ from typing import Sequence
 from executor_service.kv.events.hub import BlocksRemoved, BlocksStored, KvEvent, KvEventHub
 from executor_service.kv.tiers.link import TierLink
 from executor_service.kv.prompt_logprob_store import PromptLogprobStore
-from models.kv_cache import BlockTable, PagedKvCache
+from models.kv.paged_cache import BlockTable, PagedKvCache
 from tandem.block_hash import block_hash, chain_hashes, root_hash
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from executor_service.step.prompt_logprobs import LogprobRows
+from executor_service.prompt_logprobs import LogprobRows
 from executor_service.types import TokenOutput
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@
 - CPU default: a fixed budget, CPU_KV_BUDGET_BYTES (4 GiB, like vLLM's CPU backend, whose
   VLLM_CPU_KVCACHE_SPACE defaults to 4 GiB), lowered to what DEFAULT_MAX_SEQUENCES full-length sequences need
   (a default scheduler's running sequences never hold more) and to half of MemAvailable (a laptop keeps
-  room for everything else). The host pool is committed as blocks are first written (models/zero_pool.py),
+  room for everything else). The host pool is committed as blocks are first written (models/memory/zero_pool.py),
   so it costs nothing at start; the budget bounds memory under full load, and over a long-running server's
   life (the free list hands blocks out in turn, so traffic gradually touches all of them).
 """
@@ -21,7 +21,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.memory_probe import available_memory_bytes
 from executor_service.types import KvPoolSizing
 from models.config import ModelConfig
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from tandem.ceil_div import ceil_div
 
 DEFAULT_KV_FRACTION_CUDA = 0.85  # of the device memory left free after the weights

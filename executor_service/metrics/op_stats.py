@@ -85,3 +85,19 @@ class ExecutorMetrics:
             return MetricsSnapshot({k: v.summary() for k, v in self._ops.items()}, self._lock_wait.summary(),
                                    self.forward_passes, self.tokens_processed, self.tokens_sampled,
                                    self.caches_created, self.caches_released, resident_memory_bytes())
+
+
+class RpcMetrics:
+    """Latency of every RPC by method (the interceptor times each call; /metrics reads snapshots)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: dict[str, LatencyStats] = {}
+
+    def add(self, method: str, seconds: float) -> None:
+        with self._lock:
+            self._stats.setdefault(method, LatencyStats()).add(seconds)
+
+    def snapshot(self) -> dict[str, LatencySummary]:
+        with self._lock:
+            return {k: v.summary() for k, v in self._stats.items()}

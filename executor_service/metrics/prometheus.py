@@ -21,10 +21,10 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     Metric, SummaryMetricFamily)
 from prometheus_client.registry import Collector
 
-from executor_service.rpc.interceptor import RpcMetrics
+from executor_service.metrics.op_stats import RpcMetrics
 from executor_service.metrics.kv_movement import tier_metrics, transfer_metrics
 from executor_service.metrics.op_stats import LatencySummary
-from executor_service.step.model_thread import ModelThread
+from executor_service.model_thread import ModelThread
 from tandem.histogram import SingleWriterHistogram
 from tandem.metrics_http import serve_metrics
 

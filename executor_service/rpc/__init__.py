@@ -1,1 +1,1 @@
-"""The executor's gRPC edge: server, servicer, interceptor, codec, auth scopes, reply sizes."""
+"""The executor's gRPC edge: servicer, interceptor, codec, auth scopes, reply sizes, KV event streams."""

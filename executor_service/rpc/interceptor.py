@@ -3,13 +3,12 @@ message with INVALID_ARGUMENT on every method (tandem/request_decoding.py), and 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Callable
 
 import grpc
 
-from executor_service.metrics.op_stats import LatencyStats, LatencySummary
+from executor_service.metrics.op_stats import RpcMetrics
 from tandem.errors import TandemError
 from tandem.loggable import loggable
 from tandem.request_decoding import UndecodableNotes, decoding_sync
@@ -17,20 +16,6 @@ from tandem.status_map import status_for
 
 log = logging.getLogger("tandem.executor")
 _OUR_PACKAGE = "tandem.executor.v1"
-
-
-class RpcMetrics:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stats: dict[str, LatencyStats] = {}
-
-    def add(self, method: str, seconds: float) -> None:
-        with self._lock:
-            self._stats.setdefault(method, LatencyStats()).add(seconds)
-
-    def snapshot(self) -> dict[str, LatencySummary]:
-        with self._lock:
-            return {k: v.summary() for k, v in self._stats.items()}
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):

@@ -10,10 +10,10 @@ from typing import Callable
 
 from executor_service.rpc import codec
 from executor_service.executor import Executor
-from executor_service.rpc.interceptor import RpcMetrics
-from executor_service.kv.events.stream import DEFAULT_SUMMARY_MS, MIN_SUMMARY_MS, kv_event_stream
+from executor_service.metrics.op_stats import RpcMetrics
+from executor_service.rpc.kv_event_stream import DEFAULT_SUMMARY_MS, MIN_SUMMARY_MS, kv_event_stream
 from executor_service.kv.transfer.rpc import KvTransferRpc
-from executor_service.step.model_thread import ModelThread
+from executor_service.model_thread import ModelThread
 from executor_service.rpc.reply_size import check_reply_size
 from executor_service.types import CacheRef
 from tandem.errors import DeadlineExceeded, InvalidRequest, Unavailable
@@ -23,7 +23,7 @@ from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 
 def _on_model_thread(handler: Callable) -> Callable:
     """Runs the whole handler (proto conversion included: logits encoding touches torch) on the model
-    thread; see executor_service/step/model_thread.py for why. Only RPCs that run the model use it: info,
+    thread; see executor_service/model_thread.py for why. Only RPCs that run the model use it: info,
     metrics, listings, sessions, truncate and release do no tensor math and must not queue behind a long
     Decode. The call's session (if the request names one) is held from arrival: it cannot lapse while the
     call waits in the queue (and an unknown session is NOT_FOUND before queueing).

@@ -1,1 +1,1 @@
-"""Running model calls: batches, multi-step decode, drafts, prompt logprobs, the model thread and lock."""
+"""Running model calls: batches, multi-step decode, drafts, the one decode-step decision, the op lock."""

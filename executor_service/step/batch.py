@@ -9,7 +9,7 @@ while it equals the token sampled at its position (models/speculative.py says wh
 speculative-sampling rule); the cache keeps the accepted drafts and is rolled back past them here.
 
 Prompt logprobs (UnifiedItem.prompt_logprobs): the forward keeps the final hidden state of every position of
-such an item, and executor_service/step/prompt_logprobs.py scores them in slices; the cache keeps its last
+such an item, and executor_service/prompt_logprobs.py scores them in slices; the cache keeps its last
 position's state for the next item."""
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import torch
 
 from executor_service.kv.cache_table import CacheSnapshot, CacheState
 from models.decode.step import DecodeStep
-from executor_service.step.prompt_logprobs import LogprobRows, extend_trail, score
+from executor_service.prompt_logprobs import LogprobRows, extend_trail, score
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention.paged import AttentionMetadata, ItemLayout
-from models.kv_cache import PagedKvCache
-from models.lora import LoraWeights
-from models.lora_batch import LoraBatch, LoraStacks
+from models.kv.paged_cache import PagedKvCache
+from models.lora.weights import LoraWeights
+from models.lora.batch import LoraBatch, LoraStacks
 from models.sampler import Sampler, SamplingRow
 from models.speculative import accepted_lengths
 from models.transformer import DecoderModel

@@ -35,8 +35,8 @@ from models.decode.cuda_graphs import CudaGraphDecode
 from models.decode.deterministic import RowInvariantStep
 from models.decode.native import NativeBuild, NativeDecode, model_refusal, native_refusal
 from models.decode.step import DecodeStep
-from models.kv_cache import PagedKvCache
-from models.kv_dtype import resolve_kv_dtype
+from models.kv.paged_cache import PagedKvCache
+from models.kv.dtype import resolve_kv_dtype
 from models.transformer import DecoderModel
 from tandem import capabilities as caps
 

@@ -20,7 +20,7 @@ from executor_service.kv.cache_table import CacheTable
 from executor_service.step.ngram_drafts import DraftLength
 from executor_service.request_validation import RequestValidator, name_item
 from executor_service.types import DecodeItem, DecodeResult, SequenceOutput, UnifiedItem, UnifiedResult
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from tandem.errors import InvalidRequest, KvCapacityExceeded, TandemError
 
 MAX_DECODE_STEPS = 256

@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 
 from executor_service.step.batch import BatchRunner, PlannedItem
-from executor_service.step.prompt_logprobs import LogprobRows, score
+from executor_service.prompt_logprobs import LogprobRows, score
 from models.decode.deterministic import RowInvariantStep
-from models.kv_cache import PagedKvCache
-from models.lora import LoraWeights
+from models.kv.paged_cache import PagedKvCache
+from models.lora.weights import LoraWeights
 from models.sampler import Sampler
 from models.transformer import DecoderModel
 

@@ -1,7 +1,7 @@
 """The executor's model lock: one operation at a time, control operations first.
 
 Model calls (prefill, decode, ...) reach the lock one by one from the model thread, which keeps the others
-queued (executor_service/step/model_thread.py); control operations that change state without running the model
+queued (executor_service/model_thread.py); control operations that change state without running the model
 (release, truncate, close a session, reap expired sessions, unload an adapter) come from RPC threads. A
 plain Lock is not fair: the model thread, releasing it and taking it again for the next queued call, could
 keep a waiting release out for as long as the queue lasts. Here a waiting control operation goes next, so

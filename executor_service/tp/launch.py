@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from executor_service.tp.channel import AT_FATAL, ControlChannel, fatal
-from models.tensor_parallel import Shard
+from models.parallel.shard import Shard
 
 log = logging.getLogger("tandem.executor.tp")
 _current: "TpGroup | None" = None  # this process's group (torch.distributed's is process-wide too)

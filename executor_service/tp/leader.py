@@ -10,8 +10,8 @@ import torch
 
 from executor_service.tp.channel import ControlChannel, Step
 from models.attention.paged import AttentionMetadata
-from models.kv_cache import BlockTable, PagedKvCache
-from models.lora_batch import LoraBatch
+from models.kv.paged_cache import BlockTable, PagedKvCache
+from models.lora.batch import LoraBatch
 from models.transformer import DecoderModel
 
 

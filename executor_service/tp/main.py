@@ -10,13 +10,13 @@ import logging
 import torch
 
 from executor_service.config import ExecutorConfig
-from executor_service.rpc.server import ServerConfig, serve
+from executor_service.server import ServerConfig, serve
 from executor_service.tp.launch import TpLaunch, start_group
 from executor_service.step.decode_choice import flag_refusal
 from executor_service.tp.stack import build_tp_stack
 from executor_service.tp.worker import serve_worker
 from models.config import ModelConfig
-from models.tensor_parallel import shard_refusal
+from models.parallel.shard import shard_refusal
 from tandem.model_path import is_gguf
 
 log = logging.getLogger("tandem.executor.tp")

@@ -1,5 +1,5 @@
 """The model stack of one tensor-parallel rank: model_stack.py's order (load, quantize, pack, huge
-pages, KV pool), with the model cut to this rank's shard right after loading (models/tensor_parallel.py) and a
+pages, KV pool), with the model cut to this rank's shard right after loading (models/parallel/shard.py) and a
 KV pool of this rank's KV heads, as many blocks on every rank (the smallest any rank sized: rank 0 hands out
 block ids that every pool must have). Rank 0's batch runner drives the workers (executor_service/tp/leader.py).
 
@@ -24,11 +24,11 @@ from executor_service.step.decode_choice import flag_refusal
 from executor_service.tp.launch import TpGroup, current
 from executor_service.tp.leader import CopyLog, LeaderModel
 from models.config import ModelConfig, read_generation_defaults
-from models.huge_pages import move_parameters_to_huge_pages
-from models.kv_cache import PagedKvCache
+from models.memory.huge_pages import move_parameters_to_huge_pages
+from models.kv.paged_cache import PagedKvCache
 from models.loader import load_model, resolve_dtype
-from models.mapped_pages import trim_heap
-from models.tensor_parallel import Shard, shard_layer, shard_model
+from models.memory.mapped_pages import trim_heap
+from models.parallel.shard import Shard, shard_layer, shard_model
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor.tp")

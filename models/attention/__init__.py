@@ -1,1 +1,1 @@
-"""Paged attention: the packed-batch forward, its backends (gathered, flex, FlashInfer) and spec."""
+"""Paged attention: the packed-batch forward, the all-decode form, backends (gathered, flex, FlashInfer)."""

@@ -21,7 +21,7 @@ import torch
 
 from models.attention.paged import AttentionMetadata, ItemLayout
 from models.attention.flex import FlexMetadata
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 
 BACKENDS = ("auto", "flex", "flashinfer", "gathered")
 

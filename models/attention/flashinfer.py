@@ -19,7 +19,7 @@ import torch
 
 from models.attention.paged import ItemLayout
 from models.attention.spec import AttentionSpec
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from tandem.ceil_div import ceil_div
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's scratch buffer (its examples' size)

@@ -19,7 +19,7 @@ score_mod; sinks (GPT-OSS) rescale the output by sigmoid(lse - sink), the share 
 term leaves to the keys (flex returns the row's logsumexp). On CPU, compiled flex (torch 2.13) returns no
 logsumexp and fails to compile the soft-cap score_mod: layers with either run flex's eager form there.
 
-A KV pool in another dtype than the activations' (--kv-dtype, models/kv_dtype.py; `converted=True`): the
+A KV pool in another dtype than the activations' (--kv-dtype, models/kv/dtype.py; `converted=True`): the
 pool is not read in place. Each batch's blocks (the union of its items' tables, each block once) are gathered
 and converted to the activations' dtype, and the BlockMask indexes that compact key axis instead of the pool.
 
@@ -40,8 +40,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from models.attention.paged import ItemLayout, token_slots
 from models.attention.spec import AttentionSpec
-from models.kv_cache import PagedKvCache
-from models.kv_dtype import load_kv, store_kv
+from models.kv.paged_cache import PagedKvCache
+from models.kv.dtype import load_kv, store_kv
 from tandem.ceil_div import ceil_div
 
 Q_BLOCK = 128  # the BlockMask's query tile (every tile of one item row lists the same key blocks)
@@ -166,7 +166,7 @@ class FlexMetadata:
         total, heads, d = q.shape
         kv_heads = k.shape[1]
         k_pool, v_pool = cache.k[layer], cache.v[layer]  # [pool_blocks, block_size, kv_heads, d]
-        store_kv(k_pool, self.slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv_dtype.py)
+        store_kv(k_pool, self.slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv/dtype.py)
         store_kv(v_pool, self.slot_mapping, v)
         if self.gather is not None:  # the batch's blocks, converted to q's dtype
             k_pool, v_pool = (load_kv(p.index_select(0, self.gather), q.dtype) for p in (k_pool, v_pool))

@@ -22,7 +22,7 @@ exceeds it. Each item's attention is computed the same way in any bucket, so spl
 
 Sliding-window layers (models/attention/spec.py) use a second mask per bucket, made on first use and shared by
 every layer with that window: it also hides keys more than window - 1 positions before each query (blocks
-that left an all-sliding model's window are its cache's null block, models/kv_cache.py: always hidden).
+that left an all-sliding model's window are its cache's null block, models/kv/paged_cache.py: always hidden).
 Soft-capping and sinks take the explicit-scores path of attention_spec.attend.
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from models.attention.spec import AttentionSpec, attend
-from models.kv_cache import PagedKvCache
-from models.kv_dtype import load_kv, store_kv
+from models.kv.paged_cache import PagedKvCache
+from models.kv.dtype import load_kv, store_kv
 from tandem.ceil_div import ceil_div
 
 
@@ -177,7 +177,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     group = heads // kv_heads
     k_pool = cache.k[layer]  # [num_blocks, block_size, kv_heads, d]
     v_pool = cache.v[layer]
-    store_kv(k_pool, meta.slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv_dtype.py)
+    store_kv(k_pool, meta.slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv/dtype.py)
     store_kv(v_pool, meta.slot_mapping, v)
     out = q.new_empty(total, heads, d)
     for b in meta.buckets:  # decode, prefill: one each, or sub-buckets of them under max_elements

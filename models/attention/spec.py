@@ -1,7 +1,7 @@
 """What one layer's attention computes beyond softmax(q.k * scale) v, and the one function computing it.
 
 - window: the query at position p sees keys p - window + 1 .. p (sliding-window layers; the masks that say
-  so are built by the metadata, models/attention/paged.py and models/decode/attention.py);
+  so are built by the metadata, models/attention/paged.py and models/attention/decode.py);
 - softcap: scores become cap * tanh(scores / cap) before the mask (Gemma 2);
 - sinks: one learned logit per head joins each row's softmax and is dropped after it, so a row's weights
   may sum to less than 1 (GPT-OSS).

@@ -2,7 +2,7 @@
 one token, no LoRA), one graph dynamic in the batch size and the block-table width, so no step ever waits
 for a compile once the warm-up ran.
 
-- Inputs are the tensors of `DecodeMetadata` (models/decode/attention.py); the KV write is an in-place
+- Inputs are the tensors of `DecodeMetadata` (models/attention/decode.py); the KV write is an in-place
   custom op, attention a gather through the block table and one SDPA call per layer.
 - CPU: inductor's C++ backend with freezing (the weights become constants the compiler packs for MKL/oneDNN
   itself; a copy of the linear weights, as the eager path's packed weights are). Rotary, RMSNorm, residual
@@ -29,8 +29,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from models.decode.attention import DecodeMetadata
-from models.kv_cache import PagedKvCache, decode_block_table
+from models.attention.decode import DecodeMetadata
+from models.kv.paged_cache import PagedKvCache, decode_block_table
 from models.moe import SparseMoeBlock
 from models.transformer import DecoderModel
 
@@ -99,7 +99,7 @@ class CompiledDecode:
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
               lens: torch.Tensor) -> torch.Tensor:
         dev = self.device
-        if self._pools_of is not self.kv.k:  # per-layer views of the pools, made once (models/decode/attention.py)
+        if self._pools_of is not self.kv.k:  # per-layer views of the pools, made once (models/attention/decode.py)
             self._pools = (self.kv.k.unbind(0), self.kv.v.unbind(0))
             self._pools_of = self.kv.k
         ids, positions, slots, table, lens = (x.to(dev) for x in (ids, positions, slots, table, lens))

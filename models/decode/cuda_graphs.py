@@ -28,8 +28,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from models.decode.attention import DecodeMetadata
-from models.kv_cache import PagedKvCache, decode_block_table
+from models.attention.decode import DecodeMetadata
+from models.kv.paged_cache import PagedKvCache, decode_block_table
 from models.transformer import DecoderModel
 from tandem.ceil_div import ceil_div
 

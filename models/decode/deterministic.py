@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from models.decode.native import NativeBuild, NativeDecode
 from models.sampler import one_thread
 from models.transformer import DecoderModel

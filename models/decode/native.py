@@ -57,10 +57,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from models.huge_pages import copy_to_huge_pages
-from models.kv_cache import PagedKvCache, decode_block_table
+from models.memory.huge_pages import copy_to_huge_pages
+from models.kv.paged_cache import PagedKvCache, decode_block_table
 from models.moe import SparseMoeBlock
-from models.quantization import Fp16Weight, Int8Weight
+from models.quant.linear import Fp16Weight, Int8Weight
 from models.transformer import DecoderModel, Linear
 
 log = logging.getLogger("tandem.native")
@@ -251,7 +251,7 @@ class NativeDecode:
     def __init__(self, model: DecoderModel, kv: PagedKvCache, build: NativeBuild | None = None,
                  huge_pages: str = "auto") -> None:
         """Builds (first start) and loads the kernel, and describes the model to it. huge_pages: the
-        --huge-pages mode of the quantized modes' weight copies (models/huge_pages.py). Raises ValueError where
+        --huge-pages mode of the quantized modes' weight copies (models/memory/huge_pages.py). Raises ValueError where
         it cannot run (native_refusal's reason, or a layout op.cpp refuses), RuntimeError if the build fails."""
         reason = native_refusal(model, kv, build)
         if reason:

@@ -1,10 +1,8 @@
-"""The architectures Tandem serves: one file per family, each reading its config.json into ModelConfig's
-fields (what it shares with the Llama layout comes from base.py; the file states only what differs) and,
-where its checkpoint names differ from the Llama layout, mapping them (models/loader.py asks
-`checkpoint_tensor`).
-
-FAMILIES: architecture name -> parse(raw config, architecture, source file) -> ModelConfig keyword arguments.
-"""
+"""The architectures Tandem serves, one file per family: config.json -> ModelConfig, checkpoint names."""
+# Each family reads its config.json into ModelConfig's fields (what it shares with the Llama layout comes from
+# base.py; the file states only what differs) and, where its checkpoint names differ from the Llama layout, maps
+# them (models/loader.py asks `checkpoint_tensor`). FAMILIES: architecture name -> parse(raw config,
+# architecture, source file) -> ModelConfig keyword arguments.
 from __future__ import annotations
 
 from typing import Any, Callable

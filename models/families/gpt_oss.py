@@ -7,7 +7,7 @@ Checkpoint layout: the router is `mlp.router`; experts are 3-D, `mlp.experts.gat
 gate and up interleaved along the last axis (even columns gate, odd up) and `down_proj` [E, I, H], each
 multiplied as x @ W, with `*_bias` [E, 2I] / [E, H]. Released checkpoints store the two expert weights as
 MXFP4 (`*_blocks` + `*_scales`, quantization_config.quant_method "mxfp4"): dequantized at load
-(models/mxfp4.py) into our layout, experts_gate_up [E, 2I, H] (gate rows first) and experts_down [E, H, I]."""
+(models/quant/mxfp4.py) into our layout, experts_gate_up [E, 2I, H] (gate rows first) and experts_down [E, H, I]."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from models.families import base
-from models.mxfp4 import dequantize_mxfp4
+from models.quant.mxfp4 import dequantize_mxfp4
 from tandem.errors import CheckpointError
 
 

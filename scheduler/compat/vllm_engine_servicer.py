@@ -22,7 +22,7 @@ from scheduler.compat import vllm_engine_codec as vcodec
 from scheduler.fleet.fleet import Fleet
 from scheduler.request import Delta
 from scheduler.output.request_stream import RequestStream
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.token_limits import TokenLimits, cost
 from tandem.errors import NotServed, TandemError
 from tandem.security.auth import CURRENT_PRINCIPAL

@@ -1,1 +1,1 @@
-"""The continuous-batching engine: loop, policy, planner, bursts, speculation, recovery, step answers."""
+"""The continuous-batching engine: loop, policy, planner, executor calls and codec, bursts, speculation, recovery."""

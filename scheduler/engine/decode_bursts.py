@@ -46,7 +46,7 @@ from scheduler.config import BurstConfig
 from scheduler.engine import executor_codec as codec
 from scheduler.executor.client import is_kv_exhaustion
 from scheduler.engine.planner import StepPlan
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.engine.speculation import Speculator
 from tandem.capabilities import MULTI_STEP_DECODE, MULTI_STEP_DRAFTS
 from tandem.executor.v1 import executor_pb2 as epb

@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 from typing import Protocol
 
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from tandem.ngram_match import NgramIndex
 
 

@@ -29,10 +29,10 @@ from scheduler.engine.recovery import Recovery
 from scheduler.request import GenerateRequest
 from scheduler.output.request_events import RequestEvents
 from scheduler.output.request_stream import RequestStream
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.executor.session import ExecutorSession
 from scheduler.engine.throughput_log import ThroughputLog
-from scheduler.structured.token_masks import MaskWorker, StepMasks
+from scheduler.engine.token_masks import MaskWorker, StepMasks
 from tandem.errors import RemoteError, Unavailable
 
 log = logging.getLogger("tandem.scheduler")

@@ -21,7 +21,7 @@ from scheduler.executor.info import ExecutorInfo
 from scheduler.executor.session import ExecutorSession
 from scheduler.output.output_processor import OutputProcessor
 from scheduler.engine import executor_codec as codec
-from scheduler.structured.token_masks import StepMasks
+from scheduler.engine.token_masks import StepMasks
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError
 from tandem.capabilities import PREFIX_CACHING, REGISTERED_SAMPLING, RELEASE_WITH_STEP, SPECULATIVE_DRAFTS

@@ -11,7 +11,7 @@ import grpc
 
 from scheduler.engine.planner import StepItem, StepPlan
 from scheduler.engine.step_answer import ItemResult
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.executor.info import ExecutorInfo
 from scheduler.request import GenerateRequest, TokenLogprob
 from tandem.capabilities import PROMPT_LOGPROBS, TOKEN_MASKS

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.engine.prefix_wait import awaited_prefix
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.engine.speculation import Speculator
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage

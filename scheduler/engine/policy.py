@@ -36,10 +36,10 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine.planner import Planner, StepPlan
 from scheduler.engine.prefix_wait import shared_prefix
 from scheduler.engine.release_ledger import ReleaseLedger
-from scheduler.engine.sequence import Sequence, Status
+from scheduler.sequence import Sequence, Status
 from scheduler.engine.speculation import Speculator
 from scheduler.engine.step_answer import ItemResult
-from scheduler.engine.step_outcome import Emitted, Failure, StepOutcome
+from scheduler.output.step_outcome import Emitted, Failure, StepOutcome
 from tandem.errors import AdapterNotFound, CapacityExceeded, RemoteError, TandemError
 from tandem.kv_usage import KvUsage
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 
 
 @dataclass(frozen=True)

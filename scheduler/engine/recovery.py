@@ -27,7 +27,7 @@ from scheduler.executor.client import ExecutorClient, ExecutorUnreachable
 from scheduler.executor.info import ExecutorInfo
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.executor.session import ExecutorSession
-from scheduler.engine.step_outcome import Failure
+from scheduler.output.step_outcome import Failure
 from tandem.errors import RemoteError, Unavailable
 
 log = logging.getLogger("tandem.scheduler")

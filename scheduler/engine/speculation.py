@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from scheduler.config import METHODS, SpeculativeConfig
 from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.engine.step_answer import ItemResult
-from scheduler.engine.step_outcome import StepOutcome
+from scheduler.output.step_outcome import StepOutcome
 
 _BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16

@@ -1,6 +1,6 @@
 """The executor's answer to one step call, in the scheduler's terms: per item (ItemResult, converted from the
 contract by scheduler/engine/executor_codec.py), with the pool's KV usage and the call's time (StepAnswer). What the policy
-concludes from it is scheduler/engine/step_outcome.py; the two are separate because the answer is the executor's
+concludes from it is scheduler/output/step_outcome.py; the two are separate because the answer is the executor's
 word, taken as it came, and the outcome is the policy's decision about the requests."""
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ from scheduler.request import GenerateRequest
 from scheduler.output.request_events import RequestEvents
 from scheduler.output.request_stream import RequestStream
 from scheduler.fleet.router import Candidate, PrefixIndex, choose, prompt_hashes
-from scheduler.engine.sequence import Sequence
-from scheduler.structured.token_masks import MaskWorker
+from scheduler.sequence import Sequence
+from scheduler.engine.token_masks import MaskWorker
 from tandem.capabilities import DETERMINISTIC
 from tandem.errors import AdapterNotFound, Unsupported
 

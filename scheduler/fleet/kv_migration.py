@@ -33,7 +33,7 @@ from scheduler.executor.client import ExecutorUnreachable
 from scheduler.request import GenerateRequest
 from scheduler.output.request_events import RequestEvents
 from scheduler.output.request_stream import RequestStream
-from scheduler.engine.sequence import Sequence, Status
+from scheduler.sequence import Sequence, Status
 from tandem.capabilities import KV_TRANSFER
 from tandem.errors import RemoteError
 

@@ -1,1 +1,1 @@
-"""Text out: the output processor, request streams and events, detokenizing, stop strings."""
+"""Text out: step outcomes, the output processor, request streams and events, detokenizing, stop strings."""

@@ -9,8 +9,8 @@ from typing import Iterable
 from scheduler.request import GenerateRequest
 from scheduler.output.request_events import RequestEvents
 from scheduler.output.request_stream import RequestStream
-from scheduler.engine.sequence import Sequence
-from scheduler.engine.step_outcome import Failure, StepOutcome
+from scheduler.sequence import Sequence
+from scheduler.output.step_outcome import Failure, StepOutcome
 
 log = logging.getLogger("tandem.scheduler")
 

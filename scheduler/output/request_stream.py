@@ -1,7 +1,7 @@
 """RequestStream: one request's stream back to its client: incremental detokenization, stop strings, logprobs and the pending
 delta, and the queue the servicer reads. Owned by the request side; the scheduling policy never sees it.
 
-The Sequence (scheduler/engine/sequence.py) decides the stops it can see in token ids (EOS, stop token ids, length);
+The Sequence (scheduler/sequence.py) decides the stops it can see in token ids (EOS, stop token ids, length);
 this object decides the one only text shows (a stop string) and tells the engine, which then finishes the
 sequence in the policy.
 

@@ -1,1 +1,1 @@
-"""The scheduler's client-facing gRPC edge: GenerateService server, servicer, interceptor, codec."""
+"""The scheduler's client-facing gRPC edge: GenerateService servicer, interceptor, tandem.generate.v1 codec."""

@@ -1,1 +1,1 @@
-"""Structured output: grammars compiled with llguidance, per-sequence constraints, token masks."""
+"""Structured output: grammars compiled with llguidance and per-sequence token constraints."""

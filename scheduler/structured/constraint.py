@@ -4,7 +4,7 @@ sequence's output tokens, and the packed mask of the token that may come next.
 The matcher follows the output tokens, never the KV cache: a preempted sequence (cache released, recomputed
 later) or one moved to another executor keeps its state, and if the tokens and the matcher ever disagree
 (sync) the matcher is rebuilt from the output tokens. The scheduler's event loop advances it
-(Sequence.append); masks are filled in the mask thread (scheduler/structured/token_masks.py), never at the same time.
+(Sequence.append); masks are filled in the mask thread (scheduler/engine/token_masks.py), never at the same time.
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The generated tandem.common.v1 messages both services use (scripts/gen_protos)."""

@@ -1,0 +1,1 @@
+"""The generated tandem.executor.v1 contract (scripts/gen_protos)."""

@@ -1,0 +1,1 @@
+"""Other projects' generated contracts Tandem serves, pinned to a named version."""

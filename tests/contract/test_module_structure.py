@@ -130,3 +130,81 @@ def test_the_size_check_sees_a_long_module(tmp_path):
 def test_other_packages_import_one_way_too(package):
     cycle = find_cycle(import_graph(ROOT, package))
     assert cycle is None, f"import cycle in {package}/: " + " -> ".join(cycle)
+
+
+MAX_MODULES_PER_FOLDER = 20
+
+
+def folder_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Each folder of `package` (its top-level sub-packages, nested folders counted in theirs) -> the folders
+    its modules import. The modules at the package's root (config, types, the façade, entry points) are the
+    package's base and top and belong to no folder: the rule is that folders import one way."""
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        inside = parts if (root / module.replace(".", "/")).is_dir() else parts[:-1]
+        return ".".join(inside[:2]) if len(inside) > 1 else None
+
+    graph: dict[str, set[str]] = {}
+    for module, deps in import_graph(root, package).items():
+        if (src := folder(module)) is None:
+            continue
+        graph.setdefault(src, set()).update(d for d in map(folder, deps) if d not in (None, src))
+    return graph
+
+
+@pytest.mark.parametrize("package", ["scheduler", "executor_service", "models", "tandem"])
+def test_folders_import_one_way(package):
+    graph = folder_graph(ROOT, package)
+    assert package == "tandem" or len(graph) >= 5, sorted(graph)  # the walk found the folders
+    cycle = find_cycle(graph)
+    assert cycle is None, f"folders of {package}/ import each other: " + " -> ".join(cycle)
+
+
+def test_the_folder_check_sees_two_folders_importing_each_other(tmp_path):
+    pkg = tmp_path / "pkg"
+    for d in ("a", "b", "b/inner"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "base.py").write_text("from pkg.b import y\n")  # a root module: belongs to no folder
+    (pkg / "a" / "x.py").write_text("from pkg import base\nfrom pkg.b.inner import z\n")
+    (pkg / "b" / "y.py").write_text("X = 1\n")
+    (pkg / "b" / "inner" / "z.py").write_text("def f():\n    from pkg.a import x\n")
+    assert find_cycle(folder_graph(tmp_path, "pkg")) == ["pkg.a", "pkg.b", "pkg.a"]
+    (pkg / "b" / "inner" / "z.py").write_text("X = 2\n")
+    assert find_cycle(folder_graph(tmp_path, "pkg")) is None
+
+
+def _folders(root: Path) -> list[Path]:
+    """The hand-written folders (a folder of generated contract code, only *_pb2 modules, is scripts/gen_protos')."""
+    def generated(folder: Path) -> bool:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        return bool(modules) and all("_pb2" in p.name for p in modules)
+    return sorted(p.parent for d in HAND_WRITTEN for p in (root / d).rglob("__init__.py") if not generated(p.parent))
+
+
+def test_no_folder_holds_more_than_20_modules():
+    crowded = {str(f.relative_to(ROOT)): n for f in _folders(ROOT)
+               if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES_PER_FOLDER}
+    assert crowded == {}, "split these folders by concept"
+
+
+def first_line_docstring(init: Path) -> str | None:
+    """The docstring of a folder's __init__.py when it is one line (None when missing or longer)."""
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")), clean=False)
+    return doc if doc and "\n" not in doc.strip() and len(doc.split()) >= 4 else None
+
+
+def test_every_folder_says_in_one_line_what_it_holds():
+    assert len(_folders(ROOT)) > 25
+    silent = [str(f.relative_to(ROOT)) for f in _folders(ROOT) if not first_line_docstring(f / "__init__.py")]
+    assert silent == [], "give each __init__.py a one-line docstring saying what the folder holds"
+
+
+def test_the_docstring_check_sees_silence(tmp_path):
+    (tmp_path / "__init__.py").write_text('"""pkg"""\n')
+    assert first_line_docstring(tmp_path / "__init__.py") is None
+    (tmp_path / "__init__.py").write_text('"""Two\nlines."""\n')
+    assert first_line_docstring(tmp_path / "__init__.py") is None
+    (tmp_path / "__init__.py").write_text('"""The parts of a thing, each in its file."""\nX = 1\n')
+    assert first_line_docstring(tmp_path / "__init__.py") == "The parts of a thing, each in its file."

@@ -9,7 +9,7 @@ from typing import Callable
 
 from executor_service.step.ngram_drafts import DraftLength, NgramDrafts
 from scheduler.engine.draft_proposer import NgramProposer
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.request import GenerateRequest, StoppingCriteria
 from tandem.ngram_match import NgramIndex, propose
 

@@ -114,7 +114,7 @@ def _probes(server: Server) -> dict[str, dict]:
 
 
 def _executor_drain_s() -> float:
-    """ServerConfig.grace_s of executor_service/rpc/server.py, read from the source (no flag sets it, and
+    """ServerConfig.grace_s of executor_service/server.py, read from the source (no flag sets it, and
     importing the module would import torch)."""
     tree = ast.parse((ROOT / "executor_service" / "rpc" / "server.py").read_text())
     for node in ast.walk(tree):
@@ -122,7 +122,7 @@ def _executor_drain_s() -> float:
             for item in node.body:
                 if isinstance(item, ast.AnnAssign) and getattr(item.target, "id", "") == "grace_s":
                     return float(ast.literal_eval(item.value))
-    raise AssertionError("ServerConfig.grace_s not found in executor_service/rpc/server.py")
+    raise AssertionError("ServerConfig.grace_s not found in executor_service/server.py")
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: f"{d['_file']}:{d.get('kind')}/{d.get('metadata', {}).get('name')}")

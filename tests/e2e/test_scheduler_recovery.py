@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine.engine import Engine
-from scheduler.rpc.server import serve_async
+from scheduler.server import serve_async
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb

@@ -16,7 +16,7 @@ import torch
 
 from executor_service.types import CacheRef, DecodeItem
 from models.decode.compiled import CompiledDecode, set_compile_cache_dir
-from models.decode.attention import attend_gathered, write_kv
+from models.attention.decode import attend_gathered, write_kv
 from tests.executor.test_lora_parity import ADAPTERS, Setup as LoraSetup
 from tests.executor_driver import LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run
 from tests.hf_reference import HfReference, rel_err

@@ -14,7 +14,7 @@ import torch
 from executor_service.config import ExecutorConfig
 from executor_service.kv.tiers.config import KvTierConfig
 from executor_service.step.decode_choice import CONFLICTS, choose_decode, flag_refusal
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from models.loader import load_model
 from tandem.executor.v1 import executor_pb2 as pb
 

@@ -1,6 +1,6 @@
 """PEFT LoRA adapters on the dense families, parity with peft's own forward (as tests/executor/
 test_lora_parity.py does for Llama/Qwen): a base sequence and an adapted one in the same steps, chunked
-prefill then decode. Phi-3's adapters target its fused qkv_proj and gate_up_proj (models/lora.py)."""
+prefill then decode. Phi-3's adapters target its fused qkv_proj and gate_up_proj (models/lora/weights.py)."""
 from __future__ import annotations
 
 import random

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
-from models.block_allocator import BlockAllocator
+from models.kv.block_allocator import BlockAllocator
 from tandem.errors import KvCapacityExceeded, PositionMismatch, TandemError
 from tests.executor_driver import make_executor
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from executor_service.kv.sizing import DEFAULT_MAX_SEQUENCES
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for
 

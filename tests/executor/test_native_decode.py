@@ -134,7 +134,7 @@ def test_lora_items_run_eager_beside_native_base_steps(lora):
 def test_quantized_weights_match_the_eager_step_on_the_same_weights(tiny_checkpoint, mode):
     """The native step reads the FBGEMM path's own weights (float16; int8 + per-row scales) with float32
     activations for fp16 (as the eager FBGEMM step does), ~15-bit activations for int8 (two int8 digits), where
-    the eager int8 GEMM rounds them to ~14 bits (models/quantization.py): hence 3e-3 there. (Against the
+    the eager int8 GEMM rounds them to ~14 bits (models/quant/linear.py): hence 3e-3 there. (Against the
     weight-only dequantizing kernel the native int8 step agrees to 1e-3:
     test_the_descriptors_follow_weights_changed_in_place.)"""
     model_dir = tiny_checkpoint("qwen2")

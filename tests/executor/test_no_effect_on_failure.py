@@ -9,8 +9,8 @@ import grpc
 import pytest
 import torch
 
-from executor_service.rpc.interceptor import RpcMetrics
-from executor_service.step.model_thread import ModelThread
+from executor_service.metrics.op_stats import RpcMetrics
+from executor_service.model_thread import ModelThread
 from executor_service.rpc.servicer import ExecutorServicer
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import DeadlineExceeded, DeviceOutOfMemory, ReplyTooLarge

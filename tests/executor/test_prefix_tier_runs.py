@@ -10,7 +10,7 @@ import torch
 from executor_service.kv.events.hub import KvEventHub
 from executor_service.kv.tiers.link import TierLink
 from executor_service.kv.prefix_cache import PrefixCache
-from models.kv_cache import BlockTable, PagedKvCache
+from models.kv.paged_cache import BlockTable, PagedKvCache
 from tandem.block_hash import chain_hashes
 
 BS = 4

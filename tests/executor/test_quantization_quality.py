@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from benchmarks.quality import QualityReference
-from models.quantization import fbgemm_usable
+from models.quant.linear import fbgemm_usable
 from tests.executor_driver import make_executor
 
 pytestmark = [pytest.mark.slow,

@@ -12,7 +12,7 @@ import pytest
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import Executor
-from executor_service.step.model_thread import ModelThread
+from executor_service.model_thread import ModelThread
 from executor_service.step.op_lock import OpLock
 from executor_service.types import CacheRef, DecodeItem, UnifiedItem
 from tandem.errors import CacheNotFound, InvalidRequest, QueueFull, SessionNotFound

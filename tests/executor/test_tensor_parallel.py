@@ -24,7 +24,7 @@ import torch
 from executor_service.in_process_client import InProcessExecutorClient
 from executor_service.tp.channel import EXIT_GROUP_DOWN
 from models.loader import load_model
-from models.tensor_parallel import Shard, shard_model
+from models.parallel.shard import Shard, shard_model
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.executor.tp_scenario import run_scenario
@@ -254,7 +254,7 @@ def test_layers_are_cut_as_they_load_so_one_layer_at_most_is_whole(checkpoint, m
     """load_model's on_layer (what a rank loads with): when layer k is handed over, the layers before it are cut
     already and those after it not read yet (still on the meta device), so the whole fused q/k/v and stacked
     experts of one layer at most exist at a time; the result equals loading whole and cutting."""
-    from models.tensor_parallel import shard_layer
+    from models.parallel.shard import shard_layer
     model_dir = checkpoint("qwen3_moe")
     shard = Shard(1, 2)
     seen = []

@@ -1,5 +1,5 @@
-"""The block allocator's prefix-cache index (models/block_allocator.py) and the paged KV cache's use of it
-(models/kv_cache.py): eviction order, only unreferenced blocks evicted, register collisions, pinning a
+"""The block allocator's prefix-cache index (models/kv/block_allocator.py) and the paged KV cache's use of it
+(models/kv/paged_cache.py): eviction order, only unreferenced blocks evicted, register collisions, pinning a
 cached free block, the removal callback, exact accounting, and copy-on-write of a shared block."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from models.block_allocator import BlockAllocator
-from models.kv_cache import BlockTable, PagedKvCache
+from models.kv.block_allocator import BlockAllocator
+from models.kv.paged_cache import BlockTable, PagedKvCache
 from tandem.errors import KvCapacityExceeded
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.decode.cuda_graphs import bucket_for, graph_buckets, pad_decode
-from models.kv_cache import decode_block_table
+from models.kv.paged_cache import decode_block_table
 
 
 def test_buckets_cover_every_batch_size_up_to_the_largest():
@@ -43,7 +43,7 @@ def test_padding_repeats_row_zero_and_fixes_the_table_width():
 def test_padded_bucket_gives_the_eager_tokens(model_dir):
     from models.attention.paged import ItemLayout
     from models.decode.cuda_graphs import CudaGraphDecode
-    from models.kv_cache import PagedKvCache
+    from models.kv.paged_cache import PagedKvCache
     from models.loader import load_model
     model = load_model(model_dir, "cuda", "float32", progress=False)
     model.init_rotary(torch.device("cuda"))

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
 from models.loader import load_model
-from models.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
+from models.quant.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
 from tandem.errors import CheckpointError
 from tests.executor_driver import greedy_run, make_executor
 from tests.hf_reference import HfReference, rel_err

@@ -13,7 +13,7 @@ from models.attention.paged import ItemLayout
 from models.attention.backend import AttentionBuilder, choose_backend
 from models.attention.spec import AttentionSpec
 from models.attention.flex import FlexMetadata
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from models.loader import load_model
 from tests.models.family_checkpoints import FAMILIES
 
@@ -54,7 +54,7 @@ def _run_scenario(model, compile_flex: bool = False) -> int:
         for step, batch in enumerate(batches):
             if window is not None and step == 3:
                 # A has moved past its first block's window (all-sliding model): the cache frees it, and the
-                # table points at the never-written null block instead (models/kv_cache.py)
+                # table points at the never-written null block instead (models/kv/paged_cache.py)
                 tables["A"][0] = pools[0].null_block
             items = [ItemLayout(tables[name], past, len(tok)) for name, past, tok in batch]
             input_ids = torch.tensor([t for _, _, tok in batch for t in tok], device=next(model.parameters()).device)

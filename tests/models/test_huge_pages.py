@@ -1,4 +1,4 @@
-"""CPU weights in transparent huge pages (models/huge_pages.py): the copies hold the same values, 64-byte
+"""CPU weights in transparent huge pages (models/memory/huge_pages.py): the copies hold the same values, 64-byte
 aligned in one arena that starts on a 2 MiB boundary, tied weights stay one tensor, small ones stay put;
 --huge-pages auto stops copying after its probe where huge pages fault in slowly, on never does, off moves
 nothing; an executor's model computes exactly what the loaded model does, its weights' mapping advised."""
@@ -8,8 +8,8 @@ import torch
 
 import pytest
 
-import models.huge_pages as huge_pages
-from models.huge_pages import HUGE_PAGE, HugePageArena, copy_to_huge_pages, move_parameters_to_huge_pages
+import models.memory.huge_pages as huge_pages
+from models.memory.huge_pages import HUGE_PAGE, HugePageArena, copy_to_huge_pages, move_parameters_to_huge_pages
 from models.loader import load_model
 from tests.executor_driver import make_executor
 

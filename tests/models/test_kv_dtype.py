@@ -1,4 +1,4 @@
-"""--kv-dtype (models/kv_dtype.py): resolution beside the weights' dtype, the fp8 KV store/load round trip, and the
+"""--kv-dtype (models/kv/dtype.py): resolution beside the weights' dtype, the fp8 KV store/load round trip, and the
 attention paths over a pool in another dtype than the activations' (gathered and flex, prefill, chunks after cached
 tokens, a prefix hit, decode, draft verify): the two paths agree with each other within float32 noise (they read the
 same stored K/V), and with a float32 pool within the dtype's precision."""
@@ -9,8 +9,8 @@ import torch
 
 from models.attention.paged import ItemLayout
 from models.attention.backend import AttentionBuilder, choose_backend
-from models.kv_cache import PagedKvCache
-from models.kv_dtype import FP8, FP8_MAX, Fp8Kv, kv_dtype_name, load_kv, resolve_kv_dtype, store_kv
+from models.kv.paged_cache import PagedKvCache
+from models.kv.dtype import FP8, FP8_MAX, Fp8Kv, kv_dtype_name, load_kv, resolve_kv_dtype, store_kv
 from models.loader import load_model
 
 

@@ -1,4 +1,4 @@
-"""Low-precision linear weights (models/quantization.py, executor --quantization): the kernels compute what
+"""Low-precision linear weights (models/quant/linear.py, executor --quantization): the kernels compute what
 they claim, the float copies are dropped, every batch shape and LoRA still run, and bad modes are refused.
 Quality on the real model (greedy agreement, NLL) is tests/executor/test_quantization_quality.py."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from executor_service.__main__ import parse_args
 from executor_service.rpc.codec import info_to_pb
-from models.quantization import Fp16Weight, Int8Weight, fbgemm_usable, quantize_per_channel
+from models.quant.linear import Fp16Weight, Int8Weight, fbgemm_usable, quantize_per_channel
 from models.moe import SparseMoeBlock
 from models.transformer import Linear
 from tests.executor_driver import greedy_run, make_executor, mixed_batch_run, teacher_forced_logits

@@ -1,12 +1,12 @@
-"""models/zero_pool.py: a KV pool that is zero without being written, and committed only where it is written."""
+"""models/memory/zero_pool.py: a KV pool that is zero without being written, and committed only where it is written."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from executor_service.memory_probe import resident_memory_bytes
-from models.kv_cache import PagedKvCache
-from models.zero_pool import lazy_zeros
+from models.kv.paged_cache import PagedKvCache
+from models.memory.zero_pool import lazy_zeros
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MiB = 1 << 20

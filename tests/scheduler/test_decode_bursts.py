@@ -17,7 +17,7 @@ from scheduler.config import BurstConfig
 from scheduler.engine.decode_bursts import DecodeBursts
 from scheduler.engine.planner import StepItem, StepPlan
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.engine.speculation import SpeculativeConfig, Speculator
 from scheduler.text.tokenizer import ModelTokenizer
 from tandem.capabilities import MULTI_STEP_DECODE, MULTI_STEP_DRAFTS

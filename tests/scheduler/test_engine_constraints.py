@@ -16,7 +16,7 @@ from executor_service.in_process_client import InProcessExecutorClient
 from scheduler.rpc import codec
 from scheduler.structured.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler
 from scheduler.request import FinishReason, GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.text.tokenizer import ModelTokenizer
 from tandem.errors import InvalidRequest, RemoteError, Unsupported
 from tandem.generate.v1 import generate_pb2 as pb

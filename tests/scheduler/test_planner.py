@@ -7,7 +7,7 @@ from scheduler.engine.planner import Planner, StepItem
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence, Status
+from scheduler.sequence import Sequence, Status
 
 BS = 4  # tokens per KV block in these tests
 

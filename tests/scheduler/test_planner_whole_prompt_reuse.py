@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from scheduler.engine.planner import Planner
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence, Status
+from scheduler.sequence import Sequence, Status
 from tandem.kv_usage import KvUsage
 
 BS = 4

@@ -12,7 +12,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine.engine import Engine
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from tandem.codec import kv_usage_from_pb
 from tandem.executor.v1 import executor_pb2 as epb
 from tests.executor_driver import make_executor

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from scheduler.engine.prefix_wait import awaited_prefix, shared_prefix
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 
 BS = 4
 SYSTEM = tuple(range(100, 112))  # 3 blocks of 4

@@ -13,7 +13,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.executor.client import ExecutorUnreachable, is_kv_exhaustion
 from scheduler.engine.policy import Failure, SchedulingPolicy
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence, Status
+from scheduler.sequence import Sequence, Status
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import CapacityExceeded, RemoteError
 from tests.executor_driver import greedy_run, make_executor

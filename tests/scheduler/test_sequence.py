@@ -1,4 +1,4 @@
-"""scheduler.engine.sequence.Sequence (token state, token-id stops) and scheduler.output.request_stream.RequestStream (text,
+"""scheduler.sequence.Sequence (token state, token-id stops) and scheduler.output.request_stream.RequestStream (text,
 stop strings, deltas) with SmolLM2's tokenizer, glued as the engine glues them."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from tandem.errors import Unavailable
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria, TokenLogprob, Usage
 from scheduler.output.request_stream import RequestStream
-from scheduler.engine.sequence import Sequence, Status
+from scheduler.sequence import Sequence, Status
 
 EOS = 2  # <|im_end|>
 ENDOFTEXT = 0  # <|endoftext|>, another special token
@@ -214,7 +214,7 @@ def test_held_text_released_on_divergence(tok):
 
 
 def test_kept_eos_text_finishing_a_stop_string_loses_no_text(tok):
-    # BUG (scheduler/engine/sequence.py, Sequence._emit): with keep_special_tokens the EOS token's text
+    # BUG (scheduler/sequence.py, Sequence._emit): with keep_special_tokens the EOS token's text
     # "<|im_end|>" goes through the stop-string matcher; if it completes a stop string ("end" here, with
     # "en" held back), feed() returns ("", match) and clears its buffer, and _emit drops the match, so the
     # held "en" (and "<|im_") is never streamed. Whatever wins (EOS or the stop string), the text the

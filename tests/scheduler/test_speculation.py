@@ -13,7 +13,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
 from scheduler.engine.planner import Planner
 from scheduler.request import GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence, Status
+from scheduler.sequence import Sequence, Status
 from scheduler.config import SpeculativeConfig
 from scheduler.engine.speculation import Speculator, from_args
 from tandem.ceil_div import ceil_div

@@ -16,7 +16,7 @@ from scheduler.engine import executor_codec as codec
 from scheduler.config import SchedulerConfig
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from scheduler.config import SpeculativeConfig
 from scheduler.text.tokenizer import ModelTokenizer
 from tandem.codec import kv_usage_from_pb

@@ -1,1 +1,1 @@
-"""KV events: the hub, SubscribeKvEvents streams, and vLLM-format ZMQ publishing."""
+"""KV events: the hub, the ZMQ endpoint and vLLM-format publishing."""

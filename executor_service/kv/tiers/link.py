@@ -17,7 +17,7 @@ from executor_service.kv.tiers.block_file import TierBlock
 from executor_service.kv.tiers.disk import DiskTier
 from executor_service.kv.tiers.host import HostTier
 from executor_service.kv.tiers.store import TierChange, TierStats, TierStore
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 
 LockFactory = Callable[[], ContextManager[None]]
 

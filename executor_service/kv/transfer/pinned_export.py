@@ -24,7 +24,7 @@ from executor_service.kv.block_bytes import block_nbytes, crc32c, read_blocks, w
 from executor_service.kv.fingerprint import differences
 from executor_service.kv.prefix_cache import PrefixCache
 from models.config import ModelConfig
-from models.kv_cache import PagedKvCache
+from models.kv.paged_cache import PagedKvCache
 from tandem.block_hash import block_hash
 from tandem.ceil_div import ceil_div
 from tandem.histogram import SingleWriterHistogram

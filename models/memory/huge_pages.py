@@ -15,7 +15,7 @@ PROBE_BYTES it copies and, below MIN_RATE, leaves the rest of the weights where 
 The arena is carved into tensors 64-byte aligned; it lives as long as a tensor in it does (each holds the
 arena's buffer), so weights dropped later (quantized away) free nothing until all of them go: move the
 weights that stay, after quantizing. A weight copied in from the mapped checkpoint has its file pages released
-(models/mapped_pages.py): one resident copy, the arena's.
+(models/memory/mapped_pages.py): one resident copy, the arena's.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from models.mapped_pages import release_file_pages
+from models.memory.mapped_pages import release_file_pages
 
 log = logging.getLogger("tandem.models")
 HUGE_PAGE = 2 << 20

@@ -20,8 +20,9 @@ from executor_service.kv.sizing import describe
 from executor_service.kv.tiers.flush import flush_to_disk
 from executor_service.metrics.prometheus import ExecutorExporter
 from executor_service.rpc.auth_scopes import scope_of
-from executor_service.rpc.interceptor import ErrorMappingInterceptor, RpcMetrics
-from executor_service.step.model_thread import DEFAULT_MAX_QUEUED, ModelThread
+from executor_service.metrics.op_stats import RpcMetrics
+from executor_service.rpc.interceptor import ErrorMappingInterceptor
+from executor_service.model_thread import DEFAULT_MAX_QUEUED, ModelThread
 from executor_service.rpc.servicer import ExecutorServicer
 from executor_service.sessions import LeaseReaper, check_ttl
 from executor_service.kv.events.zmq_publisher import open_publisher

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from models.lora import LoraWeights
+from models.lora.weights import LoraWeights
 
 STACKED_MAX_TOKENS = 256  # above this, the masked columns' waste outweighs the saved small ops
 

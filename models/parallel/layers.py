@@ -1,4 +1,4 @@
-"""The layers of a tensor-parallel shard (models/tensor_parallel.py makes them): each is the plain layer over
+"""The layers of a tensor-parallel shard (models/parallel/shard.py makes them): each is the plain layer over
 its rank's slice of the weight plus the one collective that makes its output whole.
 
 - RowParallelLinear (o_proj, down_proj): the input's columns are split by rank, so each rank's product is a
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers import Linear
-from models.lora_batch import LoraBatch
+from models.lora.batch import LoraBatch
 from models.moe import SparseMoeBlock
 
 

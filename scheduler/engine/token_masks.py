@@ -36,7 +36,7 @@ from tandem.token_mask import mask_words
 
 if TYPE_CHECKING:
     from scheduler.engine.planner import StepPlan
-    from scheduler.engine.sequence import Sequence
+    from scheduler.sequence import Sequence
     from tandem.executor.v1 import executor_pb2 as epb
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.request import Finish, TokenLogprob
-from scheduler.engine.sequence import Sequence
+from scheduler.sequence import Sequence
 from tandem.errors import TandemError
 
 

@@ -1,6 +1,6 @@
 """Paged KV cache: one block pool per layer, allocated once, and per-sequence block tables.
 
-Blocks indexed for prefix caching (models/block_allocator.py) may be shared by several tables and must never
+Blocks indexed for prefix caching (models/kv/block_allocator.py) may be shared by several tables and must never
 change: `reserve` gives a table a private copy of its last block before the table writes into it when that
 block is indexed (a cache truncated into a cached block, e.g. after rejected draft tokens).
 
@@ -22,8 +22,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from models.block_allocator import BlockAllocator
-from models.zero_pool import lazy_zeros
+from models.kv.block_allocator import BlockAllocator
+from models.memory.zero_pool import lazy_zeros
 from tandem.ceil_div import ceil_div
 from tandem.errors import CacheStateConflict, KvCapacityExceeded
 from tandem.kv_usage import KvUsage

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.mapped_pages import release_file_pages
+from models.memory.mapped_pages import release_file_pages
 
 QUANTIZATIONS = ("none", "int8", "fp16")
 

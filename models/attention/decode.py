@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from models.attention.spec import AttentionSpec, attend
-from models.kv_cache import PagedKvCache
-from models.kv_dtype import load_kv, store_kv
+from models.kv.paged_cache import PagedKvCache
+from models.kv.dtype import load_kv, store_kv
 
 
 @torch.library.custom_op("tandem::write_kv", mutates_args=())
@@ -33,7 +33,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Ten
     """k_pool, v_pool: one layer's [blocks, block_size, kv_heads, d]; k, v: [T, kv_heads, d] written at the flat
     slots slot_mapping [T]. Returns a 0-d int64 zero, the ticket the reads of the pool take as an input (see
     the module docstring)."""
-    store_kv(k_pool, slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv_dtype.py)
+    store_kv(k_pool, slot_mapping, k)  # converted to the pool's dtype (--kv-dtype, models/kv/dtype.py)
     store_kv(v_pool, slot_mapping, v)
     return slot_mapping.new_zeros(())
 

@@ -4,7 +4,7 @@ Per layer: q/k/v column-parallel (the rank's query heads and KV heads: its KV po
 row-parallel (+ one all_reduce); gate/up column-parallel, down row-parallel (+ one all_reduce); MoE layers
 split their experts by rank (+ one all_reduce). The embedding and the LM head are split by vocabulary rows
 (an all_reduce; a gather of the logits to rank 0). Norms, rotary tables and the router stay whole on every
-rank. The layers that do the collectives are in models/tensor_parallel_layers.py.
+rank. The layers that do the collectives are in models/parallel/layers.py.
 
 What cannot be split evenly is refused (`shard_refusal`), with the reason: heads and KV heads must divide by
 the group's size (no KV-head replication), and so must the MLP's intermediate size and the expert count.
@@ -22,9 +22,9 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.layers import MLP, Attention, Linear
-from models.mapped_pages import release_file_pages
+from models.memory.mapped_pages import release_file_pages
 from models.moe import SparseMoeBlock
-from models.tensor_parallel_layers import (ExpertParallelMoe, RowParallelLinear, VocabParallelEmbedding,
+from models.parallel.layers import (ExpertParallelMoe, RowParallelLinear, VocabParallelEmbedding,
                                            VocabParallelHead)
 from models.transformer import DecoderModel
 from tandem.ceil_div import ceil_div

@@ -5,7 +5,7 @@ one `qkv_proj`, so an adapter's q, k and v parts are fused too: A stacked along 
 block-diagonal, giving the same three updates in one pair of matmuls. The scale is folded into B. Phi-3's
 checkpoints are fused themselves, so its adapters target `qkv_proj` (our slot as is) and `gate_up_proj` (one A,
 B's rows split between the gate and up slots).
-Applying adapters to a packed batch: models/lora_batch.py.
+Applying adapters to a packed batch: models/lora/batch.py.
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The paged KV cache: its pools, the block allocator, and KV dtypes."""
