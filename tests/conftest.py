@@ -11,6 +11,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One OpenMP thread per process, threads that sleep rather than spin when idle: the suite runs several workers
+# (scripts/test: pytest-xdist) on few cores, each starting servers, and torch's default of one spinning thread
+# per core in every process oversubscribes the cores several times over (measured: 7x the CPU time for the
+# same tests). Set before torch is imported here or in any server a test starts (they inherit it); a test
+# that needs threads asks for them (--threads, torch.set_num_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true",
@@ -63,13 +71,6 @@ def smollm2_dir() -> Path:
     """The real default model, converted once per machine into the default cache (scripts/prepare_default_model.py)."""
     prep = load_script("prepare_default_model")
     return Path(prep.prepare())
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _limit_threads() -> None:
-    # CI has 2 cores; keep torch from oversubscribing them when tests spawn servers later.
-    import torch
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")

@@ -21,12 +21,6 @@ from tandem.status_map import STATUS_OF
 USER = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _limit_threads() -> None:
-    """Overrides tests/conftest.py's fixture of the same name, which imports torch to cap its threads for tests
-    that start servers; this file starts none."""
-
-
 def chat(**kw) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": USER, **kw})
 

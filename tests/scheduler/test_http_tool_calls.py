@@ -28,11 +28,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 USER = [{"role": "user", "content": "weather in Paris?"}]
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _limit_threads() -> None:
-    """(no servers here: the conftest fixture that imports torch is not needed)"""
-
-
 def chat(**kw) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": USER, "tools": TOOLS, **kw})
 

@@ -15,12 +15,6 @@ serve = load_script("serve")
 MODEL = Path("/models/tiny")
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _limit_threads() -> None:
-    """Overrides tests/conftest.py's fixture of the same name, which imports torch (~2 s) to cap its
-    threads for tests that start servers; this file starts none."""
-
-
 def _flag_values(argv: list[str], flag: str) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
 
