@@ -116,7 +116,7 @@ def _probes(server: Server) -> dict[str, dict]:
 def _executor_drain_s() -> float:
     """ServerConfig.grace_s of executor_service/server.py, read from the source (no flag sets it, and
     importing the module would import torch)."""
-    tree = ast.parse((ROOT / "executor_service" / "rpc" / "server.py").read_text())
+    tree = ast.parse((ROOT / "executor_service" / "server.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == "ServerConfig":
             for item in node.body:

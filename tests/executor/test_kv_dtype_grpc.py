@@ -77,7 +77,7 @@ def _exit_of(model_dir, *args: str) -> subprocess.CompletedProcess:
 def test_native_decode_kernel_with_another_kv_dtype_exits_2(model_dir):
     done = _exit_of(model_dir, "--kv-dtype", "bfloat16", "--decode-kernel", "native")
     assert done.returncode == 2, done.stderr
-    assert "--decode-kernel native cannot run here" in done.stderr and "not the model's dtype" in done.stderr
+    assert "--decode-kernel native: the native step cannot run here" in done.stderr and "not the model's dtype" in done.stderr
 
 
 def test_cuda_graphs_required_on_cpu_exits_2(model_dir):
