@@ -18,6 +18,7 @@ from scheduler.config import SpeculativeConfig
 from scheduler.engine.speculation import Speculator, from_args
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
+from tests.contract.test_ngram_match import direct_search
 
 BS = 4  # tokens per KV block in the planner tests
 
@@ -34,17 +35,6 @@ def seq_of(prompt, outputs=(), max_new: int = 1000, min_new: int = 0, max_seq_le
 
 
 # ------------------------------------------------------------------ the n-gram proposer
-
-
-def brute_force(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
-    """The proposer's rule, searched directly: for n from ngram_max down, the latest earlier occurrence of the
-    last n tokens (it may overlap them, not be them); the up to k tokens that followed it."""
-    length = len(tokens)
-    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
-        for end in range(length - 1, n - 1, -1):
-            if tokens[end - n:end] == tokens[length - n:]:
-                return tokens[end:end + k]
-    return []
 
 
 def test_ngram_prefers_the_longest_match_over_a_later_shorter_one():
@@ -86,7 +76,7 @@ def test_ngram_incremental_index_equals_a_fresh_search():
         for _ in range(150):
             k = rng.randrange(1, 7)
             tokens = s.token_slice(0, s.num_tokens)
-            want = brute_force(tokens, ngram_min, ngram_max, k)
+            want = direct_search(tokens, ngram_min, ngram_max, k)
             assert kept.propose(s, k) == want == NgramProposer(ngram_min, ngram_max).propose(s, k), tokens
             s.output_ids.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
 
