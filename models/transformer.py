@@ -70,7 +70,11 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # (the table given, not drawn: the loader builds the model on the meta device, where nn.Embedding's
+        # random init goes through torch's reference kernels, whose first use imports torch._dynamo: ~2 s of
+        # every executor start; the loader fills every weight anyway)
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                               _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
