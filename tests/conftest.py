@@ -1,8 +1,11 @@
 """Shared fixtures: tiny random HF checkpoints (built once per session) and executors over them."""
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable
@@ -44,18 +47,33 @@ def load_script(name: str):
     return module
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, kind: str, key: str,
+               build: Callable[[Path], Path]) -> Path:
+    """build(out_dir) run once per test run for (kind, key), whichever pytest-xdist worker asks first (the
+    others wait on a lock, then read what it wrote): each worker building its own copies of every tiny
+    checkpoint cost a core-minute per run. A build that failed half-way is redone."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "checkpoints"
+    root.mkdir(exist_ok=True)
+    name = f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            done.write_text(str(build(out).relative_to(out)))
+    return out / done.read_text()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Callable[..., Path]:
-    """tiny_checkpoint(arch, **kwargs) -> model dir; each distinct request is built once per session."""
+    """tiny_checkpoint(arch, **kwargs) -> model dir; each distinct request is built once per run."""
     maker = load_script("make_tiny_checkpoint")
-    built: dict[tuple, Path] = {}
 
     def make(arch: str, **kwargs) -> Path:
-        key = (arch, repr(sorted(kwargs.items())))
-        if key not in built:
-            out = tmp_path_factory.mktemp(f"tiny-{arch}")
-            built[key] = maker.make_tiny_checkpoint(arch, out, **kwargs)
-        return built[key]
+        return built_once(tmp_path_factory, f"tiny-{arch}", f"{arch} {sorted(kwargs.items())!r}",
+                          lambda out: maker.make_tiny_checkpoint(arch, out, **kwargs))
 
     return make
 
@@ -77,18 +95,14 @@ def smollm2_dir() -> Path:
 def family_checkpoint(tmp_path_factory) -> Callable[..., Path]:
     """family_checkpoint(family, **config_overrides) -> a tiny checkpoint of one of the families
     (tests/models/family_checkpoints.py); skips when this transformers lacks the family's classes. Each
-    distinct request is built once per session."""
+    distinct request is built once per run."""
     from tests.models.family_checkpoints import make_family_checkpoint, missing_config_class
-    built: dict[tuple, Path] = {}
 
     def make(family: str, **overrides) -> Path:
         why = missing_config_class(family)
         if why:
             pytest.skip(why)
-        key = (family, repr(sorted(overrides.items())))
-        if key not in built:
-            built[key] = make_family_checkpoint(family, tmp_path_factory.mktemp(f"family-{family}"),
-                                                overrides=overrides)
-        return built[key]
+        return built_once(tmp_path_factory, f"family-{family}", f"{family} {sorted(overrides.items())!r}",
+                          lambda out: make_family_checkpoint(family, out, overrides=overrides))
 
     return make
