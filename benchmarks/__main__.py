@@ -20,8 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serving": ("serving:main", "concurrent streamed requests through the OpenAI front vs transformers generate"),
     "spec": ("spec:main", "n-gram speculative decoding on vs off, copy-heavy and chat workloads"),
     "startup": ("startup:main", "executor time to READY, memory and first-request latency, cold and warm"),
-    "step_profile": ("step_profile:main", "in-process scheduler-like serving loop vs transformers generate"),
-    "structured": ("structured:main", "grammar engines (mask time, coverage) and constrained-decoding overhead"),
+    "structured": ("structured:main", "constrained decoding's cost per step through real servers (JSON-lines grammar vs plain)"),
     "tp": ("tp:main", "tensor parallelism: decode and prefill time and per-rank memory vs --tensor-parallel-size"),
 }
 

@@ -1,4 +1,4 @@
-"""Smoke tests of `python -m benchmarks executor`, `step_profile` and `startup` --quick on a tiny checkpoint: real
+"""Smoke tests of `python -m benchmarks executor` and `startup` --quick on a tiny checkpoint: real
 server processes where the benchmark starts them, sane JSON. No timing assertions (shared, noisy machine)."""
 from __future__ import annotations
 
@@ -25,15 +25,6 @@ def test_executor_quick(model_dir, run_bench):
             > by[("tokens", b)]["response_bytes"]
         assert by[("tokens/x8", b)]["grpc_multi_over_single"] > 0
     assert "grpc/inproc" in proc.stdout and "where the gRPC time goes" in proc.stdout
-
-
-@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
-def test_step_profile_quick(model_dir, run_bench):
-    proc, data = run_bench("step_profile", "--quick", "--model", str(model_dir), "--threads", "1",
-                           "--no-hf")
-    (row,) = data["rows"]
-    assert row["tandem_total_s"] > 0 and row["tandem_decode_steps"] > 0 and "hf_total_s" not in row
-    assert "decode step ms" in proc.stdout
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
