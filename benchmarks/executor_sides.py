@@ -1,6 +1,6 @@
 """The two sides of the executor benchmark, each holding B decoding sequences and timing one decode call per step
 in parts (request building, the call, reading the response: the same client work on both sides): the in-process
-Executor and the same model behind gRPC; and the gRPC path's costs apart from the model."""
+Executor and the same model behind gRPC; and an empty RPC's round trip."""
 from __future__ import annotations
 
 import statistics
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from benchmarks.local_executor import DecodeBatch, DecodeState
-from benchmarks.measure import Clock, median_seconds
+from benchmarks.measure import Clock
 from benchmarks.workloads import token_budget_groups
 from executor_service.rpc import codec
 from executor_service.executor import Executor
@@ -79,7 +79,6 @@ class InProcSide(TimedSide, DecodeBatch):
     def __init__(self, ex: Executor) -> None:
         super().__init__(ex)
         self.device = ex.device
-        self.last_results: list[Any] = []
 
     def _build(self, cfg: Config) -> Any:
         return self.decode_items(OutputOptions(cfg.mode))
@@ -87,8 +86,7 @@ class InProcSide(TimedSide, DecodeBatch):
     def _call(self, request: Any, cfg: Config) -> Any:
         if cfg.release == "rpc":
             self.ex.release_cache(_RELEASED)
-        self.last_results = self.ex.decode(request, cfg.num_steps, release=_RELEASED if cfg.release == "step" else ())
-        return self.last_results
+        return self.ex.decode(request, cfg.num_steps, release=_RELEASED if cfg.release == "step" else ())
 
     def _read(self, response: Any, cfg: Config) -> tuple[list[int], list[Any]]:
         out = [r.output.tokens[-1].token_id if cfg.wants_tokens else r.output.logits for r in response]
@@ -142,20 +140,6 @@ class GrpcSide(TimedSide, DecodeState):
         op, rpc = m.operations.get("decode"), m.rpcs.get("Decode")
         return {"op": (op.count, op.mean_ms * op.count) if op else (0, 0.0),
                 "rpc": (rpc.count, rpc.mean_ms * rpc.count) if rpc else (0, 0.0)}
-
-
-def micro_breakdown(inproc: InProcSide, grpc_side: GrpcSide, repeats: int) -> dict[str, float]:
-    """The gRPC path's CPU pieces timed alone in this process on the last call's messages (ms): request serialise /
-    parse, codec request -> domain, the servicer's response building (logits encoding included), response
-    serialise / parse."""
-    req, resp, results = grpc_side.last_request, grpc_side.last_response, inproc.last_results
-    req_bytes, resp_bytes = req.SerializeToString(), resp.SerializeToString()
-    items = [codec.decode_item_from_pb(i) for i in req.items]
-    parts = {"req_serialize": req.SerializeToString, "req_parse": lambda: pb.DecodeRequest.FromString(req_bytes),
-             "codec_in": lambda: [codec.decode_item_from_pb(i) for i in req.items],
-             "codec_out": lambda: codec.decode_response_to_pb(results, [d for _, d in items], inproc.ex.kv_usage()),
-             "resp_serialize": resp.SerializeToString, "resp_parse": lambda: pb.DecodeResponse.FromString(resp_bytes)}
-    return {k: 1e3 * median_seconds(fn, repeats) for k, fn in parts.items()}
 
 
 def empty_rpc_ms(stub: pb_grpc.ExecutorServiceStub, n: int) -> dict[str, float]:

@@ -13,7 +13,7 @@ import grpc
 
 from benchmarks.cli import (add_common, add_device_args, add_sizes, int_list, make_log, model_dir, parse, parser,
                             set_threads, stop_on_sigterm, torch_device)
-from benchmarks.executor_sides import Config, GrpcSide, InProcSide, empty_rpc_ms, make_configs, micro_breakdown
+from benchmarks.executor_sides import Config, GrpcSide, InProcSide, empty_rpc_ms, make_configs
 from benchmarks.local_executor import build_executor
 from benchmarks.measure import machine_busy_s, other_cores, process_cpu_s, time_stats
 from benchmarks.report import format_table, machine_info, model_json, model_line, write_json
@@ -23,8 +23,8 @@ from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_MB = 64  # the server's default --max-message-mb
-QUICK = {"batches": "1,4", "steps": 3, "warmup": 1, "context": 16, "empty_rpcs": 20, "micro_repeats": 5}
-DEFAULTS = {"batches": "1,8,32,64", "steps": 16, "warmup": 2, "context": 128, "empty_rpcs": 200, "micro_repeats": 20}
+QUICK = {"batches": "1,4", "steps": 3, "warmup": 1, "context": 16, "empty_rpcs": 20}
+DEFAULTS = {"batches": "1,8,32,64", "steps": 16, "warmup": 2, "context": 128, "empty_rpcs": 200}
 COLUMNS = [("config", "config"), ("batch", "batch"), ("inproc_ms", "inproc ms/step"), ("grpc_ms", "grpc ms/step"),
            ("grpc_over_inproc", "grpc/inproc", 3), ("grpc_over_inproc_min", "min ratio", 3),
            ("response_bytes", "resp bytes"), ("inproc_tok_s", "inproc tok/s", 1), ("grpc_tok_s", "grpc tok/s", 1),
@@ -32,7 +32,7 @@ COLUMNS = [("config", "config"), ("batch", "batch"), ("inproc_ms", "inproc ms/st
            ("multi_gain_grpc_vs_inproc", "g/i", 3)]
 BREAKDOWN = [("config", "config"), ("batch", "batch"), ("overhead", "grpc-inproc ms"), ("op_diff", "op diff"),
              ("servicer", "servicer"), ("transport", "transport"), ("client_diff", "client diff"),
-             ("micro_serde", "serde (micro)"), ("micro_codec", "codec (micro)"), ("inproc_op", "inproc op"),
+             ("inproc_op", "inproc op"),
              ("server_op", "srv op"), ("inproc_cores", "inproc cores"), ("server_cores", "srv cores")]
 log = make_log("bench_executor")
 
@@ -42,8 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_common(ap, "executor", "batches 1,4; steps 3; warmup 1; context 16")
     add_sizes(ap, DEFAULTS, {"batches": "decode batch sizes", "context": "tokens per sequence before decoding",
                              "steps": "timed decode calls per side and configuration",
-                             "warmup": "untimed decode calls first", "empty-rpcs": "timed empty RPCs (round trip)",
-                             "micro-repeats": "repeats of each serialisation micro-timing"})
+                             "warmup": "untimed decode calls first", "empty-rpcs": "timed empty RPCs (round trip)"})
     ap.add_argument("--multi-steps", type=int, default=8, help="num_steps of the multi-step configuration (8)")
     ap.add_argument("--configs", default=None,
                     help="comma subset of tokens, logits/f32, logits/bf16, tokens/xN, tokens+ReleaseCache, "
@@ -93,7 +92,6 @@ def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, 
                     side.step(cfg, timed)
         cpu1 = (time.process_time(), process_cpu_s(remote.server_pid) or 0.0)
         op1, srv1, busy1, wall1 = inproc.op_stats(), remote.server_stats(), machine_busy_s(), time.perf_counter()
-        micro = micro_breakdown(inproc, remote, args.micro_repeats)
         req_bytes, resp_bytes = remote.last_request.ByteSize(), remote.last_response.ByteSize()
     finally:
         inproc.release()
@@ -111,8 +109,6 @@ def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, 
         "servicer": None if srv_rpc is None or srv_op is None else srv_rpc - srv_op,
         "transport": None if srv_rpc is None else mean_ms(remote.parts["call"]) - srv_rpc,
         "client_diff": client["g"] - client["i"],
-        "micro_serde": sum(micro[k] for k in ("req_serialize", "req_parse", "resp_serialize", "resp_parse")),
-        "micro_codec": micro["codec_in"] + micro["codec_out"],
         # CPU per wall second while each side ran: ~T when a side had its T cores, less when others competed
         "inproc_cores": statistics.fmean(inproc.clock.cpu_times) / statistics.fmean(i_calls),
         "server_cores": srv_cpu / sum(g_calls)}
@@ -124,7 +120,7 @@ def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, 
             "server_cpu_ms": 1e3 * srv_cpu / len(g_calls),
             "other_processes_cores": other_cores(busy0, busy1, bench_cpu + srv_cpu, wall1 - wall0),
             "tokens_agree": sum(a == b for a, b in zip(inproc.history, remote.history)) / len(inproc.history),
-            "prefill_tokens_agree": prefill_agree, "breakdown_ms": breakdown, "micro_ms": micro,
+            "prefill_tokens_agree": prefill_agree, "breakdown_ms": breakdown,
             "inproc_times": time_stats(i_calls), "grpc_times": time_stats(g_calls)}
 
 

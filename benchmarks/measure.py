@@ -37,17 +37,6 @@ class Clock:
         self.cpu_times.append(time.process_time() - self._cpu_start)
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of fn over `repeats` calls after an untimed one (bare perf_counter: microsecond pieces)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, n: int = 2048,
                 repeats: int = 7) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Serving benchmark: concurrent streamed requests of exact lengths through the scheduler's OpenAI-compatible
-front (a real executor + scheduler, or --target), a closed loop, then transformers' generate on the same prompts
+front (a real executor + scheduler), a closed loop, then transformers' generate on the same prompts
 (--baseline hf,hf-serial) in the same run. Method and metrics: docs/benchmarks.md."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import os
 import shlex
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +39,6 @@ log = make_log("bench_serving")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = parser("serving", __doc__.split("\n\n")[0])
     add_common(ap, "serving", "4 requests, input 16, output 8, concurrency 2, warmup 1, every hf-serial request timed")
-    ap.add_argument("--target", default=None, metavar="URL", help="benchmark this running scheduler's HTTP front "
-                    "(http://HOST:PORT; --model names the model it serves) instead of starting servers")
     add_sizes(ap, DEFAULTS, {"input-len": "prompt tokens per request", "output-len": "generated tokens, exactly",
                              "num-requests": "timed requests",
                              "concurrency": "requests in flight (closed loop)",
@@ -118,8 +115,6 @@ def print_report(sides: list[dict[str, Any]], header: list[str], bad: int) -> No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.target and not args.model:
-        raise SystemExit("error: --target needs --model DIR (the model it serves: prompts, FLOPs, baselines)")
     threads, model_dir, cfg = serving_setup(args)
     if args.input_len + args.output_len > cfg.max_position_embeddings:
         raise SystemExit(f"error: --input-len + --output-len is past the model's {cfg.max_position_embeddings}")
@@ -135,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-blocks", str(kv_blocks(args.concurrency + max(args.warmup, 1),
                                      args.input_len + args.output_len))]) + user  # a pool for the whole run
     t = time.perf_counter()
-    with nullcontext([]) if args.target else stack(model_dir, flags, shlex.split(args.scheduler_args)) as servers:
-        url = args.target or servers[1].http_url
+    with stack(model_dir, flags, shlex.split(args.scheduler_args)) as servers:
+        url = servers[1].http_url
         pids = {"client": os.getpid(), **{s.name: s.proc.pid for s in servers}}
         log(f"serving at {url} (ready in {time.perf_counter() - t:.1f}s)")
         records, cpu = run_tandem(args, url, prompts, warmup, pids)
-        if servers and any(r.error for r in records):
+        if any(r.error for r in records):
             log(f"a request failed; scheduler log tail:\n{servers[1].log(4000)}\nexecutor:\n{servers[0].log(4000)}")
         codes = {s.name: s.stop() for s in reversed(servers)}
     tandem = aggregate("tandem", records, flops_per_request=flops, output_len=args.output_len) | {"cpu": cpu}
@@ -157,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"benchmark": "bench_serving", "config": config, "machine": machine_info("cpu"),
                "model": model_json(model_dir, cfg) | {"flops_per_request": flops},
                "servers": {s.name: {"address": s.address, "pid": s.proc.pid, "command": s.args} for s in servers}
-               | ({"http_url": url, "exit_codes": codes} if servers else {"http_url": url}),
+               | {"http_url": url, "exit_codes": codes},
                "all_exact_output_len": not bad, "sides": {s["name"]: s for s in sides},
                "ratios": {s["name"]: {"tandem_over_side": s["tandem_over_side"]} for s in sides[1:]}}
     log(f"wrote {write_json(args.out, results)}")
