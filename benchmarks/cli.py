@@ -138,13 +138,16 @@ def model_dir(arg: Path | str | None) -> Path:
 
 
 @contextmanager
-def stack(model_dir: Path, executor_flags: list[str], scheduler_flags: list[str] = ()) -> Iterator[list[Any]]:
+def stack(model_dir: Path, executor_flags: list[str], scheduler_flags: list[str] = (), **executor_kw: Any
+          ) -> Iterator[list[Any]]:
     """[executor, scheduler]: real server processes, the scheduler with its OpenAI HTTP front, quiet logs unless the
-    flags say otherwise; both stopped on the way out (the scheduler first: it drains; stop() is idempotent)."""
+    flags say otherwise; both stopped on the way out (the scheduler first: it drains; stop() is idempotent).
+    executor_kw: launch_executor's (ready_timeout)."""
     from tandem import server_process
     servers: list[Any] = []
     try:
-        servers.append(server_process.launch_executor(model_dir, "--log-level", "WARNING", *executor_flags))
+        servers.append(server_process.launch_executor(model_dir, "--log-level", "WARNING", *executor_flags,
+                                                      **executor_kw))
         servers.append(server_process.launch_scheduler(servers[0].address, "--http-port", "0", "--log-level",
                                                        "WARNING", *scheduler_flags))
         yield servers

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from benchmarks.cli import (add_common, add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
-                            serving_setup, torch_device)
+                            serving_setup, stack, torch_device)
 from benchmarks.fleet_failover import stream
 from benchmarks.local_executor import DecodeBatch, build_executor
 from executor_service.types import OutputOptions
@@ -34,7 +34,6 @@ from benchmarks.report import table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record
 from benchmarks.shapes import bytes_read_per_step, memory_bandwidth, process_memory
 from benchmarks.workloads import model_vocabulary, vocabulary_prompts
-from tandem import server_process
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 log = make_log("bench_decode")
@@ -105,33 +104,20 @@ def stream_one(address: str, prompt: list[int], gen: int) -> dict[str, float]:
 
 
 def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[list[int]]) -> dict[str, Any]:
-    """A real executor (prefix caching off) and scheduler per mode; the compiled mode is started twice (the first
-    start fills the compile cache: its time to READY includes the compile, the second is a restart)."""
+    """A real executor (prefix caching off) and scheduler per mode, and the executor's resident memory (time to
+    READY, cold or warm: the startup benchmark)."""
     opts = executor_options(mode)
     flags = ("--threads", str(threads), "--no-prefix-caching", "--quantization", opts["quantization"], "--dtype",
-             opts["dtype"], "--device", args.device, "--log-level", "WARNING") + KERNELS[mode.split("-")[1]]
+             opts["dtype"], "--device", args.device) + KERNELS[mode.split("-")[1]]
     wait = {"ready_timeout": 900.0} if opts["compile"] else {}  # compiling on 2 cores: minutes
-    ready: list[float] = []
-    servers = []
-    try:
-        for _ in range(2 if opts["compile"] else 1):
-            if servers:
-                servers.pop().stop()
-            t0 = time.perf_counter()
-            servers.append(server_process.launch_executor(model_dir, *flags, **wait))
-            ready.append(time.perf_counter() - t0)
+    with stack(model_dir, list(flags), **wait) as servers:
         memory = {"ready": process_memory(servers[0].proc.pid)}
-        servers.append(server_process.launch_scheduler(servers[0].address, "--log-level", "WARNING"))
         stream_one(servers[1].address, prompts[-1], min(args.gen, 8))  # warm-up
         runs = [stream_one(servers[1].address, p, args.gen) for p in prompts[:args.requests]]
         memory["served"] = process_memory(servers[0].proc.pid)  # every weight read by now
-    finally:
-        for s in reversed(servers):
-            s.stop()
-    out = {"ready_s": ready[0], "restart_s": ready[1] if len(ready) > 1 else None, "runs": runs,
-           "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+    out = {"runs": runs, "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
            "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs), "memory": memory}
-    log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms, ready {ready[0]:.1f} s, "
+    log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms, "
         f"RSS {memory['served'].get('rss_mb', 0):.0f} MB")
     return out
 
@@ -288,7 +274,6 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
         for m in args.mode_list:
             s, peer = stream.get(m), llama.get(LLAMA_PEER[weights_of(m)])
             rows.append({"mode": m, "decode tok/s": (s or {}).get("decode_tok_s"), "TTFT ms": (s or {}).get("ttft_ms"),
-                         "ready s": (s or {}).get("ready_s"), "restart s": (s or {}).get("restart_s"),
                          "llama.cpp": LLAMA_PEER[weights_of(m)], "llama tok/s": (peer or {}).get("decode_tok_s"),
                          "vs llama.cpp": ratio(s, peer),
                          "vs eager": ratio(s, stream.get(f"{weights_of(m)}-eager") or stream.get("float32-eager")),

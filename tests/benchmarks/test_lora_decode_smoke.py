@@ -38,7 +38,7 @@ def test_decode_quick(model_dir, run_bench):
     assert data["config"]["modes"] == ",".join(modes)
     for mode in modes:
         s = data["stream"][mode]
-        assert len(s["runs"]) == 1 and s["decode_tok_s"] > 0 and s["ready_s"] > 0 and s["restart_s"] is None
+        assert len(s["runs"]) == 1 and s["decode_tok_s"] > 0
         assert set(data["steps"][mode]) == {"1", "4"} and all(v["step_ms"] > 0 for v in data["steps"][mode].values())
     q = data["quality"]["int8-native"]  # float32 modes are the reference
     assert set(data["quality"]) == {"int8-native"} and q["total_tokens"] == 4 * q["steps"]
