@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, make_log, parse, parser, serving_setup
+from benchmarks.cli import add_common, add_sizes, choices, make_log, parse, parser, serving_setup
 from benchmarks.fleet_failover import stream
 from benchmarks.measure import summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
@@ -34,6 +34,7 @@ QUICK = {"decode_streams": 4, "decode_len": 64, "prompt_len": 128, "prompt_outpu
          "migration_streams": 4, "migration_prompt_len": 32, "migration_len": 200, "signal_after": 8}
 _METRIC = re.compile(r"^(tandem:[a-z_]+) ([0-9.e+-]+)$", re.M)
 _URL = re.compile(r"metrics on (https?://\S+/metrics)")
+TRANSFERS, TRANSFER_S = "tandem:kv_transfer_seconds_count", "tandem:kv_transfer_seconds_sum"
 log = make_log("bench_disagg")
 
 
@@ -135,6 +136,18 @@ async def migration_run(pair: Pair, args: Any, vocab: int, sig: signal.Signals) 
             "outputs": [r.output_ids for r in recs], "errors": [r.error for r in recs if r.error]}
 
 
+def measured(model_dir: Path, threads: int, roles: tuple[str, str], run: Any) -> tuple[dict[str, Any], dict]:
+    """A fresh Pair: run(pair) (a coroutine) and the scheduler counters' change over it; the pair stopped."""
+    pair = Pair(model_dir, threads, roles)
+    try:
+        before = pair.counters()
+        out = asyncio.run(run(pair))
+        after = pair.counters()
+    finally:
+        pair.stop()
+    return out, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser("disagg", __doc__.split("\n\n")[0])
     add_common(ap, "disagg", "the tiny shapes, short streams")
@@ -147,30 +160,21 @@ def main(argv: list[str] | None = None) -> int:
                              "signal-after": "tokens every stream has when executor 0 is signalled"})
     args = parse(ap, argv, QUICK, DEFAULTS)
     threads, model_dir, cfg = serving_setup(args)
-    threads = max(1, threads // 2)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    threads, vocab = max(1, threads // 2), cfg.vocab_size
+    parts = choices(args.parts, ("roles", "migration"), "--parts")
     results: dict[str, Any] = {"machine": machine_info(), "model": model_json(model_dir, cfg),
                                "threads_per_executor": threads, "args": {k: v for k, v in vars(args).items()
                                                                          if isinstance(v, (int, str, float))}}
-    vocab = cfg.vocab_size
     if "roles" in parts:
         rows = []
         for name, roles in (("prefill + decode", ("prefill", "decode")), ("both + both", ("both", "both"))):
-            pair = Pair(model_dir, threads, roles)
-            try:
-                before = pair.counters()
-                out = asyncio.run(roles_run(pair, args, vocab))
-                after = pair.counters()
-            finally:
-                pair.stop()
-            delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (
-                "tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_count", "tandem:kv_transfer_seconds_sum")}
-            moved_bytes = delta["tandem:kv_transfer_bytes_total"]
-            n, s = delta["tandem:kv_transfer_seconds_count"], delta["tandem:kv_transfer_seconds_sum"]
+            out, delta = measured(model_dir, threads, roles, lambda pair: roles_run(pair, args, vocab))
+            n, s = delta.get(TRANSFERS, 0.0), delta.get(TRANSFER_S, 0.0)
             rows.append({"config": name, "itl_p50": out["itl"]["p50"], "itl_p99": out["itl"]["p99"],
                          "decode_tok_s": out["decode_tok_s"], "prompts": out["prompts"],
                          "prompt_ttft_p50": out["prompt_ttft"]["p50"], "transfers": int(n),
-                         "transfer_ms_mean": 1000 * s / n if n else None, "transfer_kib": moved_bytes / 1024,
+                         "transfer_ms_mean": 1000 * s / n if n else None,
+                         "transfer_kib": delta.get("tandem:kv_transfer_bytes_total", 0.0) / 1024,
                          "errors": len(out["errors"])})
             log(f"{name}: ITL p99 {out['itl']['p99']} ms")
         results["roles"] = rows
@@ -185,24 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     if "migration" in parts:
         rows, outputs = [], []
         for name, sig in (("migrate (SIGTERM)", signal.SIGTERM), ("recompute (SIGKILL)", signal.SIGKILL)):
-            pair = Pair(model_dir, threads, ("both", "both"))
-            try:
-                before = pair.counters()
-                out = asyncio.run(migration_run(pair, args, vocab, sig))
-                after = pair.counters()
-            finally:
-                pair.stop()
+            out, delta = measured(model_dir, threads, ("both", "both"),
+                                  lambda pair: migration_run(pair, args, vocab, sig))
             outputs.append(out["outputs"])
-            delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
-                "tandem:requests_migrated_total", "tandem:tokens_recomputed_total", "tandem:kv_transfer_seconds_sum",
-                "tandem:kv_transfer_seconds_count")}
-            n = delta["tandem:kv_transfer_seconds_count"]
-            rows.append({"path": name, "pause_p50": out["pause"]["p50"],
-                         "pause_max": out["pause"]["max"], "step_ms": out["step_ms"],
-                         "transfer_ms_mean": 1000 * delta["tandem:kv_transfer_seconds_sum"] / n if n else None,
-                         "exit_s": out["exit_s"],
-                         "migrated": int(delta["tandem:requests_migrated_total"]),
-                         "recomputed_tokens": int(delta["tandem:tokens_recomputed_total"]),
+            n = delta.get(TRANSFERS, 0.0)
+            rows.append({"path": name, "pause_p50": out["pause"]["p50"], "pause_max": out["pause"]["max"],
+                         "step_ms": out["step_ms"],
+                         "transfer_ms_mean": 1000 * delta.get(TRANSFER_S, 0.0) / n if n else None,
+                         "exit_s": out["exit_s"], "migrated": int(delta.get("tandem:requests_migrated_total", 0)),
+                         "recomputed_tokens": int(delta.get("tandem:tokens_recomputed_total", 0)),
                          "errors": len(out["errors"])})
         results["migration"] = rows
         results["migration_tokens_identical"] = outputs[0] == outputs[1]
@@ -214,6 +209,5 @@ def main(argv: list[str] | None = None) -> int:
                                   ("migrated", "migrated"), ("recomputed_tokens", "tokens recomputed"),
                                   ("errors", "errors")]))
         print(f"tokens identical between the two paths: {results['migration_tokens_identical']}")
-    path = write_json(args.out, results)
-    log(f"wrote {path}")
+    log(f"wrote {write_json(args.out, results)}")
     return 0
