@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import torch
 
-from benchmarks.cli import (add_common, add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
+from benchmarks.cli import (add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
                             serving_setup, stack, torch_device)
 from benchmarks.fleet_failover import stream
 from benchmarks.local_executor import DecodeBatch, build_executor
@@ -65,8 +65,8 @@ def executor_options(mode: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("decode", __doc__.split("\n\n")[0])
-    add_common(ap, "decode", "float32-eager, float32-native and int8-native, 16-token prompt, 8 tokens, batches 1,4")
+    ap = parser("decode", __doc__,
+                "float32-eager, float32-native and int8-native, 16-token prompt, 8 tokens, batches 1,4")
     ap.add_argument("--modes", default=None, help=f"comma list of {', '.join(MODES)} (default: all but "
                                                   "float32-compiled, whose compile takes minutes per start)")
     ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(PARTS)} (default all)")

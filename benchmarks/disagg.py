@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, choices, make_log, parse, parser, serving_setup
+from benchmarks.cli import add_sizes, choices, make_log, parse, parser, serving_setup
 from benchmarks.fleet_failover import stream
 from benchmarks.measure import summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
@@ -149,8 +149,7 @@ def measured(model_dir: Path, threads: int, roles: tuple[str, str], run: Any) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser("disagg", __doc__.split("\n\n")[0])
-    add_common(ap, "disagg", "the tiny shapes, short streams")
+    ap = parser("disagg", __doc__, "the tiny shapes, short streams")
     ap.add_argument("--parts", default="roles,migration", help="roles, migration (comma list)")
     add_sizes(ap, DEFAULTS, {"decode-streams": "decoding streams beside the long prompts",
                              "decode-len": "tokens each decoding stream generates",

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import (add_common, add_device_args, add_sizes, int_list, make_log, model_dir, parse, parser,
+from benchmarks.cli import (add_device_args, add_sizes, int_list, make_log, model_dir, parse, parser,
                             set_threads, stop_on_sigterm, torch_device)
 from benchmarks.executor_sides import Config, GrpcSide, InProcSide, empty_rpc_ms, make_configs
 from benchmarks.local_executor import build_executor
@@ -38,8 +38,7 @@ log = make_log("bench_executor")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("executor", __doc__.split("\n\n")[0])
-    add_common(ap, "executor", "batches 1,4; steps 3; warmup 1; context 16")
+    ap = parser("executor", __doc__, "batches 1,4; steps 3; warmup 1; context 16")
     add_sizes(ap, DEFAULTS, {"batches": "decode batch sizes", "context": "tokens per sequence before decoding",
                              "steps": "timed decode calls per side and configuration",
                              "warmup": "untimed decode calls first", "empty-rpcs": "timed empty RPCs (round trip)"})

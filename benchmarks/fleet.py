@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from benchmarks import executor_metrics
-from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+from benchmarks.cli import (add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
                             serving_setup)
 from benchmarks.fleet_failover import analyse, failover_run, stream
 from benchmarks.measure import CpuMeter
@@ -98,9 +98,8 @@ async def closed(fleet: Fleet, prompts: list[list[int]], output_len: int, concur
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("fleet", __doc__.split("\n\n")[0])
-    add_common(ap, "fleet", "scaling 8 x (16 in, 8 out); failover 4 streams x (16 in, 128 out) killed after 2 tokens",
-               threads=False)
+    ap = parser("fleet", __doc__,
+                "scaling 8 x (16 in, 8 out); failover 4 streams x (16 in, 128 out) killed after 2 tokens", threads=False)
     ap.add_argument("--parts", default=",".join(PARTS), help="comma list of scaling, failover (default both)")
     add_sizes(ap, DEFAULTS, {"configs": "scaling: EXECUTORSxTHREADS comma list, ratios against the first",
                              "num-requests": "scaling: timed requests", "input-len": "scaling: prompt tokens",

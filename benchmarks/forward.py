@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from benchmarks.baselines import HfForward
-from benchmarks.cli import (DTYPES, add_common, add_device_args, add_sizes, int_list, make_log, model_dir, parse,
+from benchmarks.cli import (DTYPES, add_device_args, add_sizes, int_list, make_log, model_dir, parse,
                             parser, set_threads, torch_device)
 from benchmarks.flops import FlopModel
 from benchmarks.local_executor import TOKENS_ONLY, DecodeBatch, build_executor
@@ -40,8 +40,8 @@ COLUMNS = [("phase", "phase"), ("batch", "batch"), ("context", "ctx"), ("tandem_
 
 def parse_args(argv: list[str] | None, name: str = "forward") -> argparse.Namespace:
     ap = parser(name, __doc__.split("\n")[0] if name == "forward" else
-                "Tandem vs transformers decode on a Qwen3-MoE checkpoint (default: a synthetic one built here).")
-    add_common(ap, name, "batches 1,8; steps 4; context 32; prefill-len 64")
+                "Tandem vs transformers decode on a Qwen3-MoE checkpoint (default: a synthetic one built here).",
+                "batches 1,8; steps 4; context 32; prefill-len 64")
     add_sizes(ap, DEFAULTS, {"batches": "decode batch sizes", "context": "tokens per sequence before decoding",
                              "steps": "timed decode steps", "warmup": "untimed decode steps first",
                              "prefill-len": "prompt length of the prefill phase (0 skips it)",

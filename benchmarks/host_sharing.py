@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, choices, int_list, make_log, model_dir, parse, parser
+from benchmarks.cli import add_sizes, choices, int_list, make_log, model_dir, parse, parser
 from benchmarks.measure import process_cpu_s
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
@@ -40,8 +40,7 @@ log = make_log("bench_host_sharing")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("host_sharing", __doc__.split("\n\n")[0])
-    add_common(ap, "host_sharing", "2 streams, 16 steps in bursts of 4, 16-token prompts", threads=False)
+    ap = parser("host_sharing", __doc__, "2 streams, 16 steps in bursts of 4, 16-token prompts", threads=False)
     ap.add_argument("--layouts", default=",".join(LAYOUTS),
                     help="comma list of " + "; ".join(f"{k}: {v}" for k, v in LAYOUT_HELP.items()) + " (default all)")
     ap.add_argument("--cores", default=None,

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.cli import add_common, add_sizes, make_log, model_dir, parse, parser, stop_on_sigterm
+from benchmarks.cli import add_sizes, make_log, model_dir, parse, parser, stop_on_sigterm
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
 from tandem import server_process
@@ -32,8 +32,7 @@ log = make_log("bench_kv_restart")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("kv_restart", __doc__.split("\n\n")[0])
-    add_common(ap, "kv_restart", "a 256-token prompt, one run per case")
+    ap = parser("kv_restart", __doc__, "a 256-token prompt, one run per case")
     add_sizes(ap, DEFAULTS, {"prompt-len": "tokens of the long prompt (default 1200)",
                              "repeats": "restarts, each timing one warm and one cold prompt"})
     ap.add_argument("--executor-args", default="", help="more executor flags, quoted")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.cli import (add_common, add_device_args, add_sizes, make_log, model_dir, parse, parser, set_threads,
+from benchmarks.cli import (add_device_args, add_sizes, make_log, model_dir, parse, parser, set_threads,
                             torch_device)
 from benchmarks.flops import FlopModel
 from benchmarks.local_executor import TOKENS_ONLY, DecodeBatch, build_executor
@@ -35,8 +35,7 @@ log = make_log("bench_lora")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("lora", __doc__.split("\n\n")[0])
-    add_common(ap, "lora", "batch 8; steps 3; warmup 1; context 16")
+    ap = parser("lora", __doc__, "batch 8; steps 3; warmup 1; context 16")
     add_sizes(ap, DEFAULTS, {"batch": "sequences per decode call", "context": "prompt tokens per sequence",
                              "steps": "timed rounds (one decode call per configuration each)",
                              "warmup": "untimed rounds first"})

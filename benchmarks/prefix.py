@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from benchmarks import executor_metrics, openai_client
-from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+from benchmarks.cli import (add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
                             serving_setup, stack)
 from benchmarks.measure import CpuMeter, cores_text, summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
@@ -60,8 +60,8 @@ class Prompts:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("prefix", __doc__.split("\n\n")[0])
-    add_common(ap, "prefix", "system prompt 64, 4 questions of 8, 2 conversations x 3 turns, output 8, concurrency 2")
+    ap = parser("prefix", __doc__,
+                "system prompt 64, 4 questions of 8, 2 conversations x 3 turns, output 8, concurrency 2")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)} (both)")
     ap.add_argument("--modes", default="on,off", help="comma list of on (executor defaults), off "
                     "(--no-prefix-caching), events (on + KV events on ZMQ, read by a subscriber), events-stalled "

@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks import openai_client
 from benchmarks.baselines import HfBaseline
-from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+from benchmarks.cli import (add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
                             serving_setup, stack)
 from benchmarks.flops import FlopModel
 from benchmarks.measure import CpuMeter, cores_text
@@ -37,8 +37,8 @@ log = make_log("bench_serving")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("serving", __doc__.split("\n\n")[0])
-    add_common(ap, "serving", "4 requests, input 16, output 8, concurrency 2, warmup 1, every hf-serial request timed")
+    ap = parser("serving", __doc__,
+                "4 requests, input 16, output 8, concurrency 2, warmup 1, every hf-serial request timed")
     add_sizes(ap, DEFAULTS, {"input-len": "prompt tokens per request", "output-len": "generated tokens, exactly",
                              "num-requests": "timed requests",
                              "concurrency": "requests in flight (closed loop)",

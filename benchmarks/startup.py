@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, choices, make_log, model_dir, parse, parser, stop_on_sigterm
+from benchmarks.cli import add_sizes, choices, make_log, model_dir, parse, parser, stop_on_sigterm
 from benchmarks.measure import machine_busy_s, other_cores, process_cpu_s
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
@@ -39,8 +39,8 @@ log = make_log("bench_startup")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("startup", __doc__.split("\n\n")[0])
-    add_common(ap, "startup", "the defaults config once, warm only, a 16-token prompt, 2 decode steps", threads=False)
+    ap = parser("startup", __doc__, "the defaults config once, warm only, a 16-token prompt, 2 decode steps",
+                threads=False)
     ap.add_argument("--configs", default=None, help=f"comma list of {', '.join(CONFIGS)} (default: all)")
     add_sizes(ap, DEFAULTS, {"repeats": "warm starts per configuration (0 = the cold start only)",
                              "prompt-len": "tokens of the first (and second) request's prompt",

@@ -11,7 +11,7 @@ import statistics
 from typing import Any
 
 from benchmarks import openai_client
-from benchmarks.cli import add_common, add_sizes, int_list, make_log, parse, parser, serving_setup, stack
+from benchmarks.cli import add_sizes, int_list, make_log, parse, parser, serving_setup, stack
 from benchmarks.report import format_table, machine_info, model_json, write_json
 from scheduler.structured.grammar import JSON_OPTIONS
 
@@ -31,8 +31,7 @@ log = make_log("bench_structured")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("structured", __doc__.split("\n\n")[0])
-    add_common(ap, "structured", "batches 1,4, 8 tokens, 1 repeat")
+    ap = parser("structured", __doc__, "batches 1,4, 8 tokens, 1 repeat")
     add_sizes(ap, DEFAULTS, {"batches": "batch sizes", "output-len": "tokens per request",
                              "repeats": "plain/constrained pairs per batch size, alternating order"})
     ap.add_argument("--request-timeout", type=float, default=600.0, help="deadline per request in s")

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, int_list, make_log, model_dir, parse, parser
+from benchmarks.cli import add_sizes, int_list, make_log, model_dir, parse, parser
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
 from models.config import ModelConfig
@@ -32,8 +32,7 @@ log = make_log("bench_tp")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("tp", __doc__.split("\n\n")[0])
-    add_common(ap, "tp", "sizes 1,2; batches 1,4; steps 3; context 16; prefill 32")
+    ap = parser("tp", __doc__, "sizes 1,2; batches 1,4; steps 3; context 16; prefill 32")
     ap.add_argument("--sizes", default=None, help="tensor-parallel sizes, comma list; sizes the model cannot be "
                                                   "split into (heads, KV heads) are skipped, logged (default 1,2,3)")
     ap.add_argument("--batches", default=None, help="decode batch sizes, comma list (default 1,8)")
