@@ -12,7 +12,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC, and where the gRPC time goes"),
     "fleet": ("fleet:main", "one scheduler over several executors: scaling, and failover after a SIGKILL"),
     "forward": ("forward:main", "Tandem's in-process forward vs transformers' (decode and prefill, GFLOP/s)"),
-    "host_sharing": ("host_sharing:main", "2 executors x half the cores (pinned or not) vs 1 x all: aggregate decode tok/s"),
     "kv_restart": ("kv_restart:main", "TTFT of a long prompt after an executor restart: its disk tier vs cold; the tier's read MB/s"),
     "lora": ("lora:main", "multi-LoRA decode throughput: base vs 1 vs N distinct adapters in a batch"),
     "moe": ("forward:main_moe", "the forward comparison on a Qwen3-MoE checkpoint (synthetic by default)"),
