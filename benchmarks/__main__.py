@@ -14,7 +14,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "forward": ("forward:main", "Tandem's in-process forward vs transformers' (decode and prefill, GFLOP/s)"),
     "kv_restart": ("kv_restart:main", "TTFT of a long prompt after an executor restart: its disk tier vs cold; the tier's read MB/s"),
     "lora": ("lora:main", "multi-LoRA decode throughput: base vs 1 vs N distinct adapters in a batch"),
-    "moe": ("forward:main_moe", "the forward comparison on a Qwen3-MoE checkpoint (synthetic by default)"),
     "prefix": ("prefix:main", "automatic prefix caching on vs off: shared system prompt and multi-turn chats"),
     "serving": ("serving:main", "concurrent streamed requests through the OpenAI front vs transformers generate"),
     "spec": ("spec:main", "n-gram speculative decoding on vs off, copy-heavy and chat workloads"),
