@@ -1,9 +1,9 @@
 """Decode speed per weight mode (WEIGHTS-KERNEL: float32 | bf16 | fp16 | int8, eager | native | compiled; and
-float32-deterministic, the executor's --deterministic), in parts: single-stream decode through real servers (with
-the executor's resident memory), batched in-process decode steps (greedy, or --sampled), batched prefill calls,
-llama.cpp's own llama-bench on GGUF files of the same weights (when a llama-bench binary is found) and each low-precision mode's quality vs
-float32; the bandwidth each step reaches (weight bytes read per step x steps/s) against the machine's, measured in
-the same run. --shape: a random checkpoint of a served model's sizes. Method: docs/benchmarks.md."""
+float32-deterministic, the executor's --deterministic), in parts: single-stream decode through real servers, batched
+in-process decode steps (greedy, or --sampled), batched prefill calls, llama.cpp's own llama-bench on GGUF files of
+the same weights (when a llama-bench binary is found) and each low-precision mode's quality vs float32; the bandwidth
+each step reaches (weight bytes read per step x steps/s) against the machine's, measured in the same run. --shape: a
+random checkpoint of a served model's sizes. Method: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +32,7 @@ from tandem.sampling_params import SamplingParams
 from benchmarks.quality import QualityReference
 from benchmarks.report import table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record
-from benchmarks.shapes import bytes_read_per_step, memory_bandwidth, process_memory
+from benchmarks.shapes import bytes_read_per_step, memory_bandwidth
 from benchmarks.workloads import model_vocabulary, vocabulary_prompts
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
@@ -104,21 +104,18 @@ def stream_one(address: str, prompt: list[int], gen: int) -> dict[str, float]:
 
 
 def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[list[int]]) -> dict[str, Any]:
-    """A real executor (prefix caching off) and scheduler per mode, and the executor's resident memory (time to
-    READY, cold or warm: the startup benchmark)."""
+    """A real executor (prefix caching off) and scheduler per mode (its time to READY and memory, cold or warm: the
+    startup benchmark)."""
     opts = executor_options(mode)
     flags = ("--threads", str(threads), "--no-prefix-caching", "--quantization", opts["quantization"], "--dtype",
              opts["dtype"], "--device", args.device) + KERNELS[mode.split("-")[1]]
     wait = {"ready_timeout": 900.0} if opts["compile"] else {}  # compiling on 2 cores: minutes
     with stack(model_dir, list(flags), **wait) as servers:
-        memory = {"ready": process_memory(servers[0].proc.pid)}
         stream_one(servers[1].address, prompts[-1], min(args.gen, 8))  # warm-up
         runs = [stream_one(servers[1].address, p, args.gen) for p in prompts[:args.requests]]
-        memory["served"] = process_memory(servers[0].proc.pid)  # every weight read by now
     out = {"runs": runs, "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-           "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs), "memory": memory}
-    log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms, "
-        f"RSS {memory['served'].get('rss_mb', 0):.0f} MB")
+           "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs)}
+    log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms")
     return out
 
 
@@ -277,8 +274,6 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
                          "llama.cpp": LLAMA_PEER[weights_of(m)], "llama tok/s": (peer or {}).get("decode_tok_s"),
                          "vs llama.cpp": ratio(s, peer),
                          "vs eager": ratio(s, stream.get(f"{weights_of(m)}-eager") or stream.get("float32-eager")),
-                         "RSS MB": (s or {}).get("memory", {}).get("served", {}).get("rss_mb"),
-                         "PSS MB": (s or {}).get("memory", {}).get("served", {}).get("pss_mb"),
                          **(achieved(results, m, s["decode_tok_s"]) if s else {})})
         print(f"\nsingle stream: {args.prompt_len}-token prompt, {args.gen} greedy tokens, through gRPC")
         print(table(rows, 1))
