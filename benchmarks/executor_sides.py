@@ -26,8 +26,6 @@ class Config:
     mode: OutputMode
     logits_dtype: int  # wire dtype (gRPC side only)
     num_steps: int
-    # a pass also freeing a cache (an id the executor does not hold: the same work in both forms):
-    release: str = ""  # "rpc" = a ReleaseCache call before the step call, "step" = in its release_cache_ids
 
     @property
     def wants_tokens(self) -> bool:
@@ -39,10 +37,7 @@ def make_configs(multi_steps: int) -> dict[str, Config]:
     return {c.name: c for c in (Config("tokens", OutputMode.TOKENS, f32, 1),
                                 Config("logits/f32", OutputMode.LOGITS, f32, 1),
                                 Config("logits/bf16", OutputMode.LOGITS, bf16, 1),
-                                Config(f"tokens/x{multi_steps}", OutputMode.TOKENS, f32, multi_steps),
-                                Config("tokens+ReleaseCache", OutputMode.TOKENS, f32, 1, "rpc"),
-                                Config("tokens+release-in-step", OutputMode.TOKENS, f32, 1, "step"))}
-_RELEASED = ["bench-finished-request"]
+                                Config(f"tokens/x{multi_steps}", OutputMode.TOKENS, f32, multi_steps))}
 
 
 class TimedSide:
@@ -84,9 +79,7 @@ class InProcSide(TimedSide, DecodeBatch):
         return self.decode_items(OutputOptions(cfg.mode))
 
     def _call(self, request: Any, cfg: Config) -> Any:
-        if cfg.release == "rpc":
-            self.ex.release_cache(_RELEASED)
-        return self.ex.decode(request, cfg.num_steps, release=_RELEASED if cfg.release == "step" else ())
+        return self.ex.decode(request, cfg.num_steps)
 
     def _read(self, response: Any, cfg: Config) -> tuple[list[int], list[Any]]:
         out = [r.output.tokens[-1].token_id if cfg.wants_tokens else r.output.logits for r in response]
@@ -114,14 +107,12 @@ class GrpcSide(TimedSide, DecodeState):
     def _build(self, cfg: Config) -> Any:
         mode = pb.OUTPUT_MODE_TOKENS if cfg.wants_tokens else pb.OUTPUT_MODE_LOGITS
         out = pb.OutputOptions(mode=mode, logits_dtype=cfg.logits_dtype)
-        req = pb.DecodeRequest(num_steps=cfg.num_steps, release_cache_ids=_RELEASED if cfg.release == "step" else ())
+        req = pb.DecodeRequest(num_steps=cfg.num_steps)
         for c, n, t in zip(self.caches, self.lengths, self.tokens):
             req.items.add(cache=pb.CacheRef(cache_id=c, seq_len=n), token_id=t, output=out)
         return req
 
     def _call(self, request: Any, cfg: Config) -> Any:
-        if cfg.release == "rpc":
-            self.stub.ReleaseCache(pb.ReleaseCacheRequest(cache_ids=_RELEASED))
         self.last_request, self.last_response = request, self.stub.Decode(request)
         return self.last_response
 

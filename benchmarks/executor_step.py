@@ -44,8 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "warmup": "untimed decode calls first", "empty-rpcs": "timed empty RPCs (round trip)"})
     ap.add_argument("--multi-steps", type=int, default=8, help="num_steps of the multi-step configuration (8)")
     ap.add_argument("--configs", default=None,
-                    help="comma subset of tokens, logits/f32, logits/bf16, tokens/xN, tokens+ReleaseCache, "
-                         "tokens+release-in-step (default: all)")
+                    help="comma subset of tokens, logits/f32, logits/bf16, tokens/xN (default: all)")
     add_device_args(ap)
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="both sides' per-call token limit (8192)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

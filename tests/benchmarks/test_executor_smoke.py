@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-CONFIGS = {"tokens", "logits/f32", "logits/bf16", "tokens/x8", "tokens+ReleaseCache", "tokens+release-in-step"}
+CONFIGS = {"tokens", "logits/f32", "logits/bf16", "tokens/x8"}
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
