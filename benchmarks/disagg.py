@@ -21,11 +21,10 @@ from typing import Any
 import grpc
 
 from benchmarks.cli import add_sizes, choices, make_log, parse, parser, serving_setup
-from benchmarks.fleet_failover import stream
+from benchmarks.fleet_failover import Fleet, stream
 from benchmarks.measure import summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record
-from tandem import server_process
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 DEFAULTS = {"decode_streams": 8, "decode_len": 192, "prompt_len": 1024, "prompt_output_len": 4,
@@ -38,37 +37,14 @@ TRANSFERS, TRANSFER_S = "tandem:kv_transfer_seconds_count", "tandem:kv_transfer_
 log = make_log("bench_disagg")
 
 
-class Pair:
-    """Two executors (given their extra flags) and a scheduler over both (with /metrics)."""
-
-    def __init__(self, model_dir: Path, threads: int, roles: tuple[str, str]) -> None:
-        self.executors = [server_process.start("executor", "executor_service", "--model", str(model_dir), "--port",
-                                               "0", "--threads", str(threads), "--role", role) for role in roles]
-        try:
-            for e in self.executors:
-                e.wait_ready()
-            targets = [f for e in self.executors for f in ("--executor", e.address)]
-            self.scheduler = server_process.launch("scheduler", "scheduler", *targets, "--port", "0",
-                                                   "--metrics-port", "0")
-        except BaseException:
-            self.stop()
-            raise
-        self.address = self.scheduler.address
-
-    def counters(self) -> dict[str, float]:
-        found = _URL.search(self.scheduler.log())
-        if not found:
-            return {}
-        with urllib.request.urlopen(found.group(1), timeout=10) as resp:
-            text = resp.read().decode()
-        return {m.group(1): float(m.group(2)) for m in _METRIC.finditer(text)}
-
-    def stop(self) -> None:
-        if getattr(self, "scheduler", None) is not None:
-            self.scheduler.stop()
-        for e in self.executors:
-            if e.proc.poll() is None:
-                e.stop(timeout=30)
+def counters(pair: Fleet) -> dict[str, float]:
+    """The scheduler's tandem:* figures from its /metrics (the URL from its log line)."""
+    found = _URL.search(pair.scheduler.log())
+    if not found:
+        return {}
+    with urllib.request.urlopen(found.group(1), timeout=10) as resp:
+        text = resp.read().decode()
+    return {m.group(1): float(m.group(2)) for m in _METRIC.finditer(text)}
 
 
 def _prompt(n: int, salt: int, vocab: int) -> list[int]:
@@ -76,7 +52,7 @@ def _prompt(n: int, salt: int, vocab: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------- roles
-async def roles_run(pair: Pair, args: Any, vocab: int) -> dict[str, Any]:
+async def roles_run(pair: Fleet, args: Any, vocab: int) -> dict[str, Any]:
     decode = [Record(i, 16) for i in range(args.decode_streams)]
     prompts: list[Record] = []
     async with grpc.aio.insecure_channel(pair.address) as channel:
@@ -104,7 +80,7 @@ async def roles_run(pair: Pair, args: Any, vocab: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- migration
-async def migration_run(pair: Pair, args: Any, vocab: int, sig: signal.Signals) -> dict[str, Any]:
+async def migration_run(pair: Fleet, args: Any, vocab: int, sig: signal.Signals) -> dict[str, Any]:
     recs = [Record(i, args.migration_prompt_len) for i in range(args.migration_streams)]
     async with grpc.aio.insecure_channel(pair.address) as channel:
         stub = gpb_grpc.GenerateServiceStub(channel)
@@ -137,12 +113,13 @@ async def migration_run(pair: Pair, args: Any, vocab: int, sig: signal.Signals) 
 
 
 def measured(model_dir: Path, threads: int, roles: tuple[str, str], run: Any) -> tuple[dict[str, Any], dict]:
-    """A fresh Pair: run(pair) (a coroutine) and the scheduler counters' change over it; the pair stopped."""
-    pair = Pair(model_dir, threads, roles)
+    """A fresh pair (two executors, their --role; a scheduler with /metrics): run(pair) (a coroutine) and the
+    scheduler counters' change over it; the pair stopped."""
+    pair = Fleet(model_dir, [["--threads", str(threads), "--role", r] for r in roles], ["--metrics-port", "0"])
     try:
-        before = pair.counters()
+        before = counters(pair)
         out = asyncio.run(run(pair))
-        after = pair.counters()
+        after = counters(pair)
     finally:
         pair.stop()
     return out, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}
