@@ -11,16 +11,15 @@ On a loaded machine the absolute figures mean little: compare the rows of one ru
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from benchmarks.cli import add_sizes, choices, make_log, parse, parser, serving_setup
+from benchmarks.openai_client import counters, metrics_url
 from benchmarks.fleet_failover import Fleet, stream
 from benchmarks.measure import summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
@@ -31,20 +30,10 @@ DEFAULTS = {"decode_streams": 8, "decode_len": 192, "prompt_len": 1024, "prompt_
             "migration_streams": 8, "migration_prompt_len": 256, "migration_len": 160, "signal_after": 16}
 QUICK = {"decode_streams": 4, "decode_len": 64, "prompt_len": 128, "prompt_output_len": 2,
          "migration_streams": 4, "migration_prompt_len": 32, "migration_len": 200, "signal_after": 8}
-_METRIC = re.compile(r"^(tandem:[a-z_]+) ([0-9.e+-]+)$", re.M)
-_URL = re.compile(r"metrics on (https?://\S+/metrics)")
 TRANSFERS, TRANSFER_S = "tandem:kv_transfer_seconds_count", "tandem:kv_transfer_seconds_sum"
+COUNTERS = (TRANSFERS, TRANSFER_S, "tandem:kv_transfer_bytes_total", "tandem:requests_migrated_total",
+            "tandem:tokens_recomputed_total")  # the scheduler's, read before and after each run
 log = make_log("bench_disagg")
-
-
-def counters(pair: Fleet) -> dict[str, float]:
-    """The scheduler's tandem:* figures from its /metrics (the URL from its log line)."""
-    found = _URL.search(pair.scheduler.log())
-    if not found:
-        return {}
-    with urllib.request.urlopen(found.group(1), timeout=10) as resp:
-        text = resp.read().decode()
-    return {m.group(1): float(m.group(2)) for m in _METRIC.finditer(text)}
 
 
 def _prompt(n: int, salt: int, vocab: int) -> list[int]:
@@ -117,9 +106,9 @@ def measured(model_dir: Path, threads: int, roles: tuple[str, str], run: Any) ->
     scheduler counters' change over it; the pair stopped."""
     pair = Fleet(model_dir, [["--threads", str(threads), "--role", r] for r in roles], ["--metrics-port", "0"])
     try:
-        before = counters(pair)
+        before = counters(metrics_url(pair.scheduler), COUNTERS)
         out = asyncio.run(run(pair))
-        after = counters(pair)
+        after = counters(metrics_url(pair.scheduler), COUNTERS)
     finally:
         pair.stop()
     return out, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}

@@ -9,14 +9,13 @@ import re
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.cli import add_sizes, make_log, model_dir, parse, parser, stop_on_sigterm
+from benchmarks.openai_client import counters, metrics_url
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
 from tandem import server_process
@@ -55,13 +54,7 @@ def ttft(stub: pb_grpc.ExecutorServiceStub, prompt: list[int]) -> tuple[float, i
     return seconds, made.cached_tokens
 
 
-def scrape(server: server_process.ServerProcess) -> dict[str, float]:
-    url = re.search(r"metrics on (http://\S+/metrics)", server.log()).group(1)
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
-    return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
-
-
+READS = ("tandem:executor_kv_tier_read_bytes_total", "tandem:executor_kv_tier_read_seconds_total")
 FLUSHED = re.compile(r"(\d+) KV blocks written to the disk tier in ([\d.]+)s")
 
 
@@ -103,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 warm.append((seconds, cached))
                 seconds, cached = ttft(stub, c)
                 cold.append((seconds, cached))
-                m = scrape(server)
-                reads.append((m.get("tandem:executor_kv_tier_read_bytes_total", 0.0),
-                              m.get("tandem:executor_kv_tier_read_seconds_total", 0.0)))
+                reads.append(tuple(counters(metrics_url(server), READS).values()))
                 log(f"run {r}: warm {1e3 * warm[-1][0]:.0f} ms ({warm[-1][1]} cached), cold {1e3 * seconds:.0f} ms")
             finally:
                 server.stop()

@@ -86,6 +86,20 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
+def proc_memory(pid: int) -> dict[str, int | None]:
+    """VmRSS and VmHWM (the most it held) of a live process, in bytes (None: not found)."""
+    out: dict[str, int | None] = {"rss": None, "peak": None}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out["rss" if key == "VmRSS" else "peak"] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def machine_busy_s() -> float | None:
     """CPU seconds all CPUs spent busy since boot (/proc/stat)."""
     try:

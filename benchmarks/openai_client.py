@@ -117,8 +117,9 @@ async def run(url: str, prompts: Sequence[Prompt], output_len: int, concurrency:
 
 
 def counters(url: str, names: Sequence[str]) -> dict[str, float]:
-    """Prometheus counters of a scheduler's GET /metrics (exact sample names, summed over their labels)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+    """Prometheus counters of a scheduler's GET /metrics (url: its HTTP front), or of a full .../metrics URL
+    (metrics_url: a server's --metrics-port); exact sample names, summed over their labels."""
+    with urllib.request.urlopen(url if url.endswith("/metrics") else f"{url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
@@ -126,3 +127,8 @@ def counters(url: str, names: Sequence[str]) -> dict[str, float]:
         if m and m.group(1) in out:
             out[m.group(1)] += float(m.group(2))
     return out
+
+
+def metrics_url(server: Any) -> str:
+    """The /metrics URL a server started with --metrics-port logged."""
+    return re.search(r"metrics on (https?://\S+/metrics)", server.log()).group(1)
