@@ -9,7 +9,7 @@ import sys
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "decode": ("decode:main", "decode speed per weight mode (stream, steps, llama.cpp peer, quality vs float32)"),
     "disagg": ("disagg:main", "KV that moves: prefill/decode executors vs two `both` (ITL p99), migration pause vs recompute"),
-    "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC, and where the gRPC time goes"),
+    "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC"),
     "fleet": ("fleet:main", "one scheduler over several executors: scaling, and failover after a SIGKILL"),
     "forward": ("forward:main", "Tandem's in-process forward vs transformers' (decode and prefill, GFLOP/s)"),
     "kv_restart": ("kv_restart:main", "TTFT of a long prompt after an executor restart: its disk tier vs cold; the tier's read MB/s"),

@@ -1,10 +1,8 @@
 """The two sides of the executor benchmark, each holding B decoding sequences and timing one decode call per step
-in parts (request building, the call, reading the response: the same client work on both sides): the in-process
-Executor and the same model behind gRPC; and an empty RPC's round trip."""
+(request building, the call, reading the response: the same client work on both sides): the in-process
+Executor and the same model behind gRPC."""
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,32 +39,23 @@ def make_configs(multi_steps: int) -> dict[str, Config]:
 
 
 class TimedSide:
-    """One decode call per step, timed in parts (_build, _call, _read: the subclass's); the sampled tokens fed back
+    """One decode call per step, timed (_build, _call, _read: the subclass's); the sampled tokens fed back
     (logits modes: the argmax, taken outside the timed region). reset_timing starts the timed calls' record."""
     device: torch.device
     clock: Clock
-    parts: dict[str, list[float]]
     history: list[list[int]]  # tokens fed back after each timed call (the sides must agree)
     lengths: list[int]
     tokens: list[int]
 
     def reset_timing(self) -> None:
-        self.clock, self.parts, self.history = Clock(self.device), {"build": [], "call": [], "read": []}, []
+        self.clock, self.history = Clock(self.device), []
 
     def step(self, cfg: Config, timed: bool) -> None:
         clock = self.clock if timed else Clock(self.device)
         with clock:
-            t0 = time.perf_counter()
-            request = self._build(cfg)
-            t1 = time.perf_counter()
-            response = self._call(request, cfg)
-            t2 = time.perf_counter()
-            self.lengths, read = self._read(response, cfg)
-            t3 = time.perf_counter()
+            self.lengths, read = self._read(self._call(self._build(cfg), cfg), cfg)
         self.tokens = read if cfg.wants_tokens else [int(x.argmax()) for x in read]  # torch or numpy
         if timed:
-            for part, s in zip(("build", "call", "read"), (t1 - t0, t2 - t1, t3 - t2)):
-                self.parts[part].append(s)
             self.history.append(self.tokens)
 
 
@@ -84,10 +73,6 @@ class InProcSide(TimedSide, DecodeBatch):
     def _read(self, response: Any, cfg: Config) -> tuple[list[int], list[Any]]:
         out = [r.output.tokens[-1].token_id if cfg.wants_tokens else r.output.logits for r in response]
         return [r.cache.seq_len for r in response], out
-
-    def op_stats(self) -> tuple[int, float]:
-        s = self.ex.metrics_snapshot().ops.get("decode")
-        return (s.count, s.mean_ms * s.count) if s else (0, 0.0)
 
 
 class GrpcSide(TimedSide, DecodeState):
@@ -126,21 +111,3 @@ class GrpcSide(TimedSide, DecodeState):
             self.stub.ReleaseCache(pb.ReleaseCacheRequest(cache_ids=self.caches))
         self.clear()
 
-    def server_stats(self) -> dict[str, tuple[int, float]]:
-        m = self.stub.GetMetrics(pb.GetMetricsRequest())
-        op, rpc = m.operations.get("decode"), m.rpcs.get("Decode")
-        return {"op": (op.count, op.mean_ms * op.count) if op else (0, 0.0),
-                "rpc": (rpc.count, rpc.mean_ms * rpc.count) if rpc else (0, 0.0)}
-
-
-def empty_rpc_ms(stub: pb_grpc.ExecutorServiceStub, n: int) -> dict[str, float]:
-    """Round trip of ReleaseCache with no ids: channel + gRPC + interceptor + a trivial handler."""
-    req = pb.ReleaseCacheRequest()
-    for _ in range(min(10, n)):
-        stub.ReleaseCache(req)
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        stub.ReleaseCache(req)
-        times.append(time.perf_counter() - t0)
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "calls": n}

@@ -12,19 +12,17 @@ def test_executor_quick(model_dir, run_bench):
     proc, data = run_bench("executor", "--quick", "--model", str(model_dir))
     assert "server stopped (exit code 0)" in proc.stderr and data["server_exit_code"] == 0  # SIGTERM -> clean drain
     assert data["benchmark"] == "bench_executor" and data["server"]["address"].startswith("127.0.0.1:")
-    assert data["empty_rpc"]["before"]["median_ms"] > 0
     rows = data["rows"]
     assert {r["config"] for r in rows} == CONFIGS and len(rows) == 2 * len(CONFIGS)
     for r in rows:
         for key in ("inproc_ms", "grpc_ms", "grpc_over_inproc", "response_bytes", "request_bytes"):
             assert r[key] > 0, (r["config"], r["batch"], key)
-        assert r["breakdown_ms"]["server_op"] > 0 and r["breakdown_ms"]["inproc_op"] > 0
+        assert r["server_cpu_ms"] > 0
     by = {(r["config"], r["batch"]): r for r in rows}
     for b in (1, 4):  # float32 logits carry 4 bytes per vocab entry, bfloat16 2: the wire sizes show it
         assert by[("logits/f32", b)]["response_bytes"] > by[("logits/bf16", b)]["response_bytes"] \
             > by[("tokens", b)]["response_bytes"]
-        assert by[("tokens/x8", b)]["grpc_multi_over_single"] > 0
-    assert "grpc/inproc" in proc.stdout and "where the gRPC time goes" in proc.stdout
+    assert "grpc/inproc" in proc.stdout
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
