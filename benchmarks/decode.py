@@ -1,8 +1,7 @@
 """Decode speed per weight mode (WEIGHTS-KERNEL: float32 | bf16 | fp16 | int8, eager | native | compiled; and
 float32-deterministic, the executor's --deterministic), in parts: single-stream decode through real servers, batched
-in-process decode steps (greedy, or --sampled), batched prefill calls, llama.cpp's own llama-bench on GGUF files of
-the same weights (when a llama-bench binary is found) and each low-precision mode's quality vs float32; the bandwidth
-each step reaches (weight bytes read per step x steps/s) against the machine's, measured in the same run. --shape: a
+in-process decode steps (greedy, or --sampled), batched prefill calls and llama.cpp's own llama-bench on GGUF files
+of the same weights (when a llama-bench binary is found); the bandwidth each step reaches (weight bytes read per step x steps/s) against the machine's, measured in the same run. --shape: a
 random checkpoint of a served model's sizes. Method: docs/benchmarks.md."""
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ from benchmarks.fleet_failover import stream
 from benchmarks.local_executor import DecodeBatch, build_executor
 from executor_service.types import OutputOptions
 from tandem.sampling_params import SamplingParams
-from benchmarks.quality import QualityReference
 from benchmarks.report import table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record
 from benchmarks.shapes import bytes_read_per_step, memory_bandwidth
@@ -43,12 +41,12 @@ KERNELS = {"eager": ("--decode-kernel", "torch"), "native": ("--decode-kernel", 
 MODES = [f"{w}-{k}" for w in WEIGHTS for k in KERNELS if k not in ("compiled", "deterministic") or w == "float32"]
 LLAMA_PEER = {"float32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "q8_0"}  # weights -> llama.cpp's format
 WEIGHT_BYTES = {"float32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # per linear weight (norms, scales: not counted)
-PARTS = ("stream", "steps", "prefill", "llama", "quality")
+PARTS = ("stream", "steps", "prefill", "llama")
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)  # --sampled (the seed: each sequence's index)
 SAMPLED_OUTPUT = OutputOptions(top_logprobs=5)
 DEFAULTS = {"modes": ",".join(m for m in MODES if m != "float32-compiled"), "parts": ",".join(PARTS),
             "batches": "1,8,32", "prompt_len": 128, "gen": 128, "requests": 3, "steps": 20}
-QUICK = {"modes": "float32-eager,float32-native,int8-native", "parts": "stream,steps,quality", "batches": "1,4",
+QUICK = {"modes": "float32-eager,float32-native,int8-native", "parts": "stream,steps", "batches": "1,4",
          "prompt_len": 16, "gen": 8, "requests": 1, "steps": 3}
 
 
@@ -172,22 +170,6 @@ def prefill_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list
     return out
 
 
-def quality_part(model_dir: Path, modes: list[str]) -> dict[str, Any]:
-    """float32 modes match the eager float32 reference to the parity tests' 1e-4: only the others are measured."""
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    make = lambda **o: build_executor(model_dir, "cpu", kv_blocks=128, max_batch_tokens=4096,  # noqa: E731
-                                      prefix_caching=False, **o)
-    ref = QualityReference(make(dtype="float32", decode_kernel="torch"),
-                           lambda text: tok.encode(text, add_special_tokens=False).ids)
-    out = {}
-    for mode in modes:
-        out[mode] = ref.measure(make(**executor_options(mode))).as_json()
-        log(f"quality {mode}: {out[mode]['agreed_tokens']}/{out[mode]['total_tokens']} greedy tokens agree, "
-            f"NLL {out[mode]['nll']:.4f} vs {out[mode]['nll_float32']:.4f}")
-    return out
-
-
 def write_gguf(source: Path, dest: Path, fmt: str) -> Path:
     """`source`'s metadata and tensors, every tensor dequantized and stored as `fmt` (norms stay F32, as llama.cpp's
     converter keeps them): f32 holds exactly Tandem's float32 weights (the shipped Q4_1 GGUF dequantized)."""
@@ -265,7 +247,7 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
     print(f"memory bandwidth (torch, {bw['threads']} threads): read {bw['read'] / 1e9:.1f} GB/s, copy "
           f"{bw['copy'] / 1e9:.1f} GB/s; weight bytes per decode step: "
           + ", ".join(f"{w} {b / 1e9:.2f} GB" for w, b in results["step_bytes"].items()))
-    stream, llama, steps, quality = (results.get(k, {}) for k in ("stream", "llama", "steps", "quality"))
+    stream, llama, steps = (results.get(k, {}) for k in ("stream", "llama", "steps"))
     if stream or llama:
         rows = []
         for m in args.mode_list:
@@ -292,12 +274,6 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
                 for m in args.mode_list for b, v in results["prefill"].get(m, {}).items()]
         print(f"\nprefill (in-process Executor, B prompts of {args.prompt_len} tokens in one call)")
         print(table(rows, 1))
-    if quality:
-        rows = [{"mode": m, "greedy agree": f"{q['agreed_tokens']}/{q['total_tokens']}",
-                 "top-1 agree": f"{q['top1_matches']}/{q['total_tokens']}", "NLL": q["nll"],
-                 "NLL float32": q["nll_float32"], "delta": q["nll_delta"]} for m, q in quality.items()]
-        print("\nquality vs float32 (4 chat prompts x 32 greedy tokens; mean NLL of a fixed text)")
-        print(table(rows, 4))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,8 +296,6 @@ def main(argv: list[str] | None = None) -> int:
                                                prompts))
     if "prefill" in args.part_list:
         results["prefill"] = prefill_part(args, model_dir, args.mode_list, prompts)
-    if "quality" in args.part_list:
-        results["quality"] = quality_part(model_dir, [m for m in args.mode_list if weights_of(m) != "float32"])
     print_tables(args, results, f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, "
                  f"{'CPU' if args.device == 'cpu' else torch.cuda.get_device_name(0)}")
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"model": str(model_dir), "threads": threads}
