@@ -7,7 +7,7 @@ import sys
 
 # NAME -> (module:function, one line). Modules are imported only when their benchmark runs: most import torch.
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "decode": ("decode:main", "decode speed per weight mode (stream, steps, prefill, llama.cpp peer)"),
+    "decode": ("decode:main", "decode speed per weight mode (stream, steps, llama.cpp peer)"),
     "disagg": ("disagg:main", "KV that moves: prefill/decode executors vs two `both` (ITL p99), migration pause vs recompute"),
     "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC"),
     "fleet": ("fleet:main", "one scheduler over several executors: scaling, and failover after a SIGKILL"),

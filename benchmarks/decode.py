@@ -1,8 +1,9 @@
 """Decode speed per weight mode (WEIGHTS-KERNEL: float32 | bf16 | fp16 | int8, eager | native | compiled; and
 float32-deterministic, the executor's --deterministic), in parts: single-stream decode through real servers, batched
-in-process decode steps (greedy, or --sampled), batched prefill calls and llama.cpp's own llama-bench on GGUF files
-of the same weights (when a llama-bench binary is found); the bandwidth each step reaches (weight bytes read per step x steps/s) against the machine's, measured in the same run. --shape: a
-random checkpoint of a served model's sizes. Method: docs/benchmarks.md."""
+in-process decode steps (greedy, or --sampled) and llama.cpp's own llama-bench on GGUF files of the same weights
+(when a llama-bench binary is found); the bandwidth each step reaches (weight bytes read per step x steps/s) against
+the machine's, measured in the same run. --shape: a random checkpoint of a served model's sizes. Method:
+docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ KERNELS = {"eager": ("--decode-kernel", "torch"), "native": ("--decode-kernel", 
 MODES = [f"{w}-{k}" for w in WEIGHTS for k in KERNELS if k not in ("compiled", "deterministic") or w == "float32"]
 LLAMA_PEER = {"float32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "q8_0"}  # weights -> llama.cpp's format
 WEIGHT_BYTES = {"float32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # per linear weight (norms, scales: not counted)
-PARTS = ("stream", "steps", "prefill", "llama")
+PARTS = ("stream", "steps", "llama")
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)  # --sampled (the seed: each sequence's index)
 SAMPLED_OUTPUT = OutputOptions(top_logprobs=5)
 DEFAULTS = {"modes": ",".join(m for m in MODES if m != "float32-compiled"), "parts": ",".join(PARTS),
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "gen": "greedy tokens per request", "requests": "timed requests per mode",
                              "steps": "timed decode calls per batch size"})
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="where the executors of the stream, steps and prefill parts run (default cpu; cuda: "
+                    help="where the executors of the stream and steps parts run (default cpu; cuda: "
                          "scripts/gpu_check); the memory bandwidth row is always the host's")
     ap.add_argument("--sampled", action="store_true",
                     help="steps part: seeded sampling at temperature 1 with top-k 50 and top-p 0.9, and top-5 logprobs "
@@ -144,29 +145,6 @@ def steps_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[i
             ms = 1e3 * statistics.median(times[m])
             out[m][str(b)] = {"step_ms": ms, "tok_s": b / ms * 1e3}
             log(f"steps {m} B={b}: {ms:.1f} ms/step")
-    return out
-
-
-def prefill_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[int]]) -> dict[str, Any]:
-    """B prompts of --prompt-len tokens prefilled in one call (then released), per mode its own executor, the
-    modes interleaved call by call as in steps_part: the prompt's cost (what --deterministic pays most)."""
-    blocks = max(args.batch_list) * (args.prompt_len // 16 + 2) + 64
-    exs = {m: build_executor(model_dir, args.device, kv_blocks=blocks, max_batch_tokens=max(4096, blocks * 16),
-                             prefix_caching=False, **executor_options(m)) for m in modes}
-    out: dict[str, Any] = {m: {} for m in modes}
-    for b in args.batch_list:
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        for i in range(args.steps + 1):  # 1 warm-up call
-            for m, ex in exs.items():
-                batch, start = DecodeBatch(ex), time.perf_counter()
-                batch.prefill([prompt_pool[(i + k) % len(prompt_pool)] for k in range(b)])
-                if i >= 1:
-                    times[m].append(time.perf_counter() - start)
-                batch.release()
-        for m in modes:
-            ms = 1e3 * statistics.median(times[m])
-            out[m][str(b)] = {"prefill_ms": ms, "tok_s": b * args.prompt_len / ms * 1e3}
-            log(f"prefill {m} B={b}: {ms:.1f} ms per call of {b} x {args.prompt_len} tokens")
     return out
 
 
@@ -269,11 +247,6 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
         print(f"\ndecode steps (in-process Executor, context {args.prompt_len}"
               + (", seeded top-k/top-p sampling, top-5 logprobs)" if args.sampled else ", greedy)"))
         print(table(rows, 1))
-    if results.get("prefill"):
-        rows = [{"mode": m, "batch": int(b), "ms/call": v["prefill_ms"], "prompt tok/s": v["tok_s"]}
-                for m in args.mode_list for b, v in results["prefill"].get(m, {}).items()]
-        print(f"\nprefill (in-process Executor, B prompts of {args.prompt_len} tokens in one call)")
-        print(table(rows, 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,8 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         for w in dict.fromkeys(weights_of(m) for m in args.mode_list):  # a weight format's modes interleaved
             results["steps"].update(steps_part(args, model_dir, [m for m in args.mode_list if weights_of(m) == w],
                                                prompts))
-    if "prefill" in args.part_list:
-        results["prefill"] = prefill_part(args, model_dir, args.mode_list, prompts)
     print_tables(args, results, f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, "
                  f"{'CPU' if args.device == 'cpu' else torch.cuda.get_device_name(0)}")
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"model": str(model_dir), "threads": threads}
