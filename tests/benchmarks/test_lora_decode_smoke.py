@@ -25,10 +25,10 @@ def test_lora_quick(model_dir, tmp_path, run_bench):
     assert "xbase" in proc.stdout and "PASS" not in proc.stdout  # measurements, no verdicts
 
     _, again = run_bench("lora", "--quick", "--model", str(model_dir), "--batch", "4", "--steps", "1", "--rank", "4",
-                         "--adapter-counts", "0,2", "--num-adapters", "4", "--layout", "both",
+                         "--adapter-counts", "0,2", "--num-adapters", "4",
                          "--adapter-dir", str(adapters), "--out", str(tmp_path / "again.json"))
     assert again["adapters"]["creation"]["created"] == [] and len(again["adapters"]["creation"]["reused"]) == 4
-    assert [r["config"] for r in again["rows"]] == ["base", "2 mixed", "2 grouped"]
+    assert [r["config"] for r in again["rows"]] == ["base", "2 mixed"]
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
