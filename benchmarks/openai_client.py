@@ -52,8 +52,6 @@ def _note(rec: Record, chunk: dict[str, Any], t: float) -> None:
             rec.output_ids.extend(ids)
         if choice.get("finish_reason"):
             rec.finish_reason = choice["finish_reason"]
-        if choice.get("prompt_logprobs") is not None:  # (vLLM's extra: null for the first prompt token, ...)
-            rec.tags["prompt_logprobs"] = len(choice["prompt_logprobs"])
     u = chunk.get("usage")
     if u:
         details = u.get("completion_tokens_details") or {}

@@ -67,9 +67,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-blocks", type=int, default=None, help="the executor's KV pool, both modes (default: room "
                     "for every distinct block the workload writes, so nothing is evicted for lack of room)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="N", help="every request also asks for "
-                    "vLLM's prompt_logprobs with N alternatives (0-20): what the cache saves when they are kept "
-                    "beside its blocks (default: not asked)")
     add_process_args(ap)
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.workload_list = choices(args.workloads, WORKLOADS, "--workloads")
@@ -120,7 +117,7 @@ async def conversations(url: str, prompts: Prompts, args) -> list[Record]:
             for t, user in enumerate(prompts.users[c]):
                 rec, prompt = records[c * turns + t], history + user
                 rec.prompt_len = len(prompt)
-                await openai_client.send(client, rec, prompt, args.output_len, args.request_timeout, **extras(args))
+                await openai_client.send(client, rec, prompt, args.output_len, args.request_timeout)
                 if rec.error or len(rec.output_ids) != args.output_len:  # the conversation cannot go on
                     for later in records[c * turns + t + 1:(c + 1) * turns]:
                         later.error = SKIPPED
@@ -128,15 +125,6 @@ async def conversations(url: str, prompts: Prompts, args) -> list[Record]:
                 history = prompt + rec.output_ids
         await openai_client.closed_loop(args.conversations, args.concurrency, conversation)
     return records
-
-
-def extras(args) -> dict[str, Any]:
-    return {} if args.prompt_logprobs is None else {"prompt_logprobs": args.prompt_logprobs}
-
-
-def served(r: Record, args) -> bool:
-    """The request produced exactly its output and, when asked, the prompt's logprobs (null + one per token)."""
-    return exact(r, args.output_len) and (args.prompt_logprobs is None or r.tags.get("prompt_logprobs") == r.prompt_len)
 
 
 def prefix_stats(records: list[Record], work: dict[str, Any]) -> dict[str, Any]:
@@ -165,16 +153,14 @@ def run_mode(args, model_dir: Path, workload: str, mode: str, prompts: Prompts, 
     with stack(model_dir, flags, shlex.split(args.scheduler_args)) as servers:
         url = servers[1].http_url
         if prompts.warmup:
-            asyncio.run(openai_client.run(url, prompts.warmup, args.output_len, args.concurrency, args.request_timeout,
-                                          **extras(args)))
+            asyncio.run(openai_client.run(url, prompts.warmup, args.output_len, args.concurrency, args.request_timeout))
         before = executor_metrics.snapshot(servers[0].address)
         meter = CpuMeter({"client": os.getpid(), **{s.name: s.proc.pid for s in servers}})
         meter.start()
         t = time.perf_counter()
         if workload == "system-prompt":
             records = asyncio.run(openai_client.run(url, [prompts.system + q for q in prompts.questions],
-                                                    args.output_len, args.concurrency, args.request_timeout,
-                                                    **extras(args)))
+                                                    args.output_len, args.concurrency, args.request_timeout))
         else:
             records = asyncio.run(conversations(url, prompts, args))
         cpu, wall = meter.stop(), time.perf_counter() - t
@@ -222,14 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         runs[workload], recs = {}, {}
         for mode in args.mode_list:
             runs[workload][mode], recs[mode] = run_mode(args, model_dir, workload, mode, prompts, threads)
-            bad += sum(not served(r, args) for r in recs[mode])
+            bad += sum(not exact(r, args.output_len) for r in recs[mode])
         agree[workload] = agreement(recs["on"], recs["off"]) if {"on", "off"} <= recs.keys() else None
     compare = comparisons(runs)
     print(f"model: {model_dir.name} ({cfg.architecture})  threads: {threads}  KV block {DEFAULT_BLOCK_SIZE} tokens")
     print(f"system-prompt: {args.system_tokens}-token system prompt + {args.questions} questions of "
           f"{args.question_tokens}; multi-turn: {args.conversations} conversations x {args.turns} turns; "
-          f"{args.output_len} tokens out each, {args.concurrency} in flight"
-          + ("" if args.prompt_logprobs is None else f"; prompt_logprobs {args.prompt_logprobs}") + "\n")
+          f"{args.output_len} tokens out each, {args.concurrency} in flight\n")
     rows = []
     for s in (s for modes in runs.values() for s in modes.values()):
         p = s["prefix"]
@@ -251,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{workload}: {a['identical']}/{a['compared']} requests generated the same tokens with the cache on "
                   f"and off")
     if bad:
-        print(f"ERROR: {bad} requests failed or did not produce exactly the output length (or the prompt's logprobs "
-              "when asked; see stderr)")
+        print(f"ERROR: {bad} requests failed or did not produce exactly the output length (see stderr)")
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"threads": threads,
                                                                      "block_size": DEFAULT_BLOCK_SIZE}
     results = {"benchmark": "bench_prefix", "config": config, "machine": machine_info("cpu"),

@@ -63,20 +63,6 @@ def test_prefix_both_workloads(model_dir, run_bench):
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
-def test_prefix_with_prompt_logprobs_cache_on_and_off(model_dir, run_bench):
-    s, q, questions = 48, 8, 3
-    proc, data = run_bench("prefix", "--model", str(model_dir), "--workloads", "system-prompt", "--system-tokens",
-                           str(s), "--questions", str(questions), "--question-tokens", str(q), "--output-len", "1",
-                           "--concurrency", "1", "--warmup", "0", "--prompt-logprobs", "1")
-    assert data["all_exact_output_len"] is True  # every request got null + one entry per later prompt token
-    on, off = (data["runs"]["system-prompt"][m] for m in ("on", "off"))
-    assert on["prefix"]["cached_tokens"] == (questions - 1) * s  # the later requests reused the system prompt ...
-    assert off["prefix"]["cached_tokens"] == 0
-    assert on["prefix"]["executor_prompt_tokens_processed"] == s + questions * q  # ... without running it again
-    assert "prompt_logprobs 1" in proc.stdout and data["agreement"]["system-prompt"]["identical"] == questions
-
-
-@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_spec_off_and_on_agree(model_dir, run_bench):
     proc, data = run_bench("spec", "--model", str(model_dir), "--concurrency", "2", "--requests", "3",
                            "--output-len", "12", "--spec-args=--speculative ngram --ngram-min 1", timeout=180)
