@@ -151,9 +151,7 @@ def print_failover(f: dict[str, Any]) -> None:
                   "kill->next token ms": dist(s[g]["next_token_after_kill_ms"]),
                   "kill->resume ms": dist(s[g]["resume_after_kill_ms"]),
                   "tokens recomputed": s[g]["recomputed_tokens"]} for g in ("moved", "stayed")]))
-    print(f"\ntokens recomputed {s['recomputed_tokens']} (prompts {s['recomputed_prompt_tokens']}); the executors "
-          f"processed {s['executor_extra_tokens']} tokens beyond a clean run (expected "
-          f"{s['expected_executor_extra_tokens']}, give or take the step lost with the executor)\n")
+    print(f"\ntokens recomputed {s['recomputed_tokens']} (prompts {s['recomputed_prompt_tokens']})\n")
     agree = f["agreement_with_clean"] or {"identical": 0, "compared": 0}
     print(f"\nevery stream completed with exactly {f['output_len']} tokens: {'yes' if f['all_completed'] else 'NO'}; "
           f"tokens identical to the clean run (greedy): {agree['identical']}/{agree['compared']}; failover / clean "
@@ -180,7 +178,7 @@ def failover(args, model_dir: Path, flags: list[str], prompts: list[list[int]], 
     by_index = {r.index: r.output_ids for r in clean["records"]}
     agree = agreement(run["records"], clean["records"])
     sides = {n: aggregate(n, r["records"], output_len=out_len) for n, r in (("clean", clean), ("failover", run))}
-    kill = None if not run["kill"] else {k: v for k, v in run["kill"].items() if k not in ("t", "victim_counters")}
+    kill = None if not run["kill"] else {k: v for k, v in run["kill"].items() if k != "t"}
     return {"streams": len(prompts), "output_len": out_len, "killed": kill is not None, "kill": kill,
             "summary": {k: v for k, v in view.items() if k != "streams"},
             "per_stream": [v | {"identical_to_clean": run["records"][v["index"]].output_ids == by_index.get(v["index"])}
