@@ -7,21 +7,18 @@ import sys
 
 # NAME -> (module:function, one line). Modules are imported only when their benchmark runs: most import torch.
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "decode": ("decode:main", "decode speed per weight mode (stream, steps, llama.cpp peer, quality vs float32)"),
+    "decode": ("decode:main", "decode speed per weight mode (stream, steps, llama.cpp peer)"),
     "disagg": ("disagg:main", "KV that moves: prefill/decode executors vs two `both` (ITL p99), migration pause vs recompute"),
-    "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC, and where the gRPC time goes"),
+    "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC"),
     "fleet": ("fleet:main", "one scheduler over several executors: scaling, and failover after a SIGKILL"),
     "forward": ("forward:main", "Tandem's in-process forward vs transformers' (decode and prefill, GFLOP/s)"),
-    "host_sharing": ("host_sharing:main", "2 executors x half the cores (pinned or not) vs 1 x all: aggregate decode tok/s"),
     "kv_restart": ("kv_restart:main", "TTFT of a long prompt after an executor restart: its disk tier vs cold; the tier's read MB/s"),
     "lora": ("lora:main", "multi-LoRA decode throughput: base vs 1 vs N distinct adapters in a batch"),
-    "moe": ("forward:main_moe", "the forward comparison on a Qwen3-MoE checkpoint (synthetic by default)"),
     "prefix": ("prefix:main", "automatic prefix caching on vs off: shared system prompt and multi-turn chats"),
     "serving": ("serving:main", "concurrent streamed requests through the OpenAI front vs transformers generate"),
     "spec": ("spec:main", "n-gram speculative decoding on vs off, copy-heavy and chat workloads"),
     "startup": ("startup:main", "executor time to READY, memory and first-request latency, cold and warm"),
-    "step_profile": ("step_profile:main", "in-process scheduler-like serving loop vs transformers generate"),
-    "structured": ("structured:main", "grammar engines (mask time, coverage) and constrained-decoding overhead"),
+    "structured": ("structured:main", "constrained decoding's cost per step through real servers (JSON-lines grammar vs plain)"),
     "tp": ("tp:main", "tensor parallelism: decode and prefill time and per-rank memory vs --tensor-parallel-size"),
 }
 

@@ -26,13 +26,11 @@ def make_log(benchmark: str) -> Callable[[str], None]:
     return log
 
 
-def parser(name: str, description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=description,
-                                   epilog="Method and how to read the output: docs/benchmarks.md.")
-
-
-def add_common(ap: argparse.ArgumentParser, name: str, quick_help: str, threads: bool = True) -> None:
-    """--model, --threads, --out (bench_results/bench_NAME.json) and --quick (a smoke run's preset)."""
+def parser(name: str, doc: str, quick_help: str, threads: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's parser (its description: doc's first paragraph) with the flags every benchmark has: --model,
+    --shape, --threads, --out (bench_results/bench_NAME.json) and --quick (a smoke run's preset)."""
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=doc.split("\n\n")[0],
+                                 epilog="Method and how to read the output: docs/benchmarks.md.")
     ap.add_argument("--model", type=Path, default=None,
                     help="HF model directory (default: SmolLM2-135M-Instruct via scripts/prepare_default_model.py)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
@@ -43,6 +41,7 @@ def add_common(ap: argparse.ArgumentParser, name: str, quick_help: str, threads:
     ap.add_argument("--out", "--json", dest="out", type=Path, default=Path(f"bench_results/bench_{name}.json"),
                     help=f"JSON results file (default bench_results/bench_{name}.json)")
     ap.add_argument("--quick", action="store_true", help=f"smoke run: {quick_help} (explicit flags still win)")
+    return ap
 
 
 def add_device_args(ap: argparse.ArgumentParser) -> None:
@@ -138,13 +137,16 @@ def model_dir(arg: Path | str | None) -> Path:
 
 
 @contextmanager
-def stack(model_dir: Path, executor_flags: list[str], scheduler_flags: list[str] = ()) -> Iterator[list[Any]]:
+def stack(model_dir: Path, executor_flags: list[str], scheduler_flags: list[str] = (), **executor_kw: Any
+          ) -> Iterator[list[Any]]:
     """[executor, scheduler]: real server processes, the scheduler with its OpenAI HTTP front, quiet logs unless the
-    flags say otherwise; both stopped on the way out (the scheduler first: it drains; stop() is idempotent)."""
+    flags say otherwise; both stopped on the way out (the scheduler first: it drains; stop() is idempotent).
+    executor_kw: launch_executor's (ready_timeout)."""
     from tandem import server_process
     servers: list[Any] = []
     try:
-        servers.append(server_process.launch_executor(model_dir, "--log-level", "WARNING", *executor_flags))
+        servers.append(server_process.launch_executor(model_dir, "--log-level", "WARNING", *executor_flags,
+                                                      **executor_kw))
         servers.append(server_process.launch_scheduler(servers[0].address, "--http-port", "0", "--log-level",
                                                        "WARNING", *scheduler_flags))
         yield servers

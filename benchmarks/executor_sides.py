@@ -1,17 +1,15 @@
 """The two sides of the executor benchmark, each holding B decoding sequences and timing one decode call per step
-in parts (request building, the call, reading the response: the same client work on both sides): the in-process
-Executor and the same model behind gRPC; and the gRPC path's costs apart from the model."""
+(request building, the call, reading the response: the same client work on both sides): the in-process
+Executor and the same model behind gRPC."""
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from benchmarks.local_executor import DecodeBatch, DecodeState
-from benchmarks.measure import Clock, median_seconds
+from benchmarks.measure import Clock
 from benchmarks.workloads import token_budget_groups
 from executor_service.rpc import codec
 from executor_service.executor import Executor
@@ -26,8 +24,6 @@ class Config:
     mode: OutputMode
     logits_dtype: int  # wire dtype (gRPC side only)
     num_steps: int
-    # a pass also freeing a cache (an id the executor does not hold: the same work in both forms):
-    release: str = ""  # "rpc" = a ReleaseCache call before the step call, "step" = in its release_cache_ids
 
     @property
     def wants_tokens(self) -> bool:
@@ -39,39 +35,27 @@ def make_configs(multi_steps: int) -> dict[str, Config]:
     return {c.name: c for c in (Config("tokens", OutputMode.TOKENS, f32, 1),
                                 Config("logits/f32", OutputMode.LOGITS, f32, 1),
                                 Config("logits/bf16", OutputMode.LOGITS, bf16, 1),
-                                Config(f"tokens/x{multi_steps}", OutputMode.TOKENS, f32, multi_steps),
-                                Config("tokens+ReleaseCache", OutputMode.TOKENS, f32, 1, "rpc"),
-                                Config("tokens+release-in-step", OutputMode.TOKENS, f32, 1, "step"))}
-_RELEASED = ["bench-finished-request"]
+                                Config(f"tokens/x{multi_steps}", OutputMode.TOKENS, f32, multi_steps))}
 
 
 class TimedSide:
-    """One decode call per step, timed in parts (_build, _call, _read: the subclass's); the sampled tokens fed back
+    """One decode call per step, timed (_build, _call, _read: the subclass's); the sampled tokens fed back
     (logits modes: the argmax, taken outside the timed region). reset_timing starts the timed calls' record."""
     device: torch.device
     clock: Clock
-    parts: dict[str, list[float]]
     history: list[list[int]]  # tokens fed back after each timed call (the sides must agree)
     lengths: list[int]
     tokens: list[int]
 
     def reset_timing(self) -> None:
-        self.clock, self.parts, self.history = Clock(self.device), {"build": [], "call": [], "read": []}, []
+        self.clock, self.history = Clock(self.device), []
 
     def step(self, cfg: Config, timed: bool) -> None:
         clock = self.clock if timed else Clock(self.device)
         with clock:
-            t0 = time.perf_counter()
-            request = self._build(cfg)
-            t1 = time.perf_counter()
-            response = self._call(request, cfg)
-            t2 = time.perf_counter()
-            self.lengths, read = self._read(response, cfg)
-            t3 = time.perf_counter()
+            self.lengths, read = self._read(self._call(self._build(cfg), cfg), cfg)
         self.tokens = read if cfg.wants_tokens else [int(x.argmax()) for x in read]  # torch or numpy
         if timed:
-            for part, s in zip(("build", "call", "read"), (t1 - t0, t2 - t1, t3 - t2)):
-                self.parts[part].append(s)
             self.history.append(self.tokens)
 
 
@@ -79,24 +63,16 @@ class InProcSide(TimedSide, DecodeBatch):
     def __init__(self, ex: Executor) -> None:
         super().__init__(ex)
         self.device = ex.device
-        self.last_results: list[Any] = []
 
     def _build(self, cfg: Config) -> Any:
         return self.decode_items(OutputOptions(cfg.mode))
 
     def _call(self, request: Any, cfg: Config) -> Any:
-        if cfg.release == "rpc":
-            self.ex.release_cache(_RELEASED)
-        self.last_results = self.ex.decode(request, cfg.num_steps, release=_RELEASED if cfg.release == "step" else ())
-        return self.last_results
+        return self.ex.decode(request, cfg.num_steps)
 
     def _read(self, response: Any, cfg: Config) -> tuple[list[int], list[Any]]:
         out = [r.output.tokens[-1].token_id if cfg.wants_tokens else r.output.logits for r in response]
         return [r.cache.seq_len for r in response], out
-
-    def op_stats(self) -> tuple[int, float]:
-        s = self.ex.metrics_snapshot().ops.get("decode")
-        return (s.count, s.mean_ms * s.count) if s else (0, 0.0)
 
 
 class GrpcSide(TimedSide, DecodeState):
@@ -116,14 +92,12 @@ class GrpcSide(TimedSide, DecodeState):
     def _build(self, cfg: Config) -> Any:
         mode = pb.OUTPUT_MODE_TOKENS if cfg.wants_tokens else pb.OUTPUT_MODE_LOGITS
         out = pb.OutputOptions(mode=mode, logits_dtype=cfg.logits_dtype)
-        req = pb.DecodeRequest(num_steps=cfg.num_steps, release_cache_ids=_RELEASED if cfg.release == "step" else ())
+        req = pb.DecodeRequest(num_steps=cfg.num_steps)
         for c, n, t in zip(self.caches, self.lengths, self.tokens):
             req.items.add(cache=pb.CacheRef(cache_id=c, seq_len=n), token_id=t, output=out)
         return req
 
     def _call(self, request: Any, cfg: Config) -> Any:
-        if cfg.release == "rpc":
-            self.stub.ReleaseCache(pb.ReleaseCacheRequest(cache_ids=_RELEASED))
         self.last_request, self.last_response = request, self.stub.Decode(request)
         return self.last_response
 
@@ -137,35 +111,3 @@ class GrpcSide(TimedSide, DecodeState):
             self.stub.ReleaseCache(pb.ReleaseCacheRequest(cache_ids=self.caches))
         self.clear()
 
-    def server_stats(self) -> dict[str, tuple[int, float]]:
-        m = self.stub.GetMetrics(pb.GetMetricsRequest())
-        op, rpc = m.operations.get("decode"), m.rpcs.get("Decode")
-        return {"op": (op.count, op.mean_ms * op.count) if op else (0, 0.0),
-                "rpc": (rpc.count, rpc.mean_ms * rpc.count) if rpc else (0, 0.0)}
-
-
-def micro_breakdown(inproc: InProcSide, grpc_side: GrpcSide, repeats: int) -> dict[str, float]:
-    """The gRPC path's CPU pieces timed alone in this process on the last call's messages (ms): request serialise /
-    parse, codec request -> domain, the servicer's response building (logits encoding included), response
-    serialise / parse."""
-    req, resp, results = grpc_side.last_request, grpc_side.last_response, inproc.last_results
-    req_bytes, resp_bytes = req.SerializeToString(), resp.SerializeToString()
-    items = [codec.decode_item_from_pb(i) for i in req.items]
-    parts = {"req_serialize": req.SerializeToString, "req_parse": lambda: pb.DecodeRequest.FromString(req_bytes),
-             "codec_in": lambda: [codec.decode_item_from_pb(i) for i in req.items],
-             "codec_out": lambda: codec.decode_response_to_pb(results, [d for _, d in items], inproc.ex.kv_usage()),
-             "resp_serialize": resp.SerializeToString, "resp_parse": lambda: pb.DecodeResponse.FromString(resp_bytes)}
-    return {k: 1e3 * median_seconds(fn, repeats) for k, fn in parts.items()}
-
-
-def empty_rpc_ms(stub: pb_grpc.ExecutorServiceStub, n: int) -> dict[str, float]:
-    """Round trip of ReleaseCache with no ids: channel + gRPC + interceptor + a trivial handler."""
-    req = pb.ReleaseCacheRequest()
-    for _ in range(min(10, n)):
-        stub.ReleaseCache(req)
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        stub.ReleaseCache(req)
-        times.append(time.perf_counter() - t0)
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "calls": n}

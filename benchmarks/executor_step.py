@@ -1,6 +1,5 @@
 """Decode-step latency: the in-process Executor vs the same Executor behind gRPC (a real server process on the same
-model, threads, device and dtype), the same prompts, calls alternating; and where the gRPC time goes (server
-executor, servicer, transport, client; pieces timed alone). Method and columns: docs/benchmarks.md."""
+model, threads, device and dtype), the same prompts, calls alternating. Method and columns: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +10,9 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import (add_common, add_device_args, add_sizes, int_list, make_log, model_dir, parse, parser,
+from benchmarks.cli import (add_device_args, add_sizes, int_list, make_log, model_dir, parse, parser,
                             set_threads, stop_on_sigterm, torch_device)
-from benchmarks.executor_sides import Config, GrpcSide, InProcSide, empty_rpc_ms, make_configs, micro_breakdown
+from benchmarks.executor_sides import Config, GrpcSide, InProcSide, make_configs
 from benchmarks.local_executor import build_executor
 from benchmarks.measure import machine_busy_s, other_cores, process_cpu_s, time_stats
 from benchmarks.report import format_table, machine_info, model_json, model_line, write_json
@@ -23,55 +22,36 @@ from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_MB = 64  # the server's default --max-message-mb
-QUICK = {"batches": "1,4", "steps": 3, "warmup": 1, "context": 16, "empty_rpcs": 20, "micro_repeats": 5}
-DEFAULTS = {"batches": "1,8,32,64", "steps": 16, "warmup": 2, "context": 128, "empty_rpcs": 200, "micro_repeats": 20}
+QUICK = {"batches": "1,4", "steps": 3, "warmup": 1, "context": 16}
+DEFAULTS = {"batches": "1,8,32,64", "steps": 16, "warmup": 2, "context": 128}
 COLUMNS = [("config", "config"), ("batch", "batch"), ("inproc_ms", "inproc ms/step"), ("grpc_ms", "grpc ms/step"),
            ("grpc_over_inproc", "grpc/inproc", 3), ("grpc_over_inproc_min", "min ratio", 3),
-           ("response_bytes", "resp bytes"), ("inproc_tok_s", "inproc tok/s", 1), ("grpc_tok_s", "grpc tok/s", 1),
-           ("grpc_multi_over_single", "grpc xN/x1", 3), ("inproc_multi_over_single", "inproc xN/x1", 3),
-           ("multi_gain_grpc_vs_inproc", "g/i", 3)]
-BREAKDOWN = [("config", "config"), ("batch", "batch"), ("overhead", "grpc-inproc ms"), ("op_diff", "op diff"),
-             ("servicer", "servicer"), ("transport", "transport"), ("client_diff", "client diff"),
-             ("micro_serde", "serde (micro)"), ("micro_codec", "codec (micro)"), ("inproc_op", "inproc op"),
-             ("server_op", "srv op"), ("inproc_cores", "inproc cores"), ("server_cores", "srv cores")]
+           ("response_bytes", "resp bytes"), ("inproc_tok_s", "inproc tok/s", 1), ("grpc_tok_s", "grpc tok/s", 1)]
 log = make_log("bench_executor")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("executor", __doc__.split("\n\n")[0])
-    add_common(ap, "executor", "batches 1,4; steps 3; warmup 1; context 16")
+    ap = parser("executor", __doc__, "batches 1,4; steps 3; warmup 1; context 16")
     add_sizes(ap, DEFAULTS, {"batches": "decode batch sizes", "context": "tokens per sequence before decoding",
                              "steps": "timed decode calls per side and configuration",
-                             "warmup": "untimed decode calls first", "empty-rpcs": "timed empty RPCs (round trip)",
-                             "micro-repeats": "repeats of each serialisation micro-timing"})
+                             "warmup": "untimed decode calls first"})
     ap.add_argument("--multi-steps", type=int, default=8, help="num_steps of the multi-step configuration (8)")
     ap.add_argument("--configs", default=None,
-                    help="comma subset of tokens, logits/f32, logits/bf16, tokens/xN, tokens+ReleaseCache, "
-                         "tokens+release-in-step (default: all)")
+                    help="comma subset of tokens, logits/f32, logits/bf16, tokens/xN (default: all)")
     add_device_args(ap)
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="both sides' per-call token limit (8192)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for the server's READY")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.batch_list = int_list(args.batches, "--batches")
-    if args.context < 1 or args.steps < 1 or args.warmup < 0 or args.multi_steps < 2 or args.empty_rpcs < 1:
-        ap.error("--context, --steps and --empty-rpcs must be >= 1, --warmup >= 0, --multi-steps >= 2")
+    if args.context < 1 or args.steps < 1 or args.warmup < 0 or args.multi_steps < 2:
+        ap.error("--context and --steps must be >= 1, --warmup >= 0, --multi-steps >= 2")
     configs = make_configs(args.multi_steps)
     names = [n.strip() for n in args.configs.split(",") if n.strip()] if args.configs else list(configs)
     if not names or any(n not in configs for n in names):
         ap.error(f"--configs: choose from {', '.join(configs)}")
     args.config_list = [configs[n] for n in names]
     return args
-
-
-def mean_ms(seconds: list[float]) -> float:
-    return 1e3 * statistics.fmean(seconds)
-
-
-def between(before: tuple[int, float], after: tuple[int, float]) -> float | None:
-    """Mean ms of the calls recorded between two (count, total ms) snapshots."""
-    n = after[0] - before[0]
-    return (after[1] - before[1]) / n if n > 0 else None
 
 
 def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, vocab: int, args) -> dict[str, Any]:
@@ -85,15 +65,13 @@ def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, 
             if timed:
                 inproc.reset_timing()
                 remote.reset_timing()
-                op0, srv0 = inproc.op_stats(), remote.server_stats()
                 busy0, wall0 = machine_busy_s(), time.perf_counter()
                 cpu0 = (time.process_time(), process_cpu_s(remote.server_pid) or 0.0)
             for step in range(steps):
                 for side in ((inproc, remote) if step % 2 == 0 else (remote, inproc)):
                     side.step(cfg, timed)
         cpu1 = (time.process_time(), process_cpu_s(remote.server_pid) or 0.0)
-        op1, srv1, busy1, wall1 = inproc.op_stats(), remote.server_stats(), machine_busy_s(), time.perf_counter()
-        micro = micro_breakdown(inproc, remote, args.micro_repeats)
+        busy1, wall1 = machine_busy_s(), time.perf_counter()
         req_bytes, resp_bytes = remote.last_request.ByteSize(), remote.last_response.ByteSize()
     finally:
         inproc.release()
@@ -101,50 +79,22 @@ def bench_config(inproc: InProcSide, remote: GrpcSide, cfg: Config, batch: int, 
     n, i_calls, g_calls = cfg.num_steps, inproc.clock.times, remote.clock.times
     bench_cpu, srv_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]  # this process also runs the gRPC client
     i_call, g_call = statistics.median(i_calls), statistics.median(g_calls)
-    inproc_op, srv_op, srv_rpc = between(op0, op1), between(srv0["op"], srv1["op"]), between(srv0["rpc"], srv1["rpc"])
-    client = {s: mean_ms(side.parts["build"]) + mean_ms(side.parts["read"])
-              for s, side in (("i", inproc), ("g", remote))}
-    breakdown = {  # means over the timed calls, ms per call
-        "inproc_call": mean_ms(i_calls), "grpc_call": mean_ms(g_calls), "overhead": mean_ms(g_calls) - mean_ms(i_calls),
-        "inproc_op": inproc_op, "server_op": srv_op, "server_rpc": srv_rpc,
-        "op_diff": None if srv_op is None or inproc_op is None else srv_op - inproc_op,
-        "servicer": None if srv_rpc is None or srv_op is None else srv_rpc - srv_op,
-        "transport": None if srv_rpc is None else mean_ms(remote.parts["call"]) - srv_rpc,
-        "client_diff": client["g"] - client["i"],
-        "micro_serde": sum(micro[k] for k in ("req_serialize", "req_parse", "resp_serialize", "resp_parse")),
-        "micro_codec": micro["codec_in"] + micro["codec_out"],
-        # CPU per wall second while each side ran: ~T when a side had its T cores, less when others competed
-        "inproc_cores": statistics.fmean(inproc.clock.cpu_times) / statistics.fmean(i_calls),
-        "server_cores": srv_cpu / sum(g_calls)}
     return {"config": cfg.name, "mode": cfg.mode.value, "num_steps": n, "batch": batch, "context": args.context,
             "logits_dtype": None if cfg.wants_tokens else pb.LogitsDtype.Name(cfg.logits_dtype),
             "inproc_ms": 1e3 * i_call / n, "grpc_ms": 1e3 * g_call / n, "grpc_over_inproc": g_call / i_call,
             "grpc_over_inproc_min": min(g_calls) / min(i_calls), "inproc_tok_s": batch * n / i_call,
             "grpc_tok_s": batch * n / g_call, "request_bytes": req_bytes, "response_bytes": resp_bytes,
-            "server_cpu_ms": 1e3 * srv_cpu / len(g_calls),
+            "server_cpu_ms": 1e3 * srv_cpu / len(g_calls), "server_cores": srv_cpu / sum(g_calls),
             "other_processes_cores": other_cores(busy0, busy1, bench_cpu + srv_cpu, wall1 - wall0),
             "tokens_agree": sum(a == b for a, b in zip(inproc.history, remote.history)) / len(inproc.history),
-            "prefill_tokens_agree": prefill_agree, "breakdown_ms": breakdown, "micro_ms": micro,
+            "prefill_tokens_agree": prefill_agree,
             "inproc_times": time_stats(i_calls), "grpc_times": time_stats(g_calls)}
-
-
-def derive(rows: list[dict[str, Any]]) -> None:
-    """Multi-step rows: per-token time over the tokens row's, per side, and their quotient (< 1: N steps help gRPC)."""
-    single = {r["batch"]: r for r in rows if r["config"] == "tokens"}
-    for r in rows:
-        one = single.get(r["batch"])
-        if r["num_steps"] > 1 and one:
-            r["grpc_multi_over_single"] = r["grpc_ms"] / one["grpc_ms"]
-            r["inproc_multi_over_single"] = r["inproc_ms"] / one["inproc_ms"]
-            r["multi_gain_grpc_vs_inproc"] = r["grpc_multi_over_single"] / r["inproc_multi_over_single"]
 
 
 def print_report(args, rows: list[dict[str, Any]], header: list[str]) -> None:
     print("\n".join(header) + "\n")
     print(format_table(rows, COLUMNS))
-    print("\ncolumns (docs/benchmarks.md): grpc/inproc = median call time over gRPC / in-process; xN/x1 and g/i = "
-          "what N steps per call buy; where the gRPC time goes (ms per call, means):\n")
-    print(format_table([{**r["breakdown_ms"], "config": r["config"], "batch": r["batch"]} for r in rows], BREAKDOWN))
+    print("\ncolumns (docs/benchmarks.md): grpc/inproc = median call time over gRPC / in-process")
     busy = [f"{r['config']}@{r['batch']} ({r['other_processes_cores']:.2f})" for r in rows
             if (r["other_processes_cores"] or 0) > 0.25]
     if busy:
@@ -184,14 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: {per_seq} tokens per sequence; the model takes "
                              f"{ex.model_config.max_position_embeddings}")
         inproc, remote = InProcSide(ex), GrpcSide(stub, max_batch_tokens, device, server.proc.pid)
-        empty = {"before": empty_rpc_ms(stub, args.empty_rpcs)}
         rows = []
         for b in args.batch_list:
             for cfg in args.config_list:
                 rows.append(bench_config(inproc, remote, cfg, b, ex.model_config.vocab_size, args))
                 log(f"{cfg.name} batch {b}: inproc {rows[-1]['inproc_ms']:.2f} ms/step, grpc "
                     f"{rows[-1]['grpc_ms']:.2f} ms/step")
-        empty["after"] = empty_rpc_ms(stub, args.empty_rpcs)
         server_info = {"address": address, "pid": server.proc.pid, "command": server.args, "model_id": info.model_id,
                        "dtype": info.dtype, "device": info.device, "kv_total_blocks": info.kv.total_blocks}
     finally:
@@ -199,19 +147,16 @@ def main(argv: list[str] | None = None) -> int:
             channel.close()
         code = server.stop()
     log(f"server stopped (exit code {code})")
-    derive(rows)
     policy = os.environ.get("OMP_WAIT_POLICY") or "unset"
     print_report(args, rows, [
         model_line(directory, ex.model_config),
         f"device: {device}  dtype: {args.dtype}  threads per side: {threads}  OMP_WAIT_POLICY: {policy}  context "
-        f"{args.context}, {args.steps} timed calls after {args.warmup} per side and configuration; medians",
-        f"empty RPC round trip: {empty['before']['median_ms']:.3f} ms before, {empty['after']['median_ms']:.3f} ms "
-        f"after"])
+        f"{args.context}, {args.steps} timed calls after {args.warmup} per side and configuration; medians"])
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "config_list")} | {
         "configs": [c.name for c in args.config_list], "threads_per_side": threads, "kv_blocks": kv,
         "omp_wait_policy": policy}
     path = write_json(args.out, {"benchmark": "bench_executor", "model": model_json(directory, ex.model_config),
                                  "machine": machine_info(device), "settings": settings, "server": server_info,
-                                 "server_exit_code": code, "empty_rpc": empty, "rows": rows})
+                                 "server_exit_code": code, "rows": rows})
     log(f"wrote {path}")
     return 0

@@ -7,23 +7,20 @@ import argparse
 import asyncio
 import os
 import shlex
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from benchmarks import executor_metrics
-from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+from benchmarks.cli import (add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
                             serving_setup)
-from benchmarks.fleet_failover import analyse, failover_run, stream
+from benchmarks.fleet_failover import Fleet, analyse, failover_run, stream
 from benchmarks.measure import CpuMeter
 from benchmarks.openai_client import closed_loop
 from benchmarks.report import format_table, machine_info, model_json, table, write_json
 from benchmarks.request_metrics import Record, agreement, aggregate, exact
 from benchmarks.workloads import kv_blocks, model_vocabulary, vocabulary_prompts
-from tandem import server_process
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 PARTS = ("scaling", "failover")
@@ -38,51 +35,10 @@ METRICS = [("request_throughput", "req/s", 3), ("output_throughput", "out tok/s"
 log = make_log("bench_fleet")
 
 
-class Fleet:
-    """N executors (loading in parallel) and one scheduler over all of them (--executor repeated)."""
-
-    def __init__(self, model_dir: Path, n: int, threads: int, flags: list[str], scheduler_args: list[str]) -> None:
-        t = time.perf_counter()
-        self.executors: list[server_process.ServerProcess] = []
-        try:
-            for _ in range(n):
-                self.executors.append(server_process.start("executor", "executor_service", "--model", str(model_dir),
-                                                           "--port", "0", "--threads", str(threads), *flags))
-            for e in self.executors:
-                e.wait_ready()
-            targets = [f for e in self.executors for f in ("--executor", e.address)]
-            self.scheduler = server_process.launch("scheduler", "scheduler", *targets, "--port", "0", *scheduler_args)
-        except BaseException:
-            for e in self.executors:
-                e.stop(timeout=5)
-            raise
-        self.address, self.executor_addresses = self.scheduler.address, [e.address for e in self.executors]
-        self.startup_s = time.perf_counter() - t
-        log(f"{n} executor(s) x {threads} thread(s) and scheduler {self.address} ready in {self.startup_s:.1f}s")
-
-    def pids(self) -> dict[str, int]:
-        return {**{f"executor-{i}": e.proc.pid for i, e in enumerate(self.executors)},
-                "scheduler": self.scheduler.proc.pid, "client": os.getpid()}
-
-    def sigkill(self, index: int) -> float:
-        """SIGKILLs an executor (no drain); returns the perf_counter instant just before the signal."""
-        t = time.perf_counter()
-        os.kill(self.executors[index].proc.pid, signal.SIGKILL)
-        return t
-
-    def stop(self) -> dict[str, int]:
-        """The scheduler first (it drains), then every executor at once (their drains overlap); exit codes by
-        name: 0 after a clean drain, -9 when SIGKILLed."""
-        codes = {"scheduler": self.scheduler.stop()}
-        for e in self.executors:
-            e.send_signal()
-        for i, e in enumerate(self.executors):
-            try:  # not stop() at once: a second SIGTERM kills a Python that is already exiting
-                e.wait_exit()
-            except RuntimeError:
-                pass
-            codes[f"executor-{i}"] = e.stop()
-        return codes
+def start(args, model_dir: Path, n: int, threads: int, flags: list[str]) -> Fleet:
+    fleet = Fleet(model_dir, [["--threads", str(threads), *flags]] * n, shlex.split(args.scheduler_args))
+    log(f"{n} executor(s) x {threads} thread(s) and scheduler {fleet.address} ready in {fleet.startup_s:.1f}s")
+    return fleet
 
 
 async def closed(fleet: Fleet, prompts: list[list[int]], output_len: int, concurrency: int, timeout: float
@@ -98,9 +54,8 @@ async def closed(fleet: Fleet, prompts: list[list[int]], output_len: int, concur
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("fleet", __doc__.split("\n\n")[0])
-    add_common(ap, "fleet", "scaling 8 x (16 in, 8 out); failover 4 streams x (16 in, 128 out) killed after 2 tokens",
-               threads=False)
+    ap = parser("fleet", __doc__,
+                "scaling 8 x (16 in, 8 out); failover 4 streams x (16 in, 128 out) killed after 2 tokens", threads=False)
     ap.add_argument("--parts", default=",".join(PARTS), help="comma list of scaling, failover (default both)")
     add_sizes(ap, DEFAULTS, {"configs": "scaling: EXECUTORSxTHREADS comma list, ratios against the first",
                              "num-requests": "scaling: timed requests", "input-len": "scaling: prompt tokens",
@@ -142,7 +97,7 @@ def scaling(args, model_dir: Path, flags: list[str], clean_prompts: list[list[in
     warm = vocabulary_prompts(args.warmup, args.input_len, allowed, args.seed, stream=1)
     sides, clean = {}, None
     for n, threads in args.config_list:
-        fleet = Fleet(model_dir, n, threads, flags, shlex.split(args.scheduler_args))
+        fleet = start(args, model_dir, n, threads, flags)
         try:
             if warm:
                 asyncio.run(closed(fleet, warm, args.output_len, len(warm), args.request_timeout))
@@ -196,9 +151,7 @@ def print_failover(f: dict[str, Any]) -> None:
                   "kill->next token ms": dist(s[g]["next_token_after_kill_ms"]),
                   "kill->resume ms": dist(s[g]["resume_after_kill_ms"]),
                   "tokens recomputed": s[g]["recomputed_tokens"]} for g in ("moved", "stayed")]))
-    print(f"\ntokens recomputed {s['recomputed_tokens']} (prompts {s['recomputed_prompt_tokens']}); the executors "
-          f"processed {s['executor_extra_tokens']} tokens beyond a clean run (expected "
-          f"{s['expected_executor_extra_tokens']}, give or take the step lost with the executor)\n")
+    print(f"\ntokens recomputed {s['recomputed_tokens']} (prompts {s['recomputed_prompt_tokens']})\n")
     agree = f["agreement_with_clean"] or {"identical": 0, "compared": 0}
     print(f"\nevery stream completed with exactly {f['output_len']} tokens: {'yes' if f['all_completed'] else 'NO'}; "
           f"tokens identical to the clean run (greedy): {agree['identical']}/{agree['compared']}; failover / clean "
@@ -210,8 +163,7 @@ def failover(args, model_dir: Path, flags: list[str], prompts: list[list[int]], 
     """The failover run on a fresh fleet (and the clean run on another, unless scaling hosted it)."""
     runs, warm = {}, vocabulary_prompts(args.warmup, args.failover_input_len, allowed, args.seed, stream=4)
     for name in (["clean"] if clean is None else []) + ["failover"]:
-        fleet = Fleet(model_dir, args.failover_executors, args.failover_threads, flags,
-                      shlex.split(args.scheduler_args))
+        fleet = start(args, model_dir, args.failover_executors, args.failover_threads, flags)
         try:
             if warm:
                 asyncio.run(closed(fleet, warm, args.failover_output_len, len(warm), args.request_timeout))
@@ -226,7 +178,7 @@ def failover(args, model_dir: Path, flags: list[str], prompts: list[list[int]], 
     by_index = {r.index: r.output_ids for r in clean["records"]}
     agree = agreement(run["records"], clean["records"])
     sides = {n: aggregate(n, r["records"], output_len=out_len) for n, r in (("clean", clean), ("failover", run))}
-    kill = None if not run["kill"] else {k: v for k, v in run["kill"].items() if k not in ("t", "victim_counters")}
+    kill = None if not run["kill"] else {k: v for k, v in run["kill"].items() if k != "t"}
     return {"streams": len(prompts), "output_len": out_len, "killed": kill is not None, "kill": kill,
             "summary": {k: v for k, v in view.items() if k != "streams"},
             "per_stream": [v | {"identical_to_clean": run["records"][v["index"]].output_ids == by_index.get(v["index"])}

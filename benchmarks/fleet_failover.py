@@ -1,25 +1,76 @@
-"""The fleet benchmark's streams over gRPC Generate (its usage counts preemptions, which tell a moved stream) and
-its failover run: every stream at once, the busiest executor SIGKILLed once every stream has `kill_after` tokens;
-then what each stream saw around the kill (moved, resume, pause, recompute: docs/benchmarks.md defines them)."""
+"""The fleet benchmark's servers (N executors, one scheduler; disagg's too), its streams over gRPC Generate (its
+usage counts preemptions, which tell a moved stream) and its failover run: every stream at once, the busiest
+executor SIGKILLed once every stream has `kill_after` tokens; then what each stream saw around the kill (moved,
+resume, pause, recompute: docs/benchmarks.md defines them)."""
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 from google.protobuf import json_format
 
-from benchmarks import executor_metrics
 from benchmarks.measure import summarize
 from benchmarks.request_metrics import Record, exact
+from tandem import server_process
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc as gpb_grpc
 
 PAUSE_FACTOR = 5.0  # paused: the largest gap after the kill >= this x the median gap before it
+
+
+class Fleet:
+    """Executors (one per flag list, loading in parallel) and one scheduler over all of them (--executor repeated):
+    the fleet and disagg benchmarks' servers."""
+
+    def __init__(self, model_dir: Path, executor_flags: list[list[str]], scheduler_args: list[str] = ()) -> None:
+        t = time.perf_counter()
+        self.executors: list[server_process.ServerProcess] = []
+        try:
+            for flags in executor_flags:
+                self.executors.append(server_process.start("executor", "executor_service", "--model", str(model_dir),
+                                                           "--port", "0", *flags))
+            for e in self.executors:
+                e.wait_ready()
+            targets = [f for e in self.executors for f in ("--executor", e.address)]
+            self.scheduler = server_process.launch("scheduler", "scheduler", *targets, "--port", "0", *scheduler_args)
+        except BaseException:
+            for e in self.executors:
+                e.stop(timeout=5)
+            raise
+        self.address, self.executor_addresses = self.scheduler.address, [e.address for e in self.executors]
+        self.startup_s = time.perf_counter() - t
+
+    def pids(self) -> dict[str, int]:
+        return {**{f"executor-{i}": e.proc.pid for i, e in enumerate(self.executors)},
+                "scheduler": self.scheduler.proc.pid, "client": os.getpid()}
+
+    def sigkill(self, index: int) -> float:
+        """SIGKILLs an executor (no drain); returns the perf_counter instant just before the signal."""
+        t = time.perf_counter()
+        os.kill(self.executors[index].proc.pid, signal.SIGKILL)
+        return t
+
+    def stop(self) -> dict[str, int]:
+        """The scheduler first (it drains), then every executor at once (their drains overlap); exit codes by
+        name: 0 after a clean drain, -9 when SIGKILLed (one that already exited: its code)."""
+        codes = {"scheduler": self.scheduler.stop()}
+        for e in self.executors:
+            e.send_signal()
+        for i, e in enumerate(self.executors):
+            try:  # not stop() at once: a second SIGTERM kills a Python that is already exiting
+                e.wait_exit()
+            except RuntimeError:
+                pass
+            codes[f"executor-{i}"] = e.stop()
+        return codes
 
 
 async def stream(stub: Any, rec: Record, prompt: list[int], output_len: int, timeout: float,
@@ -51,15 +102,13 @@ def model_info(stub: Any) -> Any:
     return stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=30)
 
 
-async def failover_run(fleet: Any, prompts: list[list[int]], output_len: int, kill_after: int, timeout: float,
+async def failover_run(fleet: Fleet, prompts: list[list[int]], output_len: int, kill_after: int, timeout: float,
                        kill: bool) -> dict[str, Any]:
     """Every prompt streamed at once (after the fleet's warm-up); with `kill`, the busiest executor (GetModelInfo;
-    ties: the first) is SIGKILLed once every stream has kill_after tokens. Returns records, executor snapshots
-    (None: the killed one) and the kill."""
+    ties: the first) is SIGKILLed once every stream has kill_after tokens. Returns records and the kill."""
     records = [Record(i, len(p)) for i, p in enumerate(prompts)]
     started = asyncio.Event()
     addresses = fleet.executor_addresses
-    before = [executor_metrics.snapshot(a) for a in addresses]
     async with grpc.aio.insecure_channel(fleet.address) as channel:
         stub = gpb_grpc.GenerateServiceStub(channel)
         progress = lambda: all(r.output_len >= kill_after for r in records) and started.set()  # noqa: E731
@@ -74,16 +123,13 @@ async def failover_run(fleet: Any, prompts: list[list[int]], output_len: int, ki
                 status = (await model_info(stub)).executors
                 running = {e.address: e.running for e in status}
                 victim = max(range(len(addresses)), key=lambda i: (running.get(addresses[i], 0), -i))
-                at_kill = executor_metrics.snapshot(addresses[victim])  # its work until the kill
                 info = {"index": victim, "address": addresses[victim], "t": fleet.sigkill(victim), "running": running,
-                        "streams_finished_before": sum(1 for r in records if r.end), "victim_counters": at_kill,
+                        "streams_finished_before": sum(1 for r in records if r.end),
                         "tokens_streamed_before": sum(r.output_len for r in records)}
         await streams
         states = json_format.MessageToDict(await model_info(stub), preserving_proto_field_name=True)
     states = states.get("executors", [])
-    dead = info["index"] if info else None
-    after = [None if i == dead else executor_metrics.snapshot(a) for i, a in enumerate(addresses)]
-    return {"records": records, "before": before, "after": after, "kill": info, "states_after": states}
+    return {"records": records, "kill": info, "states_after": states}
 
 
 def stream_view(rec: Record, t_kill: float, output_len: int) -> dict[str, Any]:
@@ -125,19 +171,13 @@ def group_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def analyse(run: dict[str, Any], output_len: int) -> dict[str, Any]:
-    """Per-stream views, the moved / stayed groups, and the executors' own count of the extra work (tokens
-    processed beyond a clean run's prompt + output - 1 per stream) as a cross-check of the recompute."""
+    """Per-stream views and the moved / stayed groups."""
     kill, records = run["kill"], run["records"]
     views = [stream_view(r, kill["t"], output_len) for r in records]
     moved, stayed = [v for v in views if v["moved"]], [v for v in views if v["moved"] is False]
-    victim = kill["index"]
-    done = kill["victim_counters"]["tokens_processed"] - run["before"][victim]["tokens_processed"] + sum(
-        a["tokens_processed"] - b["tokens_processed"] for b, a in zip(run["before"], run["after"]) if a is not None)
     recomputed = sum(v["recomputed_tokens"] for v in moved)
     return {"streams": views, "moved": group_summary(moved), "stayed": group_summary(stayed),
             "unknown": sum(v["moved"] is None for v in views), "recomputed_tokens": recomputed,
             "recomputed_prompt_tokens": sum(v["prompt_len"] for v in moved),
-            "executor_extra_tokens": done - sum(r.prompt_len + output_len - 1 for r in records),
-            "expected_executor_extra_tokens": recomputed - len(moved),
             "moved_matches_victim_running": kill["running"].get(kill["address"]) == len(moved),
             "all_completed": all(v["completed"] for v in views)}

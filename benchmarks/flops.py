@@ -19,14 +19,11 @@ class FlopModel:
         self.lm_head_params = lm_head_params
 
     @classmethod
-    def from_executor(cls, ex: Any, moe: bool = False) -> "FlopModel":
-        """ex: an in-process Executor (every nn.Linear of its decoder layers: fused qkv / gate_up included).
-        moe: add the experts a token is routed to (packed expert weights are no nn.Linear)."""
+    def from_executor(cls, ex: Any) -> "FlopModel":
+        """ex: an in-process Executor (every nn.Linear of its decoder layers: fused qkv / gate_up included; packed
+        MoE expert weights are no nn.Linear, so a MoE model's experts are not counted)."""
         cfg = ex.model_config
         params = sum(m.weight.numel() for m in ex.model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-        if moe:
-            layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-            params += layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
         return cls(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.vocab_size, params, ex.model.lm_head.weight.numel())
 
     @classmethod

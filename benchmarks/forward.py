@@ -1,19 +1,16 @@
 """Forward-pass benchmark: Tandem's in-process Executor vs transformers' forward, same model, inputs and run
-(decode steps of B sequences and prefills; timed calls alternate sides). Also `moe`: the same on a Qwen3-MoE
-checkpoint, synthetic by default. Method: docs/benchmarks.md."""
+(decode steps of B sequences and prefills; timed calls alternate sides). Method: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.baselines import HfForward
-from benchmarks.cli import (DTYPES, add_common, add_device_args, add_sizes, int_list, make_log, model_dir, parse,
+from benchmarks.cli import (DTYPES, add_device_args, add_sizes, int_list, make_log, model_dir, parse,
                             parser, set_threads, torch_device)
 from benchmarks.flops import FlopModel
 from benchmarks.local_executor import TOKENS_ONLY, DecodeBatch, build_executor
@@ -26,11 +23,6 @@ QUICK = {"batches": "1,8", "steps": 4, "warmup": 1, "context": 32, "prefill_len"
          "prefill_repeats": 1, "peak_n": 512, "peak_repeats": 3}
 DEFAULTS = {"batches": "1,8,32,64", "steps": 16, "warmup": 2, "context": 128, "prefill_len": 512,
             "prefill_batches": "1,4", "prefill_repeats": 3, "peak_n": 2048, "peak_repeats": 7}
-# moe: a scaled-down Qwen3-30B-A3B with random weights (no real MoE checkpoint is available offline)
-MOE_SYNTHETIC = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=2,
-                     head_dim=32, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=128,
-                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=8192)
-MOE_DEFAULT_ARGS = ["--batches", "1,8,32", "--prefill-len", "0"]
 COLUMNS = [("phase", "phase"), ("batch", "batch"), ("context", "ctx"), ("tandem_ms", "tandem ms"), ("hf_ms", "hf ms"),
            ("hf_over_tandem", "hf/tandem"), ("hf_over_tandem_cpu", "cpu hf/tandem"),
            ("tandem_tok_s", "tandem tok/s", 1), ("hf_tok_s", "hf tok/s", 1), ("tandem_gflops", "tandem GFLOP/s", 1),
@@ -38,10 +30,8 @@ COLUMNS = [("phase", "phase"), ("batch", "batch"), ("context", "ctx"), ("tandem_
            ("hf_gflops", "hf GFLOP/s", 1), ("hf_pct_peak", "hf %peak", 1), ("hf_lm_head_rows", "hf lm-head rows")]
 
 
-def parse_args(argv: list[str] | None, name: str = "forward") -> argparse.Namespace:
-    ap = parser(name, __doc__.split("\n")[0] if name == "forward" else
-                "Tandem vs transformers decode on a Qwen3-MoE checkpoint (default: a synthetic one built here).")
-    add_common(ap, name, "batches 1,8; steps 4; context 32; prefill-len 64")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = parser("forward", __doc__, "batches 1,8; steps 4; context 32; prefill-len 64")
     add_sizes(ap, DEFAULTS, {"batches": "decode batch sizes", "context": "tokens per sequence before decoding",
                              "steps": "timed decode steps", "warmup": "untimed decode steps first",
                              "prefill-len": "prompt length of the prefill phase (0 skips it)",
@@ -139,8 +129,9 @@ def bench_prefill(tandem: TandemSide, hf: HfForward, flops: FlopModel, batch: in
             row("prefill/ltk1", batch, length, batch * length, got[0], got[2], t_flops, t_flops, batch)]
 
 
-def run(args: argparse.Namespace, name: str = "forward", moe: bool = False) -> int:
-    log = make_log(f"bench_{name}")
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = make_log("bench_forward")
     set_threads(args.threads)
     device, dtype, directory = torch_device(args.device), DTYPES[args.dtype], model_dir(args.model)
     log(f"model {directory}, device {device}, dtype {args.dtype}, {torch.get_num_threads()} threads")
@@ -153,7 +144,7 @@ def run(args: argparse.Namespace, name: str = "forward", moe: bool = False) -> i
     ex = build_executor(directory, args.device, args.dtype, kv, max_batch_tokens)
     hf = HfForward(directory, device, dtype)
     log(f"loaded both models in {time.perf_counter() - t0:.1f}s; KV pool {kv} blocks")
-    tandem, flops = TandemSide(ex), FlopModel.from_executor(ex, moe=moe)
+    tandem, flops = TandemSide(ex), FlopModel.from_executor(ex)
     rows: list[dict[str, Any]] = []
     for b in args.batch_list:
         rows.append(bench_decode(tandem, hf, flops, b, args))
@@ -172,7 +163,7 @@ def run(args: argparse.Namespace, name: str = "forward", moe: bool = False) -> i
     print(format_table(rows, COLUMNS))
     print("\nhf/tandem > 1: Tandem is faster (wall-clock medians; cpu: from process CPU time). prefill: transformers'"
           " plain forward computes the LM head on every position; prefill/ltk1 with logits_to_keep=1.")
-    payload = {"benchmark": f"bench_{name}", "model": {**model_json(directory, ex.model_config),
+    payload = {"benchmark": "bench_forward", "model": {**model_json(directory, ex.model_config),
                                                         "layer_linear_params": flops.layer_params,
                                                         "lm_head_params": flops.lm_head_params},
                "machine": machine_info(device), "peak": {"gflops": peak, "before": peaks[0], "after": peaks[1]},
@@ -181,18 +172,3 @@ def run(args: argparse.Namespace, name: str = "forward", moe: bool = False) -> i
     log(f"wrote {write_json(args.out, payload)}")
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv))
-
-
-def main_moe(argv: list[str] | None = None) -> int:
-    """Without --model, builds the synthetic checkpoint (scripts/make_tiny_checkpoint.py) in a temporary directory;
-    FLOPs count the router plus the top-k experts a token is routed to."""
-    args = parse_args(MOE_DEFAULT_ARGS + list(argv or []), "moe")  # later flags win: the user's over the defaults
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-moe-") as tmp:
-        if args.model is None:
-            import make_tiny_checkpoint  # a sibling script (benchmarks/__init__.py puts scripts/ on the path)
-            args.model = make_tiny_checkpoint.make_tiny_checkpoint("qwen3_moe", Path(tmp) / "qwen3-moe-synthetic",
-                                                                   num_layers=8, config_overrides=MOE_SYNTHETIC)
-        return run(args, "moe", moe=True)

@@ -1,7 +1,6 @@
 """KV disk tier across an executor restart: time to first token of a long prompt on a restarted executor whose
-disk tier holds the prompt's blocks (written by the clean stop's flush, or with --evict pushed out of the pool by
-other prompts before it), vs the same prompt cold; the tier's read bandwidth and the stop's flush time. Method:
-docs/benchmarks.md ('kv_restart')."""
+disk tier holds the prompt's blocks (written by the clean stop's flush), vs a prompt it never saw; the tier's read
+bandwidth and the stop's flush time. Method: docs/benchmarks.md ('kv_restart')."""
 from __future__ import annotations
 
 import argparse
@@ -10,14 +9,13 @@ import re
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.cli import add_common, add_sizes, make_log, model_dir, parse, parser, stop_on_sigterm
+from benchmarks.cli import add_sizes, make_log, model_dir, parse, parser, stop_on_sigterm
+from benchmarks.openai_client import counters, metrics_url
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
 from tandem import server_process
@@ -33,14 +31,10 @@ log = make_log("bench_kv_restart")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("kv_restart", __doc__.split("\n\n")[0])
-    add_common(ap, "kv_restart", "a 256-token prompt, one run per case")
+    ap = parser("kv_restart", __doc__, "a 256-token prompt, one run per case")
     add_sizes(ap, DEFAULTS, {"prompt-len": "tokens of the long prompt (default 1200)",
                              "repeats": "restarts, each timing one warm and one cold prompt"})
     ap.add_argument("--executor-args", default="", help="more executor flags, quoted")
-    ap.add_argument("--evict", action="store_true",
-                    help="put the prompt on disk the old way: two more long prompts evict its blocks from the pool "
-                         "before the stop (and --kv-disk-flush-s 0), instead of the stop's flush of the pool")
     args = parse(ap, argv, QUICK, DEFAULTS)
     if args.prompt_len < 32 or args.repeats < 1:
         ap.error("--prompt-len >= 32 and --repeats >= 1")
@@ -60,23 +54,7 @@ def ttft(stub: pb_grpc.ExecutorServiceStub, prompt: list[int]) -> tuple[float, i
     return seconds, made.cached_tokens
 
 
-def scrape(server: server_process.ServerProcess) -> dict[str, float]:
-    url = re.search(r"metrics on (http://\S+/metrics)", server.log()).group(1)
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
-    return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
-
-
-def wait_written(server: server_process.ServerProcess, blocks: int, timeout_s: float = 120.0) -> float:
-    """Waits until the disk tier wrote `blocks` blocks (its writer runs in the background); returns its count."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        n = scrape(server).get("tandem:executor_kv_tier_written_blocks_total{DISK}", 0.0)
-        if n >= blocks or time.monotonic() > deadline:
-            return n
-        time.sleep(0.2)
-
-
+READS = ("tandem:executor_kv_tier_read_bytes_total", "tandem:executor_kv_tier_read_seconds_total")
 FLUSHED = re.compile(r"(\d+) KV blocks written to the disk tier in ([\d.]+)s")
 
 
@@ -87,30 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((directory / "config.json").read_text())
     vocab, bs = int(config["vocab_size"]), 16
     blocks = -(-args.prompt_len // bs)
-    # A pool that holds one long prompt and a bit: with --evict, two more long prompts evict every block of the one
-    # before them to the disk tier (the pool evicts a released prompt's last blocks first, so one would leave its
-    # first ones); without, the stop's flush writes the prompt's blocks from the pool.
-    pool = blocks + blocks // 4 + 2
-    # per restart: a (cached before it), b1 and b2 (--evict: evict a to disk), c (cold after it)
-    prompts = [p.tolist() for p in random_prompts(4 * args.repeats, args.prompt_len, vocab, seed=0)]
+    pool = blocks + blocks // 4 + 2  # one long prompt and a bit: the stop's flush writes its blocks from the pool
+    # per restart: a (cached before it), c (cold after it)
+    prompts = [p.tolist() for p in random_prompts(2 * args.repeats, args.prompt_len, vocab, seed=0)]
     first = random_prompts(1, 2 * bs, vocab, seed=1)[0].tolist()  # a short untimed first request
     cold, warm, reads, flushes = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="kv-restart-") as tmp:
         flags = ["--kv-blocks", str(pool), "--kv-disk-dir", str(Path(tmp) / "tier"), "--kv-disk-gb", "8",
-                 "--metrics-port", "0", *(["--kv-disk-flush-s", "0"] if args.evict else []),
-                 *args.executor_args.split()]
+                 "--metrics-port", "0", *args.executor_args.split()]
         if args.threads:
             flags += ["--threads", str(args.threads)]
         for r in range(args.repeats):
-            a, b1, b2, c = prompts[4 * r:4 * r + 4]
+            a, c = prompts[2 * r:2 * r + 2]
             server = server_process.launch_executor(directory, *flags)
-            try:  # before the restart: a's blocks reach the disk tier (the stop's flush, or b1, b2 evict them)
-                stub = pb_grpc.ExecutorServiceStub(grpc.insecure_channel(server.address))
-                for p in (a, b1, b2) if args.evict else (a,):
-                    ttft(stub, p)
-                if args.evict:
-                    written = wait_written(server, args.prompt_len // bs)  # (counted since this start)
-                    log(f"run {r}: {written:.0f} blocks on disk; restarting")
+            try:  # before the restart: a's blocks reach the disk tier (the stop's flush)
+                ttft(pb_grpc.ExecutorServiceStub(grpc.insecure_channel(server.address)), a)
                 server.send_signal()
                 server.wait_exit()
                 flushed = FLUSHED.search(server.log())
@@ -127,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 warm.append((seconds, cached))
                 seconds, cached = ttft(stub, c)
                 cold.append((seconds, cached))
-                m = scrape(server)
-                reads.append((m.get("tandem:executor_kv_tier_read_bytes_total", 0.0),
-                              m.get("tandem:executor_kv_tier_read_seconds_total", 0.0)))
+                reads.append(tuple(counters(metrics_url(server), READS).values()))
                 log(f"run {r}: warm {1e3 * warm[-1][0]:.0f} ms ({warm[-1][1]} cached), cold {1e3 * seconds:.0f} ms")
             finally:
                 server.stop()
@@ -150,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     out = write_json(args.out, {"benchmark": "bench_kv_restart", "machine": machine_info("cpu"),
                                 "config": {"model": directory.name, "prompt_len": args.prompt_len,
                                            "repeats": args.repeats, "kv_blocks": pool,
-                                           "executor_args": args.executor_args, "evict": args.evict},
+                                           "executor_args": args.executor_args},
                                 "rows": rows, "disk_read_bytes": read_bytes, "disk_read_seconds": read_s,
                                 "disk_read_mb_s": mb_s, "flush_blocks": flushes[0][0] if flushes else None,
                                 "flush_seconds": flush_s})

@@ -1,5 +1,5 @@
 """Multi-LoRA decode throughput: one in-process Executor decoding a batch with no adapter, one adapter, and N
-distinct adapters (round-robin or grouped), configurations interleaved round by round; random PEFT adapters made
+distinct adapters (sequence i on adapter i mod N), configurations interleaved round by round; random PEFT adapters made
 with peft itself (reused from --adapter-dir). Method and columns: docs/benchmarks.md."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.cli import (add_common, add_device_args, add_sizes, make_log, model_dir, parse, parser, set_threads,
+from benchmarks.cli import (add_device_args, add_sizes, make_log, model_dir, parse, parser, set_threads,
                             torch_device)
 from benchmarks.flops import FlopModel
 from benchmarks.local_executor import TOKENS_ONLY, DecodeBatch, build_executor
@@ -35,16 +35,12 @@ log = make_log("bench_lora")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("lora", __doc__.split("\n\n")[0])
-    add_common(ap, "lora", "batch 8; steps 3; warmup 1; context 16")
+    ap = parser("lora", __doc__, "batch 8; steps 3; warmup 1; context 16")
     add_sizes(ap, DEFAULTS, {"batch": "sequences per decode call", "context": "prompt tokens per sequence",
                              "steps": "timed rounds (one decode call per configuration each)",
                              "warmup": "untimed rounds first"})
     ap.add_argument("--adapter-counts", default="0,1,4", help="distinct adapters per batch, one configuration each; "
                     "0 = base (default 0,1,4)")
-    ap.add_argument("--layout", choices=("round-robin", "grouped", "both"), default="round-robin",
-                    help="a mixed batch's adapters: round-robin (sequence i -> adapter i mod N), grouped (B/N "
-                         "consecutive sequences each) or both (default round-robin)")
     ap.add_argument("--num-adapters", type=int, default=None, help="adapters to create and load (default: the "
                     "largest of --adapter-counts)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank r (default 16)")
@@ -126,13 +122,11 @@ def lora_params(path: Path) -> int:
 class Config(DecodeBatch):
     """One configuration: B caches, each with its adapter (fixed at creation), and the tokens it sampled."""
 
-    def __init__(self, ex: Executor, count: int, batch: int, grouped: bool, device: torch.device) -> None:
+    def __init__(self, ex: Executor, count: int, batch: int, device: torch.device) -> None:
         super().__init__(ex)
-        self.count, self.grouped = count, grouped and count > 1
-        self.name = "base" if count == 0 else ("1 adapter" if count == 1 else
-                                               f"{count} {'grouped' if self.grouped else 'mixed'}")
-        self.adapters = [adapter_name(i * count // batch if self.grouped else i % count) if count else ""
-                         for i in range(batch)]
+        self.count = count
+        self.name = "base" if count == 0 else ("1 adapter" if count == 1 else f"{count} mixed")
+        self.adapters = [adapter_name(i % count) if count else "" for i in range(batch)]
         self.history: list[list[int]] = []
         self.clock = Clock(device)
 
@@ -201,11 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         root = args.adapter_dir.resolve() if args.adapter_dir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         creation = make_adapters(directory, root, args)
-        specs = [(c, False) for c in args.count_list if c < 2 or args.layout != "grouped"] + \
-                [(c, True) for c in args.count_list if c >= 2 and args.layout != "round-robin"]
-        specs.sort(key=lambda s: args.count_list.index(s[0]))
         per_seq = args.context + 1 + args.warmup + args.steps
-        kv = kv_blocks(len(specs) * args.batch, per_seq)  # every configuration's caches at once
+        kv = kv_blocks(len(args.count_list) * args.batch, per_seq)  # every configuration's caches at once
         ex = build_executor(directory, args.device, args.dtype, kv, max(args.max_batch_tokens, args.context),
                             adapter_root=root, max_adapters_on_device=max(8, args.num_adapters),
                             max_lora_rank=max(64, args.rank))
@@ -217,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             ex.load_adapter(adapter_name(i), root / adapter_name(i))
             load_s[adapter_name(i)] = time.perf_counter() - t0
-        configs = [Config(ex, count, args.batch, grouped, device) for count, grouped in specs]
+        configs = [Config(ex, count, args.batch, device) for count in args.count_list]
         load = time_rounds(configs, random_prompts(args.batch, args.context, cfg.vocab_size, args.seed).tolist(),
                            args, device)
         # per sampled token, each targeted linear adds x @ A^T (r x in) and @ B^T (out x r): 2 FLOPs per parameter

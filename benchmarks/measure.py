@@ -37,17 +37,6 @@ class Clock:
         self.cpu_times.append(time.process_time() - self._cpu_start)
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of fn over `repeats` calls after an untimed one (bare perf_counter: microsecond pieces)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, n: int = 2048,
                 repeats: int = 7) -> dict[str, Any]:
@@ -95,6 +84,20 @@ def process_cpu_s(pid: int) -> float | None:
         return _stat_cpu_s(f"/proc/{pid}/stat")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def proc_memory(pid: int) -> dict[str, int | None]:
+    """VmRSS and VmHWM (the most it held) of a live process, in bytes (None: not found)."""
+    out: dict[str, int | None] = {"rss": None, "peak": None}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out["rss" if key == "VmRSS" else "peak"] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def machine_busy_s() -> float | None:

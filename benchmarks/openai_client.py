@@ -1,6 +1,8 @@
 """The one load client of the serving, prefix, spec and structured benchmarks: asyncio + httpx against the
-scheduler's OpenAI front, streamed requests (token ids -> /v1/completions, text -> /v1/chat/completions), closed or
-open loop; vLLM's `return_tokens_as_token_ids` logprobs say exactly which tokens each SSE chunk carries."""
+scheduler's OpenAI front, streamed requests (token ids -> /v1/completions, text -> /v1/chat/completions) in a closed
+loop; vLLM's `return_tokens_as_token_ids` logprobs say exactly which tokens each SSE chunk carries. Kept because
+exact token-id prompts, re-sent multi-turn ids and per-token greedy checks are what vllm bench serve and guidellm
+cannot do (guidellm 0.8.1 joins prompts as text); open-loop request rates over text prompts are theirs to run."""
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +52,6 @@ def _note(rec: Record, chunk: dict[str, Any], t: float) -> None:
             rec.output_ids.extend(ids)
         if choice.get("finish_reason"):
             rec.finish_reason = choice["finish_reason"]
-        if choice.get("prompt_logprobs") is not None:  # (vLLM's extra: null for the first prompt token, ...)
-            rec.tags["prompt_logprobs"] = len(choice["prompt_logprobs"])
     u = chunk.get("usage")
     if u:
         details = u.get("completion_tokens_details") or {}
@@ -103,48 +103,21 @@ async def closed_loop(n: int, concurrency: int, send_i: Callable[[int], Awaitabl
     await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
 
 
-async def open_loop(records: list[Record], arrivals: list[float], cap: int | None,
-                    send_i: Callable[[int], Awaitable[Any]]) -> None:
-    """Request i due at arrivals[i] s from now; with `cap`, a due request waits for a slot and its clock
-    (Record.start) starts when it is sent."""
-    slots = asyncio.Semaphore(cap) if cap else None
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> None:
-        records[i].arrival = time.perf_counter()
-        if slots is None:
-            await send_i(i)
-        else:
-            async with slots:
-                await send_i(i)
-
-    tasks = []
-    for i, offset in enumerate(arrivals):
-        delay = t0 + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(one(i)))
-    await asyncio.gather(*tasks)
-
-
 async def run(url: str, prompts: Sequence[Prompt], output_len: int, concurrency: int | None, timeout: float,
-              arrivals: list[float] | None = None, **body: Any) -> list[Record]:
-    """Every prompt once: closed loop with `concurrency` in flight, or (arrivals given) open loop capped at
-    `concurrency` when it is set. body: request_body's options."""
+              **body: Any) -> list[Record]:
+    """Every prompt once, `concurrency` in flight (None: all at once). body: request_body's options."""
     records = [Record(i, 0 if isinstance(p, str) else len(p)) for i, p in enumerate(prompts)]
     async with make_client(url, concurrency or len(prompts)) as client:
         def send_i(i: int) -> Awaitable[Record]:
             return send(client, records[i], prompts[i], output_len, timeout, **body)
-        if arrivals is None:
-            await closed_loop(len(prompts), concurrency or len(prompts), send_i)
-        else:
-            await open_loop(records, arrivals, concurrency, send_i)
+        await closed_loop(len(prompts), concurrency or len(prompts), send_i)
     return records
 
 
 def counters(url: str, names: Sequence[str]) -> dict[str, float]:
-    """Prometheus counters of a scheduler's GET /metrics (exact sample names, summed over their labels)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+    """Prometheus counters of a scheduler's GET /metrics (url: its HTTP front), or of a full .../metrics URL
+    (metrics_url: a server's --metrics-port); exact sample names, summed over their labels."""
+    with urllib.request.urlopen(url if url.endswith("/metrics") else f"{url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
@@ -152,3 +125,8 @@ def counters(url: str, names: Sequence[str]) -> dict[str, float]:
         if m and m.group(1) in out:
             out[m.group(1)] += float(m.group(2))
     return out
+
+
+def metrics_url(server: Any) -> str:
+    """The /metrics URL a server started with --metrics-port logged."""
+    return re.search(r"metrics on (https?://\S+/metrics)", server.log()).group(1)

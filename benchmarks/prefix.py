@@ -1,26 +1,21 @@
 """Prefix-caching benchmark: a shared system prompt with many questions, and multi-turn conversations that re-send
 their history, through the scheduler's OpenAI front against fresh executor + scheduler processes per (workload,
-mode), with the executor's prefix cache on and off; and what publishing KV events on ZMQ costs decoding, with a
-subscriber that reads them and with one that never does. Method: docs/benchmarks.md."""
+mode), with the executor's prefix cache on and off. Method: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
 import shlex
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
-import zmq
 
 from benchmarks import executor_metrics, openai_client
-from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+from benchmarks.cli import (add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
                             serving_setup, stack)
 from benchmarks.measure import CpuMeter, cores_text, summarize
 from benchmarks.report import format_table, machine_info, model_json, write_json
@@ -30,11 +25,7 @@ from models.kv.paged_cache import DEFAULT_BLOCK_SIZE
 from tandem.ceil_div import ceil_div
 
 WORKLOADS = ("system-prompt", "multi-turn")
-MODE_EXECUTOR_ARGS: dict[str, list[str]] = {"on": [], "off": ["--no-prefix-caching"], "events": [],
-                                             "events-stalled": []}
-# KV events on ZMQ (--kv-events-endpoint, the cache on) and this process subscribed: a subscriber that reads every
-# batch; or that one and one that never reads (ZMQ queues for it up to its high-water mark, then drops for it)
-EVENT_MODES: dict[str, tuple[str, ...]] = {"events": ("active",), "events-stalled": ("active", "stalled")}
+MODE_EXECUTOR_ARGS: dict[str, list[str]] = {"on": [], "off": ["--no-prefix-caching"]}
 DEFAULTS = {"system_tokens": 1000, "questions": 64, "question_tokens": 32, "conversations": 16, "turns": 6,
             "output_len": 64, "concurrency": 8, "warmup": 2}
 QUICK = {"system_tokens": 64, "questions": 4, "question_tokens": 8, "conversations": 2, "turns": 3,
@@ -60,12 +51,11 @@ class Prompts:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("prefix", __doc__.split("\n\n")[0])
-    add_common(ap, "prefix", "system prompt 64, 4 questions of 8, 2 conversations x 3 turns, output 8, concurrency 2")
+    ap = parser("prefix", __doc__,
+                "system prompt 64, 4 questions of 8, 2 conversations x 3 turns, output 8, concurrency 2")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)} (both)")
     ap.add_argument("--modes", default="on,off", help="comma list of on (executor defaults), off "
-                    "(--no-prefix-caching), events (on + KV events on ZMQ, read by a subscriber), events-stalled "
-                    "(events + a subscriber that never reads); the events modes are compared with on")
+                    "(--no-prefix-caching)")
     add_sizes(ap, DEFAULTS, {"system-tokens": "tokens of the shared system prompt",
                              "questions": "system-prompt: requests, each its own question",
                              "question-tokens": "tokens of a question / a user message",
@@ -77,9 +67,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-blocks", type=int, default=None, help="the executor's KV pool, both modes (default: room "
                     "for every distinct block the workload writes, so nothing is evicted for lack of room)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="N", help="every request also asks for "
-                    "vLLM's prompt_logprobs with N alternatives (0-20): what the cache saves when they are kept "
-                    "beside its blocks (default: not asked)")
     add_process_args(ap)
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.workload_list = choices(args.workloads, WORKLOADS, "--workloads")
@@ -130,7 +117,7 @@ async def conversations(url: str, prompts: Prompts, args) -> list[Record]:
             for t, user in enumerate(prompts.users[c]):
                 rec, prompt = records[c * turns + t], history + user
                 rec.prompt_len = len(prompt)
-                await openai_client.send(client, rec, prompt, args.output_len, args.request_timeout, **extras(args))
+                await openai_client.send(client, rec, prompt, args.output_len, args.request_timeout)
                 if rec.error or len(rec.output_ids) != args.output_len:  # the conversation cannot go on
                     for later in records[c * turns + t + 1:(c + 1) * turns]:
                         later.error = SKIPPED
@@ -138,15 +125,6 @@ async def conversations(url: str, prompts: Prompts, args) -> list[Record]:
                 history = prompt + rec.output_ids
         await openai_client.closed_loop(args.conversations, args.concurrency, conversation)
     return records
-
-
-def extras(args) -> dict[str, Any]:
-    return {} if args.prompt_logprobs is None else {"prompt_logprobs": args.prompt_logprobs}
-
-
-def served(r: Record, args) -> bool:
-    """The request produced exactly its output and, when asked, the prompt's logprobs (null + one per token)."""
-    return exact(r, args.output_len) and (args.prompt_logprobs is None or r.tags.get("prompt_logprobs") == r.prompt_len)
 
 
 def prefix_stats(records: list[Record], work: dict[str, Any]) -> dict[str, Any]:
@@ -167,86 +145,25 @@ def prefix_stats(records: list[Record], work: dict[str, Any]) -> dict[str, Any]:
             "executor_prompt_tokens_processed": work["tokens_processed"] - sum(max(r.output_len - 1, 0) for r in ok)}
 
 
-class EventSubscribers:
-    """This process's ZMQ subscribers of an executor's KV events: `active` reads every batch on a thread and counts
-    batches, events and gaps in the sequence numbers; `stalled` connects and never reads."""
-
-    def __init__(self, endpoint: str, kinds: tuple[str, ...]) -> None:
-        self.ctx, self.kinds = zmq.Context(), kinds
-        self.batches = self.events = self.gaps = 0
-        self._marked = (0, 0, 0)
-        self._stop = threading.Event()
-        self.sockets = [self._sub(endpoint, stalled=k == "stalled") for k in kinds]
-        self.thread = threading.Thread(target=self._read, args=(self.sockets[0],), daemon=True)
-        self.thread.start()
-
-    def _sub(self, endpoint: str, stalled: bool) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.SUB)
-        if stalled:  # the smallest buffers: the publisher's side of its pipe fills at once
-            sock.setsockopt(zmq.RCVHWM, 1)
-            sock.setsockopt(zmq.RCVBUF, 4096)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(endpoint)
-        return sock
-
-    def _read(self, sock: zmq.Socket) -> None:
-        last = None
-        while not self._stop.is_set():
-            if sock.poll(50):
-                _, seq, payload = sock.recv_multipart()
-                n = int.from_bytes(seq, "big")
-                self.gaps += last is not None and n != last + 1
-                self.batches, self.events, last = self.batches + 1, self.events + len(msgspec.msgpack.decode(
-                    payload)[1]), n
-
-    def mark(self) -> None:
-        """Counts from now on (the timed run)."""
-        self._marked = (self.batches, self.events, self.gaps)
-
-    def close(self) -> dict[str, Any]:
-        self._stop.set()
-        self.thread.join()
-        for sock in self.sockets:
-            sock.close(linger=0)
-        self.ctx.term()
-        got = dict(zip(("batches", "events", "gaps"), (self.batches, self.events, self.gaps)))
-        return {"subscribers": list(self.kinds), **{k: got[k] - m for k, m in zip(got, self._marked)}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_mode(args, model_dir: Path, workload: str, mode: str, prompts: Prompts, threads: int
              ) -> tuple[dict[str, Any], list[Record]]:
     """Fresh executor + scheduler, warm-up, the timed workload between two executor snapshots, servers stopped."""
     flags = ["--threads", str(threads), "--kv-blocks", str(args.kv_blocks or kv_pool_blocks(args, workload)),
              *MODE_EXECUTOR_ARGS[mode], *shlex.split(args.executor_args)]
-    port = free_port() if mode in EVENT_MODES else None
-    if port is not None:
-        flags += ["--kv-events-endpoint", f"tcp://*:{port}"]
     with stack(model_dir, flags, shlex.split(args.scheduler_args)) as servers:
         url = servers[1].http_url
-        subs = EventSubscribers(f"tcp://127.0.0.1:{port}", EVENT_MODES[mode]) if port is not None else None
         if prompts.warmup:
-            asyncio.run(openai_client.run(url, prompts.warmup, args.output_len, args.concurrency, args.request_timeout,
-                                          **extras(args)))
+            asyncio.run(openai_client.run(url, prompts.warmup, args.output_len, args.concurrency, args.request_timeout))
         before = executor_metrics.snapshot(servers[0].address)
         meter = CpuMeter({"client": os.getpid(), **{s.name: s.proc.pid for s in servers}})
         meter.start()
-        if subs is not None:  # joined by now: the warm-up's events went out
-            subs.mark()
         t = time.perf_counter()
         if workload == "system-prompt":
             records = asyncio.run(openai_client.run(url, [prompts.system + q for q in prompts.questions],
-                                                    args.output_len, args.concurrency, args.request_timeout,
-                                                    **extras(args)))
+                                                    args.output_len, args.concurrency, args.request_timeout))
         else:
             records = asyncio.run(conversations(url, prompts, args))
         cpu, wall = meter.stop(), time.perf_counter() - t
-        events = subs.close() if subs is not None else None
         work = executor_metrics.work(before, executor_metrics.snapshot(servers[0].address), wall)
         if any(r.error for r in records):
             log(f"a request failed; scheduler log tail:\n{servers[1].log(4000)}\nexecutor:\n{servers[0].log(4000)}")
@@ -255,7 +172,7 @@ def run_mode(args, model_dir: Path, workload: str, mode: str, prompts: Prompts, 
     late = [r.metrics()["ttft"] for r in records
             if r.tags.get("turn", 0) >= LATE_TURN and r.error is None and r.messages]
     side.update(workload=workload, mode=mode, cpu=cpu, prefix=prefix_stats(records, work), executor_work=work,
-                ttft_late_turns_ms=summarize(late, 1e3) if workload == "multi-turn" else None, kv_events=events,
+                ttft_late_turns_ms=summarize(late, 1e3) if workload == "multi-turn" else None,
                 servers={"executor_command": servers[0].args, "exit_codes": codes})
     log(f"{workload}, cache {mode}: {len(records)} requests in {side['duration_s']:.2f}s")
     return side, records
@@ -278,24 +195,6 @@ def comparisons(runs: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
     return [r for r in rows if r["workload"] in runs]
 
 
-def event_costs(runs: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per workload, decoding with KV events published against the same run without (mode on): output tok/s and
-    1 / mean TPOT as ratios (1.0: no cost; below 1: slower), and what the reading subscriber got."""
-    rows = []
-    for workload, modes in runs.items():
-        base = modes.get("on")
-        for mode in ["on", *EVENT_MODES] if any(m in modes for m in EVENT_MODES) else []:
-            if mode in modes:
-                s, ev = modes[mode], modes[mode]["kv_events"] or {}
-                tpot = s["tpot_ms"]["mean"]
-                rows.append({"workload": workload, "mode": mode, "subscribers": "+".join(ev.get("subscribers", [])) or
-                             "none (events off)", "out_tok_s": s["output_throughput"], "tpot": tpot,
-                             "tok_s_ratio": s["output_throughput"] / base["output_throughput"] if base else None,
-                             "tpot_ratio": base["tpot_ms"]["mean"] / tpot if base and tpot else None,
-                             **{k: ev.get(k) for k in ("batches", "events", "gaps")}})
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads, model_dir, cfg = serving_setup(args)
@@ -309,14 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         runs[workload], recs = {}, {}
         for mode in args.mode_list:
             runs[workload][mode], recs[mode] = run_mode(args, model_dir, workload, mode, prompts, threads)
-            bad += sum(not served(r, args) for r in recs[mode])
+            bad += sum(not exact(r, args.output_len) for r in recs[mode])
         agree[workload] = agreement(recs["on"], recs["off"]) if {"on", "off"} <= recs.keys() else None
-    compare, costs = comparisons(runs), event_costs(runs)
+    compare = comparisons(runs)
     print(f"model: {model_dir.name} ({cfg.architecture})  threads: {threads}  KV block {DEFAULT_BLOCK_SIZE} tokens")
     print(f"system-prompt: {args.system_tokens}-token system prompt + {args.questions} questions of "
           f"{args.question_tokens}; multi-turn: {args.conversations} conversations x {args.turns} turns; "
-          f"{args.output_len} tokens out each, {args.concurrency} in flight"
-          + ("" if args.prompt_logprobs is None else f"; prompt_logprobs {args.prompt_logprobs}") + "\n")
+          f"{args.output_len} tokens out each, {args.concurrency} in flight\n")
     rows = []
     for s in (s for modes in runs.values() for s in modes.values()):
         p = s["prefix"]
@@ -333,24 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     if compare:
         print(format_table(compare, [("workload", "workload"), ("metric", "metric"), ("off", "cache off", 3),
                                      ("on", "cache on", 3), ("ratio", "ratio / value", 3)]))
-    if costs:
-        print("\nKV events on ZMQ: decoding with events published vs the same run without (on); ratio 1.0 = no cost")
-        print(format_table(costs, [("workload", "workload"), ("mode", "mode"), ("subscribers", "subscribers"),
-                                   ("out_tok_s", "out tok/s", 1), ("tok_s_ratio", "tok/s vs on", 3),
-                                   ("tpot", "TPOT mean", 2), ("tpot_ratio", "1/TPOT vs on", 3),
-                                   ("batches", "batches read"), ("events", "events read"), ("gaps", "gaps")]))
     for workload, a in agree.items():
         if a:
             print(f"{workload}: {a['identical']}/{a['compared']} requests generated the same tokens with the cache on "
                   f"and off")
     if bad:
-        print(f"ERROR: {bad} requests failed or did not produce exactly the output length (or the prompt's logprobs "
-              "when asked; see stderr)")
+        print(f"ERROR: {bad} requests failed or did not produce exactly the output length (see stderr)")
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"threads": threads,
                                                                      "block_size": DEFAULT_BLOCK_SIZE}
     results = {"benchmark": "bench_prefix", "config": config, "machine": machine_info("cpu"),
-               "model": model_json(model_dir, cfg), "runs": runs, "comparisons": compare, "kv_events": costs,
-               "agreement": agree,
-               "all_exact_output_len": bad == 0}
+               "model": model_json(model_dir, cfg), "runs": runs, "comparisons": compare,
+               "agreement": agree, "all_exact_output_len": bad == 0}
     log(f"wrote {write_json(args.out, results)}")
     return 1 if bad else 0

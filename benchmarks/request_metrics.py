@@ -16,7 +16,6 @@ class Record:
     index: int
     prompt_len: int
     start: float = 0.0  # sent (Tandem) / its generate call began (baselines)
-    arrival: float | None = None  # open loop: when it was due (it may wait for a --concurrency slot)
     end: float = 0.0
     messages: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of token-carrying messages
     output_ids: list[int] = field(default_factory=list)

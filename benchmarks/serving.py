@@ -1,6 +1,6 @@
 """Serving benchmark: concurrent streamed requests of exact lengths through the scheduler's OpenAI-compatible
-front (a real executor + scheduler, or --target), closed or open loop, then transformers' generate on the same
-prompts (--baseline hf,hf-serial) in the same run. Method and metrics: docs/benchmarks.md."""
+front (a real executor + scheduler), a closed loop, then transformers' generate on the same prompts
+(--baseline hf,hf-serial) in the same run. Method and metrics: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -9,19 +9,18 @@ import json
 import os
 import shlex
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from benchmarks import openai_client
 from benchmarks.baselines import HfBaseline
-from benchmarks.cli import (add_common, add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
+from benchmarks.cli import (add_process_args, add_sizes, choices, has_flag, make_log, parse, parser,
                             serving_setup, stack)
 from benchmarks.flops import FlopModel
 from benchmarks.measure import CpuMeter, cores_text
 from benchmarks.report import format_table, machine_info, model_json, write_json
 from benchmarks.request_metrics import Record, aggregate, agreement, exact
-from benchmarks.workloads import kv_blocks, model_vocabulary, poisson_arrivals, vocabulary_prompts
+from benchmarks.workloads import kv_blocks, model_vocabulary, vocabulary_prompts
 
 BASELINES = ("hf", "hf-serial")
 QUICK = {"num_requests": 4, "input_len": 16, "output_len": 8, "concurrency": 2, "warmup": 1,
@@ -38,59 +37,39 @@ log = make_log("bench_serving")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("serving", __doc__.split("\n\n")[0])
-    add_common(ap, "serving", "4 requests, input 16, output 8, concurrency 2, warmup 1, every hf-serial request timed")
-    ap.add_argument("--target", default=None, metavar="URL", help="benchmark this running scheduler's HTTP front "
-                    "(http://HOST:PORT; --model names the model it serves) instead of starting servers")
+    ap = parser("serving", __doc__,
+                "4 requests, input 16, output 8, concurrency 2, warmup 1, every hf-serial request timed")
     add_sizes(ap, DEFAULTS, {"input-len": "prompt tokens per request", "output-len": "generated tokens, exactly",
                              "num-requests": "timed requests",
-                             "concurrency": "closed loop: requests in flight; with --request-rate: the most in "
-                                            "flight (no cap unless given)",
+                             "concurrency": "requests in flight (closed loop)",
                              "warmup": "untimed requests first (baselines: one untimed generate, unless 0)",
                              "hf-serial-requests": "hf-serial: time only the first K prompts and extrapolate the "
                                                    "duration to all (0 = all)"})
-    ap.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals at this many "
-                    "requests/s (default: closed loop)")
     ap.add_argument("--baseline", default="", help="comma list run after Tandem on the same prompts: hf (batched "
                     "generate), hf-serial (one request at a time); default none")
     ap.add_argument("--hf-batch-size", type=int, default=None, help="prompts per generate call of the hf baseline "
-                    "(default: --concurrency, or every request with an uncapped --request-rate)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
-    ap.add_argument("--again", action="store_true", help="send the timed requests a second time once they end: side "
-                    "'tandem-again' is the same burst with its prompts in the prefix cache (TTFT of cached prompts)")
+                    "(default: --concurrency)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     add_process_args(ap)
-    open_loop = any(a.startswith("--request-rate") for a in argv or [])  # no cap on in-flight unless asked
-    args = parse(ap, argv, QUICK, DEFAULTS, keep_unset=("concurrency",) if open_loop else ())
-    if min(args.input_len, args.output_len, args.num_requests, args.concurrency or 1) < 1 or args.warmup < 0:
+    args = parse(ap, argv, QUICK, DEFAULTS)
+    if min(args.input_len, args.output_len, args.num_requests, args.concurrency) < 1 or args.warmup < 0:
         ap.error("--input-len, --output-len, --num-requests and --concurrency must be >= 1, --warmup >= 0")
-    if args.request_rate is not None and not args.request_rate > 0:
-        ap.error("--request-rate must be > 0")
     args.baselines = choices(args.baseline, BASELINES, "--baseline") if args.baseline else []
-    args.hf_batch_size = max(1, min(args.hf_batch_size or args.concurrency or args.num_requests, args.num_requests))
+    args.hf_batch_size = max(1, min(args.hf_batch_size or args.concurrency, args.num_requests))
     return args
 
 
 def run_tandem(args, url: str, prompts: list[list[int]], warmup: list[list[int]], pids: dict[str, int]
                ) -> tuple[list[Record], dict[str, Any]]:
-    """The warm-up, then the timed run (closed or open loop) with the processes' CPU use around it."""
+    """The warm-up, then the timed run with the processes' CPU use around it."""
     if warmup:
         warm = asyncio.run(openai_client.run(url, warmup, args.output_len, args.concurrency, args.request_timeout))
         if any(r.error for r in warm):
             raise RuntimeError(f"warm-up request failed: {next(r.error for r in warm if r.error)}")
-    arrivals = None if args.request_rate is None else poisson_arrivals(len(prompts), args.request_rate, args.seed)
     meter = CpuMeter(pids)
     meter.start()
-    records = asyncio.run(openai_client.run(url, prompts, args.output_len, args.concurrency, args.request_timeout,
-                                            arrivals))
+    records = asyncio.run(openai_client.run(url, prompts, args.output_len, args.concurrency, args.request_timeout))
     return records, meter.stop()
-
-
-def run_again(args, url: str, prompts: list[list[int]], pids: dict[str, int], flops: float | None
-              ) -> tuple[list[dict[str, Any]], list[Record]]:
-    """--again: the timed requests once more, as they were sent (their prompts now cached): ([side], inexact)."""
-    records, cpu = run_tandem(args, url, prompts, [], pids)
-    side = aggregate("tandem-again", records, flops_per_request=flops, output_len=args.output_len) | {"cpu": cpu}
-    return [side], [r for r in records if not exact(r, args.output_len)]
 
 
 def run_baselines(args, model_dir: Path, prompts: list[list[int]], tandem: list[Record], flops: float | None
@@ -136,8 +115,6 @@ def print_report(sides: list[dict[str, Any]], header: list[str], bad: int) -> No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.target and not args.model:
-        raise SystemExit("error: --target needs --model DIR (the model it serves: prompts, FLOPs, baselines)")
     threads, model_dir, cfg = serving_setup(args)
     if args.input_len + args.output_len > cfg.max_position_embeddings:
         raise SystemExit(f"error: --input-len + --output-len is past the model's {cfg.max_position_embeddings}")
@@ -146,29 +123,26 @@ def main(argv: list[str] | None = None) -> int:
     allowed = model_vocabulary(model_dir, cfg)
     prompts = vocabulary_prompts(args.num_requests, args.input_len, allowed, args.seed, stream=0)
     warmup = vocabulary_prompts(args.warmup, args.input_len, allowed, args.seed, stream=1)
-    mode = (f"closed loop, {args.concurrency} in flight" if args.request_rate is None else
-            f"Poisson {args.request_rate:g} req/s" + (f", at most {args.concurrency} in flight"
-                                                       if args.concurrency else ""))
+    mode = f"closed loop, {args.concurrency} in flight"
     log(f"model {model_dir}; {args.num_requests} x ({args.input_len} in, {args.output_len} out), {mode}")
     user = shlex.split(args.executor_args)
     flags = ["--threads", str(threads)] + ([] if has_flag(user, "--kv-blocks", "--kv-memory-fraction") else [
-        "--kv-blocks", str(kv_blocks((args.concurrency or args.num_requests) + max(args.warmup, 1),
+        "--kv-blocks", str(kv_blocks(args.concurrency + max(args.warmup, 1),
                                      args.input_len + args.output_len))]) + user  # a pool for the whole run
     t = time.perf_counter()
-    with nullcontext([]) if args.target else stack(model_dir, flags, shlex.split(args.scheduler_args)) as servers:
-        url = args.target or servers[1].http_url
+    with stack(model_dir, flags, shlex.split(args.scheduler_args)) as servers:
+        url = servers[1].http_url
         pids = {"client": os.getpid(), **{s.name: s.proc.pid for s in servers}}
         log(f"serving at {url} (ready in {time.perf_counter() - t:.1f}s)")
         records, cpu = run_tandem(args, url, prompts, warmup, pids)
-        again, bad_again = run_again(args, url, prompts, pids, flops) if args.again else ([], [])
-        if servers and any(r.error for r in records):
+        if any(r.error for r in records):
             log(f"a request failed; scheduler log tail:\n{servers[1].log(4000)}\nexecutor:\n{servers[0].log(4000)}")
         codes = {s.name: s.stop() for s in reversed(servers)}
     tandem = aggregate("tandem", records, flops_per_request=flops, output_len=args.output_len) | {"cpu": cpu}
-    bad = [r for r in records if not exact(r, args.output_len)] + bad_again
+    bad = [r for r in records if not exact(r, args.output_len)]
     for r in bad[:5]:
         log(f"request {r.index}: error {r.error}, {r.output_len} tokens, usage {r.usage}, finish {r.finish_reason}")
-    sides = [tandem] + again + (run_baselines(args, model_dir, prompts, records, flops) if args.baselines else [])
+    sides = [tandem] + (run_baselines(args, model_dir, prompts, records, flops) if args.baselines else [])
     for s in sides:
         s["tandem_over_side"] = tandem["output_throughput"] / s["output_throughput"] if s["output_throughput"] else None
     print_report(sides, [f"model: {model_dir.name} ({cfg.architecture})  threads: {threads}",
@@ -178,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"benchmark": "bench_serving", "config": config, "machine": machine_info("cpu"),
                "model": model_json(model_dir, cfg) | {"flops_per_request": flops},
                "servers": {s.name: {"address": s.address, "pid": s.proc.pid, "command": s.args} for s in servers}
-               | ({"http_url": url, "exit_codes": codes} if servers else {"http_url": url}),
+               | {"http_url": url, "exit_codes": codes},
                "all_exact_output_len": not bad, "sides": {s["name"]: s for s in sides},
                "ratios": {s["name"]: {"tandem_over_side": s["tandem_over_side"]} for s in sides[1:]}}
     log(f"wrote {write_json(args.out, results)}")

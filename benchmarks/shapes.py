@@ -124,16 +124,6 @@ def bytes_read_per_step(model_dir: Path, tied: bool, bytes_per_weight: float) ->
     return (total - (0 if tied else embedding)) * bytes_per_weight
 
 
-def process_memory(pid: int) -> dict[str, float]:
-    """RSS and PSS of a process in MB (/proc/PID/smaps_rollup; {} where there is none)."""
-    try:
-        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
-    except OSError:
-        return {}
-    kb = {p[0].rstrip(":"): int(p[1]) for p in (line.split() for line in lines) if len(p) == 3 and p[2] == "kB"}
-    return {"rss_mb": kb.get("Rss", 0) / 1024, "pss_mb": kb.get("Pss", 0) / 1024}
-
-
 def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
     """Bytes/s of a read (a sum over nbytes) and of a copy (nbytes read + nbytes written), the best of `repeats`,
     with torch's threads: the limit a decode step that streams its weights can approach."""

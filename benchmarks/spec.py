@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from benchmarks import openai_client
-from benchmarks.cli import add_common, add_sizes, choices, int_list, make_log, parse, parser, serving_setup
+from benchmarks.cli import add_sizes, choices, int_list, make_log, parse, parser, serving_setup
 from benchmarks.measure import summarize
 from benchmarks.report import fmt, machine_info, model_json, table, write_json
 from benchmarks.request_metrics import Record
@@ -90,8 +90,7 @@ def prompts(workload: str, n: int) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("spec", __doc__.split("\n\n")[0])
-    add_common(ap, "spec", "concurrency 1,2, 16 tokens")
+    ap = parser("spec", __doc__, "concurrency 1,2, 16 tokens")
     add_sizes(ap, DEFAULTS, {"workloads": f"comma list of {', '.join(WORKLOADS)}",
                              "concurrency": "comma list of requests in flight", "output-len": "max tokens per request",
                              "rounds": "A B B A rounds per cell (1: off then on)"})

@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, choices, make_log, model_dir, parse, parser, stop_on_sigterm
-from benchmarks.measure import machine_busy_s, other_cores, process_cpu_s
+from benchmarks.cli import add_sizes, choices, make_log, model_dir, parse, parser, stop_on_sigterm
+from benchmarks.measure import machine_busy_s, other_cores, proc_memory, process_cpu_s
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
 from tandem import server_process
@@ -39,8 +39,8 @@ log = make_log("bench_startup")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("startup", __doc__.split("\n\n")[0])
-    add_common(ap, "startup", "the defaults config once, warm only, a 16-token prompt, 2 decode steps", threads=False)
+    ap = parser("startup", __doc__, "the defaults config once, warm only, a 16-token prompt, 2 decode steps",
+                threads=False)
     ap.add_argument("--configs", default=None, help=f"comma list of {', '.join(CONFIGS)} (default: all)")
     add_sizes(ap, DEFAULTS, {"repeats": "warm starts per configuration (0 = the cold start only)",
                              "prompt-len": "tokens of the first (and second) request's prompt",
@@ -74,20 +74,6 @@ def evict(directory: Path) -> bool:
         finally:
             os.close(fd)
     return True
-
-
-def proc_memory(pid: int) -> dict[str, int | None]:
-    """VmRSS and VmHWM (the most it held) of a live process, in bytes."""
-    out: dict[str, int | None] = {"rss": None, "peak": None}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
-                    out["rss" if key == "VmRSS" else "peak"] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def request(stub: pb_grpc.ExecutorServiceStub, prompt: list[int], steps: int) -> dict[str, Any]:

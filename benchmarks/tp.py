@@ -14,7 +14,8 @@ from typing import Any
 
 import grpc
 
-from benchmarks.cli import add_common, add_sizes, int_list, make_log, model_dir, parse, parser
+from benchmarks.cli import add_sizes, int_list, make_log, model_dir, parse, parser
+from benchmarks.measure import proc_memory
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import random_prompts
 from models.config import ModelConfig
@@ -32,8 +33,7 @@ log = make_log("bench_tp")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser("tp", __doc__.split("\n\n")[0])
-    add_common(ap, "tp", "sizes 1,2; batches 1,4; steps 3; context 16; prefill 32")
+    ap = parser("tp", __doc__, "sizes 1,2; batches 1,4; steps 3; context 16; prefill 32")
     ap.add_argument("--sizes", default=None, help="tensor-parallel sizes, comma list; sizes the model cannot be "
                                                   "split into (heads, KV heads) are skipped, logged (default 1,2,3)")
     ap.add_argument("--batches", default=None, help="decode batch sizes, comma list (default 1,8)")
@@ -49,13 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.size_list, args.batch_list = int_list(args.sizes, "--sizes"), int_list(args.batches, "--batches")
     return args
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def ranks_of(pid: int) -> list[int]:
@@ -106,7 +99,8 @@ def bench_size(model: Path, size: int, threads: int, args: argparse.Namespace, v
             times = decode_ms(stub, random_prompts(batch, args.context, vocab, batch).tolist(), args.steps, args.warmup)
             rows.append({"tp": size, "threads_per_rank": per_rank, "batch": batch,
                          "decode_ms": statistics.median(times), "decode_ms_min": min(times), "prefill_ms": prefill,
-                         "rank_rss_mib": " / ".join(f"{rss_mib(p):.0f}" for p in ranks_of(server.proc.pid))})
+                         "rank_rss_mib": " / ".join(f"{(proc_memory(p)['rss'] or 0) / 2**20:.0f}"
+                                                    for p in ranks_of(server.proc.pid))})
         return rows
     finally:
         code = server.stop()

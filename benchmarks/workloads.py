@@ -1,5 +1,5 @@
 """Workloads: random prompts (fixed seed) from a model's regular vocabulary, grouping them under a per-call
-token budget, Poisson arrival times, and the KV blocks a workload needs."""
+token budget, and the KV blocks a workload needs."""
 from __future__ import annotations
 
 import json
@@ -72,10 +72,3 @@ def vocabulary_prompts(n: int, length: int, allowed: np.ndarray, seed: int, stre
     """n prompts of `length` ids drawn uniformly from `allowed`; `stream` separates independent prompt sets
     (timed, warm-up, ...) so that changing one size leaves the others' ids alone."""
     return np.random.default_rng([seed, stream]).choice(allowed, size=(n, length)).tolist()
-
-
-def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
-    """Arrival offsets (s) of n requests: the first at 0, then exponential gaps of mean 1 / rate."""
-    gaps = np.random.default_rng([seed, 2]).exponential(1.0 / rate, size=n)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()

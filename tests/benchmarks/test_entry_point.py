@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-NAMES = ["decode", "disagg", "executor", "fleet", "forward", "host_sharing", "kv_restart", "lora", "moe", "prefix",
-         "serving", "spec", "startup", "step_profile", "structured", "tp"]
+NAMES = ["decode", "disagg", "executor", "fleet", "forward", "kv_restart", "lora", "prefix",
+         "serving", "spec", "startup", "structured", "tp"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -36,4 +36,4 @@ def test_each_benchmark_has_its_own_help(name):
 
 def test_an_unknown_name_fails_with_the_list():
     proc = bench("nope")
-    assert proc.returncode == 2 and "unknown benchmark 'nope'" in proc.stderr and "step_profile" in proc.stderr
+    assert proc.returncode == 2 and "unknown benchmark 'nope'" in proc.stderr and "structured" in proc.stderr

@@ -1,10 +1,10 @@
-"""Smoke tests of `python -m benchmarks executor`, `step_profile` and `startup` --quick on a tiny checkpoint: real
+"""Smoke tests of `python -m benchmarks executor` and `startup` --quick on a tiny checkpoint: real
 server processes where the benchmark starts them, sane JSON. No timing assertions (shared, noisy machine)."""
 from __future__ import annotations
 
 import pytest
 
-CONFIGS = {"tokens", "logits/f32", "logits/bf16", "tokens/x8", "tokens+ReleaseCache", "tokens+release-in-step"}
+CONFIGS = {"tokens", "logits/f32", "logits/bf16", "tokens/x8"}
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
@@ -12,28 +12,17 @@ def test_executor_quick(model_dir, run_bench):
     proc, data = run_bench("executor", "--quick", "--model", str(model_dir))
     assert "server stopped (exit code 0)" in proc.stderr and data["server_exit_code"] == 0  # SIGTERM -> clean drain
     assert data["benchmark"] == "bench_executor" and data["server"]["address"].startswith("127.0.0.1:")
-    assert data["empty_rpc"]["before"]["median_ms"] > 0
     rows = data["rows"]
     assert {r["config"] for r in rows} == CONFIGS and len(rows) == 2 * len(CONFIGS)
     for r in rows:
         for key in ("inproc_ms", "grpc_ms", "grpc_over_inproc", "response_bytes", "request_bytes"):
             assert r[key] > 0, (r["config"], r["batch"], key)
-        assert r["breakdown_ms"]["server_op"] > 0 and r["breakdown_ms"]["inproc_op"] > 0
+        assert r["server_cpu_ms"] > 0
     by = {(r["config"], r["batch"]): r for r in rows}
     for b in (1, 4):  # float32 logits carry 4 bytes per vocab entry, bfloat16 2: the wire sizes show it
         assert by[("logits/f32", b)]["response_bytes"] > by[("logits/bf16", b)]["response_bytes"] \
             > by[("tokens", b)]["response_bytes"]
-        assert by[("tokens/x8", b)]["grpc_multi_over_single"] > 0
-    assert "grpc/inproc" in proc.stdout and "where the gRPC time goes" in proc.stdout
-
-
-@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
-def test_step_profile_quick(model_dir, run_bench):
-    proc, data = run_bench("step_profile", "--quick", "--model", str(model_dir), "--threads", "1",
-                           "--no-hf")
-    (row,) = data["rows"]
-    assert row["tandem_total_s"] > 0 and row["tandem_decode_steps"] > 0 and "hf_total_s" not in row
-    assert "decode step ms" in proc.stdout
+    assert "grpc/inproc" in proc.stdout
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long

@@ -34,7 +34,7 @@ def test_fleet_quick(model_dir, run_bench):
     assert states.pop(f["kill"]["address"]) == "STATE_UNREACHABLE" and set(states.values()) == {"STATE_SERVING"}
     s = f["summary"]
     assert s["unknown"] == 0 and s["moved"]["streams"] >= 1 and s["moved_matches_victim_running"] is True
-    assert s["moved"]["streams"] + s["stayed"]["streams"] == STREAMS and s["executor_extra_tokens"] > 0
+    assert s["moved"]["streams"] + s["stayed"]["streams"] == STREAMS
     for v in f["per_stream"]:
         assert v["completed"] and v["identical_to_clean"] and v["tokens_before_kill"] >= KILL_AFTER, v
         if v["moved"]:

@@ -1,6 +1,6 @@
 """Smoke tests of `python -m benchmarks lora` and `decode` on the tiny checkpoint. lora: random PEFT adapters made,
 loaded and decoded with (a second run reuses them); decode: real executor + scheduler per mode, in-process steps
-and the quality part (the compiled mode's compiles cost ~80 s: tests/executor/test_compiled_decode.py covers it;
+(the compiled mode's compiles cost ~80 s: tests/executor/test_compiled_decode.py covers it;
 llama.cpp is not part of the smoke run). Timings are never asserted (noisy machine)."""
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def test_lora_quick(model_dir, tmp_path, run_bench):
     assert "xbase" in proc.stdout and "PASS" not in proc.stdout  # measurements, no verdicts
 
     _, again = run_bench("lora", "--quick", "--model", str(model_dir), "--batch", "4", "--steps", "1", "--rank", "4",
-                         "--adapter-counts", "0,2", "--num-adapters", "4", "--layout", "both",
+                         "--adapter-counts", "0,2", "--num-adapters", "4",
                          "--adapter-dir", str(adapters), "--out", str(tmp_path / "again.json"))
     assert again["adapters"]["creation"]["created"] == [] and len(again["adapters"]["creation"]["reused"]) == 4
-    assert [r["config"] for r in again["rows"]] == ["base", "2 mixed", "2 grouped"]
+    assert [r["config"] for r in again["rows"]] == ["base", "2 mixed"]
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
@@ -38,9 +38,7 @@ def test_decode_quick(model_dir, run_bench):
     assert data["config"]["modes"] == ",".join(modes)
     for mode in modes:
         s = data["stream"][mode]
-        assert len(s["runs"]) == 1 and s["decode_tok_s"] > 0 and s["ready_s"] > 0 and s["restart_s"] is None
+        assert len(s["runs"]) == 1 and s["decode_tok_s"] > 0
         assert set(data["steps"][mode]) == {"1", "4"} and all(v["step_ms"] > 0 for v in data["steps"][mode].values())
-    q = data["quality"]["int8-native"]  # float32 modes are the reference
-    assert set(data["quality"]) == {"int8-native"} and q["total_tokens"] == 4 * q["steps"]
-    assert 0 <= q["agreed_tokens"] <= q["top1_matches"] <= q["total_tokens"] and abs(q["nll_delta"]) < 0.1
-    assert "single stream" in proc.stdout and "decode steps" in proc.stdout and "quality vs float32" in proc.stdout
+    assert "quality" not in data  # tests/executor/test_quantization_quality.py holds the bounds
+    assert "single stream" in proc.stdout and "decode steps" in proc.stdout

@@ -33,18 +33,6 @@ def test_serving_quick_with_both_baselines(model_dir, run_bench):
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
-def test_serving_again_sends_the_same_burst_cached(model_dir, run_bench):
-    proc, data = run_bench("serving", "--quick", "--model", str(model_dir), "--again", "--input-len", "32",
-                           "--concurrency", "4", timeout=180)
-    assert set(data["sides"]) == {"tandem", "tandem-again"} and data["all_exact_output_len"] is True
-    cold, again = data["sides"]["tandem"]["per_request"], data["sides"]["tandem-again"]["per_request"]
-    assert [r["usage"]["cached_tokens"] for r in cold] == [0] * N
-    assert [r["usage"]["cached_tokens"] for r in again] == [31] * N  # every block, less the token computed
-    assert [r["output_ids"] for r in again] == [r["output_ids"] for r in cold]
-    assert "tandem-again" in proc.stdout
-
-
-@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_prefix_both_workloads(model_dir, run_bench):
     s, q, questions, conversations, turns, out = 40, 8, 4, 3, 3, 4
     proc, data = run_bench("prefix", "--model", str(model_dir), "--modes", "on", "--system-tokens", str(s),
@@ -75,20 +63,6 @@ def test_prefix_both_workloads(model_dir, run_bench):
 
 
 @pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
-def test_prefix_with_prompt_logprobs_cache_on_and_off(model_dir, run_bench):
-    s, q, questions = 48, 8, 3
-    proc, data = run_bench("prefix", "--model", str(model_dir), "--workloads", "system-prompt", "--system-tokens",
-                           str(s), "--questions", str(questions), "--question-tokens", str(q), "--output-len", "1",
-                           "--concurrency", "1", "--warmup", "0", "--prompt-logprobs", "1")
-    assert data["all_exact_output_len"] is True  # every request got null + one entry per later prompt token
-    on, off = (data["runs"]["system-prompt"][m] for m in ("on", "off"))
-    assert on["prefix"]["cached_tokens"] == (questions - 1) * s  # the later requests reused the system prompt ...
-    assert off["prefix"]["cached_tokens"] == 0
-    assert on["prefix"]["executor_prompt_tokens_processed"] == s + questions * q  # ... without running it again
-    assert "prompt_logprobs 1" in proc.stdout and data["agreement"]["system-prompt"]["identical"] == questions
-
-
-@pytest.mark.long  # a benchmark's smoke run (minutes in all): scripts/test --long
 def test_spec_off_and_on_agree(model_dir, run_bench):
     proc, data = run_bench("spec", "--model", str(model_dir), "--concurrency", "2", "--requests", "3",
                            "--output-len", "12", "--spec-args=--speculative ngram --ngram-min 1", timeout=180)
@@ -109,16 +83,15 @@ def http_url(request, model_dir):
     return start_scheduler_for(request, executor.address, "--http-port", "0").process.http_url
 
 
-def test_client_token_ids_chat_open_loop_and_errors(http_url):
+def test_client_token_ids_chat_and_errors(http_url):
     ids = [[5 + i, 6, 7, 8] for i in range(3)]
     recs = asyncio.run(openai_client.run(http_url, ids, OUTPUT_LEN, 2, 60.0))
     assert all(r.error is None and r.output_len == len(r.output_ids) == OUTPUT_LEN and r.finish_reason == "length"
                for r in recs)
     assert [r.usage["prompt_tokens"] for r in recs] == [4, 4, 4]
-    chat = asyncio.run(openai_client.run(http_url, ["hello", "the quick brown fox"], OUTPUT_LEN, None, 60.0,
-                                         arrivals=[0.0, 0.05]))
-    assert all(r.output_len == OUTPUT_LEN and r.prompt_len > 2 and r.arrival is not None for r in chat)
-    assert chat[0].start <= chat[1].start and all(r.messages[0][0] <= r.end for r in chat)
+    chat = asyncio.run(openai_client.run(http_url, ["hello", "the quick brown fox"], OUTPUT_LEN, None, 60.0))
+    assert all(r.output_len == OUTPUT_LEN and r.prompt_len > 2 for r in chat)
+    assert all(r.start <= r.messages[0][0] <= r.end for r in chat)
     (bad,) = asyncio.run(openai_client.run(http_url, [[5] * 4], 100_000, 1, 60.0))
     assert bad.error.startswith("HTTP 400") and not bad.output_ids
     assert set(openai_client.counters(http_url, ["tandem:scheduler_steps_total"])) == {"tandem:scheduler_steps_total"}
