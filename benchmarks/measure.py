@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
