@@ -109,34 +109,44 @@ class NativeDecode:
         self.takes_drafts = True
         self._describe()  # now: a layout the kernel refuses fails the start, not the first step
 
-    def _weights(self, m: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
-        """m's weight in the form the step reads, its scales and bias, and whether the weight is a copy
-        (quantized weights are unpacked from FBGEMM's packing; float32 ones are read in place)."""
+    def _weights(self, m: Linear) -> tuple[list[tuple[torch.Tensor, int]], torch.Tensor | None,
+                                           torch.Tensor | None, bool]:
+        """m's weight in the form the step reads, as (tensor, kind) parts (kind 0: the tensor's dtype says; a
+        block format's kind, models/quant/block_formats.py: its rows of blocks), its scales and bias, and whether
+        the weight is a copy (FBGEMM's packed weights are unpacked; float32 and block weights are read in place)."""
         q = m.quant
         if q is None:
-            return m.weight.detach().contiguous(), None, m.bias, False
+            return [(m.weight.detach().contiguous(), 0)], None, m.bias, False
         if isinstance(q, Fp16Weight):
             w32, bias = torch.ops.quantized.linear_unpack_fp16(q._packed)
-            return w32.to(torch.float16), None, bias, True
+            return [(w32.to(torch.float16), 0)], None, bias, True
         if isinstance(q, Int8Weight):
             if q.qweight is not None:
-                return q.qweight, q.scales, q.bias, False  # (the portable kernel's own int8 weight)
+                return [(q.qweight, 0)], q.scales, q.bias, False  # (the portable kernel's own int8 weight)
             qw, _ = torch.ops.quantized.linear_unpack(q._packed)
-            return qw.int_repr(), qw.q_per_channel_scales(), q.bias, True
+            return [(qw.int_repr(), 0)], qw.q_per_channel_scales(), q.bias, True
+        parts = getattr(q, "parts", None)  # a BlockWeight (models/quant/blocks.py)
+        if parts is not None:
+            return [(blocks, fmt.kind) for fmt, blocks in parts], None, q.bias, False
         raise ValueError(f"no native kernel for {type(q).__name__}")
 
-    def _linears(self, mods: list[Linear]) -> tuple[list[torch.Tensor], list[torch.Tensor | None],
-                                                    list[torch.Tensor | None]]:
-        """The modules' weights, scales and biases as the kernel reads them; the copies (quantized weights)
+    def _linears(self, mods: list[Linear]) -> tuple[list[torch.Tensor], list[int], list[int],
+                                                    list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """The modules' weight tensors (every part, in order), their kinds, the number of parts of each module,
+        and each module's scales and bias, as the kernel reads them; the copies (FBGEMM's unpacked weights)
         share one huge-page arena."""
         raw = [self._weights(m) for m in mods]
-        moved = iter(copy_to_huge_pages([w for w, _, _, copied in raw if copied], self.huge_pages))
-        weights, scales, biases = [], [], []
-        for w, scale, bias, copied in raw:
-            weights.append(next(moved) if copied else w)
+        moved = iter(copy_to_huge_pages([w for parts, _, _, copied in raw if copied for w, _ in parts],
+                                        self.huge_pages))
+        weights, kinds, counts, scales, biases = [], [], [], [], []
+        for parts, scale, bias, copied in raw:
+            for w, kind in parts:
+                weights.append(next(moved) if copied else w)
+                kinds.append(kind)
+            counts.append(len(parts))
             scales.append(_float(scale))
             biases.append(_float(bias))
-        return weights, scales, biases
+        return weights, kinds, counts, scales, biases
 
     def _describe(self) -> torch.ScriptObject:
         """The model as the kernel reads it (made once; again if the cache's pools were replaced or the weights
@@ -147,13 +157,18 @@ class NativeDecode:
         layers = model.model.layers
         mods = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                 layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-        weights, scales, biases = self._linears(mods + [model.lm_head])
+        weights, kinds, counts, scales, biases = self._linears(mods + [model.lm_head])
         norms = [_float(n.weight) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         qk_norms = [None if n is None else _float(n.weight) for layer in layers
                     for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+        embed, embed_kind = model.model.embed_tokens.weight.detach(), 0
+        table = getattr(model.model.embed_tokens, "blocks", None)  # a QuantEmbedding's BlockWeight
+        if table is not None:
+            (fmt, embed), = table.parts
+            embed_kind = fmt.kind
         self._desc = torch.classes.tandem.DecodeModel(
-            model.model.embed_tokens.weight.detach(), _float(model.model.norm.weight), norms, qk_norms, weights,
-            scales, biases, self.kv.k, self.kv.v, cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+            embed, embed_kind, _float(model.model.norm.weight), norms, qk_norms, weights, kinds, counts, scales,
+            biases, self.kv.k, self.kv.v, cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
         self._desc_of = (self.kv.k, self.model.weights_version)
         return self._desc
 

@@ -214,12 +214,15 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
   bool rows_share = false;
   for (int64_t b = 1; b < B && !rows_share; ++b) rows_share = tables[b * width] == tables[(b - 1) * width];
   const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
-  std::vector<float> x, xn, qkv, att, gate, up, qd;
-  std::vector<int8_t> qhi, qlo;
+  std::vector<float> x, xn, qkv, att, gate, up, qd, q8dx, q8dxs;
+  std::vector<int8_t> qhi, qlo, q8;
   try {
     qhi.resize(B * max_k);
     qlo.resize(B * max_k);
     qd.resize(B * max_k / 32 + 1);
+    q8.resize(B * max_k);
+    q8dx.resize(B * max_k / 32 + 1);
+    q8dxs.resize(B * max_k / 32 + 1);
     x.resize(B * H);
     xn.resize(B * H);
     qkv.resize(B * QKV);
@@ -229,8 +232,14 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
   } catch (const std::bad_alloc&) {
     return 1;
   }
+  const blocks::Q8 xq8{q8.data(), q8dx.data(), q8dxs.data()};
+  // The inputs of the linear layers: x, with the scratch of its quantized forms.
+  auto input = [&](const float* rows) { return Input{rows, qhi.data(), qlo.data(), qd.data(), xq8}; };
   for (int64_t b = 0; b < B; ++b) {
-    if (m.bf16) {
+    if (m.embed_kind != 0) {  // a block-format table: the row dequantized
+      const int64_t rb = blocks::row_bytes(m.embed_kind, H);
+      blocks::row_to_float(m.embed_kind, static_cast<const uint8_t*>(m.embed) + ids[b] * rb, H, x.data() + b * H);
+    } else if (m.bf16) {
       const bf16_t* row = static_cast<const bf16_t*>(m.embed) + ids[b] * H;
       for (int64_t i = 0; i < H; ++i) x[b * H + i] = to_float(row[i]);
     } else {
@@ -256,7 +265,7 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
       for (int64_t l = 0; l < m.n_layers; ++l) {
         const TdLayer& L = m.layers[l];
         rms_norm_rows(x.data(), L.in_norm, m.eps, B, H, xn.data(), tid, nt);
-        const Input xin{xn.data(), qhi.data(), qlo.data(), qd.data()};
+        const Input xin = input(xn.data());
         gemm(L.qkv, xin, B, qkv.data(), QKV, false, wide.data(), tid, nt);
         // Keys and values of every row first where rows share a sequence (drafts: a row attends over the rows
         // of its sequence before it); otherwise each task writes its own just before it attends (no barrier).
@@ -284,9 +293,10 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
               att.data() + b * Q + g0 * group * d, qhk.data(), scores);
         }
 #pragma omp barrier
-        gemm(L.o, Input{att.data(), qhi.data(), qlo.data(), qd.data()}, B, x.data(), H, true, wide.data(), tid, nt);  // x += o(att)
+        gemm(L.o, input(att.data()), B, x.data(), H, true, wide.data(), tid, nt);  // x += o(att)
         rms_norm_rows(x.data(), L.post_norm, m.eps, B, H, xn.data(), tid, nt);
         if (L.gate.kind == 3 || L.up.kind == 3) quantize_rows(xin, B, H, tid, nt);  // once for both
+        if (L.gate.kind == kBlockKind || L.up.kind == kBlockKind) quantize_rows_q8(xin, B, H, tid, nt);
         int64_t n0, n1;
         share(I, 4, tid, nt, n0, n1);  // gate, up and SiLU(gate) * up on this thread's columns: no barrier between
         if (n0 < n1) {
@@ -299,7 +309,7 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
           }
         }
 #pragma omp barrier
-        gemm(L.down, Input{gate.data(), qhi.data(), qlo.data(), qd.data()}, B, x.data(), H, true, wide.data(), tid, nt);  // x += down(mid)
+        gemm(L.down, input(gate.data()), B, x.data(), H, true, wide.data(), tid, nt);  // x += down(mid)
       }
       int64_t rows = B;  // the rows whose logits are wanted, moved to the front in order (gemm ended in a barrier)
       if (head_rows != nullptr) {
@@ -310,7 +320,7 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
       }
       if (rows > 0) {
         rms_norm_rows(x.data(), m.final_norm, m.eps, rows, H, xn.data(), tid, nt);
-        gemm(m.head, Input{xn.data(), qhi.data(), qlo.data(), qd.data()}, rows, logits, m.vocab, false, wide.data(), tid,
+        gemm(m.head, input(xn.data()), rows, logits, m.vocab, false, wide.data(), tid,
              nt);
       }
     }

@@ -15,13 +15,24 @@
 
 #include <cstdint>
 
+// Rows of a linear layer in one of llama.cpp's block formats (blocks.h): [rows, row_bytes(kind, k)] uint8.
+struct TdPart {
+  int32_t kind;  // blocks::Kind (100 + ggml's type id)
+  const void* w;
+  int64_t rows;
+};
+
 struct TdLinear {
-  int32_t kind;  // 0 float32, 1 float16, 2 int8 (+ scale), 3 int8 (+ scale) times int8 activations, 4 bfloat16
-  const void* w;       // [n, k]
+  int32_t kind;  // 0 float32, 1 float16, 2 int8 (+ scale), 3 int8 (+ scale) times int8 activations, 4 bfloat16;
+                 // 100: block formats, in `parts` (consecutive row ranges: a fused q/k/v may mix formats)
+  const void* w;       // [n, k] (kinds 0-4)
   const float* scale;  // [n] (int8) or null
   const float* bias;   // [n] or null
   int64_t n, k;
+  int32_t nparts;      // kind 100: 1 to 3 parts whose rows add up to n
+  TdPart parts[3];
 };
+constexpr int32_t kBlockKind = 100;
 
 struct TdLayer {
   const float* in_norm;    // [hidden]
@@ -36,11 +47,12 @@ struct TdLayer {
 struct TdModel {
   int64_t hidden, heads, kv_heads, head_dim, inter, vocab, n_layers, block_size;
   float eps, attn_scale;
-  const void* embed;        // [vocab, hidden], float32 or bfloat16 (bf16)
+  const void* embed;        // [vocab, hidden], float32 or bfloat16 (bf16), or blocks of embed_kind
   const float* final_norm;  // [hidden]
   TdLinear head;
   const TdLayer* layers;
   int32_t bf16;  // 1: the embedding and the K/V pools are bfloat16
+  int32_t embed_kind;  // 0: float32 / bfloat16 as bf16 says; else a blocks::Kind ([vocab, row bytes] uint8)
 };
 
 // One decode step of B rows, every layer, on `threads` OpenMP threads (torch's runtime: op.cpp passes

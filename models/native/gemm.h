@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "blocks.h"
 #include "decode_step.h"
 
 namespace {
@@ -164,12 +165,22 @@ void gemm_rows(const T* w, const Epilogue& ep, int64_t K, const float* x, int64_
 // * d with hi = round(x / d) and lo = round((x - hi d) * 254 / d), both int8 ([M, K] each; d: [M, K / 32]).
 // Two int8 digits give ~15-bit activations (one digit, llama.cpp's q8_0 way, cost 4x the NLL increase of the
 // int8 weights alone on SmolLM2); the integer products stay exact and the step stays bound by memory.
+// For block-format weights (blocks.h) x is quantized to one int8 digit per value instead, into q8.
 struct Input {
   const float* x;
   int8_t* hi;
   int8_t* lo;
   float* d;
+  blocks::Q8 q8;
 };
+
+// x's rows quantized for block-format weights, blocks of 32 split over the team, then a barrier.
+void quantize_rows_q8(const Input& in, int64_t M, int64_t K, int tid, int nt) {
+  int64_t b0, b1;
+  share(M * (K / 32), 1, tid, nt, b0, b1);
+  blocks::quantize_q8(in.x, in.q8, b0, b1);
+#pragma omp barrier
+}
 
 // Rows of x rounded as above, blocks split over the team, then a barrier.
 void quantize_rows(const Input& in, int64_t M, int64_t K, int tid, int nt) {
@@ -245,6 +256,18 @@ void gemm_q8(const int8_t* w, const Epilogue& ep, int64_t K, const Input& in, in
 void gemm_part(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1,
                bool accumulate, float* wide) {
   const Epilogue ep{L.scale, L.bias, accumulate};
+  if (L.kind == kBlockKind) {  // each part's rows in [n0, n1)
+    int64_t row0 = 0;
+    for (int p = 0; p < L.nparts; ++p) {
+      const TdPart& part = L.parts[p];
+      const int64_t a = std::max(n0, row0), b = std::min(n1, row0 + part.rows);
+      if (a < b)
+        blocks::gemm_blocks(part.kind, static_cast<const uint8_t*>(part.w), row0, L.k, in.q8, M, a, b,
+                            [&](int64_t m, int64_t n, float v) { ep.put(y + m * ldy + n, n, v); });
+      row0 += part.rows;
+    }
+    return;
+  }
   switch (L.kind) {
     case 0: gemm_rows(static_cast<const float*>(L.w), ep, L.k, in.x, M, y, ldy, n0, n1, wide); break;
     case 1: gemm_rows(static_cast<const uint16_t*>(L.w), ep, L.k, in.x, M, y, ldy, n0, n1, wide); break;
@@ -259,6 +282,7 @@ void gemm_part(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t 
 void gemm(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, bool accumulate, float* wide,
           int tid, int nt) {
   if (L.kind == 3) quantize_rows(in, M, L.k, tid, nt);
+  if (L.kind == kBlockKind) quantize_rows_q8(in, M, L.k, tid, nt);
   int64_t n0, n1;
   share(L.n, 4, tid, nt, n0, n1);
   if (n0 < n1) gemm_part(L, in, M, y, ldy, n0, n1, accumulate, wide);

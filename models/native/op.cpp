@@ -1,8 +1,9 @@
 // The native decode step as a torch op (models/decode/native.py builds this file with decode_step.cpp through
 // torch.utils.cpp_extension and calls it):
 //
-//   model = torch.classes.tandem.DecodeModel(embed, final_norm, norms, qk_norms, weights, scales, biases,
-//                                            k_cache, v_cache, heads, eps, attn_scale)   # once
+//   model = torch.classes.tandem.DecodeModel(embed, embed_kind, final_norm, norms, qk_norms, weights, kinds,
+//                                            parts, scales, biases, k_cache, v_cache, heads, eps, attn_scale)
+//                                            # once
 //   logits = torch.ops.tandem.decode_step(model, token_ids, positions, block_tables, cos, sin)  # each step
 //
 // The tensors are the one description of the layout: a DecodeModel reads every size from them, checks each
@@ -21,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "blocks.h"
 #include "decode_step.h"
 
 namespace {
@@ -51,48 +53,94 @@ int32_t weight_kind(at::ScalarType dtype, int64_t k, const std::string& what) {
 
 class DecodeModel : public torch::CustomClassHolder {
  public:
-  // norms: per layer (input, post-attention), [hidden] float32; qk_norms: per layer (q, k), [head_dim] float32
-  // or None; weights: per layer (qkv, o, gate, up, down), then the LM head, [out, in]; scales / biases: one
-  // per weight, float32 [out] or None (scales: int8 weights only, and required there); k_cache / v_cache:
-  // [layers, num_blocks, block_size, kv_heads, head_dim] in the embedding's dtype (float32 or bfloat16).
-  DecodeModel(Tensor embed, Tensor final_norm, std::vector<Tensor> norms, OptionalTensors qk_norms,
-              std::vector<Tensor> weights, OptionalTensors scales, OptionalTensors biases, Tensor k_cache,
+  // embed: [vocab, hidden] float32 / bfloat16 (embed_kind 0), or [vocab, row bytes] uint8 blocks of
+  // embed_kind (blocks.h; the K/V pools are float32 then); norms: per layer (input, post-attention), [hidden]
+  // float32; qk_norms: per layer (q, k), [head_dim] float32 or None; weights: per layer (qkv, o, gate, up,
+  // down), then the LM head: parts[i] tensors for linear i, each [out, in] in a dtype (kinds[j] 0), or [rows,
+  // row bytes] uint8 of block kind kinds[j] (a linear's block parts are consecutive row ranges); scales /
+  // biases: one per linear, float32 [out] or None (scales: int8 weights only, and required there); k_cache /
+  // v_cache: [layers, num_blocks, block_size, kv_heads, head_dim] in the embedding's dtype (float32 or bfloat16).
+  DecodeModel(Tensor embed, int64_t embed_kind, Tensor final_norm, std::vector<Tensor> norms,
+              OptionalTensors qk_norms, std::vector<Tensor> weights, std::vector<int64_t> kinds,
+              std::vector<int64_t> parts, OptionalTensors scales, OptionalTensors biases, Tensor k_cache,
               Tensor v_cache, int64_t heads, double eps, double attn_scale) {
     TORCH_CHECK_VALUE(embed.dim() == 2, "embed must be [vocab, hidden], not ", embed.sizes());
-    TORCH_CHECK_TYPE(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16,
+    TORCH_CHECK_VALUE(embed_kind == 0 || blocks::is_block_kind(static_cast<int32_t>(embed_kind)),
+                      "embed_kind ", embed_kind, " is no block format");
+    TORCH_CHECK_TYPE(embed_kind != 0 || embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16,
                      "embed must be float32 or bfloat16, not ", embed.scalar_type());
     TORCH_CHECK_VALUE(k_cache.dim() == 5, "k_cache must be [layers, num_blocks, block_size, kv_heads, head_dim], not ",
                       k_cache.sizes());
-    const int64_t vocab = embed.size(0), hidden = embed.size(1), n_layers = k_cache.size(0);
+    const int64_t vocab = embed.size(0), n_layers = k_cache.size(0);
     const int64_t kv_heads = k_cache.size(3), d = k_cache.size(4);
-    check(embed, "embed", {vocab, hidden}, embed.scalar_type());
-    check(k_cache, "k_cache", k_cache.sizes(), embed.scalar_type());
-    check(v_cache, "v_cache", k_cache.sizes(), embed.scalar_type());
+    const at::ScalarType kv_dtype = embed_kind ? at::kFloat : embed.scalar_type();
+    const int64_t hidden = embed_kind ? final_norm.numel() : embed.size(1);
+    if (embed_kind) {
+      TORCH_CHECK_VALUE(hidden % blocks::block_weights(static_cast<int32_t>(embed_kind)) == 0, "hidden (", hidden,
+                        ") must be a multiple of the embedding's block size");
+      check(embed, "embed", {vocab, blocks::row_bytes(static_cast<int32_t>(embed_kind), hidden)}, at::kByte);
+    } else {
+      check(embed, "embed", {vocab, hidden}, embed.scalar_type());
+    }
+    check(k_cache, "k_cache", k_cache.sizes(), kv_dtype);
+    check(v_cache, "v_cache", k_cache.sizes(), kv_dtype);
     TORCH_CHECK_VALUE(kv_heads > 0 && heads > 0 && heads % kv_heads == 0, "heads (", heads,
                       ") must be a multiple of the cache's kv_heads (", kv_heads, ")");
     TORCH_CHECK_VALUE(d % 8 == 0 && hidden % 8 == 0, "head_dim (", d, ") and hidden (", hidden,
                       ") must be multiples of 8");
-    TORCH_CHECK_VALUE(static_cast<int64_t>(weights.size()) == kLinearsPerLayer * n_layers + 1, "weights: ",
-                      kLinearsPerLayer, " per layer of the cache's ", n_layers, " and the LM head, not ",
-                      weights.size());
+    const size_t n_linears = kLinearsPerLayer * n_layers + 1;
+    TORCH_CHECK_VALUE(parts.size() == n_linears, "parts: one per linear (", kLinearsPerLayer,
+                      " per layer of the cache's ", n_layers, " and the LM head), not ", parts.size());
+    TORCH_CHECK_VALUE(kinds.size() == weights.size(), "kinds: one per weight tensor (", weights.size(), ")");
+    std::vector<size_t> first(n_linears + 1, 0);  // linear i's tensors: weights[first[i] .. first[i + 1])
+    for (size_t i = 0; i < n_linears; ++i) {
+      TORCH_CHECK_VALUE(parts[i] >= 1 && parts[i] <= 3, "parts: 1 to 3 tensors per linear, not ", parts[i]);
+      first[i + 1] = first[i] + static_cast<size_t>(parts[i]);
+    }
+    TORCH_CHECK_VALUE(first[n_linears] == weights.size(), "weights: the parts add up to ", first[n_linears],
+                      " tensors, not ", weights.size());
     TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * n_layers &&
                           static_cast<int64_t>(qk_norms.size()) == 2 * n_layers,
                       "norms and qk_norms: two per layer of the cache's ", n_layers);
-    TORCH_CHECK_VALUE(scales.size() == weights.size() && biases.size() == weights.size(),
-                      "scales and biases: one per weight (", weights.size(), ")");
+    TORCH_CHECK_VALUE(scales.size() == n_linears && biases.size() == n_linears,
+                      "scales and biases: one per linear (", n_linears, ")");
     const int64_t q = heads * d, qkv = q + 2 * kv_heads * d;
-    const int64_t inter = n_layers ? weights[2].size(0) : 0;
+    int64_t inter = 0;  // the gate's rows
+    if (n_layers)
+      for (size_t j = first[2]; j < first[3]; ++j) inter += weights[j].size(0);
     check(final_norm, "final_norm", {hidden}, at::kFloat);
     held_ = {embed, final_norm, k_cache, v_cache};
 
     auto linear = [&](size_t i, int64_t n, int64_t k, const std::string& what) {
-      const Tensor& w = weights[i];
-      check(w, what + ".weight", {n, k}, w.scalar_type());
-      TdLinear out{weight_kind(w.scalar_type(), k, what), w.data_ptr(), nullptr, nullptr, n, k};
       TORCH_CHECK_VALUE(k % 8 == 0, what, ": its input size (", k, ") must be a multiple of 8");
       const std::optional<Tensor> scale = scales[i], bias = biases[i];
-      TORCH_CHECK_VALUE(scale.has_value() == (w.scalar_type() == at::kChar), what,
-                        scale ? ": only int8 weights take scales" : ": int8 weights need their per-row scales");
+      TdLinear out{};
+      if (kinds[first[i]] != 0) {  // block formats: the parts' rows add up to n
+        out.kind = kBlockKind, out.n = n, out.k = k, out.nparts = static_cast<int32_t>(parts[i]);
+        int64_t rows = 0;
+        for (size_t j = first[i]; j < first[i + 1]; ++j) {
+          const int32_t kind = static_cast<int32_t>(kinds[j]);
+          TORCH_CHECK_VALUE(blocks::is_block_kind(kind), what, ": kind ", kind, " is no block format");
+          TORCH_CHECK_VALUE(k % blocks::block_weights(kind) == 0, what, ": its input size (", k,
+                            ") is not a multiple of its blocks (", blocks::block_weights(kind), ")");
+          const Tensor& w = weights[j];
+          TORCH_CHECK_VALUE(w.dim() == 2, what, ": a block part must be [rows, row bytes], not ", w.sizes());
+          check(w, what + ".weight part", {w.size(0), blocks::row_bytes(kind, k)}, at::kByte);
+          out.parts[j - first[i]] = TdPart{kind, w.data_ptr(), w.size(0)};
+          rows += w.size(0);
+          held_.push_back(w);
+        }
+        TORCH_CHECK_VALUE(rows == n, what, ": its parts have ", rows, " rows, not ", n);
+        TORCH_CHECK_VALUE(!scale.has_value(), what, ": block formats take no scales");
+      } else {
+        TORCH_CHECK_VALUE(parts[i] == 1, what, ": only block formats come in parts");
+        const Tensor& w = weights[first[i]];
+        check(w, what + ".weight", {n, k}, w.scalar_type());
+        out = TdLinear{weight_kind(w.scalar_type(), k, what), w.data_ptr(), nullptr, nullptr, n, k};
+        held_.push_back(w);
+        TORCH_CHECK_VALUE(scale.has_value() == (w.scalar_type() == at::kChar), what,
+                          scale ? ": only int8 weights take scales" : ": int8 weights need their per-row scales");
+      }
       if (scale) {
         check(*scale, what + ".scale", {n}, at::kFloat);
         out.scale = scale->data_ptr<float>();
@@ -103,7 +151,6 @@ class DecodeModel : public torch::CustomClassHolder {
         out.bias = bias->data_ptr<float>();
         held_.push_back(*bias);
       }
-      held_.push_back(w);
       return out;
     };
     auto norm = [&](const Tensor& t, int64_t n, const std::string& what) {
@@ -115,7 +162,7 @@ class DecodeModel : public torch::CustomClassHolder {
     layers_.resize(n_layers);
     for (int64_t l = 0; l < n_layers; ++l) {
       const std::string name = "layer " + std::to_string(l) + " ";
-      const size_t w0 = kLinearsPerLayer * l;
+      const size_t w0 = kLinearsPerLayer * l;  // the layer's first linear
       TdLayer& L = layers_[l];
       L.in_norm = norm(norms[2 * l], hidden, name + "input norm");
       L.post_norm = norm(norms[2 * l + 1], hidden, name + "post-attention norm");
@@ -132,8 +179,8 @@ class DecodeModel : public torch::CustomClassHolder {
     }
     m_ = TdModel{hidden, heads, kv_heads, d, inter, vocab, n_layers, k_cache.size(2), static_cast<float>(eps),
                  static_cast<float>(attn_scale), embed.data_ptr(), final_norm.data_ptr<float>(),
-                 linear(weights.size() - 1, vocab, hidden, "lm_head"), layers_.data(),
-                 embed.scalar_type() == at::kBFloat16};
+                 linear(n_linears - 1, vocab, hidden, "lm_head"), layers_.data(),
+                 embed_kind == 0 && embed.scalar_type() == at::kBFloat16, static_cast<int32_t>(embed_kind)};
     num_blocks_ = k_cache.size(1);
   }
 
@@ -201,8 +248,9 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeModel>& model, const Tensor& t
 
 TORCH_LIBRARY(tandem, m) {
   m.class_<DecodeModel>("DecodeModel")
-      .def(torch::init<Tensor, Tensor, std::vector<Tensor>, OptionalTensors, std::vector<Tensor>, OptionalTensors,
-                       OptionalTensors, Tensor, Tensor, int64_t, double, double>());
+      .def(torch::init<Tensor, int64_t, Tensor, std::vector<Tensor>, OptionalTensors, std::vector<Tensor>,
+                       std::vector<int64_t>, std::vector<int64_t>, OptionalTensors, OptionalTensors, Tensor, Tensor,
+                       int64_t, double, double>());
   m.def("decode_step(__torch__.torch.classes.tandem.DecodeModel model, Tensor token_ids, Tensor positions, "
         "Tensor block_tables, Tensor cos, Tensor sin, Tensor? head_rows=None) -> Tensor");
 }

@@ -212,11 +212,11 @@ def test_the_op_checks_what_it_is_given(tiny_checkpoint):
         assert torch.equal(ex.kv.k, pool)  # refused before anything was written
     cfg = ex.model.config
     with pytest.raises(TypeError, match="v_cache must be Float, not BFloat16"):
-        torch.classes.tandem.DecodeModel(ex.model.model.embed_tokens.weight, ex.model.model.norm.weight, [], [], [],
-                                         [], [], ex.kv.k, ex.kv.v.bfloat16(), cfg.num_heads, 1e-6, 1.0)
-    with pytest.raises(ValueError, match="weights: 5 per layer"):
-        torch.classes.tandem.DecodeModel(ex.model.model.embed_tokens.weight, ex.model.model.norm.weight, [], [], [],
-                                         [], [], ex.kv.k, ex.kv.v, cfg.num_heads, 1e-6, 1.0)
+        torch.classes.tandem.DecodeModel(ex.model.model.embed_tokens.weight, 0, ex.model.model.norm.weight, [], [],
+                                         [], [], [], [], [], ex.kv.k, ex.kv.v.bfloat16(), cfg.num_heads, 1e-6, 1.0)
+    with pytest.raises(ValueError, match="parts: one per linear \\(5 per layer"):
+        torch.classes.tandem.DecodeModel(ex.model.model.embed_tokens.weight, 0, ex.model.model.norm.weight, [], [],
+                                         [], [], [], [], [], ex.kv.k, ex.kv.v, cfg.num_heads, 1e-6, 1.0)
 
 
 def test_kernel_choice_and_refusals(tiny_checkpoint):

@@ -1,0 +1,99 @@
+// The block formats' kernels (blocks.h) as torch ops, for the PyTorch forward (models/quant/blocks.py):
+//
+//   y = torch.ops.tandem.block_linear(x, blocks, kind, columns, bias)  # x [M, columns] float32 -> [M, rows]
+//   w = torch.ops.tandem.block_dequant(blocks, kind, columns)           # -> float32 [rows, columns]
+//
+// blocks: [rows, row bytes] uint8 in ggml's layout of `kind` (100 + ggml's type id). block_linear quantizes each
+// row of x to int8 per block of 32 (as the decode step does) and multiplies in integers: the kernel of small
+// calls (decode, drafts); large ones (prefill) dequantize and multiply in float32, where the cost of
+// dequantizing is shared by many rows. Both on the executor's OpenMP threads (at::get_num_threads()).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "blocks.h"
+#include "gemm.h"
+
+namespace {
+
+using at::Tensor;
+
+void check_blocks(const Tensor& w, int64_t kind, int64_t columns) {
+  TORCH_CHECK_VALUE(blocks::is_block_kind(static_cast<int32_t>(kind)), "kind ", kind, " is no block format");
+  const int32_t k = static_cast<int32_t>(kind);
+  TORCH_CHECK_VALUE(columns > 0 && columns % blocks::block_weights(k) == 0, "columns (", columns,
+                    ") must be a positive multiple of the format's ", blocks::block_weights(k), " weights per block");
+  TORCH_CHECK_VALUE(w.device().is_cpu(), "blocks must be on the CPU, not ", w.device());
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, "blocks must be uint8, not ", w.scalar_type());
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == blocks::row_bytes(k, columns), "blocks must be [rows, ",
+                    blocks::row_bytes(k, columns), "] for ", columns, " columns, not ", w.sizes());
+  TORCH_CHECK_VALUE(w.is_contiguous(), "blocks must be contiguous");
+}
+
+Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t columns,
+                    const std::optional<Tensor>& bias) {
+  check_blocks(w, kind, columns);
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                        x.size(1) == columns && x.is_contiguous(),
+                    "x must be a contiguous float32 CPU tensor [M, ", columns, "], not ", x.scalar_type(), " ",
+                    x.sizes());
+  const int64_t M = x.size(0), N = w.size(0), K = columns;
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N &&
+                          bias->is_contiguous() && bias->device().is_cpu(),
+                      "bias must be a contiguous float32 CPU tensor [", N, "]");
+    b = bias->data_ptr<float>();
+  }
+  Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> dx(M * K / 32), dxs(M * K / 32);
+  const blocks::Q8 q8{q.data(), dx.data(), dxs.data()};
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const int32_t k = static_cast<int32_t>(kind);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t b0, b1;
+    share(M * (K / 32), 1, tid, nt, b0, b1);
+    blocks::quantize_q8(xp, q8, b0, b1);
+#pragma omp barrier
+    int64_t n0, n1;
+    share(N, 4, tid, nt, n0, n1);
+    if (n0 < n1)
+      blocks::gemm_blocks(k, wp, 0, K, q8, M, n0, n1,
+                          [&](int64_t m, int64_t n, float v) { yp[m * N + n] = b ? v + b[n] : v; });
+  }
+  return y;
+}
+
+Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns) {
+  check_blocks(w, kind, columns);
+  const int64_t N = w.size(0), rb = w.size(1);
+  Tensor out = at::empty({N, columns}, w.options().dtype(at::kFloat));
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int32_t k = static_cast<int32_t>(kind);
+#pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
+  for (int64_t r = 0; r < N; ++r) blocks::row_to_float(k, wp + r * rb, columns, op + r * columns);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("block_linear(Tensor x, Tensor blocks, int kind, int columns, Tensor? bias=None) -> Tensor");
+  m.def("block_dequant(Tensor blocks, int kind, int columns) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("block_linear", &block_linear);
+  m.impl("block_dequant", &block_dequant);
+}

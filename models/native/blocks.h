@@ -1,0 +1,330 @@
+// llama.cpp's block formats (ggml's block_q4_0 ... block_q6_K, bit for bit as in a GGUF file) computed on in
+// place: a row of a weight is columns / QK blocks, read once per step. Included by gemm.h (the decode step's
+// linear layers) and blocks.cpp (the ops block_linear / block_dequant of the PyTorch forward).
+//
+// Activations are quantized as llama.cpp does for these formats, one int8 per value with one float32 scale per
+// block of 32 (dx = absmax / 127; q8 below), plus the block's sum of the int8 values times dx (for the formats
+// with a minimum, whose dot product is a * (q . xq) + b * sum(xq)). Every weight format is unpacked, per 32
+// weights, into 32 int8 values q (already offset for the signed formats) with a scale for each half (Q6_K scales
+// 16 weights at a time; the others use one scale for both halves) and an offset b, so that w = scale * q + b:
+// the products q . xq are exact integer sums (u8 x s8 pairs: maddubs), then one float fma per 32 weights.
+// Row results do not depend on the other rows of the call (each activation row is quantized on its own).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace blocks {
+
+// The TdLinear kinds of the formats: 100 + ggml's type id (models/quant/block_formats.py).
+enum Kind : int32_t { Q4_0 = 102, Q4_1 = 103, Q5_0 = 106, Q5_1 = 107, Q8_0 = 108, Q4_K = 112, Q5_K = 113, Q6_K = 114 };
+
+inline bool is_block_kind(int32_t kind) {
+  switch (kind) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
+    default: return false;
+  }
+}
+inline int64_t block_weights(int32_t kind) { return kind >= Q4_K ? 256 : 32; }
+inline int64_t block_bytes(int32_t kind) {
+  switch (kind) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    default: return 210;  // Q6_K
+  }
+}
+inline int64_t row_bytes(int32_t kind, int64_t k) { return k / block_weights(kind) * block_bytes(kind); }
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One activation row (or M rows, row-major) quantized for the block formats: q [K] int8, dx [K / 32] the
+// scale of each block of 32, dxs [K / 32] = dx * the block's sum of q.
+struct Q8 {
+  int8_t* q;
+  float* dx;
+  float* dxs;
+};
+
+// Rows of x [M, K] (K % 32 == 0) quantized into out, blocks [b0, b1) of the M * K / 32 (contiguous over rows).
+inline void quantize_q8(const float* x, const Q8& out, int64_t b0, int64_t b1) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const float* src = x + blk * 32;
+    __m256 mx = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i)  // round to nearest even, as nearbyint: |.| <= 127
+      r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i), vinv),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    // int32 -> int8 in order: packs work per 128-bit lane, the permute puts the lanes back in order
+    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    const __m256i p8 = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q + blk * 32), p8);
+    out.dx[blk] = d;
+    out.dxs[blk] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// 16 bytes of nibbles -> 32 values: the low nibbles (weights 0..15), then the high ones (16..31).
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i t = load128(p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits (weight i's in bit i) -> 0x10 in the bytes whose bit is set (llama.cpp's bytes_from_bits_32).
+inline __m256i high_bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                  _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+// Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One block unpacked: n sub-blocks of 32 weights, w = a[j][half] * q[j] + b[j].
+struct Unpacked {
+  __m256i q[8];
+  float a[8][2];
+  float b[8];
+  int n;
+  bool is_signed;  // q may be negative (signed formats); else 0 <= q < 128
+};
+
+inline void set_sub(Unpacked& u, int j, __m256i q, float a, float b) {
+  u.q[j] = q;
+  u.a[j][0] = u.a[j][1] = a;
+  u.b[j] = b;
+}
+
+template <int32_t K>
+inline void unpack(const uint8_t* blk, Unpacked& u) {
+  if constexpr (K == Q8_0) {
+    u.n = 1, u.is_signed = true;
+    set_sub(u, 0, load256(blk + 2), half(blk), 0.f);
+  } else if constexpr (K == Q4_0) {
+    u.n = 1, u.is_signed = true;
+    set_sub(u, 0, _mm256_sub_epi8(nibbles16(blk + 2), _mm256_set1_epi8(8)), half(blk), 0.f);
+  } else if constexpr (K == Q4_1) {
+    u.n = 1, u.is_signed = false;
+    set_sub(u, 0, nibbles16(blk + 4), half(blk), half(blk + 2));
+  } else if constexpr (K == Q5_0) {
+    u.n = 1, u.is_signed = true;
+    const __m256i q = _mm256_or_si256(nibbles16(blk + 6), high_bits32(blk + 2));
+    set_sub(u, 0, _mm256_sub_epi8(q, _mm256_set1_epi8(16)), half(blk), 0.f);
+  } else if constexpr (K == Q5_1) {
+    u.n = 1, u.is_signed = false;
+    set_sub(u, 0, _mm256_or_si256(nibbles16(blk + 8), high_bits32(blk + 4)), half(blk), half(blk + 2));
+  } else if constexpr (K == Q4_K || K == Q5_K) {
+    // d, dmin, scales[12], (Q5_K: qh[32]), qs[128]: sub-block 2i is the low nibbles of qs[32 i .. 32 i + 32),
+    // 2i + 1 their high nibbles; Q5_K's fifth bit of sub-block j is bit j of qh[l].
+    u.n = 8, u.is_signed = false;
+    const float d = half(blk), dmin = half(blk + 2);
+    const uint8_t* sc = blk + 4;
+    const uint8_t* qs = blk + (K == Q4_K ? 16 : 48);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (K == Q5_K) qh = load256(blk + 16);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load256(qs + 32 * i);
+      __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (K == Q5_K) {
+        const __m256i one = _mm256_set1_epi8(1);
+        const __m128i s0 = _mm_cvtsi32_si128(2 * i), s1 = _mm_cvtsi32_si128(2 * i + 1);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s0), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s1), one), 4));
+      }
+      int s, m;
+      scale_min_k4(2 * i, sc, s, m);
+      set_sub(u, 2 * i, lo, d * static_cast<float>(s), -dmin * static_cast<float>(m));
+      scale_min_k4(2 * i + 1, sc, s, m);
+      set_sub(u, 2 * i + 1, hi, d * static_cast<float>(s), -dmin * static_cast<float>(m));
+    }
+  } else {  // Q6_K: ql[128], qh[64], scales[16] (int8), d; 16 weights per scale
+    u.n = 8, u.is_signed = true;
+    const float d = half(blk + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    for (int n = 0; n < 2; ++n) {
+      const __m256i a = load256(blk + 64 * n), b = load256(blk + 64 * n + 32), h = load256(blk + 128 + 32 * n);
+      const __m256i l4[4] = {_mm256_and_si256(a, low), _mm256_and_si256(b, low),
+                             _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+                             _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
+      for (int g = 0; g < 4; ++g) {
+        const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g)), two);
+        const int j = 4 * n + g;
+        u.q[j] = _mm256_sub_epi8(_mm256_or_si256(l4[g], _mm256_slli_epi16(h2, 4)), off);
+        u.a[j][0] = d * static_cast<float>(sc[8 * n + 2 * g]);
+        u.a[j][1] = d * static_cast<float>(sc[8 * n + 2 * g + 1]);
+        u.b[j] = 0.f;
+      }
+    }
+  }
+}
+
+// q . xq of one sub-block as 8 int32 lanes (lanes 0-3: weights 0..15, lanes 4-7: 16..31), exact.
+inline __m256i sub_dot(__m256i q, const int8_t* xq, bool is_signed) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i p = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
+                              : _mm256_maddubs_epi16(q, x);
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+// acc += the block's products with activation blocks xq / dx / dxs (its first sub-block's), per lane; the
+// offsets' part (b * dx * sum(xq)) is added to `off`.
+inline __m256 block_dot(const Unpacked& u, const int8_t* xq, const float* dx, const float* dxs, __m256 acc,
+                        float& off) {
+  for (int j = 0; j < u.n; ++j) {
+    const __m256i s = sub_dot(u.q[j], xq + 32 * j, u.is_signed);
+    const __m256 scale = _mm256_set_m128(_mm_set1_ps(u.a[j][1] * dx[j]), _mm_set1_ps(u.a[j][0] * dx[j]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+    off += u.b[j] * dxs[j];
+  }
+  return acc;
+}
+
+// The block's weights as float32 (out: n * 32 values).
+inline void block_to_float(const Unpacked& u, float* out) {
+  for (int j = 0; j < u.n; ++j) {
+    alignas(32) int8_t v[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v), u.q[j]);
+    const __m256 b = _mm256_set1_ps(u.b[j]);
+    for (int h = 0; h < 4; ++h) {
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + 8 * h))));
+      _mm256_storeu_ps(out + 32 * j + 8 * h, _mm256_fmadd_ps(w, _mm256_set1_ps(u.a[j][h / 2]), b));
+    }
+  }
+}
+
+// A row of `k` weights (row_bytes(kind, k) bytes) as float32.
+template <int32_t K>
+inline void row_to_float_k(const uint8_t* row, int64_t k, float* out) {
+  const int64_t qk = K >= Q4_K ? 256 : 32, bytes = block_bytes(K);
+  Unpacked u;
+  for (int64_t b = 0; b < k / qk; ++b) {
+    unpack<K>(row + b * bytes, u);
+    block_to_float(u, out + b * qk);
+  }
+}
+
+inline void row_to_float(int32_t kind, const uint8_t* row, int64_t k, float* out) {
+  switch (kind) {
+    case Q4_0: row_to_float_k<Q4_0>(row, k, out); break;
+    case Q4_1: row_to_float_k<Q4_1>(row, k, out); break;
+    case Q5_0: row_to_float_k<Q5_0>(row, k, out); break;
+    case Q5_1: row_to_float_k<Q5_1>(row, k, out); break;
+    case Q8_0: row_to_float_k<Q8_0>(row, k, out); break;
+    case Q4_K: row_to_float_k<Q4_K>(row, k, out); break;
+    case Q5_K: row_to_float_k<Q5_K>(row, k, out); break;
+    default: row_to_float_k<Q6_K>(row, k, out); break;
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(s);
+  s = _mm_add_ps(s, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+// y[m, n] for weight rows n in [n0, n1) and all M activation rows: rows `w + (n - row0) * rb`. Four weight rows at
+// a time, walked side by side as four sequential streams (as gemm.h's Quarters: more misses in flight); each
+// block of the four is unpacked once and reused for every activation row. put(m, n, value) stores a result.
+template <int32_t K, typename Put>
+void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64_t M, int64_t n0, int64_t n1,
+                   const Put& put) {
+  const int64_t qk = K >= Q4_K ? 256 : 32, bytes = block_bytes(K), rb = row_bytes(K, k), nb = k / qk,
+                xb = k / 32;  // activation blocks per row
+  const int64_t q = (n1 - n0) / 4;
+  constexpr int kRowsMax = 8;  // activation rows per pass: their accumulators stay in registers / L1
+  Unpacked u[4];
+  for (int64_t t = 0; t < q; ++t) {
+    const int64_t idx[4] = {n0 + t, n0 + t + q, n0 + t + 2 * q, n0 + t + 3 * q};
+    const uint8_t* r[4];
+    for (int i = 0; i < 4; ++i) r[i] = w + (idx[i] - row0) * rb;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsMax) {
+      const int64_t mr = std::min<int64_t>(kRowsMax, M - m0);
+      __m256 acc[kRowsMax][4];
+      float off[kRowsMax][4];
+      for (int64_t m = 0; m < mr; ++m)
+        for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_setzero_ps(), off[m][i] = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int i = 0; i < 4; ++i) unpack<K>(r[i] + b * bytes, u[i]);
+        for (int64_t m = 0; m < mr; ++m) {
+          const int64_t xo = (m0 + m) * xb + b * (qk / 32);
+          for (int i = 0; i < 4; ++i)
+            acc[m][i] = block_dot(u[i], x.q + xo * 32, x.dx + xo, x.dxs + xo, acc[m][i], off[m][i]);
+        }
+      }
+      for (int64_t m = 0; m < mr; ++m)
+        for (int i = 0; i < 4; ++i) put(m0 + m, idx[i], hsum8(acc[m][i]) + off[m][i]);
+    }
+  }
+  for (int64_t n = n0 + 4 * q; n < n1; ++n) {  // the rows left over, one at a time
+    const uint8_t* row = w + (n - row0) * rb;
+    for (int64_t m = 0; m < M; ++m) {
+      __m256 acc = _mm256_setzero_ps();
+      float off = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        unpack<K>(row + b * bytes, u[0]);
+        const int64_t xo = m * xb + b * (qk / 32);
+        acc = block_dot(u[0], x.q + xo * 32, x.dx + xo, x.dxs + xo, acc, off);
+      }
+      put(m, n, hsum8(acc) + off);
+    }
+  }
+}
+
+template <typename Put>
+void gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64_t M, int64_t n0,
+                 int64_t n1, const Put& put) {
+  switch (kind) {
+    case Q4_0: gemm_blocks_k<Q4_0>(w, row0, k, x, M, n0, n1, put); break;
+    case Q4_1: gemm_blocks_k<Q4_1>(w, row0, k, x, M, n0, n1, put); break;
+    case Q5_0: gemm_blocks_k<Q5_0>(w, row0, k, x, M, n0, n1, put); break;
+    case Q5_1: gemm_blocks_k<Q5_1>(w, row0, k, x, M, n0, n1, put); break;
+    case Q8_0: gemm_blocks_k<Q8_0>(w, row0, k, x, M, n0, n1, put); break;
+    case Q4_K: gemm_blocks_k<Q4_K>(w, row0, k, x, M, n0, n1, put); break;
+    case Q5_K: gemm_blocks_k<Q5_K>(w, row0, k, x, M, n0, n1, put); break;
+    default: gemm_blocks_k<Q6_K>(w, row0, k, x, M, n0, n1, put); break;
+  }
+}
+
+}  // namespace blocks

@@ -1,0 +1,99 @@
+"""The native kernels of llama.cpp's block formats (models/native/blocks.h) against the reference: the gguf
+package's numpy dequantizer (bit-exact), and for products, float64 products of the dequantized weights with the
+activations quantized as the kernel quantizes them (int8 per block of 32, absmax / 127, round half to even).
+Random valid blocks of every format, row counts that leave tails of the 4-row tiles, and batch sizes on both
+sides of the kernel's 8-row passes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.decode.native import load_kernel, machine_refusal
+from models.quant.block_formats import FORMATS, BlockFormat, dequantize_reference
+
+pytestmark = pytest.mark.skipif(machine_refusal() is not None, reason=f"native kernels: {machine_refusal()}")
+
+# (offset, low, high) of each float16 scale in a block: values that give weights of a model's spread
+_HALVES = {"Q4_0": [(0, 1e-3, 2e-2)], "Q5_0": [(0, 1e-3, 2e-2)], "Q8_0": [(0, 1e-3, 2e-2)],
+           "Q4_1": [(0, 1e-3, 2e-2), (2, -0.1, 0.1)], "Q5_1": [(0, 1e-3, 2e-2), (2, -0.1, 0.1)],
+           "Q4_K": [(0, 5e-4, 2e-3), (2, 5e-4, 2e-3)], "Q5_K": [(0, 5e-4, 2e-3), (2, 5e-4, 2e-3)],
+           "Q6_K": [(208, 5e-4, 2e-3)]}
+
+
+def random_blocks(fmt: BlockFormat, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row_bytes]: random quantized values and scale bytes, float16 scales in a sane range."""
+    nb = columns // fmt.block_weights
+    raw = rng.integers(0, 256, size=(rows, nb, fmt.block_bytes), dtype=np.uint8)
+    for offset, low, high in _HALVES[fmt.name]:
+        raw[:, :, offset:offset + 2] = rng.uniform(low, high, (rows, nb)).astype(np.float16).view(np.uint8) \
+            .reshape(rows, nb, 2)
+    return raw.reshape(rows, -1)
+
+
+def q8_activations(x: np.ndarray) -> np.ndarray:
+    """x [M, K] as the kernel quantizes it, back in float64."""
+    b = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(b * inv).astype(np.float64) * (amax / np.float32(127))).reshape(x.shape)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    load_kernel()
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_dequant_is_the_reference_bit_for_bit(name):
+    fmt, rng = FORMATS[name], np.random.default_rng(1)
+    for rows, blocks_per_row in ((1, 1), (7, 3), (33, 8)):
+        columns = blocks_per_row * fmt.block_weights
+        w = random_blocks(fmt, rows, columns, rng)
+        got = torch.ops.tandem.block_dequant(torch.from_numpy(w), fmt.kind, columns).numpy()
+        np.testing.assert_array_equal(got, dequantize_reference(w, fmt, columns))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_linear_equals_the_reference_product(name):
+    fmt, rng = FORMATS[name], np.random.default_rng(2)
+    for rows, blocks_per_row in ((5, 1), (38, 3), (67, 2)):  # tails of the 4-row tiles
+        columns = blocks_per_row * fmt.block_weights
+        w = random_blocks(fmt, rows, columns, rng)
+        ref = dequantize_reference(w, fmt, columns).astype(np.float64)
+        bias = rng.standard_normal(rows).astype(np.float32)
+        for m in (1, 3, 8, 11):  # one and two passes of 8 activation rows
+            x = rng.standard_normal((m, columns)).astype(np.float32)
+            x[0, :32] = 0  # an all-zero activation block (scale 0)
+            got = torch.ops.tandem.block_linear(torch.from_numpy(x), torch.from_numpy(w), fmt.kind, columns,
+                                                torch.from_numpy(bias)).numpy()
+            want = q8_activations(x) @ ref.T + bias
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+            exact = x.astype(np.float64) @ ref.T + bias  # the activations' rounding: ~1% of the outputs' range
+            assert np.abs(got - exact).max() < 0.03 * np.abs(exact).max()
+
+
+def test_a_row_does_not_depend_on_the_others():
+    fmt, rng = FORMATS["Q4_K"], np.random.default_rng(3)
+    w = torch.from_numpy(random_blocks(fmt, 12, 512, rng))
+    x = torch.randn(9, 512)
+    alone = torch.cat([torch.ops.tandem.block_linear(x[i:i + 1], w, fmt.kind, 512) for i in range(9)])
+    assert torch.equal(torch.ops.tandem.block_linear(x, w, fmt.kind, 512), alone)
+
+
+def test_bad_inputs_are_refused_naming_them():
+    fmt = FORMATS["Q8_0"]
+    w = torch.zeros(4, fmt.row_bytes(64), dtype=torch.uint8)
+    x = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="kind 5 is no block format"):
+        torch.ops.tandem.block_linear(x, w, 5, 64)
+    with pytest.raises(ValueError, match="columns \\(48\\) must be a positive multiple"):
+        torch.ops.tandem.block_dequant(w, fmt.kind, 48)
+    with pytest.raises(ValueError, match="blocks must be \\[rows, 68\\] for 64 columns"):
+        torch.ops.tandem.block_dequant(w[:, :60].contiguous(), fmt.kind, 64)
+    with pytest.raises(TypeError, match="blocks must be uint8"):
+        torch.ops.tandem.block_dequant(w.to(torch.int8), fmt.kind, 64)
+    with pytest.raises(ValueError, match="x must be a contiguous float32 CPU tensor \\[M, 64\\]"):
+        torch.ops.tandem.block_linear(x.double(), w, fmt.kind, 64)
+    with pytest.raises(ValueError, match="bias must be a contiguous float32 CPU tensor \\[4\\]"):
+        torch.ops.tandem.block_linear(x, w, fmt.kind, 64, torch.zeros(3))
