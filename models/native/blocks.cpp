@@ -1,7 +1,7 @@
 // The block formats' kernels (blocks.h) as torch ops, for the PyTorch forward (models/quant/blocks.py):
 //
 //   y = torch.ops.tandem.block_linear(x, blocks, kind, columns, bias)  # x [M, columns] float32 -> [M, rows]
-//   w = torch.ops.tandem.block_dequant(blocks, kind, columns)           # -> float32 [rows, columns]
+//   w = torch.ops.tandem.block_dequant(blocks, kind, columns, out=None)  # -> float32 [rows, columns]
 //
 // blocks: [rows, row bytes] uint8 in ggml's layout of `kind` (100 + ggml's type id). block_linear quantizes each
 // row of x to int8 per block of 32 (as the decode step does) and multiplies in integers: the kernel of small
@@ -74,10 +74,15 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
   return y;
 }
 
-Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns) {
+// out: where to write (a caller's scratch, reused across calls: a fresh [N, columns] buffer per call costs a page
+// fault per 4 KiB of it), else a new tensor.
+Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns, const std::optional<Tensor>& out_) {
   check_blocks(w, kind, columns);
   const int64_t N = w.size(0), rb = w.size(1);
-  Tensor out = at::empty({N, columns}, w.options().dtype(at::kFloat));
+  Tensor out = out_.has_value() ? *out_ : at::empty({N, columns}, w.options().dtype(at::kFloat));
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                        out.size(0) == N && out.size(1) == columns && out.is_contiguous(),
+                    "out must be a contiguous float32 CPU tensor [", N, ", ", columns, "]");
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   float* op = out.data_ptr<float>();
   const int32_t k = static_cast<int32_t>(kind);
@@ -90,7 +95,7 @@ Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns) {
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("block_linear(Tensor x, Tensor blocks, int kind, int columns, Tensor? bias=None) -> Tensor");
-  m.def("block_dequant(Tensor blocks, int kind, int columns) -> Tensor");
+  m.def("block_dequant(Tensor blocks, int kind, int columns, Tensor(a!)? out=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

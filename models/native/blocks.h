@@ -198,23 +198,40 @@ inline void unpack(const uint8_t* blk, Unpacked& u) {
   }
 }
 
+// What a format's blocks are, at compile time: sub-blocks of 32 per block, whether q may be negative (else
+// 0 <= q < 128 and maddubs takes it as is), whether w has an offset b (a minimum), whether the two halves of a
+// sub-block share one scale (all but Q6_K).
+template <int32_t K>
+struct Traits {
+  static constexpr int kSubs = K >= Q4_K ? 8 : 1;
+  static constexpr bool kSigned = K == Q4_0 || K == Q5_0 || K == Q8_0 || K == Q6_K;
+  static constexpr bool kOffset = K == Q4_1 || K == Q5_1 || K == Q4_K || K == Q5_K;
+  static constexpr bool kOneScale = K != Q6_K;
+};
+
 // q . xq of one sub-block as 8 int32 lanes (lanes 0-3: weights 0..15, lanes 4-7: 16..31), exact.
-inline __m256i sub_dot(__m256i q, const int8_t* xq, bool is_signed) {
+template <bool kSigned>
+inline __m256i sub_dot(__m256i q, const int8_t* xq) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i p = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
-                              : _mm256_maddubs_epi16(q, x);
+  const __m256i p = kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
+                            : _mm256_maddubs_epi16(q, x);
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
 // acc += the block's products with activation blocks xq / dx / dxs (its first sub-block's), per lane; the
 // offsets' part (b * dx * sum(xq)) is added to `off`.
+template <int32_t K>
 inline __m256 block_dot(const Unpacked& u, const int8_t* xq, const float* dx, const float* dxs, __m256 acc,
                         float& off) {
-  for (int j = 0; j < u.n; ++j) {
-    const __m256i s = sub_dot(u.q[j], xq + 32 * j, u.is_signed);
-    const __m256 scale = _mm256_set_m128(_mm_set1_ps(u.a[j][1] * dx[j]), _mm_set1_ps(u.a[j][0] * dx[j]));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-    off += u.b[j] * dxs[j];
+  using T = Traits<K>;
+  for (int j = 0; j < T::kSubs; ++j) {
+    const __m256 s = _mm256_cvtepi32_ps(sub_dot<T::kSigned>(u.q[j], xq + 32 * j));
+    if constexpr (T::kOneScale) {
+      acc = _mm256_fmadd_ps(s, _mm256_set1_ps(u.a[j][0] * dx[j]), acc);
+    } else {
+      acc = _mm256_fmadd_ps(s, _mm256_set_m128(_mm_set1_ps(u.a[j][1] * dx[j]), _mm_set1_ps(u.a[j][0] * dx[j])), acc);
+    }
+    if constexpr (T::kOffset) off += u.b[j] * dxs[j];
   }
   return acc;
 }
@@ -290,7 +307,7 @@ void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64
         for (int64_t m = 0; m < mr; ++m) {
           const int64_t xo = (m0 + m) * xb + b * (qk / 32);
           for (int i = 0; i < 4; ++i)
-            acc[m][i] = block_dot(u[i], x.q + xo * 32, x.dx + xo, x.dxs + xo, acc[m][i], off[m][i]);
+            acc[m][i] = block_dot<K>(u[i], x.q + xo * 32, x.dx + xo, x.dxs + xo, acc[m][i], off[m][i]);
         }
       }
       for (int64_t m = 0; m < mr; ++m)
@@ -305,7 +322,7 @@ void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64
       for (int64_t b = 0; b < nb; ++b) {
         unpack<K>(row + b * bytes, u[0]);
         const int64_t xo = m * xb + b * (qk / 32);
-        acc = block_dot(u[0], x.q + xo * 32, x.dx + xo, x.dxs + xo, acc, off);
+        acc = block_dot<K>(u[0], x.q + xo * 32, x.dx + xo, x.dxs + xo, acc, off);
       }
       put(m, n, hsum8(acc) + off);
     }

@@ -97,3 +97,13 @@ def test_bad_inputs_are_refused_naming_them():
         torch.ops.tandem.block_linear(x.double(), w, fmt.kind, 64)
     with pytest.raises(ValueError, match="bias must be a contiguous float32 CPU tensor \\[4\\]"):
         torch.ops.tandem.block_linear(x, w, fmt.kind, 64, torch.zeros(3))
+
+
+def test_dequant_into_a_callers_buffer():
+    fmt, rng = FORMATS["Q6_K"], np.random.default_rng(4)
+    w = torch.from_numpy(random_blocks(fmt, 6, 512, rng))
+    out = torch.full((6, 512), float("nan"))
+    assert torch.ops.tandem.block_dequant(w, fmt.kind, 512, out) is not None
+    assert torch.equal(out, torch.ops.tandem.block_dequant(w, fmt.kind, 512))
+    with pytest.raises(ValueError, match="out must be a contiguous float32 CPU tensor \\[6, 512\\]"):
+        torch.ops.tandem.block_dequant(w, fmt.kind, 512, torch.empty(5, 512))
