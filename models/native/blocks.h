@@ -107,25 +107,31 @@ inline __m256i high_bits32(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
-// Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 // One block unpacked: n sub-blocks of 32 weights, w = a[j][half] * q[j] + b[j].
 struct Unpacked {
   __m256i q[8];
   float a[8][2];
   float b[8];
+  __m256 av, bv;  // Q4_K / Q5_K: a and b of the 8 sub-blocks as vectors (a[] and b[] are not set)
   int n;
   bool is_signed;  // q may be negative (signed formats); else 0 <= q < 128
 };
+
+// Q4_K / Q5_K: the 8 6-bit scales and 8 6-bit minimums of a block (12 bytes) as two vectors of floats
+// (llama.cpp's unpacking of the 32-bit words: bytes 0-7 the scales, 8-15 the minimums).
+inline void scales_mins_k4(const uint8_t* p, __m256& sc, __m256& mn) {
+  uint32_t u[4];
+  std::memcpy(u, p, 12);
+  constexpr uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t aux = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = aux;
+  u[0] &= m1;
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+}
 
 inline void set_sub(Unpacked& u, int j, __m256i q, float a, float b) {
   u.q[j] = q;
@@ -155,8 +161,10 @@ inline void unpack(const uint8_t* blk, Unpacked& u) {
     // d, dmin, scales[12], (Q5_K: qh[32]), qs[128]: sub-block 2i is the low nibbles of qs[32 i .. 32 i + 32),
     // 2i + 1 their high nibbles; Q5_K's fifth bit of sub-block j is bit j of qh[l].
     u.n = 8, u.is_signed = false;
-    const float d = half(blk), dmin = half(blk + 2);
-    const uint8_t* sc = blk + 4;
+    __m256 sc, mn;
+    scales_mins_k4(blk + 4, sc, mn);
+    u.av = _mm256_mul_ps(sc, _mm256_set1_ps(half(blk)));
+    u.bv = _mm256_mul_ps(mn, _mm256_set1_ps(-half(blk + 2)));
     const uint8_t* qs = blk + (K == Q4_K ? 16 : 48);
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i qh = _mm256_setzero_si256();
@@ -170,11 +178,8 @@ inline void unpack(const uint8_t* blk, Unpacked& u) {
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s0), one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s1), one), 4));
       }
-      int s, m;
-      scale_min_k4(2 * i, sc, s, m);
-      set_sub(u, 2 * i, lo, d * static_cast<float>(s), -dmin * static_cast<float>(m));
-      scale_min_k4(2 * i + 1, sc, s, m);
-      set_sub(u, 2 * i + 1, hi, d * static_cast<float>(s), -dmin * static_cast<float>(m));
+      u.q[2 * i] = lo;
+      u.q[2 * i + 1] = hi;
     }
   } else {  // Q6_K: ql[128], qh[64], scales[16] (int8), d; 16 weights per scale
     u.n = 8, u.is_signed = true;
@@ -224,6 +229,14 @@ template <int32_t K>
 inline __m256 block_dot(const Unpacked& u, const int8_t* xq, const float* dx, const float* dxs, __m256 acc,
                         float& off) {
   using T = Traits<K>;
+  if constexpr (K == Q4_K || K == Q5_K) {  // a_j dx_j for every j at once; the offsets straight into acc's lanes
+    const __m256 adx = _mm256_mul_ps(u.av, _mm256_loadu_ps(dx));
+    for (int j = 0; j < 8; ++j) {
+      const __m256 s = _mm256_cvtepi32_ps(sub_dot<false>(u.q[j], xq + 32 * j));
+      acc = _mm256_fmadd_ps(s, _mm256_permutevar8x32_ps(adx, _mm256_set1_epi32(j)), acc);
+    }
+    return _mm256_fmadd_ps(u.bv, _mm256_loadu_ps(dxs), acc);
+  }
   for (int j = 0; j < T::kSubs; ++j) {
     const __m256 s = _mm256_cvtepi32_ps(sub_dot<T::kSigned>(u.q[j], xq + 32 * j));
     if constexpr (T::kOneScale) {
@@ -237,7 +250,14 @@ inline __m256 block_dot(const Unpacked& u, const int8_t* xq, const float* dx, co
 }
 
 // The block's weights as float32 (out: n * 32 values).
-inline void block_to_float(const Unpacked& u, float* out) {
+template <int32_t K>
+inline void block_to_float(Unpacked& u, float* out) {
+  if constexpr (K == Q4_K || K == Q5_K) {  // a[] and b[] from the vectors
+    alignas(32) float a[8], b[8];
+    _mm256_store_ps(a, u.av);
+    _mm256_store_ps(b, u.bv);
+    for (int j = 0; j < 8; ++j) u.a[j][0] = u.a[j][1] = a[j], u.b[j] = b[j];
+  }
   for (int j = 0; j < u.n; ++j) {
     alignas(32) int8_t v[32];
     _mm256_store_si256(reinterpret_cast<__m256i*>(v), u.q[j]);
@@ -256,7 +276,7 @@ inline void row_to_float_k(const uint8_t* row, int64_t k, float* out) {
   Unpacked u;
   for (int64_t b = 0; b < k / qk; ++b) {
     unpack<K>(row + b * bytes, u);
-    block_to_float(u, out + b * qk);
+    block_to_float<K>(u, out + b * qk);
   }
 }
 
@@ -296,6 +316,20 @@ void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64
     const int64_t idx[4] = {n0 + t, n0 + t + q, n0 + t + 2 * q, n0 + t + 3 * q};
     const uint8_t* r[4];
     for (int i = 0; i < 4; ++i) r[i] = w + (idx[i] - row0) * rb;
+    if (M == 1) {  // decode at batch 1: each block unpacked and used at once, in registers
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      float off[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t xo = b * (qk / 32);
+        for (int i = 0; i < 4; ++i) {
+          Unpacked one;
+          unpack<K>(r[i] + b * bytes, one);
+          acc[i] = block_dot<K>(one, x.q + xo * 32, x.dx + xo, x.dxs + xo, acc[i], off[i]);
+        }
+      }
+      for (int i = 0; i < 4; ++i) put(0, idx[i], hsum8(acc[i]) + off[i]);
+      continue;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += kRowsMax) {
       const int64_t mr = std::min<int64_t>(kRowsMax, M - m0);
       __m256 acc[kRowsMax][4];
