@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "blocks.h"
@@ -68,8 +69,7 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
     int64_t n0, n1;
     share(N, 4, tid, nt, n0, n1);
     if (n0 < n1)
-      blocks::gemm_blocks(k, wp, 0, K, q8, M, n0, n1,
-                          [&](int64_t m, int64_t n, float v) { yp[m * N + n] = b ? v + b[n] : v; });
+      blocks::gemm_blocks(k, wp, 0, K, q8, M, n0, n1, BlockOut{yp, N, nullptr, b, false});
   }
   return y;
 }
@@ -91,9 +91,26 @@ Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns, const std::
   return out;
 }
 
+// The instructions the block kernels run on: "avx512vnni" where the CPU has AVX-512 VNNI, else "avx2".
+std::string block_isa() { return tandem_block_isa == 1 ? "avx512vnni" : "avx2"; }
+
+// Forces one (tests compare the two builds); "avx512vnni" is refused where the CPU lacks it.
+void set_block_isa(const std::string& isa) {
+  TORCH_CHECK_VALUE(isa == "avx2" || isa == "avx512vnni", "unknown block ISA ", isa, " (avx2, avx512vnni)");
+  if (isa == "avx512vnni") {
+    __builtin_cpu_init();
+    TORCH_CHECK_VALUE(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512bw"),
+                      "this CPU lacks AVX-512 VNNI");
+  }
+  tandem_block_isa = isa == "avx512vnni" ? 1 : 0;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("block_isa() -> str");
+  m.def("set_block_isa(str isa) -> ()");
   m.def("block_linear(Tensor x, Tensor blocks, int kind, int columns, Tensor? bias=None) -> Tensor");
   m.def("block_dequant(Tensor blocks, int kind, int columns, Tensor(a!)? out=None) -> Tensor");
 }
@@ -101,4 +118,9 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("block_linear", &block_linear);
   m.impl("block_dequant", &block_dequant);
+}
+
+TORCH_LIBRARY_IMPL(tandem, CatchAll, m) {  // (no tensor arguments: no dispatch key to pick a kernel by)
+  m.impl("block_isa", &block_isa);
+  m.impl("set_block_isa", &set_block_isa);
 }

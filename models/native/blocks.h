@@ -18,7 +18,35 @@
 #include <cstdint>
 #include <cstring>
 
-namespace blocks {
+// One activation row (or M rows, row-major) quantized for the block formats: q [K] int8, dx [K / 32] the
+// scale of each block of 32, dxs [K / 32] = dx * the block's sum of q.
+struct BlockQ8 {
+  int8_t* q;
+  float* dx;
+  float* dxs;
+};
+
+// Where a product's results go: y[m * ldy + n] = v * scale[n] + bias[n] (each if set), or += with accumulate.
+struct BlockOut {
+  float* y;
+  int64_t ldy;
+  const float* scale;
+  const float* bias;
+  bool accumulate;
+};  // (no member functions: the AVX-512 build's copy of one, an inline function of this global type, could be
+    // the one the linker keeps for both builds)
+
+// The AVX-512 VNNI build of these kernels (blocks_vnni.cpp: the same code, one instruction per sub-block's
+// integer products) and which one runs: tandem_block_isa 1 where the CPU has it, else 0 (the AVX2 code).
+extern int tandem_block_isa;
+void tandem_vnni_gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const BlockQ8& x, int64_t M,
+                             int64_t n0, int64_t n1, const BlockOut& out);
+
+#ifndef TANDEM_BLOCKS_NS
+#define TANDEM_BLOCKS_NS blocks
+#endif
+
+namespace TANDEM_BLOCKS_NS {
 
 // The TdLinear kinds of the formats: 100 + ggml's type id (models/quant/block_formats.py).
 enum Kind : int32_t { Q4_0 = 102, Q4_1 = 103, Q5_0 = 106, Q5_1 = 107, Q8_0 = 108, Q4_K = 112, Q5_K = 113, Q6_K = 114 };
@@ -50,13 +78,14 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One activation row (or M rows, row-major) quantized for the block formats: q [K] int8, dx [K / 32] the
-// scale of each block of 32, dxs [K / 32] = dx * the block's sum of q.
-struct Q8 {
-  int8_t* q;
-  float* dx;
-  float* dxs;
-};
+using Q8 = BlockQ8;
+
+inline void put(const BlockOut& o, int64_t m, int64_t n, float v) {
+  if (o.scale) v *= o.scale[n];
+  if (o.bias) v += o.bias[n];
+  float* p = o.y + m * o.ldy + n;
+  *p = o.accumulate ? *p + v : v;
+}
 
 // Rows of x [M, K] (K % 32 == 0) quantized into out, blocks [b0, b1) of the M * K / 32 (contiguous over rows).
 inline void quantize_q8(const float* x, const Q8& out, int64_t b0, int64_t b1) {
@@ -218,9 +247,15 @@ struct Traits {
 template <bool kSigned>
 inline __m256i sub_dot(__m256i q, const int8_t* xq) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+#ifdef TANDEM_BLOCKS_VNNI  // u8 x s8, four products summed into each int32 lane: maddubs and madd in one
+  const __m256i zero = _mm256_setzero_si256();
+  return kSigned ? _mm256_dpbusd_epi32(zero, _mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
+                 : _mm256_dpbusd_epi32(zero, q, x);
+#else
   const __m256i p = kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
                             : _mm256_maddubs_epi16(q, x);
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
 }
 
 // acc += the block's products with activation blocks xq / dx / dxs (its first sub-block's), per lane; the
@@ -303,10 +338,10 @@ inline float hsum8(__m256 v) {
 
 // y[m, n] for weight rows n in [n0, n1) and all M activation rows: rows `w + (n - row0) * rb`. Four weight rows at
 // a time, walked side by side as four sequential streams (as gemm.h's Quarters: more misses in flight); each
-// block of the four is unpacked once and reused for every activation row. put(m, n, value) stores a result.
-template <int32_t K, typename Put>
+// block of the four is unpacked once and reused for every activation row.
+template <int32_t K>
 void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64_t M, int64_t n0, int64_t n1,
-                   const Put& put) {
+                   const BlockOut& out) {
   const int64_t qk = K >= Q4_K ? 256 : 32, bytes = block_bytes(K), rb = row_bytes(K, k), nb = k / qk,
                 xb = k / 32;  // activation blocks per row
   const int64_t q = (n1 - n0) / 4;
@@ -327,7 +362,7 @@ void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64
           acc[i] = block_dot<K>(one, x.q + xo * 32, x.dx + xo, x.dxs + xo, acc[i], off[i]);
         }
       }
-      for (int i = 0; i < 4; ++i) put(0, idx[i], hsum8(acc[i]) + off[i]);
+      for (int i = 0; i < 4; ++i) put(out, 0, idx[i], hsum8(acc[i]) + off[i]);
       continue;
     }
     for (int64_t m0 = 0; m0 < M; m0 += kRowsMax) {
@@ -345,7 +380,7 @@ void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64
         }
       }
       for (int64_t m = 0; m < mr; ++m)
-        for (int i = 0; i < 4; ++i) put(m0 + m, idx[i], hsum8(acc[m][i]) + off[m][i]);
+        for (int i = 0; i < 4; ++i) put(out, m0 + m, idx[i], hsum8(acc[m][i]) + off[m][i]);
     }
   }
   for (int64_t n = n0 + 4 * q; n < n1; ++n) {  // the rows left over, one at a time
@@ -358,14 +393,15 @@ void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64
         const int64_t xo = m * xb + b * (qk / 32);
         acc = block_dot<K>(u[0], x.q + xo * 32, x.dx + xo, x.dxs + xo, acc, off);
       }
-      put(m, n, hsum8(acc) + off);
+      put(out, m, n, hsum8(acc) + off);
     }
   }
 }
 
-template <typename Put>
-void gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64_t M, int64_t n0,
-                 int64_t n1, const Put& put) {
+// y = x @ W^T for weight rows [n0, n1) of a block-format weight (rows `w + (n - row0) * row bytes`), all M rows
+// of x, on this build's instructions.
+inline void gemm_blocks_isa(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64_t M,
+                            int64_t n0, int64_t n1, const BlockOut& put) {
   switch (kind) {
     case Q4_0: gemm_blocks_k<Q4_0>(w, row0, k, x, M, n0, n1, put); break;
     case Q4_1: gemm_blocks_k<Q4_1>(w, row0, k, x, M, n0, n1, put); break;
@@ -378,4 +414,13 @@ void gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const 
   }
 }
 
-}  // namespace blocks
+#ifndef TANDEM_BLOCKS_VNNI
+// The same on the best instructions of this CPU (tandem_block_isa).
+inline void gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64_t M, int64_t n0,
+                        int64_t n1, const BlockOut& out) {
+  if (tandem_block_isa == 1) tandem_vnni_gemm_blocks(kind, w, row0, k, x, M, n0, n1, out);
+  else gemm_blocks_isa(kind, w, row0, k, x, M, n0, n1, out);
+}
+#endif
+
+}  // namespace TANDEM_BLOCKS_NS

@@ -263,7 +263,7 @@ void gemm_part(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t 
       const int64_t a = std::max(n0, row0), b = std::min(n1, row0 + part.rows);
       if (a < b)
         blocks::gemm_blocks(part.kind, static_cast<const uint8_t*>(part.w), row0, L.k, in.q8, M, a, b,
-                            [&](int64_t m, int64_t n, float v) { ep.put(y + m * ldy + n, n, v); });
+                            BlockOut{y, ldy, L.scale, L.bias, accumulate});
       row0 += part.rows;
     }
     return;

@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger("tandem.native")
 
 SOURCE_DIR = Path(__file__).resolve().parent  # models/native/
-SOURCES = ("decode_step.cpp", "op.cpp", "blocks.cpp")  # (+ the headers they include: every .h in SOURCE_DIR)
+SOURCES = ("decode_step.cpp", "op.cpp", "blocks.cpp", "blocks_vnni.cpp")  # (+ the headers they include: every .h in SOURCE_DIR)
 NAME = "tandem_decode_step"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")  # cpp_extension adds -fPIC, -std and torch's own
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: at run time the one torch has loaded (the same soname)

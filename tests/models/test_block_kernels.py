@@ -107,3 +107,33 @@ def test_dequant_into_a_callers_buffer():
     assert torch.equal(out, torch.ops.tandem.block_dequant(w, fmt.kind, 512))
     with pytest.raises(ValueError, match="out must be a contiguous float32 CPU tensor \\[6, 512\\]"):
         torch.ops.tandem.block_dequant(w, fmt.kind, 512, torch.empty(5, 512))
+
+
+def _cpu_has_vnni() -> bool:
+    flags = open("/proc/cpuinfo").read()
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+
+
+def test_the_isa_is_chosen_by_the_cpu_and_avx2_can_be_forced():
+    assert torch.ops.tandem.block_isa() == ("avx512vnni" if _cpu_has_vnni() else "avx2")
+    if not _cpu_has_vnni():
+        with pytest.raises(ValueError, match="this CPU lacks AVX-512 VNNI"):
+            torch.ops.tandem.set_block_isa("avx512vnni")
+    with pytest.raises(ValueError, match="unknown block ISA"):
+        torch.ops.tandem.set_block_isa("amx")
+
+
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="this CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_vnni_build_gives_the_avx2_bits(name):
+    fmt, rng = FORMATS[name], np.random.default_rng(5)
+    w = torch.from_numpy(random_blocks(fmt, 37, 2 * fmt.block_weights * 4, rng))
+    x = torch.randn(9, 2 * fmt.block_weights * 4)
+    try:
+        torch.ops.tandem.set_block_isa("avx2")
+        want = [torch.ops.tandem.block_linear(x[:m], w, fmt.kind, x.shape[1]) for m in (1, 9)]
+        torch.ops.tandem.set_block_isa("avx512vnni")
+        got = [torch.ops.tandem.block_linear(x[:m], w, fmt.kind, x.shape[1]) for m in (1, 9)]
+    finally:
+        torch.ops.tandem.set_block_isa("avx512vnni")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
