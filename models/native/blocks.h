@@ -141,7 +141,7 @@ struct Unpacked {
   __m256i q[8];
   float a[8][2];
   float b[8];
-  __m256 av, bv;  // Q4_K / Q5_K: a and b of the 8 sub-blocks as vectors (a[] and b[] are not set)
+  __m256 av, bv;  // Q4_K / Q5_K: a and b of the 8 sub-blocks as vectors; Q6_K: its 16 scales (a[], b[] unset)
   int n;
   bool is_signed;  // q may be negative (signed formats); else 0 <= q < 128
 };
@@ -212,8 +212,10 @@ inline void unpack(const uint8_t* blk, Unpacked& u) {
     }
   } else {  // Q6_K: ql[128], qh[64], scales[16] (int8), d; 16 weights per scale
     u.n = 8, u.is_signed = true;
-    const float d = half(blk + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const __m256 d = _mm256_set1_ps(half(blk + 208));
+    const __m128i sc = load128(blk + 192);  // scale 2j: sub-block j's weights 0..15, 2j + 1: 16..31
+    u.av = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+    u.bv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     for (int n = 0; n < 2; ++n) {
       const __m256i a = load256(blk + 64 * n), b = load256(blk + 64 * n + 32), h = load256(blk + 128 + 32 * n);
@@ -222,11 +224,7 @@ inline void unpack(const uint8_t* blk, Unpacked& u) {
                              _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
       for (int g = 0; g < 4; ++g) {
         const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g)), two);
-        const int j = 4 * n + g;
-        u.q[j] = _mm256_sub_epi8(_mm256_or_si256(l4[g], _mm256_slli_epi16(h2, 4)), off);
-        u.a[j][0] = d * static_cast<float>(sc[8 * n + 2 * g]);
-        u.a[j][1] = d * static_cast<float>(sc[8 * n + 2 * g + 1]);
-        u.b[j] = 0.f;
+        u.q[4 * n + g] = _mm256_sub_epi8(_mm256_or_si256(l4[g], _mm256_slli_epi16(h2, 4)), off);
       }
     }
   }
@@ -272,6 +270,16 @@ inline __m256 block_dot(const Unpacked& u, const int8_t* xq, const float* dx, co
     }
     return _mm256_fmadd_ps(u.bv, _mm256_loadu_ps(dxs), acc);
   }
+  if constexpr (K == Q6_K) {  // sub-block j: scales 2j, 2j + 1 (of av: 0..7, bv: 8..15) on its halves, times dx_j
+    const __m256 dxv = _mm256_loadu_ps(dx);
+    for (int j = 0; j < 8; ++j) {
+      const int h = 2 * (j % 4);
+      const __m256 sc = _mm256_permutevar8x32_ps(j < 4 ? u.av : u.bv, _mm256_setr_epi32(h, h, h, h, h + 1, h + 1, h + 1, h + 1));
+      const __m256 s = _mm256_cvtepi32_ps(sub_dot<true>(u.q[j], xq + 32 * j));
+      acc = _mm256_fmadd_ps(s, _mm256_mul_ps(sc, _mm256_permutevar8x32_ps(dxv, _mm256_set1_epi32(j))), acc);
+    }
+    return acc;
+  }
   for (int j = 0; j < T::kSubs; ++j) {
     const __m256 s = _mm256_cvtepi32_ps(sub_dot<T::kSigned>(u.q[j], xq + 32 * j));
     if constexpr (T::kOneScale) {
@@ -292,6 +300,12 @@ inline void block_to_float(Unpacked& u, float* out) {
     _mm256_store_ps(a, u.av);
     _mm256_store_ps(b, u.bv);
     for (int j = 0; j < 8; ++j) u.a[j][0] = u.a[j][1] = a[j], u.b[j] = b[j];
+  }
+  if constexpr (K == Q6_K) {  // the 16 scales from the vectors
+    alignas(32) float a[16];
+    _mm256_store_ps(a, u.av);
+    _mm256_store_ps(a + 8, u.bv);
+    for (int j = 0; j < 8; ++j) u.a[j][0] = a[2 * j], u.a[j][1] = a[2 * j + 1], u.b[j] = 0.f;
   }
   for (int j = 0; j < u.n; ++j) {
     alignas(32) int8_t v[32];
