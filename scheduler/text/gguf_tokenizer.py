@@ -57,17 +57,12 @@ _PRE: dict[str, Any] = {
 
 class GgufTokenizer:
     """`tokenizer` (tokenizers.Tokenizer) and `config` (what tokenizer_config.json would say: bos/eos/unk/pad
-    token texts, chat_template) of the GGUF file at `path` (`fields`: its GGUFReader fields, if read already)."""
+    token texts, chat_template) of the GGUF file at `path` (`meta`: its tokenizer.* keys and values, when the
+    caller has read them already: models/gguf/file.py GgufFile.tokenizer_metadata)."""
 
-    def __init__(self, path: str | Path, fields: dict[str, Any] | None = None) -> None:
-        from gguf import GGUFReader
-
+    def __init__(self, path: str | Path, meta: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
-        try:  # (fields: the file's, when the caller has read it already)
-            fields = GGUFReader(self.path).fields if fields is None else fields
-        except Exception as exc:  # OSError, a bad magic (ValueError), a truncated file (struct/index errors)
-            raise CheckpointError(f"{self.path}: cannot read it as a GGUF file: {exc}") from exc
-        self._meta = {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+        self._meta = self._read_meta() if meta is None else meta
         kind = self._get("tokenizer.ggml.model", required=True)
         tokens = self._get("tokenizer.ggml.tokens", required=True)
         types = self._get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -91,6 +86,15 @@ class GgufTokenizer:
             "unk_token": text("tokenizer.ggml.unknown_token_id"), "pad_token": text("tokenizer.ggml.padding_token_id"),
             "chat_template": self._meta.get("tokenizer.chat_template"),
         }
+
+    def _read_meta(self) -> dict[str, Any]:
+        from gguf import GGUFReader
+
+        try:
+            fields = GGUFReader(self.path).fields
+        except Exception as exc:  # OSError, a bad magic (ValueError), a truncated file (struct/index errors)
+            raise CheckpointError(f"{self.path}: cannot read it as a GGUF file: {exc}") from exc
+        return {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
 
     def _get(self, key: str, required: bool = False) -> Any:
         value = self._meta.get(key)
