@@ -23,7 +23,7 @@ import torch
 from executor_service.config import ExecutorConfig
 from executor_service.kv.sizing import build_kv_pool
 from executor_service.step.batch import BatchRunner
-from executor_service.step.decode_choice import choose_decode, flag_refusal, runs_eager
+from executor_service.step.decode_choice import choose_decode, flag_refusal, model_flag_refusal, runs_eager
 from executor_service.types import KvPoolSizing
 from models.attention.backend import AttentionBuilder, choose_backend
 from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
@@ -35,6 +35,8 @@ from models.kv.paged_cache import PagedKvCache
 from models.kv.dtype import kv_dtype_name, resolve_kv_dtype
 from models.loader import load_model
 from models.memory.mapped_pages import trim_heap
+from models.native.library import NativeBuild
+from models.quant.blocks import block_ops_available, block_weights, weight_format, weights_summary
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -56,6 +58,7 @@ class ModelStack:
     runner: BatchRunner
     attention_backend: str = "gathered"  # the eager forward's paged attention (models/attention/backend.py)
     decode_capabilities: tuple[str, ...] = ()  # GetInfo capabilities of the decode choice (step/decode_choice.py)
+    weight_format: str = "float"  # "float" or a GGUF file's block formats kept ("gguf-blocks:Q4_K+Q6_K")
 
     @property
     def compiled(self) -> CompiledDecode | None:
@@ -79,7 +82,11 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     device = config.resolve_device()
     if reason := flag_refusal(config):
         raise ValueError(reason)  # before loading: the flags alone refuse it
-    model = load_model(config.model_dir, device, config.dtype, progress=config.progress)
+    model = load_model(config.model_dir, device, config.dtype, progress=config.progress,
+                       gguf_dequantize=config.gguf_dequantize)
+    if reason := model_flag_refusal(config, model):
+        raise ValueError(reason)  # the file's tensor types (weights kept in GGUF blocks) refuse the flags
+    prepare_block_weights(model, NativeBuild(config.native_cache_dir))
     kernel = model.quantize(config.quantization)  # before packing: it skips those
     if kernel:
         log.info("linear weights quantized to %s (%s kernel)", config.quantization, kernel)
@@ -104,5 +111,16 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=choice.step, runner=choice.runner,
-                      attention_backend=backend, decode_capabilities=choice.capabilities)
+                      attention_backend=backend, decode_capabilities=choice.capabilities,
+                      weight_format=weight_format(model))
+
+
+def prepare_block_weights(model: DecoderModel, build: NativeBuild) -> None:
+    """With weights in GGUF block formats: loads their native kernels (built on a first start) and logs what
+    the weights are and what runs them."""
+    blocks = block_weights(model)
+    if blocks:
+        native = block_ops_available(build)
+        log.info("weights: %s; block weights run %s", weights_summary(model),
+                 "the native block kernels" if native else "the numpy dequantizer (slow)")
 

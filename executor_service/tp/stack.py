@@ -46,7 +46,8 @@ def load_shard(config: ExecutorConfig, shard: Shard, device: torch.device, progr
         dtype = str(resolve_dtype(dtype, ModelConfig.from_dir(config.model_dir), device)).removeprefix("torch.")
     # a directory's layers cut as each is loaded: one layer's fused q/k/v and stacked experts whole at a time
     model = load_model(config.model_dir, "cpu" if on_host else device, dtype, progress=progress,
-                       on_layer=(lambda layer: shard_layer(layer, shard)) if directory else None)
+                       on_layer=(lambda layer: shard_layer(layer, shard)) if directory else None,
+                       gguf_dequantize=config.gguf_dequantize)
     shard_model(model, shard, layers_cut=directory)
     if on_host:
         model.to(device)

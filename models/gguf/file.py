@@ -53,8 +53,8 @@ class GgufFile:
         return {k: self.header.value(k) for k in self.header.metadata if k.startswith("tokenizer.")}
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor as stored, a read-only view of the mapped file: a float type as its numpy dtype in the
-        tensor's shape; a block-quantized matrix as uint8 [rows, row_bytes] (whole blocks per row)."""
+        """The tensor as stored, a read-only view of the mapped file: F32 and F16 as their numpy dtype in the
+        tensor's shape; the other types as uint8 [rows, row_bytes] (a block type's rows are whole blocks)."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         info = self._tensors.get(name)
@@ -72,9 +72,8 @@ class GgufFile:
             data = self.header.tensor_bytes(info, rows * row_bytes)
         except GgufFormatError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from None
-        if qtype.name in ("F32", "F16", "BF16"):  # (BF16: numpy has none; uint16 bits, which gguf reads)
-            dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype.name]
-            return data.view(dtype).reshape(info.shape)
+        if qtype.name in ("F32", "F16"):  # (BF16, which numpy lacks, is bytes as for the block types)
+            return data.view(np.float32 if qtype.name == "F32" else np.float16).reshape(info.shape)
         return data.reshape(*outer, row_bytes) if outer else data
 
     def tensor(self, name: str) -> np.ndarray:

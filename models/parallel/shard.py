@@ -8,6 +8,9 @@ rank. The layers that do the collectives are in models/parallel/layers.py.
 
 What cannot be split evenly is refused (`shard_refusal`), with the reason: heads and KV heads must divide by
 the group's size (no KV-head replication), and so must the MLP's intermediate size and the expert count.
+Weights kept in GGUF block formats (models/quant/blocks.py) are refused too: row-parallel layers would split
+their rows inside blocks wherever in_features / size is not a multiple of the block, and the vocabulary-split
+embedding and head are float modules; --gguf-dequantize loads such a file as float.
 
 Each slice is a fresh copy; the whole tensor it came from is dropped (its file pages released when it was a
 view of the mapped checkpoint), so a rank keeps about 1/N of the weights (the norms and the router whole).
@@ -24,6 +27,7 @@ from models.config import ModelConfig
 from models.layers import MLP, Attention, Linear
 from models.memory.mapped_pages import release_file_pages
 from models.moe import SparseMoeBlock
+from models.quant.blocks import block_weights
 from models.parallel.layers import (ExpertParallelMoe, RowParallelLinear, VocabParallelEmbedding,
                                            VocabParallelHead)
 from models.transformer import DecoderModel
@@ -68,6 +72,9 @@ def shard_model(model: DecoderModel, shard: Shard, layers_cut: bool = False) -> 
     (layers_cut: its decoder layers were cut while loading, shard_layer). Raises ValueError when the model
     cannot be split that way."""
     why = shard_refusal(model.config, shard.size)
+    if why is None and block_weights(model):
+        why = ("the model's weights are in GGUF block formats, which are not split by rank; pass "
+               "--gguf-dequantize to load them as float")
     if why:
         raise ValueError(f"tensor parallelism: {why}")
     with torch.no_grad():

@@ -177,3 +177,32 @@ def from_mapped(blocks: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(blocks)
+
+
+def weight_format(model: nn.Module) -> str:
+    """What the model's weights are, for the KV fingerprint and GetInfo: "float", or "gguf-blocks:" and the
+    block formats ("gguf-blocks:Q4_K+Q6_K"): K and V computed from other weights are other numbers."""
+    formats = sorted({f for w in block_weights(model) for f in w.formats})
+    return f"gguf-blocks:{'+'.join(formats)}" if formats else "float"
+
+
+def weights_summary(model: nn.Module) -> str:
+    """The weights' bytes by kind, for the startup log: "101.2 MiB: blocks Q4_1 (210 tensors, 66.4 MiB), Q8_0
+    (1, 28.7 MiB); float32 6.1 MiB (norms, biases, float matrices)"."""
+    by_format: dict[str, list[int]] = {}
+    for w in block_weights(model):
+        for fmt, blocks in w.parts:
+            entry = by_format.setdefault(fmt.name, [0, 0])
+            entry[0] += 1
+            entry[1] += blocks.numel()
+    floats: dict[str, int] = {}
+    for p in {id(p): p for p in model.parameters()}.values():
+        nbytes = p.numel() * p.element_size()
+        if p.untyped_storage().nbytes() >= nbytes:  # (not a stand-in of a weight held elsewhere)
+            name = str(p.dtype).removeprefix("torch.")
+            floats[name] = floats.get(name, 0) + nbytes
+    mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
+    total = sum(b for _, b in by_format.values()) + sum(floats.values())
+    blocks = ", ".join(f"{name} ({n} tensors, {mib(b)})" for name, (n, b) in sorted(by_format.items()))
+    plain = ", ".join(f"{name} {mib(b)}" for name, b in sorted(floats.items()))
+    return f"{mib(total)}: " + "; ".join(filter(None, [blocks and f"blocks {blocks}", plain and f"float {plain}"]))
