@@ -1,0 +1,102 @@
+"""The executor's features over weights kept in GGUF blocks (a Q8_0 file of the tiny Llama, served on its
+blocks): LoRA adapters (float, over the quantized base), prefix-cache reuse, speculative drafts and a preempted
+sequence's recompute each give what the same executor gives without them, or what the file served with
+--gguf-dequantize gives within the logits tolerance of tests/models/test_gguf_blocks.py; the flags that cannot
+run block weights are refused naming --gguf-dequantize."""
+from __future__ import annotations
+
+import pytest
+
+from executor_service.types import UnifiedItem
+from models.loader import load_model
+from models.parallel.shard import Shard, shard_model
+from tests.executor.test_executor_parity import prompt_of
+from tests.executor.test_speculative_verify import assert_pool_whole, plain_run, spec_run
+from tests.executor_driver import create_cache, greedy_run, make_executor, prefill_prompt, raising, warm_prefixes
+from tests.gguf_files import write_gguf
+from tests.lora_fixtures import make_peft_adapter
+from tests.models.test_gguf_blocks import LOGITS_TOLERANCE
+
+# Drafts of up to 4 tokens: the verify call's rows (1 + drafts) stay within SMALL_ROWS, so decode and verify
+# run the same kernel (models/quant/blocks.py) and greedy acceptance compares like with like.
+SHORT_DRAFTS = [("half", 2), ("right", 3), ("wrong", 2), ("right", 4)]
+
+
+def close(got, want) -> float:
+    return max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def gguf(model_dir, tmp_path_factory):
+    path, _ = write_gguf(model_dir, tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf", "Q8_0")
+    return path
+
+
+@pytest.fixture(scope="module")
+def ex(gguf):
+    ex = make_executor(gguf, kv_blocks=64)
+    assert ex.info().quantization == "gguf-blocks:Q8_0"
+    return ex
+
+
+def test_lora_over_block_weights(gguf, model_dir, tmp_path):
+    adapter = make_peft_adapter(model_dir, tmp_path / "a", r=8, alpha=16, seed=1)
+    kw = dict(kv_blocks=64, adapter_root=tmp_path, adapters=(("a", adapter),))
+    blocks, floats = make_executor(gguf, **kw), make_executor(gguf, gguf_dequantize=True, **kw)
+    prompt = prompt_of(21, seed=2)
+    _, tokens, logits = greedy_run(blocks, prompt, 8, adapter="a")
+    _, want_tokens, want_logits = greedy_run(floats, prompt, 8, adapter="a")
+    assert tokens == want_tokens and close(logits, want_logits) < LOGITS_TOLERANCE
+    assert tokens != greedy_run(blocks, prompt, 8)[1]  # the adapter is applied
+
+
+def test_drafts_over_block_weights(ex):
+    prompt = prompt_of(19, seed=4)
+    ref = plain_run(ex, prompt, 16)
+    got = spec_run(ex, prompt, ref, SHORT_DRAFTS)
+    assert got.tokens == ref.tokens
+    assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) < LOGITS_TOLERANCE
+    assert_pool_whole(ex)
+
+
+def test_prefix_reuse_over_block_weights(ex):
+    prompt = prompt_of(40, seed=5)
+    fresh_id, fresh, _ = greedy_run(ex, prompt, 4)
+    ex.release_cache([fresh_id])
+    warm_prefixes(ex, [prompt])
+    cache_id, cached = create_cache(ex, prompt)
+    assert cached == 32
+    (r,) = raising(ex.unified_decode([UnifiedItem(tuple(prompt[cached:]), cache_id, cached)]))
+    assert r.output.tokens[0].token_id == fresh[0]
+    ex.release_cache([cache_id])
+    assert_pool_whole(ex)
+
+
+def test_preempted_sequence_recomputes_the_same(ex):
+    """Released after 10 tokens, then prompt + those tokens recomputed in chunks of 9 (prefill: the dequantized
+    path) and decoded on: the continuation is the uninterrupted run's."""
+    prompt = prompt_of(30, seed=3)
+    cache_id, want, want_logits = greedy_run(ex, prompt, 16)
+    ex.release_cache([cache_id])
+    resumed = prompt + want[:10]
+    cache_id, _, out = prefill_prompt(ex, resumed, chunk=9)
+    assert out.tokens[0].token_id == want[10]
+    assert close([out.logits[0]], [want_logits[10]]) < LOGITS_TOLERANCE
+    ex.release_cache([cache_id])
+    assert_pool_whole(ex)
+
+
+@pytest.mark.parametrize("flags, named", [(dict(deterministic=True), "--deterministic"),
+                                          (dict(compile=True), "--compile"),
+                                          (dict(decode_kernel="native"), "--decode-kernel native")])
+def test_flags_that_cannot_run_blocks_are_refused_naming_the_way_out(gguf, flags, named):
+    with pytest.raises(ValueError) as exc:
+        make_executor(gguf, **flags)
+    assert str(exc.value).startswith(named) and "GGUF block formats (Q8_0)" in str(exc.value)
+    assert "--gguf-dequantize" in str(exc.value)
+
+
+def test_tensor_parallelism_refuses_block_weights(gguf):
+    model = load_model(gguf, progress=False)
+    with pytest.raises(ValueError, match="--gguf-dequantize"):
+        shard_model(model, Shard(rank=0, size=2))
