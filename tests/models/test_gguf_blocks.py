@@ -13,11 +13,18 @@ from tests.executor_driver import greedy_run, make_executor, teacher_forced_logi
 from tests.gguf_files import make_family_checkpoint, write_gguf
 from tests.models.test_gguf_checkpoint import WIDE
 
-# Logits of the blocks against the dequantized weights, relative to the logits' largest value: the numpy
-# fallback multiplies the same float weights (~1e-6); the native kernel quantizes activations to 8 bits per
-# block of 32 (llama.cpp's q8 dot products: measured ~5e-3 on these models).
-LOGITS_TOLERANCE = 3e-2
-TOP1_AGREEMENT = 0.9  # of the teacher-forced steps, at least (the native kernel may flip a near-tie)
+# Logits of the blocks against the dequantized weights (relative L2 error, logits_error). The numpy fallback
+# and prefill (dequantized blocks, float GEMM) multiply the same float weights: ~1e-6. Decode calls run the
+# native kernel, which quantizes activations to 8 bits per block of 32 as llama.cpp does: ~0.5% per product
+# (tests/models/test_block_weights.py), which these tiny random models amplify to 5-14% of the logits
+# (measured; the same as 8-bit activations emulated in Python). A wrong row, part or format is ~100%.
+LOGITS_TOLERANCE = 0.25
+TOP1_AGREEMENT = 0.8  # of the teacher-forced steps, at least (8-bit activations flip near-ties)
+
+
+def logits_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative error of a step's logits: |got - want| / |want| (L2 over the vocabulary)."""
+    return max(float((g - w).norm() / w.norm()) for g, w in zip(got, want))
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +48,11 @@ def test_blocks_equal_the_dequantized_file_within_tolerance(hf_dirs, tmp_path, f
     assert blocks.info().quantization == f"gguf-blocks:{qtype}" and floats.info().quantization == "none"
     assert blocks.transfer.fingerprint != floats.transfer.fingerprint  # KV never moves between them
     prompt = prompt_of(40, seed=3)  # (past Gemma 2's 16-token window)
-    _, tokens, want = greedy_run(floats, prompt, 8)
+    _, tokens, want = greedy_run(floats, prompt, 16)
     got = teacher_forced_logits(blocks, prompt, tokens)
-    err = max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
+    err = logits_error(got, want)
     agree = sum(int(g.argmax() == w.argmax()) for g, w in zip(got, want)) / len(want)
-    print(f"{family} {qtype}: max logits error {err:.2e} of the largest, top-1 agreement {agree:.0%}")
+    print(f"{family} {qtype}: logits error {err:.2e}, top-1 agreement {agree:.0%}")
     assert err < LOGITS_TOLERANCE and agree >= TOP1_AGREEMENT
 
 
