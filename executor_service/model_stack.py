@@ -9,7 +9,8 @@ then stay out of the arena) and before sizing the KV pool, so that the pool's sh
 for them; the decode step is chosen last, over the model and the pool it runs on.
 
 One resident copy of each weight: the loader maps the checkpoint and releases what it copies, and so do the
-huge-page arena and the packed layout (models/memory/mapped_pages.py). The packed layout replaces the plain weights,
+huge-page arena and the packed layout (models/memory/mapped_pages.py). A GGUF file's block weights stay in
+their blocks (models/quant/blocks.py), views of the mapped file until the huge-page arena copies them. The packed layout replaces the plain weights,
 which the native and compiled decode steps read: weights are packed only where decode steps will run the
 eager forward (`--decode-kernel torch`, or a model or machine the native step refuses).
 """
@@ -36,7 +37,8 @@ from models.kv.dtype import kv_dtype_name, resolve_kv_dtype
 from models.loader import load_model
 from models.memory.mapped_pages import trim_heap
 from models.native.library import NativeBuild
-from models.quant.blocks import block_ops_available, block_weights, weight_format, weights_summary
+from models.quant.blocks import (block_ops_available, block_weights, move_blocks_to_huge_pages, weight_format,
+                                 weights_summary)
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -96,6 +98,9 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
         model.pack_cpu_weights()
     if device.type == "cpu":  # (after quantizing: the arena lives as long as any weight in it)
         move_parameters_to_huge_pages(model, config.huge_pages)
+        # GGUF blocks too (else views of the mapped file): measured on SmolLM2 Q4_1, 2 cores, the eager
+        # forward's decode step ~20% faster (p10 88 -> 71 ms), the same RSS (the file's pages released)
+        move_blocks_to_huge_pages(model, config.huge_pages)
     if model.upcast_cpu_half_linears():  # bf16/fp16 on a CPU without oneDNN support for it
         log.info("%s weights on a CPU without oneDNN support for them: linear calls of %d+ rows (prefill) "
                  "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),

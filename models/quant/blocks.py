@@ -5,7 +5,10 @@ resident copy of the blocks, never a float copy beside them.
   of a Q4_K_M file is Q4_K q/k rows then Q6_K v rows). Small calls (decode) run the native kernel on the
   blocks (`torch.ops.tandem.block_linear`: activations quantized to 8 bits per block of 32, integer dot
   products, as llama.cpp does); larger ones (prefill) dequantize each part once per call and multiply in
-  float, which the call's many rows amortize.
+  float, which the call's many rows amortize, with the activations rounded to the same 8 bits first
+  (`q8_activations`): both paths then compute the same products up to float rounding, so that a prompt
+  recomputed after preemption, or drafts verified in one call, give what decode steps gave (without it they
+  differed by ~0.5% per product, and greedy continuations diverged).
 - `QuantEmbedding`: an embedding table in blocks; a lookup dequantizes only the rows asked for. A tied LM
   head multiplies with the same BlockWeight (`.blocks`), so one copy serves both.
 
@@ -24,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.memory.huge_pages import arena_bytes, copy_to_huge_pages
+from models.memory.mapped_pages import release_file_pages
 from models.native.library import NativeBuild, load_kernel, machine_refusal
 from models.quant.block_formats import BlockFormat, dequantize_reference
 
@@ -66,6 +71,15 @@ def block_ops_available(build: NativeBuild | None = None) -> bool:
 def _native() -> bool:
     """Whether the ops run now (not asked yet: whether something loaded them; no build here)."""
     return _available if _available is not None else _ops_present()
+
+
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x float32 [T, in] (in % 32 == 0) with each block of 32 values rounded as block_linear quantizes them:
+    q = round-half-even(x * 127 / absmax), value q * absmax / 127 (models/native/blocks.h quantize_q8)."""
+    b = x.view(x.shape[0], -1, 32)  # [T, in / 32, 32]
+    amax = b.abs().amax(dim=-1, keepdim=True)  # [T, in / 32, 1]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv) * (amax / 127.0)).view_as(x)
 
 
 def dequantize(fmt: BlockFormat, blocks: torch.Tensor, columns: int) -> torch.Tensor:
@@ -111,8 +125,9 @@ class BlockWeight:
         x32 = x.float().contiguous()
         if _native() and x.shape[0] <= SMALL_ROWS:
             outs = [torch.ops.tandem.block_linear(x32, b, fmt.kind, self.in_features, None) for fmt, b in self.parts]
-        else:
-            outs = [F.linear(x32, dequantize(fmt, b, self.in_features)) for fmt, b in self.parts]
+        else:  # (the numpy fallback has no kernel to agree with: float activations there)
+            xq = q8_activations(x32) if _native() else x32
+            outs = [F.linear(xq, dequantize(fmt, b, self.in_features)) for fmt, b in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [T, out]
         if self.bias is not None:
             out.add_(self.bias)
@@ -206,3 +221,24 @@ def weights_summary(model: nn.Module) -> str:
     blocks = ", ".join(f"{name} ({n} tensors, {mib(b)})" for name, (n, b) in sorted(by_format.items()))
     plain = ", ".join(f"{name} {mib(b)}" for name, b in sorted(floats.items()))
     return f"{mib(total)}: " + "; ".join(filter(None, [blocks and f"blocks {blocks}", plain and f"float {plain}"]))
+
+
+def move_blocks_to_huge_pages(model: nn.Module, mode: str) -> int:
+    """Copies every block tensor of `model` into one huge-page arena (models/memory/huge_pages.py; mode as
+    --huge-pages) and releases the file pages they were views of: still one resident copy. Returns the bytes
+    moved."""
+    weights = block_weights(model)
+    tensors = [b for w in weights for _, b in w.parts]
+    copies = iter(copy_to_huge_pages(tensors, mode))
+    moved = 0
+    for w in weights:
+        parts = []
+        for fmt, blocks in w.parts:
+            copy = next(copies)
+            if copy.data_ptr() != blocks.data_ptr():
+                release_file_pages([blocks])
+                moved += arena_bytes([copy])
+            parts.append((fmt, copy))
+        w.parts = parts
+    return moved
+

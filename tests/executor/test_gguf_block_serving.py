@@ -17,9 +17,11 @@ from tests.gguf_files import write_gguf
 from tests.lora_fixtures import make_peft_adapter
 from tests.models.test_gguf_blocks import LOGITS_TOLERANCE, logits_error
 
-# Drafts of up to 4 tokens: the verify call's rows (1 + drafts) stay within SMALL_ROWS, so decode and verify
-# run the same kernel (models/quant/blocks.py) and greedy acceptance compares like with like.
-SHORT_DRAFTS = [("half", 2), ("right", 3), ("wrong", 2), ("right", 4)]
+# Within one executor, a row's numbers are the same (to float rounding) whichever path computes it: the kernel
+# in decode-sized calls, dequantized blocks in larger ones with the activations rounded as the kernel rounds them
+# (models/quant/blocks.py). Drafts of 2-9 tokens take both paths.
+SAME_EXECUTOR_TOL = 1e-3
+DRAFTS = [("half", 2), ("right", 9), ("wrong", 2), ("half", 6)]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +52,9 @@ def test_lora_over_block_weights(gguf, model_dir, tmp_path):
 def test_drafts_over_block_weights(ex):
     prompt = prompt_of(19, seed=4)
     ref = plain_run(ex, prompt, 16)
-    got = spec_run(ex, prompt, ref, SHORT_DRAFTS)
+    got = spec_run(ex, prompt, ref, DRAFTS)
     assert got.tokens == ref.tokens
-    # (the prompt's item carries drafts: those positions are computed by prefill's path, not the kernel's)
-    assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) < LOGITS_TOLERANCE
+    assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) < SAME_EXECUTOR_TOL
     assert_pool_whole(ex)
 
 
@@ -79,7 +80,7 @@ def test_preempted_sequence_recomputes_the_same(ex):
     resumed = prompt + want[:10]
     cache_id, _, out = prefill_prompt(ex, resumed, chunk=9)
     assert out.tokens[0].token_id == want[10]
-    assert logits_error([out.logits[0]], [want_logits[10]]) < LOGITS_TOLERANCE
+    assert logits_error([out.logits[0]], [want_logits[10]]) < SAME_EXECUTOR_TOL
     ex.release_cache([cache_id])
     assert_pool_whole(ex)
 
