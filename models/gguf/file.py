@@ -2,7 +2,7 @@
 either as stored (`raw`: the bytes of a block-quantized matrix, [rows, row_bytes]) or dequantized to float32
 numpy arrays in their stored (row-major, HF [out, in]) layout.
 
-The header is read by models/gguf/reader.py, which leaves the tokenizer's arrays (tens of thousands of
+The header is read by tandem/gguf_reader.py, which leaves the tokenizer's arrays (tens of thousands of
 strings) undecoded until asked for (`tokenizer_field`); the file is memory-mapped, so nothing is read until
 a tensor is. Dequantizing is the `gguf` package's. Torch-free: the GGUF -> HF converter
 (scripts/prepare_default_model.py) uses it too.
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from models.gguf.reader import GgufFormatError, GgufHeader, LazyArray
+from tandem.gguf_reader import GgufFormatError, GgufHeader, LazyArray
 from tandem.errors import CheckpointError
 
 

@@ -8,7 +8,7 @@ tokenizer.json (same ids), built from the file's `tokenizer.ggml.*` metadata:
 
 Control tokens (token type 3) become special added tokens, user-defined ones (4) plain added tokens;
 `tokenizer.ggml.add_bos_token` / `add_eos_token` become the post-processor. Anything else is a CheckpointError
-naming the field. Torch-free (gguf imports only numpy).
+naming the field. Torch-free (the header reader imports only numpy).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from tandem.errors import CheckpointError
+from tandem.gguf_reader import GgufFormatError, GgufHeader
 
 CONTROL, USER_DEFINED, BYTE = 3, 4, 6  # llama.cpp's token types (gguf.TokenType)
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -88,13 +89,11 @@ class GgufTokenizer:
         }
 
     def _read_meta(self) -> dict[str, Any]:
-        from gguf import GGUFReader
-
         try:
-            fields = GGUFReader(self.path).fields
-        except Exception as exc:  # OSError, a bad magic (ValueError), a truncated file (struct/index errors)
+            header = GgufHeader(self.path)
+        except (OSError, GgufFormatError) as exc:
             raise CheckpointError(f"{self.path}: cannot read it as a GGUF file: {exc}") from exc
-        return {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+        return {k: header.value(k) for k in header.metadata if k.startswith("tokenizer.")}
 
     def _get(self, key: str, required: bool = False) -> Any:
         value = self._meta.get(key)

@@ -1,4 +1,4 @@
-"""models/gguf/reader.py reads what the `gguf` package's GGUFReader reads (every metadata value, every tensor's
+"""tandem/gguf_reader.py reads what the `gguf` package's GGUFReader reads (every metadata value, every tensor's
 bytes), without decoding the tokenizer's arrays until asked: the executor's open (models/gguf/loader.py
 read_gguf_config) decodes none of them."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from gguf import GGUFReader
 
 from models.gguf.file import GgufFile
 from models.gguf.loader import read_gguf_config
-from models.gguf.reader import LazyArray
+from tandem.gguf_reader import LazyArray
 from tandem.errors import CheckpointError
 from tests.gguf_files import write_gguf
 

@@ -1,7 +1,9 @@
 """A GGUF file's header read without decoding what is not asked for: the `gguf` package's GGUFReader turns
 every value of every array into numpy views at open (measured 2.7 s for SmolLM2's 49k tokens and 49k merges,
 more for 151k-token vocabularies), which the executor never reads. Here an array of strings is only walked
-(its offset and length kept) until `array(key)` decodes it; numeric arrays are one numpy view.
+(its offset and length kept) until `value(key)` decodes it (0.03 s for SmolLM2's tokens, in plain Python).
+Shared by the executor's loader (models/gguf/file.py: no tokenizer array decoded) and the scheduler's GGUF
+tokenizer (scheduler/text/gguf_tokenizer.py: only the tokenizer's keys decoded).
 
 Layout (GGUF v2/v3, little-endian): magic, version u32, tensor count u64, metadata count u64; each metadata
 entry: key (u64 length + UTF-8), value type u32, value (a string is u64 length + bytes; an array is item type
