@@ -24,7 +24,7 @@ from models.half_upcast import HalfUpcast
 from models.kv.paged_cache import PagedKvCache
 from models.lora.batch import LoraBatch
 from models.memory.mapped_pages import release_file_pages
-from models.quant.blocks import BlockWeight
+from models.quant.blocks import BlockWeight, stand_in
 from models.quant.linear import Fp16Weight, Int8Weight
 from models.rope import apply_rotary
 
@@ -59,9 +59,7 @@ class Linear(nn.Linear):
         code that reads those, and the packed weight serves every call."""
         assert self.packed is not None
         release_file_pages([self.weight.detach()])
-        w = self.weight
-        self.weight = nn.Parameter(torch.zeros(1, dtype=w.dtype, device=w.device).expand(w.shape),
-                                   requires_grad=False)
+        self.weight = stand_in(tuple(self.weight.shape), self.weight.dtype, self.weight.device)
         self.plain_dropped = True
 
 

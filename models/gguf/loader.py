@@ -80,6 +80,13 @@ def load_gguf_model(path: str | Path, device: torch.device, dtype_of: Callable[[
         release_file_pages([from_mapped(gguf.raw(tensors.names[name]))])  # copied: its file pages go
         return out
 
+    def read_blocks(name: str) -> tuple[BlockFormat, np.ndarray]:
+        used.add(name)
+        rows, source = tensors.read_blocks(name), gguf.raw(tensors.names[name])
+        if not np.may_share_memory(rows, source):  # un-permuted: a copy, its file pages go
+            release_file_pages([from_mapped(source)])
+        return FORMATS[tensors.type_of(name)], rows
+
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, list[tuple[BlockFormat, torch.Tensor]]] = {}  # parameter -> its parts, kept as blocks
     bar = tqdm(wanted.items(), desc=f"loading {gguf.path.name}", unit="tensor", file=sys.stderr,
@@ -91,8 +98,7 @@ def load_gguf_model(path: str | Path, device: torch.device, dtype_of: Callable[[
         parts = [f"{prefix}layers.{layer_no}.{part}" for part in fused] if fused else [name]
         if keep_blocks and _is_matrix(model, name) and all(p in tensors and tensors.type_of(p) in FORMATS
                                                            for p in parts):
-            used.update(parts)
-            blocks[name] = _joined([(FORMATS[tensors.type_of(p)], tensors.read_blocks(p)) for p in parts])
+            blocks[name] = _joined([read_blocks(p) for p in parts])
             tensor = stand_in(tuple(meta.shape), torch_dtype)
             if sum(b.shape[0] for _, b in blocks[name]) != meta.shape[0]:
                 raise CheckpointError(f"{gguf.path}: tensor {name!r} has {sum(b.shape[0] for _, b in blocks[name])} "

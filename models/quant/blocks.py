@@ -202,8 +202,9 @@ def weight_format(model: nn.Module) -> str:
 
 
 def weights_summary(model: nn.Module) -> str:
-    """The weights' bytes by kind, for the startup log: "101.2 MiB: blocks Q4_1 (210 tensors, 66.4 MiB), Q8_0
-    (1, 28.7 MiB); float32 6.1 MiB (norms, biases, float matrices)"."""
+    """The weights' bytes by kind, for the startup log: "92.0 MiB: blocks Q4_1 (150 matrices, 63.3 MiB), Q8_0
+    (1 matrix, 28.7 MiB); float float32 0.1 MiB" (a matrix: one part of a BlockWeight, a fused q/k/v's
+    same-format rows joined; float: the norms, biases and matrices the file stores as float)."""
     by_format: dict[str, list[int]] = {}
     for w in block_weights(model):
         for fmt, blocks in w.parts:
@@ -218,7 +219,8 @@ def weights_summary(model: nn.Module) -> str:
             floats[name] = floats.get(name, 0) + nbytes
     mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
     total = sum(b for _, b in by_format.values()) + sum(floats.values())
-    blocks = ", ".join(f"{name} ({n} tensors, {mib(b)})" for name, (n, b) in sorted(by_format.items()))
+    blocks = ", ".join(f"{name} ({n} {'matrix' if n == 1 else 'matrices'}, {mib(b)})"
+                       for name, (n, b) in sorted(by_format.items()))
     plain = ", ".join(f"{name} {mib(b)}" for name, b in sorted(floats.items()))
     return f"{mib(total)}: " + "; ".join(filter(None, [blocks and f"blocks {blocks}", plain and f"float {plain}"]))
 
