@@ -49,8 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "block formats keep them; --gguf-dequantize makes every matrix float first)")
     ap.add_argument("--gguf-dequantize", action="store_true",
                     help="dequantize a GGUF file's block-quantized weights (Q4_K, Q8_0, ...) to --dtype at load "
-                         "instead of computing on the blocks: 4-8x the memory, and what tensor parallelism, "
-                         "--deterministic and --compile need (they refuse block weights)")
+                         "instead of computing on the blocks: 4-8x the memory, and what --deterministic and --compile "
+                         "need (they refuse block weights), and tensor parallelism where a rank's share of a layer's "
+                         "inputs would cut blocks (K-quants: 256 weights)")
     kv = ap.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: see --kv-memory-fraction)")
     kv.add_argument("--kv-memory-fraction", type=float,

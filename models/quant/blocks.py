@@ -146,8 +146,30 @@ class BlockWeight:
         fmt, blocks = self.parts[0]
         return dequantize(fmt, blocks.index_select(0, ids), self.in_features)
 
-    def describe(self) -> str:
-        return f"{'+'.join(self.formats)} [{self.out_features}, {self.in_features}]"
+    def select_rows(self, rows: torch.Tensor, bias: torch.Tensor | None) -> BlockWeight:
+        """Rows `rows` [R] (ascending indices into out_features) as a new BlockWeight (copies of the rows, part
+        by part) with `bias` [R]: a column-parallel shard (models/parallel/shard.py)."""
+        parts, start = [], 0
+        for fmt, blocks in self.parts:
+            n = blocks.shape[0]
+            local = rows[(rows >= start) & (rows < start + n)] - start
+            if local.numel():
+                parts.append((fmt, blocks.index_select(0, local)))
+            start += n
+        return BlockWeight(parts, self.in_features, bias)
+
+    def select_columns(self, first: int, end: int, bias: torch.Tensor | None) -> BlockWeight:
+        """Columns [first, end) as a new BlockWeight with `bias`: a row-parallel shard. ValueError unless both
+        ends are on block boundaries of every part's format (a block is split by no one)."""
+        for fmt, _ in self.parts:
+            if first % fmt.block_weights or end % fmt.block_weights:
+                raise ValueError(f"columns [{first}, {end}) cut {fmt.name} blocks of {fmt.block_weights} weights")
+        parts = [(fmt, blocks[:, fmt.row_bytes(first):fmt.row_bytes(end)].contiguous()) for fmt, blocks in self.parts]
+        return BlockWeight(parts, end - first, bias)
+
+    def widest_block(self) -> int:
+        """The widest block of its formats: a column split must fall on a multiple of it."""
+        return max(fmt.block_weights for fmt, _ in self.parts)
 
 
 def stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Parameter:
@@ -177,10 +199,10 @@ class QuantEmbedding(nn.Module):
 def block_weights(model: nn.Module) -> list[BlockWeight]:
     """Every BlockWeight of `model` (its linear layers' `quant` and block embeddings' tables), each once."""
     found: dict[int, BlockWeight] = {}
-    for m in model.modules():
-        w = m.blocks if isinstance(m, QuantEmbedding) else getattr(m, "quant", None)
-        if isinstance(w, BlockWeight):
-            found.setdefault(id(w), w)
+    for m in model.modules():  # (a table's `blocks`: QuantEmbedding and its vocabulary-parallel shard)
+        for w in (getattr(m, "blocks", None), getattr(m, "quant", None)):
+            if isinstance(w, BlockWeight):
+                found.setdefault(id(w), w)
     return list(found.values())
 
 
