@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "and a warm-up forward ran; a line 'READY <addresses>' is printed to stdout then.")
     ap.add_argument("--model", type=Path, required=True,
                     help="HF model directory (config.json + safetensors) or a GGUF file (FILE.gguf: Llama, Qwen2/3, "
-                         "Mistral, Gemma 2/3; weights dequantized to --dtype; docs/models.md)")
+                         "Mistral, Gemma 2/3; Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices stay in their blocks, other types "
+                         "are dequantized to --dtype; docs/models.md)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
     ap.add_argument("--port", type=int, default=50051, help="TCP port (default 50051; 0 = any free port; "
                                                             "-1 = none, with --uds)")
@@ -44,7 +45,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "weights, float32 compute, FBGEMM on x86 CPUs: ~1.4x per decode step, greedy tokens "
                          "unchanged) | int8 (per-channel int8 weights, a quarter of float32's bytes: FBGEMM on x86 "
                          "CPUs, weight-only dequantized per call elsewhere). Speed and quality vs float32: README, "
-                         "Decode speed")
+                         "Decode speed. With a GGUF file it applies to the matrices the file stores as float only (those in "
+                         "block formats keep them; --gguf-dequantize makes every matrix float first)")
+    ap.add_argument("--gguf-dequantize", action="store_true",
+                    help="dequantize a GGUF file's block-quantized weights (Q4_K, Q8_0, ...) to --dtype at load "
+                         "instead of computing on the blocks: 4-8x the memory, and what --deterministic and --compile "
+                         "need (they refuse block weights), and tensor parallelism where a rank's share of a layer's "
+                         "inputs would cut blocks (K-quants: 256 weights)")
     kv = ap.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: see --kv-memory-fraction)")
     kv.add_argument("--kv-memory-fraction", type=float,
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # this thread's; serve() sets the model thread's too
     executor_cfg = ExecutorConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
-                                  quantization=args.quantization,
+                                  quantization=args.quantization, gguf_dequantize=args.gguf_dequantize,
                                   kv_blocks=args.kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
                                   block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                                   max_attention_elements=args.max_attention_elements,

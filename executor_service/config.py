@@ -21,6 +21,10 @@ class ExecutorConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "none"  # none | int8: linear weights (models/quant/linear.py)
+    # A GGUF file's block-quantized weights dequantized to `dtype` at load instead of kept in their blocks
+    # (models/gguf/loader.py): what --deterministic and --compile need, and tensor parallelism where a rank's
+    # share of a layer's inputs would cut blocks.
+    gguf_dequantize: bool = False
     # KV pool: exactly kv_blocks blocks, or kv_memory_fraction of the free memory, or (both None) the
     # device's default sizing (executor_service/kv/sizing.py).
     kv_blocks: int | None = None

@@ -278,7 +278,7 @@ class Executor:
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
             resident_memory_bytes=resident_memory_bytes(), deterministic=self.config.deterministic,
-            quantization=self.config.quantization,
+            quantization=_quantization(self.config.quantization, self.stack.weight_format),
             role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint,
             tensor_parallel_size=self.config.tensor_parallel_size, kv_dtype=self.stack.kv_dtype,
             attention_backend=self.stack.attention_backend)
@@ -358,3 +358,11 @@ class Executor:
 
     def _adapter_info(self, name: str) -> AdapterInfo:
         return next(a for a in self.list_adapters() if a.name == name)
+
+
+def _quantization(flag: str, weight_format: str) -> str:
+    """GetInfo's quantization: --quantization's, after the GGUF block formats kept ("gguf-blocks:Q4_K+Q6_K",
+    then ",int8" where --quantization applied to the file's float matrices)."""
+    if weight_format == "float":
+        return flag
+    return weight_format if flag == "none" else f"{weight_format},{flag}"

@@ -9,7 +9,8 @@ then stay out of the arena) and before sizing the KV pool, so that the pool's sh
 for them; the decode step is chosen last, over the model and the pool it runs on.
 
 One resident copy of each weight: the loader maps the checkpoint and releases what it copies, and so do the
-huge-page arena and the packed layout (models/memory/mapped_pages.py). The packed layout replaces the plain weights,
+huge-page arena and the packed layout (models/memory/mapped_pages.py). A GGUF file's block weights stay in
+their blocks (models/quant/blocks.py), views of the mapped file until the huge-page arena copies them. The packed layout replaces the plain weights,
 which the native and compiled decode steps read: weights are packed only where decode steps will run the
 eager forward (`--decode-kernel torch`, or a model or machine the native step refuses).
 """
@@ -23,7 +24,7 @@ import torch
 from executor_service.config import ExecutorConfig
 from executor_service.kv.sizing import build_kv_pool
 from executor_service.step.batch import BatchRunner
-from executor_service.step.decode_choice import choose_decode, flag_refusal, runs_eager
+from executor_service.step.decode_choice import choose_decode, flag_refusal, model_flag_refusal, runs_eager
 from executor_service.types import KvPoolSizing
 from models.attention.backend import AttentionBuilder, choose_backend
 from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
@@ -35,6 +36,9 @@ from models.kv.paged_cache import PagedKvCache
 from models.kv.dtype import kv_dtype_name, resolve_kv_dtype
 from models.loader import load_model
 from models.memory.mapped_pages import trim_heap
+from models.native.library import NativeBuild
+from models.quant.blocks import (block_ops_available, block_weights, move_blocks_to_huge_pages, weight_format,
+                                 weights_summary)
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -56,6 +60,7 @@ class ModelStack:
     runner: BatchRunner
     attention_backend: str = "gathered"  # the eager forward's paged attention (models/attention/backend.py)
     decode_capabilities: tuple[str, ...] = ()  # GetInfo capabilities of the decode choice (step/decode_choice.py)
+    weight_format: str = "float"  # "float" or a GGUF file's block formats kept ("gguf-blocks:Q4_K+Q6_K")
 
     @property
     def compiled(self) -> CompiledDecode | None:
@@ -79,7 +84,11 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     device = config.resolve_device()
     if reason := flag_refusal(config):
         raise ValueError(reason)  # before loading: the flags alone refuse it
-    model = load_model(config.model_dir, device, config.dtype, progress=config.progress)
+    model = load_model(config.model_dir, device, config.dtype, progress=config.progress,
+                       gguf_dequantize=config.gguf_dequantize)
+    if reason := model_flag_refusal(config, model):
+        raise ValueError(reason)  # the file's tensor types (weights kept in GGUF blocks) refuse the flags
+    prepare_block_weights(model, NativeBuild(config.native_cache_dir))
     kernel = model.quantize(config.quantization)  # before packing: it skips those
     if kernel:
         log.info("linear weights quantized to %s (%s kernel)", config.quantization, kernel)
@@ -89,6 +98,9 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
         model.pack_cpu_weights()
     if device.type == "cpu":  # (after quantizing: the arena lives as long as any weight in it)
         move_parameters_to_huge_pages(model, config.huge_pages)
+        # GGUF blocks too (else views of the mapped file): measured on SmolLM2 Q4_1, 2 cores, the eager
+        # forward's decode step ~20% faster (p10 88 -> 71 ms), the same RSS (the file's pages released)
+        move_blocks_to_huge_pages(model, config.huge_pages)
     if model.upcast_cpu_half_linears():  # bf16/fp16 on a CPU without oneDNN support for it
         log.info("%s weights on a CPU without oneDNN support for them: linear calls of %d+ rows (prefill) "
                  "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),
@@ -104,5 +116,16 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=choice.step, runner=choice.runner,
-                      attention_backend=backend, decode_capabilities=choice.capabilities)
+                      attention_backend=backend, decode_capabilities=choice.capabilities,
+                      weight_format=weight_format(model))
+
+
+def prepare_block_weights(model: DecoderModel, build: NativeBuild) -> None:
+    """With weights in GGUF block formats: loads their native kernels (built on a first start) and logs what
+    the weights are and what runs them."""
+    blocks = block_weights(model)
+    if blocks:
+        native = block_ops_available(build)
+        log.info("weights: %s; block weights run %s", weights_summary(model),
+                 "the native block kernels" if native else "the numpy dequantizer (slow)")
 

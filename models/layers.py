@@ -24,6 +24,7 @@ from models.half_upcast import HalfUpcast
 from models.kv.paged_cache import PagedKvCache
 from models.lora.batch import LoraBatch
 from models.memory.mapped_pages import release_file_pages
+from models.quant.blocks import BlockWeight, stand_in
 from models.quant.linear import Fp16Weight, Int8Weight
 from models.rope import apply_rotary
 
@@ -34,7 +35,9 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state_dict) with an optional oneDNN pre-packed weight for small calls."""
 
     packed: torch.Tensor | None = None  # opaque mkldnn tensor [out, in], set by DecoderModel.pack_cpu_weights
-    quant: Int8Weight | Fp16Weight | None = None  # set by DecoderModel.quantize (models/quant/linear.py)
+    # set by DecoderModel.quantize (models/quant/linear.py), or by the GGUF loader for weights kept in their
+    # block format (models/quant/blocks.py; `weight` is then a stand-in of its shape and dtype)
+    quant: Int8Weight | Fp16Weight | BlockWeight | None = None
     upcast: HalfUpcast | None = None  # set by DecoderModel.upcast_cpu_half_linears (models/half_upcast.py)
     plain_dropped = False  # the packed weight replaced the plain one (drop_plain_weight)
 
@@ -56,9 +59,7 @@ class Linear(nn.Linear):
         code that reads those, and the packed weight serves every call."""
         assert self.packed is not None
         release_file_pages([self.weight.detach()])
-        w = self.weight
-        self.weight = nn.Parameter(torch.zeros(1, dtype=w.dtype, device=w.device).expand(w.shape),
-                                   requires_grad=False)
+        self.weight = stand_in(tuple(self.weight.shape), self.weight.dtype, self.weight.device)
         self.plain_dropped = True
 
 

@@ -70,15 +70,18 @@ def _tensor_files(model_dir: Path) -> tuple[dict[str, Path], Path]:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",
-               progress: bool = True, on_layer: Callable[[nn.Module], None] | None = None) -> DecoderModel:
+               progress: bool = True, on_layer: Callable[[nn.Module], None] | None = None,
+               gguf_dequantize: bool = False) -> DecoderModel:
     """on_layer: called with each decoder layer once its weights are in place, before the next layer's are read
     (tensor parallelism cuts the layer there, so that no more than one layer's fused or stacked weights are ever
-    whole: models/tensor_parallel.shard_layer)."""
+    whole: models/tensor_parallel.shard_layer). gguf_dequantize: a GGUF file's block-quantized weights
+    dequantized to float too (--gguf-dequantize; by default they stay in their blocks: models/gguf/loader.py)."""
     model_dir = Path(model_dir)
     if is_gguf(model_dir):  # a GGUF file (llama.cpp's format): models/gguf/loader.py
         from models.gguf.loader import load_gguf_model  # (it imports nothing from here: given what it shares)
         model = load_gguf_model(model_dir, torch.device(device),
-                                lambda cfg: resolve_dtype(dtype, cfg, torch.device(device)), _FUSED, progress)
+                                lambda cfg: resolve_dtype(dtype, cfg, torch.device(device)), _FUSED, progress,
+                                gguf_dequantize)
         for layer in model.model.layers if on_layer is not None else ():  # (loaded whole, then cut)
             on_layer(layer)
         return model

@@ -133,7 +133,7 @@ def convert(gguf: Path, dest: Path) -> None:
                 raise PrepareError(f"{gguf}: expected a llama GGUF, got {f.metadata.get('general.architecture')!r}")
             cfg = gguf_config.hf_config(f.metadata, f.tensor_shapes, f.tensor_types, str(gguf))
             tensors = gguf_tensors.HfTensors(f, cfg)
-            tok = gguf_tokenizer.GgufTokenizer(gguf, f.fields)
+            tok = gguf_tokenizer.GgufTokenizer(gguf, f.tokenizer_metadata())
             template = tok.config["chat_template"]
             if not isinstance(template, str) or "<|im_start|>" not in template:
                 raise PrepareError(f"{gguf}: no ChatML chat template (tokenizer.chat_template) in the metadata")

@@ -40,18 +40,20 @@ def weights_digest(model_path: Path) -> str:
     return h.hexdigest()
 
 
-def kv_fingerprint(weights: str, quantization: str, kv_dtype: str, block_size: int, num_layers: int,
-                   num_kv_heads: int, head_dim: int, window: int | None) -> str:
-    """quantization: the linear weights' (it changes every K and V computed)."""
-    return (f"weights={weights};quantization={quantization};kv_dtype={kv_dtype};block_size={block_size};"
-            f"layout={num_layers}x{num_kv_heads}x{head_dim};window={window or 0}")
+def kv_fingerprint(weights: str, weight_format: str, quantization: str, kv_dtype: str, block_size: int,
+                   num_layers: int, num_kv_heads: int, head_dim: int, window: int | None) -> str:
+    """weight_format: "float" or the GGUF block formats computed on ("gguf-blocks:Q4_K+Q6_K": the same file
+    served with --gguf-dequantize computes other K and V); quantization: the linear weights' (it changes every K
+    and V computed)."""
+    return (f"weights={weights};weight_format={weight_format};quantization={quantization};kv_dtype={kv_dtype};"
+            f"block_size={block_size};layout={num_layers}x{num_kv_heads}x{head_dim};window={window or 0}")
 
 
 def fingerprint_of(config: ExecutorConfig, stack: ModelStack) -> str:
     """The fingerprint of an executor's KV pool (its model, dtype, block size and layout)."""
     kv = stack.kv
     layers, _, bs, heads, dim = kv.k.shape
-    mine = kv_fingerprint(weights_digest(config.model_dir), config.quantization,
+    mine = kv_fingerprint(weights_digest(config.model_dir), stack.weight_format, config.quantization,
                           str(kv.k.dtype).removeprefix("torch."), bs, layers, heads, dim, kv.window)
     if config.tensor_parallel_size > 1:  # rank 0's pool holds only its KV heads: no transfer may match it
         mine += f";tensor_parallel={config.tensor_parallel_size} ranks, not transferable ({uuid.uuid4().hex[:8]})"

@@ -16,8 +16,9 @@ The choice, in order:
 
 What the flags alone refuse is one table, CONFLICTS, read before the model loads (and by the CLI before any
 tensor-parallel rank starts); what the model and machine refuse is the native step's own table
-(models/decode/native.py `native_refusal`: device, dtype, family features, KV dtype, CPU, compiler) and the two
-CUDA-graph rows here (`_graph_refusal`).
+(models/decode/native.py `native_refusal`: device, dtype, family features, KV dtype, CPU, compiler), the two
+CUDA-graph rows here (`_graph_refusal`) and BLOCK_CONFLICTS: the flags that do not combine with weights kept
+in GGUF block formats (models/quant/blocks.py), known once the file is loaded (`model_flag_refusal`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from models.decode.native import NativeBuild, NativeDecode, model_refusal, nativ
 from models.decode.step import DecodeStep
 from models.kv.paged_cache import PagedKvCache
 from models.kv.dtype import resolve_kv_dtype
+from models.quant.blocks import block_weights
 from models.transformer import DecoderModel
 from tandem import capabilities as caps
 
@@ -98,6 +100,33 @@ CONFLICTS: tuple[Conflict, ...] = (
 )
 
 
+# Flags that do not combine with block weights: (flag, asked, reason); the refusal names --gguf-dequantize.
+BLOCK_CONFLICTS: tuple[tuple[str, Callable[[ExecutorConfig], bool], str], ...] = (
+    ("--deterministic", _DET,
+     "prefill multiplies the dequantized weights with oneDNN, whose sums depend on the batch, and the decode "
+     "kernel (8-bit activations, integer dot products) computes other numbers than prefill"),
+    ("--compile", _COMPILE, "torch.compile does not trace the block kernels (or their numpy fallback)"),
+    ("--decode-kernel native", lambda c: c.decode_kernel == "native",
+     "the native decode step reads float, int8 or fp16 weights, not blocks"),
+)
+# Why the native step does not run a model with block weights (until models/decode/native.py reads blocks).
+BLOCKS_NOT_NATIVE = "weights in GGUF block formats are not in the native step"
+
+
+def model_flag_refusal(config: ExecutorConfig, model: DecoderModel) -> str | None:
+    """Why the flags of `config` do not combine with this loaded model's weights ("<flag>: <reason>"); None
+    when they do. Asked once the model is loaded (a GGUF file's tensor types decide it)."""
+    blocks = block_weights(model)
+    if not blocks:
+        return None
+    formats = "+".join(sorted({f for w in blocks for f in w.formats}))
+    for flag, asked, reason in BLOCK_CONFLICTS:
+        if asked(config):
+            return (f"{flag}: the model's weights are in GGUF block formats ({formats}): {reason}; pass "
+                    "--gguf-dequantize to load them as float")
+    return None
+
+
 def flag_refusal(config: ExecutorConfig) -> str | None:
     """Why the flags of `config` do not combine ("<flag>: <reason>", the first row of CONFLICTS that applies);
     None when they do. Asked before the model loads."""
@@ -116,7 +145,8 @@ def runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:
         return False
     if resolve_kv_dtype(config.kv_dtype, model.lm_head.weight.dtype) != model.lm_head.weight.dtype:
         return True  # the native step reads a pool in the weights' dtype only
-    return config.decode_kernel == "torch" or model_refusal(model, NativeBuild(config.native_cache_dir)) is not None
+    return config.decode_kernel == "torch" or bool(block_weights(model)) \
+        or model_refusal(model, NativeBuild(config.native_cache_dir)) is not None
 
 
 @dataclass(frozen=True)
@@ -140,7 +170,7 @@ def choose_decode(config: ExecutorConfig, model: DecoderModel, kv: PagedKvCache,
 
 def _choose(config: ExecutorConfig, model: DecoderModel, kv: PagedKvCache, attention: AttentionBuilder | None,
             build: NativeBuild) -> DecodeChoice:
-    why = flag_refusal(config)
+    why = flag_refusal(config) or model_flag_refusal(config, model)
     if why is not None:
         raise ValueError(why)
     graphs_refused = None if config.cuda_graphs is False else _graph_refusal(model, kv)
@@ -180,7 +210,7 @@ def _native(kind: type[NativeDecode], model: DecoderModel, kv: PagedKvCache, bui
             required_by: str | None) -> tuple[NativeDecode | None, str]:
     """The native step (kind: plain or row-invariant), or None and why where it cannot run and nothing requires
     it. required_by: the flag that needs it, named in the ValueError raised instead."""
-    reason = native_refusal(model, kv, build)
+    reason = BLOCKS_NOT_NATIVE if block_weights(model) else native_refusal(model, kv, build)
     if reason is None:
         try:
             return kind(model, kv, build, huge_pages), ""

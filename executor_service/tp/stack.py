@@ -19,8 +19,8 @@ import torch.distributed as dist
 from executor_service.step.batch import BatchRunner
 from executor_service.config import ExecutorConfig
 from executor_service.kv.sizing import build_kv_pool
-from executor_service.model_stack import ModelStack, build_model_stack
-from executor_service.step.decode_choice import flag_refusal
+from executor_service.model_stack import ModelStack, build_model_stack, prepare_block_weights
+from executor_service.step.decode_choice import flag_refusal, model_flag_refusal
 from executor_service.tp.launch import TpGroup, current
 from executor_service.tp.leader import CopyLog, LeaderModel
 from models.config import ModelConfig, read_generation_defaults
@@ -28,6 +28,8 @@ from models.memory.huge_pages import move_parameters_to_huge_pages
 from models.kv.paged_cache import PagedKvCache
 from models.loader import load_model, resolve_dtype
 from models.memory.mapped_pages import trim_heap
+from models.native.library import NativeBuild
+from models.quant.blocks import move_blocks_to_huge_pages, weight_format
 from models.parallel.shard import Shard, shard_layer, shard_model
 from models.transformer import DecoderModel
 
@@ -46,7 +48,8 @@ def load_shard(config: ExecutorConfig, shard: Shard, device: torch.device, progr
         dtype = str(resolve_dtype(dtype, ModelConfig.from_dir(config.model_dir), device)).removeprefix("torch.")
     # a directory's layers cut as each is loaded: one layer's fused q/k/v and stacked experts whole at a time
     model = load_model(config.model_dir, "cpu" if on_host else device, dtype, progress=progress,
-                       on_layer=(lambda layer: shard_layer(layer, shard)) if directory else None)
+                       on_layer=(lambda layer: shard_layer(layer, shard)) if directory else None,
+                       gguf_dequantize=config.gguf_dequantize)
     shard_model(model, shard, layers_cut=directory)
     if on_host:
         model.to(device)
@@ -61,6 +64,9 @@ def build_tp_stack(config: ExecutorConfig, group: TpGroup) -> ModelStack:
         raise ValueError(why)
     device = config.resolve_device()
     model = load_shard(config, group.shard, device, progress=config.progress and not group.is_worker)
+    if reason := model_flag_refusal(config, model):  # (a GGUF file's block weights: cut by rank, then asked)
+        raise ValueError(reason)
+    prepare_block_weights(model, NativeBuild(config.native_cache_dir))
     trim_heap()
     kernel = model.quantize(config.quantization)  # per shard: row-parallel int8 scales are the shard's columns'
     if kernel:
@@ -69,6 +75,7 @@ def build_tp_stack(config: ExecutorConfig, group: TpGroup) -> ModelStack:
         model.pack_cpu_weights()
     if device.type == "cpu":
         move_parameters_to_huge_pages(model, config.huge_pages)
+        move_blocks_to_huge_pages(model, config.huge_pages)
     model.upcast_cpu_half_linears()
     cfg, dtype = model.config, model.lm_head.weight.dtype
     size = group.shard.size
@@ -92,7 +99,8 @@ def build_tp_stack(config: ExecutorConfig, group: TpGroup) -> ModelStack:
     return ModelStack(device=device, model=model, model_config=cfg,
                       generation=read_generation_defaults(config.model_dir, cfg), quantization_kernel=kernel,
                       kv=kv, kv_pool=kv_pool, decode_step=None,
-                      runner=BatchRunner(runner_model, kv, config.attention_bound(), None))  # type: ignore[arg-type]
+                      runner=BatchRunner(runner_model, kv, config.attention_bound(), None),  # type: ignore[arg-type]
+                      weight_format=weight_format(model))
 
 
 def build_stack(config: ExecutorConfig) -> ModelStack:

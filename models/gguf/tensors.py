@@ -77,16 +77,31 @@ class HfTensors:
     def shape(self, hf: str) -> tuple[int, ...]:
         return self.gguf.tensor_shapes[self.names[hf]]
 
-    def read(self, hf: str) -> np.ndarray:
-        """The HF tensor `hf` as float32 (CheckpointError naming it when the file lacks it)."""
+    def type_of(self, hf: str) -> str:
+        """The GGML type name the HF tensor `hf` is stored in ("Q4_K", "F32", ...)."""
+        return self.gguf.tensor_types[self._name(hf)]
+
+    def _name(self, hf: str) -> str:
         name = self.names.get(hf)
         if name is None:
             raise CheckpointError(f"{self.gguf.path}: missing tensor for {hf!r} (no GGUF tensor maps to it)")
-        w = self.gguf.tensor(name)
-        if self.arch in _PERMUTED_ARCHS and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rope_rows(w, self.n_head)
-        elif self.arch in _PERMUTED_ARCHS and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rope_rows(w, self.n_kv)
-        elif self.arch in GEMMA and hf.endswith("norm.weight"):
+        return name
+
+    def read(self, hf: str) -> np.ndarray:
+        """The HF tensor `hf` as float32 (CheckpointError naming it when the file lacks it)."""
+        w = self._rows_in_hf_order(hf, self.gguf.tensor(self._name(hf)))
+        if self.arch in GEMMA and hf.endswith("norm.weight"):
             w = w - np.float32(1.0)
+        return w
+
+    def read_blocks(self, hf: str) -> np.ndarray:
+        """The HF matrix `hf` as stored blocks, uint8 [rows, row_bytes], rows in HF order: a view of the mapped
+        file, or a copy where the rows were un-permuted (a row is whole blocks, so rows move as bytes)."""
+        return self._rows_in_hf_order(hf, self.gguf.raw(self._name(hf)))
+
+    def _rows_in_hf_order(self, hf: str, w: np.ndarray) -> np.ndarray:
+        if self.arch in _PERMUTED_ARCHS and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            return unpermute_rope_rows(w, self.n_head)
+        if self.arch in _PERMUTED_ARCHS and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            return unpermute_rope_rows(w, self.n_kv)
         return w

@@ -4,7 +4,8 @@ its rank's slice of the weight plus the one collective that makes its output who
 - RowParallelLinear (o_proj, down_proj): the input's columns are split by rank, so each rank's product is a
   partial sum; one all_reduce adds them (the bias is added on rank 0 only, once).
 - VocabParallelEmbedding: each rank holds a slice of the vocabulary's rows; ids outside it read zeros; one
-  all_reduce gives every rank the whole embedding (exact: one rank's row plus zeros).
+  all_reduce gives every rank the whole embedding (exact: one rank's row plus zeros). VocabParallelBlockEmbedding
+  is the same over a table in GGUF blocks (models/quant/blocks.py).
 - VocabParallelHead: each rank scores its slice of the vocabulary; the slices are gathered on rank 0, which
   alone samples (the workers' outputs are their own slices, unused).
 - ExpertParallelMoe: each rank holds a contiguous range of the experts; every rank routes every token (the
@@ -26,6 +27,7 @@ from torch import nn
 from models.layers import Linear
 from models.lora.batch import LoraBatch
 from models.moe import SparseMoeBlock
+from models.quant.blocks import BlockWeight, stand_in
 
 
 class RowParallelLinear(Linear):
@@ -52,6 +54,24 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.first
         outside = (local < 0) | (local >= self.weight.shape[0])
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        h.masked_fill_(outside[:, None], 0)
+        dist.all_reduce(h, group=self.group)
+        return h
+
+
+class VocabParallelBlockEmbedding(nn.Module):
+    """Rows [first, first + blocks.out_features) of an embedding table in blocks; `weight` a stand-in of the
+    slice's shape in the model's dtype, `blocks` the slice (a tied head multiplies with it)."""
+
+    def __init__(self, blocks: BlockWeight, first: int, dtype: torch.dtype, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.blocks, self.first, self.group = blocks, first, group
+        self.weight = stand_in((blocks.out_features, blocks.in_features), dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.blocks.out_features)
+        h = self.blocks.rows(local.masked_fill(outside, 0)).to(self.weight.dtype)  # [T, hidden]
         h.masked_fill_(outside[:, None], 0)
         dist.all_reduce(h, group=self.group)
         return h

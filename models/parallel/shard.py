@@ -8,6 +8,10 @@ rank. The layers that do the collectives are in models/parallel/layers.py.
 
 What cannot be split evenly is refused (`shard_refusal`), with the reason: heads and KV heads must divide by
 the group's size (no KV-head replication), and so must the MLP's intermediate size and the expert count.
+Weights kept in GGUF block formats (models/quant/blocks.py) are cut as bytes: column-parallel layers by rows
+(each row is whole blocks), row-parallel ones by columns, which must fall on block boundaries (a rank's share of
+o_proj's and down_proj's inputs a multiple of 32, or 256 for the K-quants; else refused, naming
+--gguf-dequantize), the embedding and head by vocabulary rows.
 
 Each slice is a fresh copy; the whole tensor it came from is dropped (its file pages released when it was a
 view of the mapped checkpoint), so a rank keeps about 1/N of the weights (the norms and the router whole).
@@ -24,8 +28,9 @@ from models.config import ModelConfig
 from models.layers import MLP, Attention, Linear
 from models.memory.mapped_pages import release_file_pages
 from models.moe import SparseMoeBlock
-from models.parallel.layers import (ExpertParallelMoe, RowParallelLinear, VocabParallelEmbedding,
-                                           VocabParallelHead)
+from models.quant.blocks import BlockWeight, QuantEmbedding, stand_in
+from models.parallel.layers import (ExpertParallelMoe, RowParallelLinear, VocabParallelBlockEmbedding,
+                                   VocabParallelEmbedding, VocabParallelHead)
 from models.transformer import DecoderModel
 from tandem.ceil_div import ceil_div
 
@@ -67,7 +72,7 @@ def shard_model(model: DecoderModel, shard: Shard, layers_cut: bool = False) -> 
     """Cuts `model` (as loaded: before quantizing, packing or huge pages) down to `shard`'s part, in place
     (layers_cut: its decoder layers were cut while loading, shard_layer). Raises ValueError when the model
     cannot be split that way."""
-    why = shard_refusal(model.config, shard.size)
+    why = shard_refusal(model.config, shard.size) or _block_refusal(model, shard.size)
     if why:
         raise ValueError(f"tensor parallelism: {why}")
     with torch.no_grad():
@@ -88,6 +93,28 @@ def shard_layer(layer: nn.Module, shard: Shard) -> None:
             _mlp(layer.mlp, shard)
 
 
+def _block_refusal(model: DecoderModel, size: int) -> str | None:
+    """Why a row-parallel layer in blocks cannot be cut by `size` on block boundaries (None: it can)."""
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.o_proj, getattr(layer.mlp, "down_proj", None)):
+            q = getattr(proj, "quant", None)
+            if isinstance(q, BlockWeight) and (q.in_features // size) % q.widest_block():
+                return (f"a rank's {q.in_features // size} of the {q.in_features} inputs of a layer in {'+'.join(q.formats)} "
+                        f"blocks of {q.widest_block()} weights would cut blocks; pass --gguf-dequantize to load the "
+                        "file as float")
+    return None
+
+
+def _cut_blocks(proj: Linear, rows: torch.Tensor | None = None, columns: tuple[int, int] | None = None) -> None:
+    """A Linear in blocks cut to `rows` (column-parallel) or `columns` [first, end) (row-parallel), after its
+    bias was cut: the cut blocks are copies, the whole ones' file pages go; `weight` a stand-in of the shape."""
+    q = proj.quant
+    cut = q.select_rows(rows, proj.bias) if rows is not None else q.select_columns(*columns, proj.bias)
+    release_file_pages([b for _, b in q.parts])
+    proj.quant = cut
+    proj.weight = stand_in((cut.out_features, cut.in_features), proj.weight.dtype, proj.weight.device)
+
+
 def _take(module: nn.Module, name: str, piece: torch.Tensor | None) -> None:
     """Replaces parameter `name` by a copy of `piece` (None: no parameter) and gives back the whole one."""
     old = getattr(module, name)
@@ -105,9 +132,12 @@ def _attention(attn: Attention, shard: Shard) -> None:
     rows = torch.cat([torch.arange(q0 * d, q1 * d), q_size + torch.arange(k0 * d, k1 * d),
                       q_size + kv_size + torch.arange(k0 * d, k1 * d)])
     qkv = attn.qkv_proj
-    _take(qkv, "weight", qkv.weight.index_select(0, rows.to(qkv.weight.device)))
     if qkv.bias is not None:
         _take(qkv, "bias", qkv.bias.index_select(0, rows.to(qkv.bias.device)))
+    if isinstance(qkv.quant, BlockWeight):
+        _cut_blocks(qkv, rows=rows)
+    else:
+        _take(qkv, "weight", qkv.weight.index_select(0, rows.to(qkv.weight.device)))
     qkv.out_features = len(rows)
     attn.heads, attn.kv_heads = q1 - q0, k1 - k0
     attn.q_size, attn.kv_size = attn.heads * d, attn.kv_heads * d
@@ -119,17 +149,23 @@ def _attention(attn: Attention, shard: Shard) -> None:
 def _mlp(mlp: MLP, shard: Shard) -> None:
     i0, i1 = shard.span(mlp.gate_proj.out_features)
     for proj in (mlp.gate_proj, mlp.up_proj):
-        _take(proj, "weight", proj.weight[i0:i1])
         if proj.bias is not None:
             _take(proj, "bias", proj.bias[i0:i1])
+        if isinstance(proj.quant, BlockWeight):
+            _cut_blocks(proj, rows=torch.arange(i0, i1))
+        else:
+            _take(proj, "weight", proj.weight[i0:i1])
         proj.out_features = i1 - i0
     _row_parallel(mlp.down_proj, i0, i1, shard)
 
 
 def _row_parallel(proj: Linear, c0: int, c1: int, shard: Shard) -> None:
-    _take(proj, "weight", proj.weight[:, c0:c1])
     if proj.bias is not None and shard.rank != 0:  # added once, on rank 0, before the sum
         _take(proj, "bias", None)
+    if isinstance(proj.quant, BlockWeight):
+        _cut_blocks(proj, columns=(c0, c1))
+    else:
+        _take(proj, "weight", proj.weight[:, c0:c1])
     proj.in_features = c1 - c0
     proj.__class__ = RowParallelLinear
     proj.group = shard.group
@@ -151,15 +187,24 @@ def _vocab(model: DecoderModel, shard: Shard) -> None:
     v0, v1 = min(vocab, shard.rank * per), min(vocab, (shard.rank + 1) * per)
     embed = model.model.embed_tokens
     tied = model.lm_head.weight is embed.weight
-    sharded = VocabParallelEmbedding(embed.weight[v0:v1].clone(), v0, shard.group)
     head = model.lm_head
-    if tied:
-        head.weight = sharded.weight
-    else:
-        _take(head, "weight", head.weight[v0:v1])
     if head.bias is not None:
         _take(head, "bias", head.bias[v0:v1])
-    release_file_pages([embed.weight.detach()])
+    if isinstance(embed, QuantEmbedding):
+        table = embed.blocks.select_rows(torch.arange(v0, v1), None)
+        sharded = VocabParallelBlockEmbedding(table, v0, embed.weight.dtype, shard.group)
+        release_file_pages([b for _, b in embed.blocks.parts])
+    else:
+        sharded = VocabParallelEmbedding(embed.weight[v0:v1].clone(), v0, shard.group)
+        release_file_pages([embed.weight.detach()])
+    if tied:
+        head.weight = sharded.weight
+        if isinstance(embed, QuantEmbedding):  # the head multiplies with the shard's own rows
+            head.quant = sharded.blocks
+    elif isinstance(head.quant, BlockWeight):
+        _cut_blocks(head, rows=torch.arange(v0, v1))
+    else:
+        _take(head, "weight", head.weight[v0:v1])
     model.model.embed_tokens = sharded
     head.out_features = v1 - v0
     head.__class__ = VocabParallelHead

@@ -143,6 +143,8 @@ def quantize_linears(model: nn.Module, mode: str, is_linear: Callable[[nn.Module
     if mode not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {mode!r}; choose {', '.join(QUANTIZATIONS)}")
     linears = [m for m in model.modules() if is_linear(m)]
+    if not linears:  # (a GGUF file's linear layers all in blocks: models/quant/blocks.py)
+        return None
     fbgemm = linears[0].weight.device.type == "cpu" and not force_dequant and fbgemm_usable(mode)
     if mode == "fp16" and not fbgemm:
         raise ValueError("--quantization fp16 needs FBGEMM (x86 CPU); on CUDA use --dtype float16 or bfloat16")

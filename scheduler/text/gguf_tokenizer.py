@@ -8,7 +8,7 @@ tokenizer.json (same ids), built from the file's `tokenizer.ggml.*` metadata:
 
 Control tokens (token type 3) become special added tokens, user-defined ones (4) plain added tokens;
 `tokenizer.ggml.add_bos_token` / `add_eos_token` become the post-processor. Anything else is a CheckpointError
-naming the field. Torch-free (gguf imports only numpy).
+naming the field. Torch-free (the header reader imports only numpy).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from tandem.errors import CheckpointError
+from tandem.gguf_reader import GgufFormatError, GgufHeader
 
 CONTROL, USER_DEFINED, BYTE = 3, 4, 6  # llama.cpp's token types (gguf.TokenType)
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -57,17 +58,12 @@ _PRE: dict[str, Any] = {
 
 class GgufTokenizer:
     """`tokenizer` (tokenizers.Tokenizer) and `config` (what tokenizer_config.json would say: bos/eos/unk/pad
-    token texts, chat_template) of the GGUF file at `path` (`fields`: its GGUFReader fields, if read already)."""
+    token texts, chat_template) of the GGUF file at `path` (`meta`: its tokenizer.* keys and values, when the
+    caller has read them already: models/gguf/file.py GgufFile.tokenizer_metadata)."""
 
-    def __init__(self, path: str | Path, fields: dict[str, Any] | None = None) -> None:
-        from gguf import GGUFReader
-
+    def __init__(self, path: str | Path, meta: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
-        try:  # (fields: the file's, when the caller has read it already)
-            fields = GGUFReader(self.path).fields if fields is None else fields
-        except Exception as exc:  # OSError, a bad magic (ValueError), a truncated file (struct/index errors)
-            raise CheckpointError(f"{self.path}: cannot read it as a GGUF file: {exc}") from exc
-        self._meta = {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+        self._meta = self._read_meta() if meta is None else meta
         kind = self._get("tokenizer.ggml.model", required=True)
         tokens = self._get("tokenizer.ggml.tokens", required=True)
         types = self._get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -91,6 +87,13 @@ class GgufTokenizer:
             "unk_token": text("tokenizer.ggml.unknown_token_id"), "pad_token": text("tokenizer.ggml.padding_token_id"),
             "chat_template": self._meta.get("tokenizer.chat_template"),
         }
+
+    def _read_meta(self) -> dict[str, Any]:
+        try:
+            header = GgufHeader(self.path)
+        except (OSError, GgufFormatError) as exc:
+            raise CheckpointError(f"{self.path}: cannot read it as a GGUF file: {exc}") from exc
+        return {k: header.value(k) for k in header.metadata if k.startswith("tokenizer.")}
 
     def _get(self, key: str, required: bool = False) -> Any:
         value = self._meta.get(key)

@@ -1,6 +1,7 @@
-"""`--model FILE.gguf`: tiny random checkpoints written as GGUF (tests/gguf_files.py, llama.cpp's layout) in every
-listed type load to exactly the weights the file holds, and the executor's logits equal transformers run on
-those weights (the HF checkpoint itself for F32; its dequantized weights for the other types)."""
+"""`--model FILE.gguf --gguf-dequantize`: tiny random checkpoints written as GGUF (tests/gguf_files.py, llama.cpp's
+layout) in every listed type load to exactly the weights the file holds, and the executor's logits equal
+transformers run on those weights (the HF checkpoint itself for F32; its dequantized weights for the other types).
+Served on their blocks instead (the default): tests/models/test_gguf_blocks.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -50,11 +51,11 @@ def gguf_and_reference(checkpoint, tmp_path, family: str, qtype: str):
 
 
 def parity(path, ref, steps: int = 4, prompt_len: int = 24) -> float:
-    """The GGUF file served equals its weights served as an HF directory bit for bit (greedy tokens and logits),
-    and transformers' greedy tokens; returns the max relative logits error against transformers."""
+    """The GGUF file served dequantized equals its weights served as an HF directory bit for bit (greedy tokens
+    and logits), and transformers' greedy tokens; returns the max relative logits error against transformers."""
     prompt = prompt_of(prompt_len, seed=3)
     ref_tokens, ref_logits = HfReference(ref).greedy(prompt, steps)
-    _, tokens, logits = greedy_run(make_executor(path), prompt, steps)
+    _, tokens, logits = greedy_run(make_executor(path, gguf_dequantize=True), prompt, steps)
     _, dir_tokens, dir_logits = greedy_run(make_executor(ref), prompt, steps)
     assert tokens == dir_tokens == ref_tokens
     assert all(torch.equal(o, d) for o, d in zip(logits, dir_logits))
@@ -64,7 +65,7 @@ def parity(path, ref, steps: int = 4, prompt_len: int = 24) -> float:
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_llama_in_every_type_equals_transformers_on_its_weights(checkpoint, tmp_path, qtype):
     path, state, ref = gguf_and_reference(checkpoint, tmp_path, "llama", qtype)
-    model = load_model(path, progress=False)
+    model = load_model(path, progress=False, gguf_dequantize=True)
     ours = model.state_dict()
     q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     assert torch.equal(ours["model.layers.0.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))  # un-permuted
@@ -114,8 +115,8 @@ def test_the_config_equals_the_hf_directorys(checkpoint, tmp_path):
 def test_dtype_and_int8_quantization_apply(checkpoint, tmp_path):
     path, state, ref = gguf_and_reference(checkpoint, tmp_path, "qwen2", "Q4_1")
     assert str(load_model(path, progress=False, dtype="bfloat16").lm_head.weight.dtype) == "torch.bfloat16"
-    ex = make_executor(path, quantization="int8")
-    assert ex.info().dtype == "float32"
+    ex = make_executor(path, quantization="int8", gguf_dequantize=True)
+    assert ex.info().dtype == "float32" and ex.info().quantization == "int8"
     prompt = prompt_of(16, seed=5)
     _, tokens, logits = greedy_run(ex, prompt, 3)
     _, want_tokens, want_logits = greedy_run(make_executor(ref, quantization="int8"), prompt, 3)
