@@ -106,11 +106,7 @@ BLOCK_CONFLICTS: tuple[tuple[str, Callable[[ExecutorConfig], bool], str], ...] =
      "prefill multiplies the dequantized weights with oneDNN, whose sums depend on the batch, and the decode "
      "kernel (8-bit activations, integer dot products) computes other numbers than prefill"),
     ("--compile", _COMPILE, "torch.compile does not trace the block kernels (or their numpy fallback)"),
-    ("--decode-kernel native", lambda c: c.decode_kernel == "native",
-     "the native decode step reads float, int8 or fp16 weights, not blocks"),
 )
-# Why the native step does not run a model with block weights (until models/decode/native.py reads blocks).
-BLOCKS_NOT_NATIVE = "weights in GGUF block formats are not in the native step"
 
 
 def model_flag_refusal(config: ExecutorConfig, model: DecoderModel) -> str | None:
@@ -145,8 +141,7 @@ def runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:
         return False
     if resolve_kv_dtype(config.kv_dtype, model.lm_head.weight.dtype) != model.lm_head.weight.dtype:
         return True  # the native step reads a pool in the weights' dtype only
-    return config.decode_kernel == "torch" or bool(block_weights(model)) \
-        or model_refusal(model, NativeBuild(config.native_cache_dir)) is not None
+    return config.decode_kernel == "torch" or model_refusal(model, NativeBuild(config.native_cache_dir)) is not None
 
 
 @dataclass(frozen=True)
@@ -210,7 +205,7 @@ def _native(kind: type[NativeDecode], model: DecoderModel, kv: PagedKvCache, bui
             required_by: str | None) -> tuple[NativeDecode | None, str]:
     """The native step (kind: plain or row-invariant), or None and why where it cannot run and nothing requires
     it. required_by: the flag that needs it, named in the ValueError raised instead."""
-    reason = BLOCKS_NOT_NATIVE if block_weights(model) else native_refusal(model, kv, build)
+    reason = native_refusal(model, kv, build)
     if reason is None:
         try:
             return kind(model, kv, build, huge_pages), ""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from executor_service.types import UnifiedItem
+from models.decode.native import NativeDecode
 from models.loader import load_model
 from models.parallel.shard import Shard, shard_model
 from models.quant.blocks import BlockWeight
@@ -91,9 +92,22 @@ def test_preempted_sequence_recomputes_the_same(ex):
     assert_pool_whole(ex)
 
 
+def test_native_step_over_blocks_equals_the_eager_forward(gguf, ex):
+    """The native decode step reads the blocks in place (models/native/blocks.h): what it decodes is what the
+    eager forward over the same blocks decodes (the same kernel per linear layer; attention sums in another
+    order)."""
+    assert isinstance(ex.decode_step, NativeDecode)  # auto: the native step runs block weights
+    eager = make_executor(gguf, kv_blocks=64, decode_kernel="torch")
+    assert eager.decode_step is None
+    prompt = prompt_of(25, seed=6)
+    _, tokens, logits = greedy_run(ex, prompt, 12)
+    _, want_tokens, want_logits = greedy_run(eager, prompt, 12)
+    assert tokens == want_tokens
+    assert logits_error(logits, want_logits) < SAME_EXECUTOR_TOL
+
+
 @pytest.mark.parametrize("flags, named", [(dict(deterministic=True), "--deterministic"),
-                                          (dict(compile=True), "--compile"),
-                                          (dict(decode_kernel="native"), "--decode-kernel native")])
+                                          (dict(compile=True), "--compile")])
 def test_flags_that_cannot_run_blocks_are_refused_naming_the_way_out(gguf, flags, named):
     with pytest.raises(ValueError) as exc:
         make_executor(gguf, **flags)
