@@ -20,7 +20,7 @@ class ExecutorConfig:
     model_dir: Path
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int8: linear weights (models/quant/linear.py)
+    quantization: str = "none"  # none | int8 | fp16 | int4: linear weights (models/quant/linear.py)
     # KV pool: exactly kv_blocks blocks, or kv_memory_fraction of the free memory, or (both None) the
     # device's default sizing (executor_service/kv/sizing.py).
     kv_blocks: int | None = None

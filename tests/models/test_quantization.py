@@ -131,9 +131,10 @@ def test_quantized_mixed_batches_chunks_and_lora_run(tiny_checkpoint, tmp_path):
 
 def test_unknown_mode_and_cli_choices_are_refused(tiny_checkpoint):
     ex = make_executor(tiny_checkpoint("llama"))
-    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
-        ex.model.quantize("int4")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        ex.model.quantize("int3")
     with pytest.raises(SystemExit):
-        parse_args(["--model", "m", "--quantization", "int4"])
+        parse_args(["--model", "m", "--quantization", "int3"])
     assert parse_args(["--model", "m", "--quantization", "int8"]).quantization == "int8"
+    assert parse_args(["--model", "m", "--quantization", "int4"]).quantization == "int4"
     assert parse_args(["--model", "m"]).quantization == "none"
