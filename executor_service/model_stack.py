@@ -23,7 +23,7 @@ import torch
 from executor_service.config import ExecutorConfig
 from executor_service.kv.sizing import build_kv_pool
 from executor_service.step.batch import BatchRunner
-from executor_service.step.decode_choice import choose_decode, flag_refusal, runs_eager
+from executor_service.step.decode_choice import choose_decode, flag_refusal, keeps_plain_int8, runs_eager
 from executor_service.types import KvPoolSizing
 from models.attention.backend import AttentionBuilder, choose_backend
 from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
@@ -35,6 +35,7 @@ from models.kv.paged_cache import PagedKvCache
 from models.kv.dtype import kv_dtype_name, resolve_kv_dtype
 from models.loader import load_model
 from models.memory.mapped_pages import trim_heap
+from models.quant.linear import move_int8_to_huge_pages
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -80,7 +81,8 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
     if reason := flag_refusal(config):
         raise ValueError(reason)  # before loading: the flags alone refuse it
     model = load_model(config.model_dir, device, config.dtype, progress=config.progress)
-    kernel = model.quantize(config.quantization)  # before packing: it skips those
+    # (int8 where the native step runs decode: the plain int8 weights it reads in place, not FBGEMM's copy)
+    kernel = model.quantize(config.quantization, force_dequant=keeps_plain_int8(config, model))  # before packing
     if kernel:
         log.info("linear weights quantized to %s (%s kernel)", config.quantization, kernel)
     # CPU float32 with the eager decode step: the linear weights in oneDNN's packed layout instead of the plain
@@ -89,6 +91,7 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
         model.pack_cpu_weights()
     if device.type == "cpu":  # (after quantizing: the arena lives as long as any weight in it)
         move_parameters_to_huge_pages(model, config.huge_pages)
+        move_int8_to_huge_pages(model, config.huge_pages)  # (plain int8 weights, which the native step reads)
     if model.upcast_cpu_half_linears():  # bf16/fp16 on a CPU without oneDNN support for it
         log.info("%s weights on a CPU without oneDNN support for them: linear calls of %d+ rows (prefill) "
                  "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),

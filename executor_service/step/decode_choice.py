@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from executor_service.config import ExecutorConfig
 from executor_service.step.batch import BatchRunner
 from executor_service.step.deterministic import DeterministicRunner
@@ -107,6 +109,21 @@ def flag_refusal(config: ExecutorConfig) -> str | None:
         if row.asked(config) and row.clashes(config):
             return f"{row.flag}: {row.reason}"
     return None
+
+
+def keeps_plain_int8(config: ExecutorConfig, model: DecoderModel) -> bool:
+    """Whether --quantization int8 keeps its plain int8 weights (which the native step reads in place) instead of
+    FBGEMM's packed ones, so that the weights are held once: where the native step will run the decode calls
+    (every call with --deterministic). Not with LoRA adapters, whose decode rows run the eager forward (FBGEMM's
+    kernel, and the step's own copy: two copies), nor for a model the native step refuses quantized (not
+    float32). Asked before quantizing (model: still float)."""
+    if config.quantization != "int8":
+        return False
+    if config.deterministic:
+        return True
+    if config.compile or _lora(config) or model.lm_head.weight.dtype != torch.float32:
+        return False
+    return not runs_eager(config, model)
 
 
 def runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:

@@ -9,8 +9,12 @@ fewer bytes per step is the point.
   (Int8Weight._fbgemm says how and why), so the result is that of the int8 weights and a row never depends
   on its batch. Elsewhere (CUDA, CPUs without FBGEMM): weight-only, the int8 weight converted to the
   activation dtype inside each call, scales applied to the output: correct everywhere, a memory saving, not
-  a speed-up. torch's weight-only `_weight_int8pack_mm` measured 10-15x slower than float32 on this
-  AVX2-only CPU, so it is not used.
+  a speed-up (on CPUs widened a tile at a time, so that no float copy of a whole matrix exists). torch's
+  weight-only `_weight_int8pack_mm` measured 10-15x slower than float32 on this AVX2-only CPU, so it is not used.
+  One copy of the weights: FBGEMM's packed layout holds them where the eager forward runs decode steps; where
+  the native step does (or --deterministic), the executor keeps the plain int8 weights instead (force_dequant:
+  executor_service/step/decode_choice.py `keeps_plain_int8`), which the step reads in place, and the eager
+  calls (prompt chunks) dequantize them.
 - int4: llama.cpp's Q4_1 blocks (32 weights share a float16 scale d and minimum m: w = d * q + m, q in 0..15;
   5 bits per weight), made by models/quant/block_quantize.py and computed by the block kernels (BlockWeight,
   models/quant/blocks.py), the same that run GGUF files. Q4_1 over Q4_0 (4.5 bits, symmetric): 10-20% less
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.memory.huge_pages import copy_to_huge_pages
 from models.memory.mapped_pages import release_file_pages
 from models.quant.block_formats import FORMATS
 from models.quant.block_quantize import BLOCK, quantize_blocks
@@ -40,6 +45,7 @@ from models.quant.block_quantize import BLOCK, quantize_blocks
 QUANTIZATIONS = ("none", "int8", "fp16", "int4")
 INT4_FORMAT = "Q4_1"  # --quantization int4's block format (see the module docstring for the measurement)
 INT4_HEAD_FORMAT = "Q8_0"  # ... and the LM head's
+DEQUANT_TILE = 1 << 22  # int8 weights widened per step of the portable kernel on CPUs (16 MB of float32)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +98,22 @@ class Int8Weight:
         # x: [T, in] -> [T, out]
         if self._packed is not None:
             return self._fbgemm(x)
-        out = F.linear(x, self.qweight.to(x.dtype)) * self.scales
+        if self.qweight.device.type == "cpu" and self.qweight.numel() > DEQUANT_TILE:
+            out = self._dequant_tiles(x)
+        else:
+            out = F.linear(x, self.qweight.to(x.dtype)) * self.scales
         return out if self.bias is None else out + self.bias
+
+    def _dequant_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T * scales on a CPU, the int8 weight widened DEQUANT_TILE weights at a time: widened whole, a
+        float copy of the matrix (4x its int8 bytes: ~400 MB for a 1.7B model's LM head) would exist during every
+        call, which is what keeping the weights as int8 is meant to avoid."""
+        rows = max(1, DEQUANT_TILE // self.in_features)
+        out = torch.empty(self.out_features, x.shape[0], dtype=x.dtype)  # [out, T]: a tile's rows are contiguous
+        xt = x.T  # [in, T]
+        for start in range(0, self.out_features, rows):
+            torch.matmul(self.qweight[start:start + rows].to(x.dtype), xt, out=out[start:start + rows])
+        return out.T.contiguous().mul_(self.scales)  # [T, out]
 
     def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with FBGEMM's dynamic int8 GEMM, as exact as the int8 weights allow.
@@ -126,6 +146,18 @@ class Int8Weight:
         out = torch.ops.quantized.linear_dynamic(buf, self._packed, True)  # [2T + 1, out]
         out = torch.add(out[rows:2 * rows], out[:rows], alpha=1 / 127).div_(inv)  # [T, out]
         return (out if self.bias is None else out.add_(self.bias)).to(dtype)
+
+
+def move_int8_to_huge_pages(model: nn.Module, mode: str) -> int:
+    """The plain int8 weights of `model`'s Int8Weights (those the native step reads in place) moved into one
+    huge-page arena, as move_parameters_to_huge_pages does for parameters (they are not parameters); returns how
+    many. mode: --huge-pages."""
+    held = [m.quant for m in model.modules()
+            if isinstance(getattr(m, "quant", None), Int8Weight) and m.quant.qweight is not None
+            and m.quant.qweight.device.type == "cpu"]
+    for q, moved in zip(held, copy_to_huge_pages([q.qweight for q in held], mode)):
+        q.qweight = moved  # (the heap copy goes with its last reference)
+    return len(held)
 
 
 def fbgemm_usable(mode: str) -> bool:
