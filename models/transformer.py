@@ -92,9 +92,10 @@ class DecoderModel(nn.Module):
                              else self.rotary for i in range(cfg.num_layers)]
 
     def quantize(self, mode: str, force_dequant: bool = False) -> str | None:
-        """Low-precision linear weights (models/quant/linear.py); returns the kernel used, None for "none"."""
+        """Low-precision linear weights (models/quant/linear.py) for the float linear layers (those in blocks
+        keep theirs); returns the kernel used, None for "none" or when no layer is float."""
         self.weights_version += 1
-        return quantize_linears(self, mode, lambda m: isinstance(m, Linear), force_dequant)
+        return quantize_linears(self, mode, lambda m: isinstance(m, Linear) and m.quant is None, force_dequant)
 
     def pack_cpu_weights(self) -> bool:
         """Pre-packs every linear weight for oneDNN (models/layers.py), in place of the plain weight: each

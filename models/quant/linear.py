@@ -197,9 +197,8 @@ def quantize_linears(model: nn.Module, mode: str, is_linear: Callable[[nn.Module
     if mode not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {mode!r}; choose {', '.join(QUANTIZATIONS)}")
     linears = [m for m in model.modules() if is_linear(m)]
-    if any(getattr(m, "quant", None) is not None for m in linears):
-        raise ValueError(f"--quantization {mode}: this checkpoint's linear layers are already quantized (its "
-                         "quantization_config); serve it without --quantization")
+    if not linears:  # (every linear layer already in blocks: a GGUF file, a pre-quantized checkpoint)
+        return None
     if mode == "int4":
         _check_int4(model, linears)
         head = getattr(model, "lm_head", None)

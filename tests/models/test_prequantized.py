@@ -15,6 +15,7 @@ import torch
 from models.loader import load_model
 from models.quant.block_formats import dequantize_reference
 from models.quant.packed_int4 import as_symmetric, to_blocks, unpack_awq, unpack_compressed, unpack_gptq
+from models.quant.linear import Int8Weight
 from models.quant.prequantized import read_scheme
 from models.transformer import Linear
 from tandem.errors import CheckpointError
@@ -155,8 +156,8 @@ def test_checkpoints_load_as_blocks_of_the_known_weights(scheme, tiny_checkpoint
         got = layer.get_submodule(name).quant.weight
         # symmetric: exact; Q4_1's m rounds to float16 (2^-11 of scale * zero, each below the max weight x 15)
         assert float((got - w).abs().max()) <= (0 if symmetric else 2e-3 * float(w.abs().max())), name
-    with pytest.raises(ValueError, match="already quantized"):
-        model.quantize("int8")
+    model.quantize("int8", force_dequant=True)  # --quantization: the float layers only (here the LM head)
+    assert isinstance(model.lm_head.quant, Int8Weight) and isinstance(layer.mlp.down_proj.quant, StandInBlockWeight)
 
 
 def test_a_prequantized_executor_computes_with_the_known_weights(tiny_checkpoint, tmp_path, stand_in):
