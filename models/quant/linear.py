@@ -227,7 +227,11 @@ def quantize_linears(model: nn.Module, mode: str, is_linear: Callable[[nn.Module
 
 
 def _check_int4(model: nn.Module, linears: list[nn.Module]) -> None:
-    """Raises ValueError (before anything is changed) for a layer whose input size does not split into blocks."""
+    """Raises ValueError (before anything is changed) off CPUs (where the block kernels run) or for a layer whose
+    input size does not split into blocks."""
+    if linears[0].weight.device.type != "cpu":
+        raise ValueError(f"--quantization int4 runs on the block kernels, on CPUs; this model is on "
+                         f"{linears[0].weight.device.type} (use int8 or --dtype float16 / bfloat16 there)")
     names = {id(m): n for n, m in model.named_modules()}
     odd = [f"{names[id(m)]} ({m.in_features})" for m in linears if m.in_features % BLOCK]
     if odd:

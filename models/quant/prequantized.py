@@ -165,6 +165,9 @@ class PrequantizedLinears:
         self.scheme, self.source, self.fused, self.dtype, self.device = scheme, source, fused, dtype, device
         self.names = set(names)
         self.quantized = {n.removesuffix(scheme.marker) for n in self.names if n.endswith(scheme.marker)}  # layers
+        if device.type != "cpu":
+            raise CheckpointError(f"{source}: a {scheme.method} checkpoint runs on the block kernels, which run on "
+                                  f"CPUs; this executor's device is {device.type}")
         experts = sorted(n for n in self.quantized if ".experts." in n)
         if experts:
             raise CheckpointError(f"{source}: quantized MoE experts ({experts[0]}, ...) are not loaded; only dense "

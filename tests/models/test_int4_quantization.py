@@ -121,3 +121,12 @@ def test_the_block_kernels_compute_what_the_blocks_hold():
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # (the stand-in model's bias is a parameter)
         np.testing.assert_allclose(model.up(x).numpy(), reference(x).numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_off_cpus_int4_is_refused(stand_in):
+    with torch.device("meta"):
+        model = TwoLayers.__new__(TwoLayers)
+        nn.Module.__init__(model)
+        model.up, model.lm_head = Linear(64, 64), Linear(64, 96)
+    with pytest.raises(ValueError, match="int4 runs on the block kernels, on CPUs; this model is on meta"):
+        quantize_linears(model, "int4", lambda m: isinstance(m, Linear))

@@ -183,3 +183,10 @@ def test_without_the_block_kernels_a_prequantized_checkpoint_is_refused(tiny_che
     write_prequantized(tiny_checkpoint("llama"), tmp_path / "m", AWQ, pack_awq, 4, GROUP, False)
     with pytest.raises(CheckpointError, match=r"awq checkpoint needs the block kernels \(models/quant/blocks.py"):
         load_model(tmp_path / "m", progress=False)
+
+
+def test_off_cpus_a_prequantized_checkpoint_is_refused():
+    from models.quant.prequantized import PrequantizedLinears
+    with pytest.raises(CheckpointError, match="awq checkpoint runs on the block kernels, which run on CPUs; this "
+                                              "executor's device is cuda"):
+        PrequantizedLinears(read_scheme(AWQ, "c"), "m", [], {}, torch.float32, torch.device("cuda"))
