@@ -69,6 +69,16 @@ def _check(what: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch
                               f"{'' if dtype is None else ' ' + str(dtype)}")
 
 
+def check_plain_groups(what: str, g_idx: torch.Tensor, in_features: int, group: int) -> None:
+    """Raises CheckpointError unless g_idx [in] (the group of each input) is i // group: act-order checkpoints
+    (GPTQ desc_act, compressed-tensors actorder) reorder them, and a block of 32 consecutive inputs would then
+    mix groups."""
+    plain = torch.arange(in_features, device=g_idx.device) // group
+    if g_idx.shape != plain.shape or not torch.equal(g_idx.to(torch.int64), plain):
+        raise CheckpointError(f"{what} reorders the inputs' groups (act-order): a block of 32 consecutive inputs "
+                              "would mix groups; such checkpoints do not map to blocks")
+
+
 def unpack_awq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
                out_features: int, in_features: int) -> Unpacked:
     """AutoAWQ's gemm layout (4 bits) -> Unpacked. name: the layer, for errors."""
@@ -96,10 +106,7 @@ def unpack_gptq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: 
     _check(f"{name}.qzeros", qzeros, (groups, out_features // per), torch.int32)
     _check(f"{name}.scales", scales, (groups, out_features))
     if g_idx is not None:
-        plain = torch.arange(in_features, device=g_idx.device) // group
-        if g_idx.shape != plain.shape or not torch.equal(g_idx.to(torch.int64), plain):
-            raise CheckpointError(f"{name}.g_idx reorders the inputs' groups (act-order, desc_act): a block of 32 "
-                                  "consecutive inputs would mix groups; such checkpoints do not map to blocks")
+        check_plain_groups(f"{name}.g_idx", g_idx, in_features, group)
     codes = _words_to_values(qweight.T.contiguous(), bits)  # [out, in]: word r holds inputs r * per ...
     zeros = _words_to_values(qzeros, bits).to(torch.int16) + zero_offset  # [groups, out]
     return Unpacked(codes, scales.T.contiguous(), zeros.T.contiguous(), bits, group)

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from models.quant.block_formats import BlockFormat
-from models.quant.packed_int4 import Unpacked, as_symmetric, to_blocks, unpack_awq, unpack_compressed, unpack_gptq
+from models.quant.packed_int4 import (Unpacked, as_symmetric, check_plain_groups, to_blocks, unpack_awq,
+                                      unpack_compressed, unpack_gptq)
 from models.quant.block_quantize import BLOCK
 from tandem.errors import CheckpointError
 
@@ -221,8 +222,14 @@ class PrequantizedLinears:
                 if stored != (out, columns):
                     raise CheckpointError(f"{self.source}: {layer}.weight_shape is {stored}; its tensors are "
                                           f"({out}, {columns})")
-            zero = None if s.symmetric else read(layer + ".weight_zero_point")
-            return unpack_compressed(layer, weight, scale, zero, s.bits, s.group, s.packed, out, columns)
+            # (symmetric int-quantized checkpoints may store all-zero zero points anyway: checked, then dropped)
+            zero = read(layer + ".weight_zero_point") if layer + ".weight_zero_point" in self.names else None
+            if zero is None and not s.symmetric:
+                raise CheckpointError(f"{self.source}: {layer} has no weight_zero_point; the scheme is asymmetric")
+            if layer + ".weight_g_idx" in self.names:
+                check_plain_groups(f"{layer}.weight_g_idx", read(layer + ".weight_g_idx"), columns, s.group or columns)
+            w = unpack_compressed(layer, weight, scale, zero, s.bits, s.group, s.packed, out, columns)
+            return as_symmetric(layer, w) if s.symmetric else w
         qweight, qzeros, scales = read(layer + ".qweight"), read(layer + ".qzeros"), read(layer + ".scales")
         out = scales.shape[1]
         if s.method == "awq":

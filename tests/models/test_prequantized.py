@@ -123,7 +123,7 @@ def test_act_order_g_idx_is_refused():
     k = known_weights(torch.randn(OUT, IN), 4, GROUP, True)
     t = pack_gptq(k, 4, v1=True)
     t["g_idx"] = t["g_idx"].flip(0)
-    with pytest.raises(CheckpointError, match="l.g_idx reorders the inputs' groups"):
+    with pytest.raises(CheckpointError, match=r"l.g_idx reorders the inputs' groups \(act-order\)"):
         unpack_gptq("l", **t, bits=4, group=GROUP, zero_offset=1, out_features=OUT, in_features=IN)
 
 
@@ -134,6 +134,9 @@ LOADS = {
     "ct-packed-asym": (_ct(symmetric=False), lambda k: pack_compressed(k, 4, True), 4, False),
     "ct-int8-channel": (_ct("int-quantized", num_bits=8, strategy="channel", group_size=None),
                         lambda k: pack_compressed(k, 8, False), 8, True),
+    # (older compressed-tensors store all-zero zero points for symmetric schemes too)
+    "ct-int4-zeros-stored": (_ct("int-quantized"), lambda k: {**pack_compressed(k, 4, False),
+                             "weight_zero_point": torch.zeros(k.scales.shape, dtype=torch.int8)}, 4, True),
 }
 
 
@@ -190,3 +193,11 @@ def test_off_cpus_a_prequantized_checkpoint_is_refused():
     with pytest.raises(CheckpointError, match="awq checkpoint runs on the block kernels, which run on CPUs; this "
                                               "executor's device is cuda"):
         PrequantizedLinears(read_scheme(AWQ, "c"), "m", [], {}, torch.float32, torch.device("cuda"))
+
+
+def test_a_symmetric_scheme_with_other_zero_points_is_refused(tiny_checkpoint, tmp_path, stand_in):
+    pack = lambda k: {**pack_compressed(k, 4, False),  # noqa: E731
+                      "weight_zero_point": torch.ones(k.scales.shape, dtype=torch.int8)}
+    write_prequantized(tiny_checkpoint("llama"), tmp_path / "m", _ct("int-quantized"), pack, 4, GROUP, True)
+    with pytest.raises(CheckpointError, match="q_proj: the config says symmetric but zero points other than 8"):
+        load_model(tmp_path / "m", progress=False)
