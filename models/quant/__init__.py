@@ -1,3 +1,1 @@
-"""Quantized weights: the linear layers' int8/fp16/int4 modes (linear.py), llama.cpp's block formats and their
-quantizers (block_formats.py, block_quantize.py), AWQ / GPTQ / compressed-tensors checkpoints mapped onto blocks
-(prequantized.py, packed_int4.py), and MXFP4 experts (mxfp4.py)."""
+"""Quantized weights: int8/fp16/int4 linear modes, llama.cpp block formats and quantizers, AWQ/GPTQ/compressed-tensors checkpoints, MXFP4 experts."""
