@@ -174,7 +174,8 @@ def fbgemm_usable(mode: str) -> bool:
     return bool((got - want).abs().max() <= 0.05 * want.abs().max())
 
 
-def block_weight(weight: torch.Tensor, bias: torch.Tensor | None, fmt_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def block_weight(weight: torch.Tensor, bias: torch.Tensor | None,
+                 fmt_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """weight [out, in] quantized to `fmt_name` blocks, as the BlockWeight that computes with them.
     Raises ValueError where this build has no block kernels (models/quant/blocks.py)."""
     try:  # (imported here: blocks.py is the block kernels' module, which lands on its own)

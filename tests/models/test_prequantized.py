@@ -5,19 +5,20 @@ map is refused by name."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 import types
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from models.loader import load_model
 from models.quant.block_formats import dequantize_reference
 from models.quant.packed_int4 import as_symmetric, to_blocks, unpack_awq, unpack_compressed, unpack_gptq
 from models.quant.linear import Int8Weight
 from models.quant.prequantized import read_scheme
-from models.transformer import Linear
 from tandem.errors import CheckpointError
 from tests.executor_driver import greedy_run, make_executor, teacher_forced_logits
 from tests.hf_reference import rel_err
@@ -31,7 +32,8 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True}
 CT_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                                             "strategy": "group", "group_size": GROUP}}}
-CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": CT_GROUP, "ignore": ["lm_head"]}
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": CT_GROUP,
+      "ignore": ["lm_head"]}
 
 
 def _ct(fmt: str = "pack-quantized", **weights) -> dict:
@@ -167,8 +169,6 @@ def test_a_prequantized_executor_computes_with_the_known_weights(tiny_checkpoint
     """GPTQ (symmetric: Q4_0, exact) against a float checkpoint holding the known dequantized weights."""
     src = tiny_checkpoint("qwen2")
     known = write_prequantized(src, tmp_path / "q", GPTQ, lambda k: pack_gptq(k, 4, v1=True), 4, GROUP, True)
-    from safetensors.torch import load_file, save_file
-    import shutil
     shutil.copytree(src, tmp_path / "f")
     state = load_file(str(src / "model.safetensors"))
     state.update(known)
