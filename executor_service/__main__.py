@@ -40,13 +40,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    ap.add_argument("--quantization", default="none", choices=["none", "fp16", "int8"],
-                    help="linear-layer weights (activations, KV and the rest stay --dtype): none | fp16 (float16 "
-                         "weights, float32 compute, FBGEMM on x86 CPUs: ~1.4x per decode step, greedy tokens "
-                         "unchanged) | int8 (per-channel int8 weights, a quarter of float32's bytes: FBGEMM on x86 "
-                         "CPUs, weight-only dequantized per call elsewhere). Speed and quality vs float32: README, "
-                         "Decode speed. With a GGUF file it applies to the matrices the file stores as float only (those in "
-                         "block formats keep them; --gguf-dequantize makes every matrix float first)")
+    ap.add_argument("--quantization", default="none", choices=["none", "fp16", "int8", "int4"],
+                    help="linear-layer weights of a safetensors checkpoint (activations, KV and the rest stay "
+                         "--dtype): none | fp16 (float16 weights, float32 compute, FBGEMM on x86 CPUs: ~1.4x per "
+                         "decode step, greedy tokens unchanged) | int8 (per-channel int8 weights, a quarter of "
+                         "float32's bytes: FBGEMM on x86 CPUs, weight-only dequantized per call elsewhere) | int4 "
+                         "(llama.cpp's Q4_1 blocks, 5 bits per weight, the LM head Q8_0; the block kernels that run "
+                         "GGUF files). Speed and quality vs float32: README, Decode speed; docs/quantization.md. With a GGUF file it "
+                         "applies to the matrices the file stores as float only (those in block formats keep them; "
+                         "--gguf-dequantize makes every matrix float first)")
     ap.add_argument("--gguf-dequantize", action="store_true",
                     help="dequantize a GGUF file's block-quantized weights (Q4_K, Q8_0, ...) to --dtype at load "
                          "instead of computing on the blocks: 4-8x the memory, and what --deterministic and --compile "

@@ -20,7 +20,7 @@ class ExecutorConfig:
     model_dir: Path
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int8: linear weights (models/quant/linear.py)
+    quantization: str = "none"  # none | int8 | fp16 | int4: linear weights (models/quant/linear.py)
     # A GGUF file's block-quantized weights dequantized to `dtype` at load instead of kept in their blocks
     # (models/gguf/loader.py): what --deterministic and --compile need, and tensor parallelism where a rank's
     # share of a layer's inputs would cut blocks.

@@ -24,7 +24,8 @@ import torch
 from executor_service.config import ExecutorConfig
 from executor_service.kv.sizing import build_kv_pool
 from executor_service.step.batch import BatchRunner
-from executor_service.step.decode_choice import choose_decode, flag_refusal, model_flag_refusal, runs_eager
+from executor_service.step.decode_choice import (choose_decode, flag_refusal, keeps_plain_int8, model_flag_refusal,
+                                                 runs_eager)
 from executor_service.types import KvPoolSizing
 from models.attention.backend import AttentionBuilder, choose_backend
 from models.config import GenerationDefaults, ModelConfig, read_generation_defaults
@@ -39,6 +40,7 @@ from models.memory.mapped_pages import trim_heap
 from models.native.library import NativeBuild
 from models.quant.blocks import (block_ops_available, block_weights, move_blocks_to_huge_pages, weight_format,
                                  weights_summary)
+from models.quant.linear import move_int8_to_huge_pages
 from models.transformer import DecoderModel
 
 log = logging.getLogger("tandem.executor")
@@ -86,10 +88,11 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
         raise ValueError(reason)  # before loading: the flags alone refuse it
     model = load_model(config.model_dir, device, config.dtype, progress=config.progress,
                        gguf_dequantize=config.gguf_dequantize)
+    # (int8 where the native step runs decode: the plain int8 weights it reads in place, not FBGEMM's copy)
+    kernel = model.quantize(config.quantization, force_dequant=keeps_plain_int8(config, model))  # before packing
     if reason := model_flag_refusal(config, model):
-        raise ValueError(reason)  # the file's tensor types (weights kept in GGUF blocks) refuse the flags
-    prepare_block_weights(model, NativeBuild(config.native_cache_dir))
-    kernel = model.quantize(config.quantization)  # before packing: it skips those
+        raise ValueError(reason)  # weights in block formats (a GGUF file's, --quantization int4) refuse the flags
+    prepare_block_weights(model, NativeBuild(config.native_cache_dir))  # (GGUF blocks and --quantization int4)
     if kernel:
         log.info("linear weights quantized to %s (%s kernel)", config.quantization, kernel)
     # CPU float32 with the eager decode step: the linear weights in oneDNN's packed layout instead of the plain
@@ -101,6 +104,7 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
         # GGUF blocks too (else views of the mapped file): measured on SmolLM2 Q4_1, 2 cores, the eager
         # forward's decode step ~20% faster (p10 88 -> 71 ms), the same RSS (the file's pages released)
         move_blocks_to_huge_pages(model, config.huge_pages)
+        move_int8_to_huge_pages(model, config.huge_pages)  # (plain int8 weights, which the native step reads)
     if model.upcast_cpu_half_linears():  # bf16/fp16 on a CPU without oneDNN support for it
         log.info("%s weights on a CPU without oneDNN support for them: linear calls of %d+ rows (prefill) "
                  "multiply in float32", str(model.lm_head.weight.dtype).removeprefix("torch."),

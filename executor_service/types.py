@@ -206,7 +206,7 @@ class ExecutorInfo:
     session_ttl_s: float = 0.0  # the lease of every session
     kv_pool: KvPoolSizing | None = None
     resident_memory_bytes: int = 0  # the process's RSS when the info was taken (0: not known)
-    quantization: str = "none"  # --quantization: none | int8 | fp16, after the GGUF block formats kept if any
+    quantization: str = "none"  # --quantization: none | int8 | fp16 | int4, after the GGUF block formats kept if any
     deterministic: bool = False  # --deterministic (executor_service/step/deterministic.py)
     role: str = "both"  # --role: prefill | decode | both
     kv_fingerprint: str = ""  # executor_service/kv/fingerprint.py

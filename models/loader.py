@@ -21,6 +21,7 @@ from tqdm import tqdm
 from models.config import ModelConfig
 from models.memory.mapped_pages import release_file_pages
 from models.families import CHECKPOINT_LAYOUTS
+from models.quant.prequantized import PrequantizedLinears, scheme_of
 from tandem.errors import CheckpointError
 from tandem.model_path import is_gguf
 from models.transformer import DecoderModel
@@ -91,6 +92,12 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     with torch.device("meta"):
         model = DecoderModel(cfg)
     files, source = _tensor_files(model_dir)
+    # -- pre-quantized checkpoints (AWQ, GPTQ, compressed-tensors): their quantized linear layers load as blocks,
+    # everything else as below (models/quant/prequantized.py). --
+    scheme = scheme_of(model_dir)
+    prequantized = PrequantizedLinears(scheme, str(source), files, _FUSED, torch_dtype, device) if scheme else None
+    if prequantized is not None and on_layer is not None:
+        raise CheckpointError(f"{source}: a pre-quantized checkpoint's blocks are not cut into ranks; run it on one")
     wanted = dict(model.state_dict())
     tied = cfg.tie_word_embeddings
     if tied:
@@ -139,6 +146,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         tensor = layout(name, tuple(meta.shape), read, cfg) if layout else None
         if tensor is not None:
             pass
+        elif prequantized is not None and (tensor := prequantized.weight(name, tuple(meta.shape), read)) is not None:
+            pass  # (a stand-in: the blocks are attached below)
         elif fused:
             base = f"{prefix}layers.{layer_no}."
             tensor = torch.cat([read(base + part) for part in fused], dim=0)
@@ -160,6 +169,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     assign(layer)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if prequantized is not None:
+        prequantized.attach(model)  # -- pre-quantized: each such layer's BlockWeight --
     _warn_unused(files, loaded | used_expert_tensors | read_names, tied)
     model.init_rotary(device)
     for m in model.modules():  # non-persistent buffers were built on the meta device

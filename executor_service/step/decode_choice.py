@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from executor_service.config import ExecutorConfig
 from executor_service.step.batch import BatchRunner
 from executor_service.step.deterministic import DeterministicRunner
@@ -102,9 +104,6 @@ CONFLICTS: tuple[Conflict, ...] = (
 
 # Flags that do not combine with block weights: (flag, asked, reason); the refusal names --gguf-dequantize.
 BLOCK_CONFLICTS: tuple[tuple[str, Callable[[ExecutorConfig], bool], str], ...] = (
-    ("--deterministic", _DET,
-     "prefill multiplies the dequantized weights with oneDNN, whose sums depend on the batch, and the decode "
-     "kernel (8-bit activations, integer dot products) computes other numbers than prefill"),
     ("--compile", _COMPILE, "torch.compile does not trace the block kernels (or their numpy fallback)"),
 )
 
@@ -116,10 +115,12 @@ def model_flag_refusal(config: ExecutorConfig, model: DecoderModel) -> str | Non
     if not blocks:
         return None
     formats = "+".join(sorted({f for w in blocks for f in w.formats}))
+    way_out = ("pass --quantization int8 or none instead" if config.quantization == "int4" else
+               "pass --gguf-dequantize to load them as float")
     for flag, asked, reason in BLOCK_CONFLICTS:
         if asked(config):
-            return (f"{flag}: the model's weights are in GGUF block formats ({formats}): {reason}; pass "
-                    "--gguf-dequantize to load them as float")
+            return f"{flag}: the model's weights are in llama.cpp block formats ({formats}): {reason}; {way_out}"
+
     return None
 
 
@@ -132,6 +133,21 @@ def flag_refusal(config: ExecutorConfig) -> str | None:
         if row.asked(config) and row.clashes(config):
             return f"{row.flag}: {row.reason}"
     return None
+
+
+def keeps_plain_int8(config: ExecutorConfig, model: DecoderModel) -> bool:
+    """Whether --quantization int8 keeps its plain int8 weights (which the native step reads in place) instead of
+    FBGEMM's packed ones, so that the weights are held once: where the native step will run the decode calls
+    (every call with --deterministic). Not with LoRA adapters, whose decode rows run the eager forward (FBGEMM's
+    kernel, and the step's own copy: two copies), nor for a model the native step refuses quantized (not
+    float32). Asked before quantizing (model: still float)."""
+    if config.quantization != "int8":
+        return False
+    if config.deterministic:
+        return True
+    if config.compile or _lora(config) or model.lm_head.weight.dtype != torch.float32:
+        return False
+    return not runs_eager(config, model)
 
 
 def runs_eager(config: ExecutorConfig, model: DecoderModel) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from models.quant.prequantized import read_scheme
 from models.rope_config import RopeConfig
 from tandem.errors import CheckpointError
 
@@ -54,8 +55,8 @@ def parse(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
     if raw.get("use_sliding_window") and raw.get("sliding_window"):
         raise CheckpointError(f"{source}: sliding-window attention (use_sliding_window) is not supported "
                               f"for {arch}")
-    refuse(raw, source, "quantization_config", (), "quantized checkpoints load as their float weights; "
-           "use --quantization instead")
+    if raw.get("quantization_config") is not None:  # AWQ / GPTQ / compressed-tensors load as blocks, or this refuses
+        read_scheme(raw["quantization_config"], source)
     hidden = int(need(raw, "hidden_size", source))
     heads = int(need(raw, "num_attention_heads", source))
     head_dim = raw.get("head_dim") or hidden // heads

@@ -1,1 +1,1 @@
-"""Quantized weights: the linear layers' int8/fp16 kernels and MXFP4 experts."""
+"""Quantized weights: int8/fp16/int4 linear modes, llama.cpp blocks, pre-quantized checkpoints, MXFP4."""

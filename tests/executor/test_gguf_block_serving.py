@@ -14,6 +14,7 @@ from models.decode.native import NativeDecode
 from models.loader import load_model
 from models.parallel.shard import Shard, shard_model
 from models.quant.blocks import BlockWeight
+from tests.executor.test_deterministic_kernels import GREEDY, run as det_run
 from tests.executor.test_executor_parity import prompt_of
 from tests.executor.test_speculative_verify import assert_pool_whole, plain_run, spec_run
 from tests.executor.test_tensor_parallel import ARGS, HEADS, LocalStub, _compare, run_scenario
@@ -106,12 +107,22 @@ def test_native_step_over_blocks_equals_the_eager_forward(gguf, ex):
     assert logits_error(logits, want_logits) < SAME_EXECUTOR_TOL
 
 
-@pytest.mark.parametrize("flags, named", [(dict(deterministic=True), "--deterministic"),
-                                          (dict(compile=True), "--compile")])
+def test_deterministic_over_blocks_is_bitwise_the_same_however_batched_or_chunked(gguf):
+    """--deterministic runs every row through the native step, whose block kernel quantizes each row's
+    activations on its own and sums each output in block order: a run is the same bits whole, in chunks of 3,
+    or beside other sequences."""
+    det = make_executor(gguf, kv_blocks=128, deterministic=True)
+    prompt = prompt_of(23, seed=7)
+    want = det_run(det, prompt, GREEDY)
+    assert det_run(det, prompt, GREEDY, chunk=3) == want
+    assert det_run(det, prompt, GREEDY, others=2) == want
+
+
+@pytest.mark.parametrize("flags, named", [(dict(compile=True), "--compile")])
 def test_flags_that_cannot_run_blocks_are_refused_naming_the_way_out(gguf, flags, named):
     with pytest.raises(ValueError) as exc:
         make_executor(gguf, **flags)
-    assert str(exc.value).startswith(named) and "GGUF block formats (Q8_0)" in str(exc.value)
+    assert str(exc.value).startswith(named) and "block formats (Q8_0)" in str(exc.value)
     assert "--gguf-dequantize" in str(exc.value)
 
 
