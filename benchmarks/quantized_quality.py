@@ -17,7 +17,7 @@ from benchmarks.quality import QUESTIONS, chat_prompt, greedy_tokens, leading_ag
 @torch.inference_mode()
 def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy continuation of `prompt` and its logits [steps, vocab] before each token."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, torch.cat(out.logits).float()
@@ -31,6 +31,7 @@ def quality_part(steps: int, threads: int, log: Callable[[str], None]) -> dict[s
     tok = Tokenizer.from_file(str(reference_dir / "tokenizer.json"))
     encoded = [tok.encode(chat_prompt(q), add_special_tokens=False).ids for q in QUESTIONS]
     model = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # past EOS, as Tandem's decode calls go (min_new_tokens would mask it)
     reference = [hf_greedy(model, p, steps) for p in encoded]
     del model
     longest = max(map(len, encoded)) + steps + 16

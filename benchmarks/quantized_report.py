@@ -64,10 +64,12 @@ def speed_rows(files: list[dict[str, Any]], bandwidth: float) -> list[dict[str, 
         mem = memory_check((t.get("memory") or {}).get("rss"), f["file_bytes"])
         dec, pre = ratio(t.get("decode_tok_s"), ll.get("decode_tok_s")), ratio(t.get("prefill_tok_s"),
                                                                                ll.get("prefill_tok_s"))
+        bound = bandwidth / f["bytes_per_token"]
         rows.append({"shape": f["shape"], "type": f["type"], "file GiB": f["file_bytes"] / GIB,
                      "decode T": t.get("decode_tok_s"), "decode L": ll.get("decode_tok_s"), "decode T/L": dec,
                      "decode ok": verdict(dec, TARGETS["decode"]),
-                     "BW bound": bandwidth / f["bytes_per_token"],
+                     "BW bound": bound, "T/bound": ratio(t.get("decode_tok_s"), bound),
+                     "L/bound": ratio(ll.get("decode_tok_s"), bound),
                      "pp T": t.get("prefill_tok_s"), "pp L": ll.get("prefill_tok_s"), "pp T/L": pre,
                      "pp ok": verdict(pre, TARGETS["prefill"]),
                      "RSS GiB": None if mem["rss_over_file"] is None else mem["rss_over_file"] * f["file_bytes"] / GIB,
@@ -115,7 +117,8 @@ def print_tables(args: Any, results: dict[str, Any], machine: dict[str, Any], th
     if rows and any(k in args.part_list for k in ("decode", "prefill", "memory")):
         print(f"\nper file (T = Tandem, L = llama.cpp): decode tok/s at batch 1 ({args.gen} tokens; llama-bench "
               f"-p 0 -n {args.gen}), pp = {args.prompt_len}-token prompt tok/s (llama-bench -p {args.prompt_len} "
-              f"-n 0), medians of {args.repeats}; BW bound = read bandwidth / the file's weight bytes per token; "
+              f"-n 0), medians of {args.repeats}; BW bound = read bandwidth / the file's weight bytes per token (decode "
+              f"tok/s if reading weights were all a token cost; T/bound, L/bound: each side's share of it); "
               f"RSS = executor after READY")
         print(format_table(rows, [(k, k, 2) for k in rows[0]]))
         print(f"targets: decode T/L >= {TARGETS['decode'][0]}, pp T/L >= {TARGETS['prefill'][0]}, RSS <= "
