@@ -43,7 +43,7 @@ SHORT_PROMPT = 8  # tokens before the timed decode (llama-bench's tg starts from
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = parser("quantized", __doc__, "the smollm2-135m shape as Q4_0, 8 tokens, 32-token prompt, 2 streams x 2 "
-                                      "requests, 8 quality tokens per prompt")
+                                      "requests, 8 quality tokens per prompt", model=False)
     ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPE_NAMES)} (default "
                                                    f"{DEFAULTS['shapes']}; smollm2-135m: a quick random one)")
     ap.add_argument("--types", default=None, help=f"comma list of {', '.join(TYPES)} (default {DEFAULTS['types']}); "
