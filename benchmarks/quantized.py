@@ -126,9 +126,10 @@ def llama_single(args, binary: str | None, path: Path, threads: int) -> dict[str
 
 
 def load_run(args, url: str, allowed: np.ndarray, **body: Any) -> list[Any]:
-    """The serving load: a warm-up wave, then --requests prompts with --streams in flight (closed loop)."""
-    warm = prompts(allowed, args.streams, args.input_len, 4, args.seed)
-    asyncio.run(openai_client.run(url, warm, 4, args.streams, 1800.0, **body))
+    """The serving load: two short warm-up requests together, then --requests prompts with --streams in flight
+    (closed loop)."""
+    warm = prompts(allowed, 2, SHORT_PROMPT, 4, args.seed)
+    asyncio.run(openai_client.run(url, warm, 4, 2, 1800.0, **body))
     timed = prompts(allowed, args.requests, args.input_len, 3, args.seed)
     return asyncio.run(openai_client.run(url, timed, args.output_len, args.streams, 1800.0, **body))
 
