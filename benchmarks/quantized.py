@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import statistics
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--llama-bin-dir", default=None, metavar="DIR",
                     help="directory of llama.cpp's llama-bench, llama-quantize and llama-server (default: "
                          "$LLAMA_BIN_DIR, else PATH; a binary not found: its rows are skipped with a log line)")
+    ap.add_argument("--tables-of", type=Path, default=None, metavar="JSON",
+                    help="print the tables of a results file this benchmark wrote, and run nothing")
     ap.add_argument("--executor-args", default="", help="extra `python -m executor_service` flags for Tandem's "
                     "executor, one quoted string given with '=' (--executor-args='--decode-kernel native')")
     args = parse(ap, argv, QUICK, DEFAULTS)
@@ -170,6 +173,10 @@ def prepare_files(args, threads: int) -> dict[tuple[str, str], Path]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tables_of:
+        saved = json.loads(args.tables_of.read_text())
+        print_tables(argparse.Namespace(**saved["config"]), saved, saved["machine"], saved["config"]["threads"])
+        return 0
     stop_on_sigterm()
     threads = set_threads(args.threads)
     bench_bin, server_bin = (find_binary(n, args.llama_bin_dir) for n in ("llama-bench", "llama-server"))
