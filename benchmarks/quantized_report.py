@@ -112,7 +112,7 @@ def print_tables(args: Any, results: dict[str, Any], machine: dict[str, Any], th
     bw = results["bandwidth"]
     print(f"CPU: {machine.get('processor')} ({cpu_flags()}), {threads} threads; memory bandwidth (torch, 1 GiB): "
           f"read {bw['read'] / 1e9:.1f} GB/s, copy {bw['copy'] / 1e9:.1f} GB/s; load average at the start "
-          f"{machine.get('load_average') or 0:.1f} (other jobs: above ~0.2 x cores the timings are disturbed)")
+          f"{machine.get('load_average') or 0:.1f} (other jobs then: their load disturbs the timings)")
     files = results["files"]
     rows = speed_rows(files, bw["read"])
     if rows and any(k in args.part_list for k in ("decode", "prefill", "memory")):
