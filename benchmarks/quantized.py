@@ -40,6 +40,9 @@ QUICK = {"shapes": "smollm2-135m", "types": "Q4_0", "parts": "decode,prefill,mem
          "prompt_len": 32, "repeats": 1, "streams": 2, "requests": 2, "input_len": 16, "output_len": 8,
          "quality_tokens": 8}
 SHORT_PROMPT = 8  # tokens before the timed decode (llama-bench's tg starts from an empty context)
+# n-gram drafts off, as llama.cpp runs without them: random weights repeat tokens, which drafts would turn into
+# several tokens per step
+SCHEDULER_FLAGS = ["--speculative", "off"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -99,7 +102,7 @@ def tandem_single(args, path: Path, threads: int, allowed: np.ndarray) -> dict[s
     flags = ["--threads", str(threads), "--no-prefix-caching", "--kv-blocks", str(blocks),
              *shlex.split(args.executor_args)]
     out: dict[str, Any] = {"kv_blocks": blocks}
-    with stack(path, flags, ready_timeout=1800.0) as servers:
+    with stack(path, flags, SCHEDULER_FLAGS, ready_timeout=1800.0) as servers:
         out["memory"] = proc_memory(servers[0].proc.pid)
         log(f"tandem {path.name}: RSS after READY {out['memory']['rss'] / GIB:.2f} GiB")
         address = servers[1].address
@@ -142,7 +145,7 @@ def serving(args, path: Path, threads: int, allowed: np.ndarray, server_bin: str
     blocks = kv_blocks(args.streams + 1, args.input_len + args.output_len + 8)
     flags = ["--threads", str(threads), "--kv-blocks", str(blocks), *shlex.split(args.executor_args)]
     out: dict[str, Any] = {}
-    with stack(path, flags, ready_timeout=1800.0) as servers:
+    with stack(path, flags, SCHEDULER_FLAGS, ready_timeout=1800.0) as servers:
         out["tandem"] = serving_side("tandem", load_run(args, servers[1].http_url, allowed), args.output_len)
     log(f"tandem {path.name} serving: {out['tandem']['output_tok_s']:.1f} out tok/s")
     if server_bin:
