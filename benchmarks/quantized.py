@@ -40,8 +40,8 @@ QUICK = {"shapes": "smollm2-135m", "types": "Q4_0", "parts": "decode,prefill,mem
          "prompt_len": 32, "repeats": 1, "streams": 2, "requests": 2, "input_len": 16, "output_len": 8,
          "quality_tokens": 8}
 SHORT_PROMPT = 8  # tokens before the timed decode (llama-bench's tg starts from an empty context)
-# n-gram drafts off, as llama.cpp runs without them: random weights repeat tokens, which drafts would turn into
-# several tokens per step
+# n-gram drafts off (the scheduler's default, pinned: llama.cpp's sides draft nothing, and random weights repeat
+# tokens, which drafts would turn into several tokens per step)
 SCHEDULER_FLAGS = ["--speculative", "off"]
 
 
