@@ -27,11 +27,16 @@ def file_facts(path: Path) -> dict[str, Any]:
 
 
 def serving_side(name: str, records: list[Any], output_len: int) -> dict[str, Any]:
-    """The request_metrics aggregate of one side, with the two figures the table shows on top."""
+    """The request_metrics aggregate of one side, with the two figures the table shows on top. Output tokens are
+    the servers' usage counts (llama-server streams a token now and then without its logprob, which the client
+    counts by), else the streamed ones."""
     from benchmarks.request_metrics import aggregate
     agg = aggregate(name, records, output_len=output_len)
     errors = [r.error for r in records if r.error]
-    return {"output_tok_s": agg["output_throughput"], "ttft_p50_ms": agg["ttft_ms"]["p50"],
+    counted = sum((r.usage or {}).get("completion_tokens", r.output_len) for r in records if r.error is None)
+    tok_s = counted / agg["duration_s"] if agg["duration_s"] else None
+    return {"output_tok_s": tok_s, "streamed_output_tok_s": agg["output_throughput"],
+            "ttft_p50_ms": agg["ttft_ms"]["p50"],
             "failed": agg["failed"], "first_error": errors[0] if errors else None, "aggregate": agg}
 
 
