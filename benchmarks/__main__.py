@@ -15,6 +15,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv_restart": ("kv_restart:main", "TTFT of a long prompt after an executor restart: its disk tier vs cold; the tier's read MB/s"),
     "lora": ("lora:main", "multi-LoRA decode throughput: base vs 1 vs N distinct adapters in a batch"),
     "prefix": ("prefix:main", "automatic prefix caching on vs off: shared system prompt and multi-turn chats"),
+    "quantized": ("quantized:main", "quantized GGUF files (Q4_K_M, Q4_0, Q8_0) vs llama.cpp on the same files: decode, "
+                  "pp512, RSS, 16 streams, quality"),
     "serving": ("serving:main", "concurrent streamed requests through the OpenAI front vs transformers generate"),
     "spec": ("spec:main", "n-gram speculative decoding on vs off, copy-heavy and chat workloads"),
     "startup": ("startup:main", "executor time to READY, memory and first-request latency, cold and warm"),

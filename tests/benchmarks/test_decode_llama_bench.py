@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks.decode import llama_bench
+from benchmarks.decode import decode_peer
 
 
 def test_llama_bench_rows_become_ttft_and_decode_rate(tmp_path):
@@ -14,7 +14,7 @@ def test_llama_bench_rows_become_ttft_and_decode_rate(tmp_path):
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(tmp_path / 'argv')!r}, 'w').write("
                     f"json.dumps(sys.argv[1:]))\nprint(json.dumps({rows!r}))\n")
     fake.chmod(0o755)
-    out = llama_bench(str(fake), tmp_path / "m.gguf", 128, 64, threads=2, repeats=3)
+    out = decode_peer(str(fake), tmp_path / "m.gguf", 128, 64, threads=2, repeats=3)
     assert out["decode_tok_s"] == 80.0 and out["ttft_ms"] == 200.0 and out["llama_bench"] == rows
     argv = json.loads((tmp_path / "argv").read_text())
     assert argv == ["-m", str(tmp_path / "m.gguf"), "-p", "128", "-n", "64", "-t", "2", "-r", "3", "-o", "json"]
