@@ -48,13 +48,7 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 sh = _mm_movehdup_ps(s);
-  s = _mm_add_ps(s, sh);
-  sh = _mm_movehl_ps(sh, s);
-  return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
+inline float hsum(__m256 v) { return blocks::hsum8(v); }
 
 // The part [begin, end) of n items that thread tid of nt takes (contiguous, in units of `grain`).
 inline void share(int64_t n, int64_t grain, int tid, int nt, int64_t& begin, int64_t& end) {

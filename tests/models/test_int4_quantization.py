@@ -10,31 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from models.quant.block_formats import FORMATS, BlockFormat, dequantize_reference
+from models.quant.block_formats import FORMATS, dequantize_reference
 from models.quant.block_quantize import quantize_blocks
 from models.quant.blocks import block_ops_available, q8_activations
 from models.quant.linear import INT4_FORMAT, INT4_HEAD_FORMAT, quantize_linears
 from models.transformer import Linear
 from tests.executor_driver import greedy_run, make_executor, teacher_forced_logits
 from tests.hf_reference import rel_err
+from tests.prequantized_files import StandInBlockWeight
 
 PROMPT = [1] + list(range(5, 45))
-
-
-class StandInBlockWeight:
-    """BlockWeight(parts, in_features, bias) as models/quant/blocks.py declares it, computing x @ W.T + b with the
-    reference dequantizer (what the block kernels must agree with)."""
-
-    def __init__(self, parts: list[tuple[BlockFormat, torch.Tensor]], in_features: int,
-                 bias: torch.Tensor | None) -> None:
-        self.parts, self.in_features, self.bias = parts, in_features, bias
-        self.weight = torch.cat([torch.from_numpy(dequantize_reference(b.numpy(), f, in_features))
-                                 for f, b in parts])  # [out, in] float32
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
-        out = x.float() @ self.weight.T
-        return (out if self.bias is None else out + self.bias.float()).to(x.dtype)
 
 
 @pytest.fixture
