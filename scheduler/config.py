@@ -9,17 +9,20 @@ from tandem.security.config import ServerSecurity
 
 
 RPC_HEADROOM = 64  # calls --max-concurrent-rpcs allows by default beyond those that could run or queue
-METHODS = ("off", "ngram")  # --speculative
+METHODS = ("off", "ngram", "suffix", "auto")  # --speculative ("auto": suffix, the measured batch rule)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"  # "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py)
+    method: str = "off"  # "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py); "suffix"/"auto":
+    # those and earlier requests' outputs (scheduler/engine/suffix_proposer.py)
     num_tokens: int = 4  # most draft tokens per sequence and step
     ngram_min: int = 2
     ngram_max: int = 4
-    # Decoding sequences in a step above which nobody drafts (verification would cost more than it saves).
-    max_batch: int = 4  # measured: chat at 8 decoding ran 0.79x, at 4 1.09x (docs/performance.md, benchmarks spec)
+    # Decoding sequences in a step above which nobody drafts; None ("auto"): the measured break-even
+    # (scheduler/engine/step_cost.py) decides, 4 until measured.
+    max_batch: int | None = None
+    suffix_cache_tokens: int = 131072  # tokens of earlier outputs kept for suffix drafts (~0.2 KB each)
 
     @property
     def enabled(self) -> bool:
@@ -32,8 +35,10 @@ class SpeculativeConfig:
             raise ValueError(f"--num-speculative-tokens must be in 1..32 (the executor's limit), got {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= --ngram-min ({self.ngram_min}) <= --ngram-max ({self.ngram_max})")
-        if self.max_batch < 0:
+        if self.max_batch is not None and self.max_batch < 0:
             raise ValueError(f"--speculative-max-batch must be >= 0, got {self.max_batch}")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError(f"--suffix-cache-tokens must be >= 0, got {self.suffix_cache_tokens}")
 
 
 # Multi-step decode (scheduler/engine/decode_bursts.py): how long a burst of decode steps in one call may take.

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from scheduler.executor.info import ExecutorStats
 from scheduler.fleet.kv_migration_metrics import KvMoveCollector, KvMoveCounters
 from scheduler.compat.llmd_gauges import ModelServerCollector
+from scheduler.output.step_outcome import Verified
 from scheduler.request import FinishReason
 from tandem.histogram import SingleWriterHistogram
 from tandem.metrics_http import serve_metrics
@@ -43,6 +44,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
+ACCEPTED_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # accepted drafts per verification
 TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))[:-2]  # 1, 2, 5, 10, ... 1e6
 
 
@@ -65,6 +67,10 @@ class SchedulerMetrics:
         self.spec_drafts = 0  # speculative decoding: sequences' drafts verified, their tokens, those accepted
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        self.spec_by_method: dict[str, list[int]] = {}  # method -> [drafts, draft tokens, accepted tokens]
+        self.spec_accepted_per_pos: list[int] = []  # drafts (scheduler's) accepted at least as far as position i
+        self.spec_accepted_length = SingleWriterHistogram(ACCEPTED_LENGTH_BUCKETS)
+        self.spec_verify_s = 0.0  # time of steps that carried drafts
         self.success = {reason.value: 0 for reason in FinishReason}  # every series exists from the start
         self.failure: dict[str, int] = {}  # by gRPC status name
         self.registry = CollectorRegistry()
@@ -104,11 +110,21 @@ class SchedulerMetrics:
     def failed(self, code: str) -> None:
         self.failure[code] = self.failure.get(code, 0) + 1
 
-    def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
-        """A step verified `drafts` sequences' drafts, `drafted` tokens in all, and accepted `accepted`."""
-        self.spec_drafts += drafts
-        self.spec_draft_tokens += drafted
-        self.spec_accepted_tokens += accepted
+    def speculated(self, verified: list[Verified], seconds: float) -> None:
+        """A step of `seconds` verified these drafts."""
+        self.spec_verify_s += seconds
+        for v in verified:
+            self.spec_drafts += v.steps
+            self.spec_draft_tokens += v.drafted
+            self.spec_accepted_tokens += v.accepted
+            counts = self.spec_by_method.setdefault(v.method, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + v.steps, counts[1] + v.drafted, counts[2] + v.accepted
+            if v.steps == 1:  # (a burst's drafts come summed: no positions, no lengths)
+                self.spec_accepted_length.observe(v.accepted)
+                while len(self.spec_accepted_per_pos) < v.drafted:
+                    self.spec_accepted_per_pos.append(0)
+                for pos in range(v.accepted):
+                    self.spec_accepted_per_pos[pos] += 1
 
     def recomputed(self, tokens: int) -> None:
         self.kv_moves.recomputed_tokens += tokens
@@ -174,6 +190,7 @@ class _RequestCollector(Collector):
                                   "verification (--speculative).", value=m.spec_draft_tokens)
         yield CounterMetricFamily("tandem:spec_decode_num_accepted_tokens", "Of those, tokens the model accepted "
                                   "(each saved a decode step).", value=m.spec_accepted_tokens)
+        yield from _speculation(m)
         success = CounterMetricFamily("tandem:request_success", "Requests that finished, by finish reason.",
                                       labels=["finished_reason"])
         for reason, n in dict(m.success).items():
@@ -233,3 +250,33 @@ class _ExecutorCollector(Collector):
             mask_s.add_metric(name, view.mask_compute_s)
             mask_wait.add_metric(name, view.mask_wait_s)
         yield from (running, waiting, kv, up, preemptions, steps, losses, masks, mask_s, mask_wait)
+
+
+def _speculation(m: SchedulerMetrics) -> Iterator[Metric]:
+    """Speculative decoding by method, the acceptance lengths and verification time, and the same totals under
+    vLLM's names (vllm/v1/spec_decode/metrics.py, v0.10: dashboards computing acceptance rate and mean acceptance
+    length from them work unchanged)."""
+    by_method = {k: list(v) for k, v in m.spec_by_method.items()}  # (a copy: the event loop may add one)
+    names = (("drafts", "Drafts verified"), ("draft_tokens", "Draft tokens verified"),
+             ("accepted_tokens", "Draft tokens accepted"))
+    for i, (name, text) in enumerate(names):
+        fam = CounterMetricFamily(f"tandem:spec_decode_{name}_by_method", f"{text}, by where the drafts came from "
+                                  "(ngram: the request's own tokens; suffix: earlier requests' outputs; ngram_burst: "
+                                  "the executor's, within multi-step bursts).", labels=["method"])
+        for method, counts in sorted(by_method.items()):
+            fam.add_metric([method], counts[i])
+        yield fam
+    yield _histogram("tandem:spec_decode_acceptance_length", "Draft tokens accepted per verification of a "
+                     "scheduler-made draft.", m.spec_accepted_length)
+    yield CounterMetricFamily("tandem:spec_decode_verify_seconds", "Time of the steps that verified drafts (the "
+                              "whole step: its other sequences' tokens too).", value=m.spec_verify_s)
+    yield CounterMetricFamily("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", value=m.spec_drafts)
+    yield CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                              value=m.spec_draft_tokens)
+    yield CounterMetricFamily("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                              value=m.spec_accepted_tokens)
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=["position"])
+    for pos, n in enumerate(list(m.spec_accepted_per_pos)):
+        per_pos.add_metric([str(pos)], n)
+    yield per_pos

@@ -33,6 +33,7 @@ class GenerateRequest:
     keep_special_tokens: bool = False
     constraint: "CompiledConstraint | None" = None  # structured output (scheduler/structured/grammar.py); None = none
     prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None = no prompt logprobs
+    cache_salt: str = ""  # vLLM's cache_salt: requests of other salts never draft from this one's output
 
     def choices(self, n: int) -> list["GenerateRequest"]:
         """n independent requests of this one (OpenAI's and vLLM's `n`): their own ids (`<id>-<i>`), and seed + i

@@ -113,6 +113,7 @@ class DecodeBursts:
         for item in plan.items:
             seq = item.seq
             if (item.count != 1 or (item.drafts and not inside) or not seq.is_decoding or not seq.prompt_end_sent
+                    or (item.drafts and speculator is not None and speculator.needs_own_step(seq))
                     or seq.constraint is not None or len(seq.output_ids) < seq.request.stopping.min_new_tokens):
                 return 1
             steps = min(steps, seq.tokens_left)

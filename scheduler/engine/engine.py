@@ -235,6 +235,9 @@ class Engine:
         self.step_calls += 1
         self._stall_poll_s = STALL_POLL_S[0]
         outcome = policy.update(plan, resp.results, resp.kv)
+        outcome.seconds = resp.elapsed_s
+        if policy.speculator is not None:
+            policy.speculator.observe_step(plan.items, steps, resp.elapsed_s, outcome)
         self.masks.prefetch(policy.running)  # the next step's masks, computed while the loop streams and plans
         for seq in self.streams.process(outcome):  # a stop string ended it: only the text showed it
             policy.abort(seq)

@@ -4,8 +4,9 @@ The executor verifies drafts inside the step's UnifiedDecode (UnifiedItem.draft_
 exactly the one of one token per step, and a step returns the accepted drafts plus one sampled token. Drafts
 pay when a decode step is bound by reading the weights (small batches): checking k more positions then costs
 little more than one. They cost when the step is already compute bound (large batches), so:
-- no drafts at all when the step has more decoding sequences than --speculative-max-batch (a measured
-  default: python -m benchmarks spec);
+- no drafts at all when the step has more decoding sequences than the measured break-even
+  (scheduler/engine/step_cost.py: from the steps' times against their sizes and the drafts' acceptance rate;
+  until the steps have been measured, 4; at most 32), or than --speculative-max-batch where one is given;
 - per sequence, the draft length adapts: after a fully accepted draft it grows by one (up to
   --num-speculative-tokens), after a partly accepted one it is the accepted length + 1, and after drafts
   accepted not at all the sequence sits out 2, 4, ... 16 steps before it drafts again;
@@ -17,15 +18,30 @@ from __future__ import annotations
 import argparse
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
 from scheduler.config import METHODS, SpeculativeConfig
 from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
+from scheduler.engine.response_index import ResponseIndex
+from scheduler.engine.step_cost import StepCost
+from scheduler.engine.suffix_proposer import NGRAM, SUFFIX, SuffixProposer
 from scheduler.sequence import Sequence
 from scheduler.engine.step_answer import ItemResult
-from scheduler.output.step_outcome import StepOutcome
+from scheduler.output.step_outcome import StepOutcome, Verified
 
 _BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16
+_UNMEASURED_MAX_BATCH = 4  # drafts up to this batch until the step costs are measured
+_MEASURED_MAX_BATCH = 32  # and never beyond this one (the fit is a line: far from the sizes seen, a guess)
+
+
+def _max_batch(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of requests or 'auto', got {text!r}") from None
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -34,22 +50,42 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", choices=METHODS, default=d.method,
                    help="draft tokens for decoding requests: 'ngram' looks the last tokens up in the request's prompt "
                         "and output and proposes what followed (wins when the output copies the input: editing, "
-                        "extraction, code changes, RAG). The executor verifies them in the same step; greedy and "
-                        f"seeded outputs are identical to 'off' (default {d.method})")
+                        "extraction, code changes, RAG); 'suffix' also looks them up in the outputs of earlier "
+                        "requests of the same adapter and cache_salt (retries, re-plans, repeated answers); 'auto' "
+                        "is 'suffix'. Drafts stop at the batch size where the measured step costs say they no longer "
+                        "pay. The executor verifies them in the same step; greedy and seeded outputs are identical "
+                        f"to 'off' (default {d.method})")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_tokens, metavar="N",
                    help=f"most draft tokens per request and step (1..32; default {d.num_tokens})")
     g.add_argument("--ngram-max", type=int, default=d.ngram_max, metavar="N",
                    help=f"longest n-gram matched first (default {d.ngram_max})")
     g.add_argument("--ngram-min", type=int, default=d.ngram_min, metavar="N",
                    help=f"shortest n-gram tried (default {d.ngram_min})")
-    g.add_argument("--speculative-max-batch", type=int, default=d.max_batch, metavar="N",
+    g.add_argument("--speculative-max-batch", type=_max_batch, default=d.max_batch, metavar="N|auto",
                    help="no drafts in a step with more decoding requests than this: verification then costs more "
-                        f"than it saves (default {d.max_batch}, measured with python -m benchmarks spec; 0 = never draft)")
+                        "than it saves. 'auto' (the default): the batch size where the measured step times and "
+                        "acceptance rate say drafts stop paying (4 until measured, at most 32, never under 1); "
+                        "a number fixes it (0 = never draft)")
+    g.add_argument("--suffix-cache-tokens", type=int, default=d.suffix_cache_tokens, metavar="N",
+                   help="tokens of earlier requests' outputs kept for --speculative suffix/auto (least recently used "
+                        f"dropped first; ~0.2 KB each; default {d.suffix_cache_tokens}; 0 = own tokens only)")
 
 
 def from_args(args: argparse.Namespace) -> SpeculativeConfig:
     return SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                             args.speculative_max_batch)
+                             args.speculative_max_batch, args.suffix_cache_tokens)
+
+
+def make_proposer(cfg: SpeculativeConfig) -> DraftProposer:
+    ngram = NgramProposer(cfg.ngram_min, cfg.ngram_max)
+    if cfg.method in ("suffix", "auto"):
+        return SuffixProposer(ngram, ResponseIndex(cfg.suffix_cache_tokens))
+    return ngram
+
+
+class _Item(Protocol):  # a planned step's item (planner.StepItem: the planner imports this module)
+    count: int  # tokens it computes (1: a decode)
+    drafts: tuple[int, ...]
 
 
 @dataclass
@@ -62,12 +98,42 @@ class _DraftLength:
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer | None = None) -> None:
         self.cfg = cfg
-        self.proposer = proposer or NgramProposer(cfg.ngram_min, cfg.ngram_max)
+        self.proposer = proposer or make_proposer(cfg)
         # (weak: a sequence that ends without forget() leaves nothing behind)
         self._lengths: weakref.WeakKeyDictionary[Sequence, _DraftLength] = weakref.WeakKeyDictionary()
+        self.cost = StepCost()
+
+    def max_batch(self) -> float:
+        """Decoding sequences up to which a step drafts now. Never under 1 (unless --speculative-max-batch 0):
+        a lone sequence may always draft — its own cooldown bounds what failing drafts cost it — so that the
+        acceptance rate keeps being measured (a break-even of 0 would otherwise stop drafts for good). A fixed
+        --speculative-max-batch overrides the measurement."""
+        if self.cfg.max_batch is not None:
+            return self.cfg.max_batch
+        measured = self.cost.break_even()
+        return _UNMEASURED_MAX_BATCH if measured is None else min(_MEASURED_MAX_BATCH, max(1.0, measured))
 
     def step_allows_drafts(self, decoding: int) -> bool:
-        return 0 < decoding <= self.cfg.max_batch
+        return 0 < decoding <= self.max_batch()
+
+    def method(self, seq: Sequence) -> str:
+        """Where seq's latest drafts came from."""
+        return self.proposer.method(seq) if isinstance(self.proposer, SuffixProposer) else NGRAM
+
+    def needs_own_step(self, seq: Sequence) -> bool:
+        """Whether seq's drafts this step are ones the executor cannot make within a burst (earlier requests'
+        outputs): the step then stays single, so that they are verified."""
+        return self.method(seq) == SUFFIX
+
+    def observe_step(self, items: list[_Item], steps: int, seconds: float, out: StepOutcome) -> None:
+        """A call of `steps` steps of these items took `seconds`: if decode-only, its size per step (tokens,
+        drafts included) against its time, for the break-even."""
+        if not items or any(item.count != 1 for item in items):
+            return
+        tokens = sum(1 + len(item.drafts) for item in items)
+        if steps > 1:  # (the executor's drafts within the burst: their tokens per step on average)
+            tokens = len(items) + sum(v.drafted for v in out.verified) / steps
+        self.cost.step(tokens, seconds / steps)
 
     def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """Draft tokens for a decoding sequence this step (at most limit: the step's token and block room).
@@ -103,18 +169,22 @@ class Speculator:
             accepted = max(0, len(res.tokens) - 1)
             out.drafts += 1
             out.drafted, out.accepted = out.drafted + len(drafts), out.accepted + accepted
+            out.verified.append(Verified(self.method(seq), len(drafts), accepted))
             self.observe(seq, len(drafts), accepted)
         steps, drafted, accepted = res.burst_drafts
-        if steps:  # (the executor adapted these drafts' length: nothing to learn here)
+        if steps:  # (the executor adapted these drafts' length: nothing to learn here but the rate)
             out.drafts += steps
             out.drafted, out.accepted = out.drafted + drafted, out.accepted + accepted
+            out.verified.append(Verified("ngram_burst", drafted, accepted, steps))
             seq.drafted_tokens += drafted
             seq.accepted_tokens += accepted
+            self.cost.verified(drafted, accepted)
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """The executor accepted `accepted` of the `drafted` tokens sent for seq."""
         seq.drafted_tokens += drafted
         seq.accepted_tokens += accepted
+        self.cost.verified(drafted, accepted)
         state = self._lengths.get(seq)
         if state is None:
             return

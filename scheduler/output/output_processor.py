@@ -68,8 +68,8 @@ class OutputProcessor:
             touched[stream] = None
         for stream in touched:
             stream.publish()
-        if outcome.drafted and self.events is not None:
-            self.events.speculated(outcome.drafts, outcome.drafted, outcome.accepted)
+        if outcome.verified and self.events is not None:
+            self.events.speculated(outcome.verified, outcome.seconds)
         return stopped
 
     def fail(self, failures: Iterable[Failure]) -> None:

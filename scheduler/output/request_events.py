@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from scheduler.output.step_outcome import Verified
 from scheduler.request import FinishReason
 
 
@@ -21,8 +22,8 @@ class RequestEvents(Protocol):
     def failed(self, code: str) -> None:
         """Ended with an error: code is the gRPC status name (CANCELLED: the client went away)."""
 
-    def speculated(self, drafts: int, drafted: int, accepted: int) -> None:
-        """A step verified `drafts` sequences' drafts, `drafted` tokens in all, and accepted `accepted`."""
+    def speculated(self, verified: list[Verified], seconds: float) -> None:
+        """A step of `seconds` verified these drafts (one entry per sequence, or per burst)."""
 
     def recomputed(self, tokens: int) -> None:
         """A request re-admitted after its cache was lost (preemption, executor lost, transfer failed) computes

@@ -27,6 +27,17 @@ class Failure:
     error: TandemError
 
 
+@dataclass(frozen=True)
+class Verified:
+    """Drafts of one sequence that a step verified: where they came from ("ngram", "suffix"; "ngram_burst": the
+    executor's, within a multi-step burst, `steps` drafts summed), their tokens and the accepted ones."""
+
+    method: str
+    drafted: int
+    accepted: int
+    steps: int = 1
+
+
 @dataclass
 class StepOutcome:
     emitted: list[Emitted] = field(default_factory=list)
@@ -34,3 +45,5 @@ class StepOutcome:
     drafts: int = 0  # items of the step that carried draft tokens (speculative decoding) ...
     drafted: int = 0  # ... their draft tokens ...
     accepted: int = 0  # ... and those accepted
+    verified: list[Verified] = field(default_factory=list)  # the same, by sequence and method
+    seconds: float = 0.0  # the step's call, send to answer (the engine sets it)

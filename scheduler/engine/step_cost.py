@@ -1,0 +1,67 @@
+"""When drafts pay, from measured step times: the batch-aware half of speculative decoding's adaptive rule.
+
+A decode step's time grows with the tokens it carries, t(n) ~ a + b n (a: reading the weights and the call's
+fixed costs; b: each token's compute). Drafting D tokens with acceptance rate p beside a batch of B decoding
+sequences pays when it lowers the time per token produced: (a + b (B + D)) / (B + p D) < (a + b B) / B, which
+for any D > 0 is B < a p / (b (1 - p)). So drafts stop paying at a batch size that depends only on the measured
+ratio a / b (large on a GPU and for big models on a CPU: the weights dominate; small where the step is already
+compute bound) and on how well drafts are being accepted.
+
+StepCost fits a and b by least squares over recent single decode steps (exponentially weighted, so the fit
+follows a machine that gets busier), and the acceptance rate as an exponentially weighted ratio. Until the steps
+seen span a range of sizes the fit says nothing (break_even() is None) and the caller keeps its fallback.
+"""
+from __future__ import annotations
+
+import math
+
+_DECAY = 0.995  # per observation: the fit remembers roughly the last few hundred steps
+_MIN_SPREAD = 0.5  # tokens: the weighted standard deviation of step sizes needed before b means anything
+_MIN_WEIGHT = 8.0
+
+
+class StepCost:
+    def __init__(self) -> None:
+        self._w = self._n = self._t = self._nn = self._nt = 0.0  # weighted sums over (tokens, seconds)
+        self._drafted = self._accepted = 0.0  # weighted, for the acceptance rate
+
+    def step(self, tokens: float, seconds: float) -> None:
+        """A decode step (or a burst's average step) carried `tokens` tokens and took `seconds`."""
+        if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        d = _DECAY
+        self._w = self._w * d + 1.0
+        self._n = self._n * d + tokens
+        self._t = self._t * d + seconds
+        self._nn = self._nn * d + tokens * tokens
+        self._nt = self._nt * d + tokens * seconds
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self._drafted = self._drafted * _DECAY + drafted
+            self._accepted = self._accepted * _DECAY + accepted
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of t(n) = a + b n, or None while the steps seen do not tell them apart."""
+        if self._w < _MIN_WEIGHT:
+            return None
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var_n = self._nn / self._w - mean_n * mean_n
+        if var_n < _MIN_SPREAD ** 2:
+            return None
+        b = (self._nt / self._w - mean_n * mean_t) / var_n
+        a = mean_t - b * mean_n
+        return (a, b) if a > 0 and b > 0 else None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self._accepted / self._drafted if self._drafted >= 1 else None
+
+    def break_even(self) -> float | None:
+        """The batch size from which drafts cost more than they save (drafts pay for B < this), or None
+        while unmeasured. Unbounded (inf) when every draft is accepted."""
+        fit, p = self.fit(), self.acceptance
+        if fit is None or p is None:
+            return None
+        a, b = fit
+        return math.inf if p >= 1 else a * p / (b * (1 - p))
