@@ -1,6 +1,8 @@
 """Speculative-decoding benchmark: one executor (prefix caching off) and two schedulers, --speculative off and
-ngram (+ --spec-args), the same chat requests through each one's OpenAI front in A B B A order, on a copy-heavy
-and a plain chat workload at several concurrencies; greedy output must be identical. Method: docs/benchmarks.md."""
+--spec-args (default: auto), the same chat requests through each one's OpenAI front in A B B A order, on a
+copy-heavy and a plain chat workload at several concurrencies, and a repeat workload (each question asked, then
+asked again: the second answer repeats the first, which its prompt does not contain); greedy output must be
+identical. Method: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -16,11 +18,11 @@ from benchmarks.report import fmt, machine_info, model_json, table, write_json
 from benchmarks.request_metrics import Record
 from tandem import server_process
 
-DEFAULTS = {"concurrency": "1,4,32", "output_len": 128, "rounds": 1, "workloads": "copy,chat"}
-QUICK = {"concurrency": "1,2", "output_len": 16, "rounds": 1, "workloads": "copy,chat"}
+DEFAULTS = {"concurrency": "1,8,32", "output_len": 128, "rounds": 1, "workloads": "copy,chat,repeat"}
+QUICK = {"concurrency": "1,2", "output_len": 16, "rounds": 1, "workloads": "copy,chat,repeat"}
 COUNTERS = ("tandem:spec_decode_num_drafts_total", "tandem:spec_decode_num_draft_tokens_total",
             "tandem:spec_decode_num_accepted_tokens_total")
-WORKLOADS = ("copy", "chat")
+WORKLOADS = ("copy", "chat", "repeat")
 # Fixed texts (nothing downloaded): copy prompts combine an instruction with a passage, so that up to 36 distinct
 # prompts copy much of themselves; chat questions copy nothing.
 PASSAGES = (
@@ -82,6 +84,9 @@ def prompts(workload: str, n: int) -> list[str]:
     if workload == "copy":
         pool = [COPY_INSTRUCTIONS[(i // len(PASSAGES)) % len(COPY_INSTRUCTIONS)].format(PASSAGES[i % len(PASSAGES)])
                 for i in range(len(PASSAGES) * len(COPY_INSTRUCTIONS))]
+    elif workload == "repeat":  # (asked twice each; worded unlike the chat cell's, so the first ask is a first)
+        pool = [f"{q} Answer in a few sentences." for q in CHAT_QUESTIONS] + [
+            f"Please answer: {q}" for q in CHAT_QUESTIONS]
     else:
         pool = list(CHAT_QUESTIONS) + [f"{q} Keep it brief." for q in CHAT_QUESTIONS]
     if n > len(pool):
@@ -96,8 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "rounds": "A B B A rounds per cell (1: off then on)"})
     ap.add_argument("--requests", type=int, default=None, help="requests per cell (default max(4, 2 x concurrency), "
                     "at most 32)")
-    ap.add_argument("--spec-args", default="--speculative ngram", help="the speculative scheduler's flags, one quoted "
-                    "string given with '=' (default '--speculative ngram')")
+    ap.add_argument("--spec-args", default="--speculative auto", help="the speculative scheduler's flags, one quoted "
+                    "string given with '=' (default '--speculative auto')")
     ap.add_argument("--executor-args", default="", help="extra executor flags, one quoted string given with '='")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.concurrency_list = int_list(args.concurrency, "--concurrency")
@@ -115,8 +120,41 @@ def side_summary(records: list[Record], wall: float) -> dict[str, Any]:
             "errors": [r.error for r in records if r.error]}
 
 
+def measure_repeat(args, urls: dict[str, str], concurrency: int) -> dict[str, Any]:
+    """The repeat cell: on each scheduler, the questions asked (A), then asked again (B); B's answers repeat A's,
+    which B's prompts do not contain. The figure: B's tokens/s over A's on the speculating side (off's B/A is
+    the noise floor)."""
+    texts = prompts("repeat", args.requests or min(32, max(4, 2 * concurrency)))
+    sides, outputs, counted = {}, {}, dict.fromkeys(COUNTERS, 0.0)
+    for mode in ("off", "on"):
+        before = openai_client.counters(urls[mode], COUNTERS)
+        for ask in ("A", "B"):
+            t0 = time.perf_counter()
+            recs = asyncio.run(openai_client.run(urls[mode], texts, args.output_len, concurrency, 600.0,
+                                                 greedy_exact=False))
+            sides[f"{mode} {ask}"] = side_summary(recs, time.perf_counter() - t0)
+            outputs[f"{mode} {ask}"] = [r.output_ids for r in recs]
+            log(f"repeat c={concurrency} {mode} {ask}: {sides[f'{mode} {ask}']['tokens_per_s']:.1f} tok/s")
+        if mode == "on":
+            after = openai_client.counters(urls[mode], COUNTERS)
+            counted = {k: after[k] - before[k] for k in COUNTERS}
+    drafts, drafted, accepted = (counted[k] for k in COUNTERS)
+    ref = outputs["off A"]
+    return {"workload": "repeat", "concurrency": concurrency, "requests": len(texts),
+            "sides": {"off": sides["off B"], "on": sides["on B"]}, "asks": sides,
+            "ratio": sides["on B"]["tokens_per_s"] / sides["off B"]["tokens_per_s"],
+            "repeat_over_first": sides["on B"]["tokens_per_s"] / sides["on A"]["tokens_per_s"],
+            "repeat_over_first_off": sides["off B"]["tokens_per_s"] / sides["off A"]["tokens_per_s"],
+            "identical": sum(a == b for k in ("off B", "on A", "on B") for a, b in zip(ref, outputs[k])),
+            "compared": 3 * len(texts), "drafts": drafts, "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_per_draft": accepted / drafts if drafts else None}
+
+
 def measure(args, urls: dict[str, str], workload: str, concurrency: int) -> dict[str, Any]:
     """One (workload, concurrency) cell on both schedulers, A B B A; the ngram side's Prometheus counters around it."""
+    if workload == "repeat":
+        return measure_repeat(args, urls, concurrency)
     texts = prompts(workload, args.requests or min(32, max(4, 2 * concurrency)))
     walls, records = {"off": 0.0, "on": 0.0}, {"off": [], "on": []}
     delta = dict.fromkeys(COUNTERS, 0.0)
@@ -168,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                   "off tok/s": fmt(c["sides"]["off"]["tokens_per_s"], 1),
                   "on tok/s": fmt(c["sides"]["on"]["tokens_per_s"], 1),
                   "on/off": f"{c['ratio']:.2f}x", "identical": f"{c['identical']}/{c['compared']}",
+                  "repeat/first": f"{c['repeat_over_first']:.2f}x (off {c['repeat_over_first_off']:.2f}x)"
+                  if "repeat_over_first" in c else "-",
                   "accept": "-" if c["acceptance_rate"] is None else f"{100 * c['acceptance_rate']:.0f}%",
                   "acc/draft": fmt(c["mean_accepted_per_draft"], 2),
                   "TPOT off/on ms": f"{fmt(c['sides']['off']['tpot_ms']['mean'], 1)} / "

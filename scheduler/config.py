@@ -14,7 +14,7 @@ METHODS = ("off", "ngram", "suffix", "auto")  # --speculative ("auto": suffix, t
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"  # "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py); "suffix"/"auto":
+    method: str = "auto"  # "off"; "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py); "suffix"/"auto":
     # those and earlier requests' outputs (scheduler/engine/suffix_proposer.py)
     num_tokens: int = 4  # most draft tokens per sequence and step
     ngram_min: int = 2

@@ -21,7 +21,8 @@ PROMPTS = [[1] + [3 + (n * 53 + i * 31) % 397 for i in range(BLOCKS * 16 - 1)] f
 @pytest.fixture(scope="module")
 def stack(request, model_dir):
     executor = start_for(request, model_dir, "--kv-blocks", "256")
-    return executor, start_scheduler_for(request, executor.address)
+    # (no drafts: their tokens would count among those computed)
+    return executor, start_scheduler_for(request, executor.address, "--speculative", "off")
 
 
 def _burst(scheduler) -> list[tuple[list[int], pb.Usage]]:

@@ -1,6 +1,6 @@
 """Suffix decoding end to end, both servers as real processes on SmolLM2: a scheduler with `--speculative
 suffix` drafts a request's answer from the outputs of earlier requests, and its outputs equal those of a
-scheduler with speculation off on the same executor.
+scheduler with speculation off on the same executor (greedy; seeded sampling with logprobs).
 
 A question answered once and then asked again (a retry; and the same question under another system prompt,
 whose greedy answer is the same text): the repeat's prompt does not hold the answer, so only the earlier
@@ -8,6 +8,7 @@ output can draft it. Its tokens equal speculation-off's, most of them are accept
 counted under method "suffix" in Prometheus, and vLLM's spec_decode counters say the same."""
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tandem.generate.v1 import generate_pb2 as pb
@@ -29,8 +30,9 @@ def ask(system: str | None, max_new: int = 60) -> pb.GenerateRequest:
 def servers(request, smollm2_dir):
     """(executor, scheduler with --speculative suffix and metrics, scheduler without speculation)."""
     executor = start_for(request, smollm2_dir, "--kv-blocks", "64")
-    on = start_scheduler_for(request, executor.address, "--speculative", "suffix", "--metrics-port", "0")
-    return executor, on, start_scheduler_for(request, executor.address)
+    on = start_scheduler_for(request, executor.address, "--speculative", "suffix", "--metrics-port", "0",
+                             "--http-port", "0")
+    return executor, on, start_scheduler_for(request, executor.address, "--speculative", "off", "--http-port", "0")
 
 
 def accepted_share(got: Streamed) -> float:
@@ -73,4 +75,25 @@ def test_another_system_prompt_gets_the_same_answer_with_drafts(servers):
                   min(len(want.token_ids), len(base.token_ids)))
     assert common >= 12  # (greedy: the two system prompts give answers with a long common start) ...
     assert got.usage.accepted_tokens >= common // 2, (common, got.usage.accepted_tokens)  # ... which was drafted
+    wait_kv_free(executor.stub)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_and_logprobs_are_unchanged_by_suffix_drafts(servers):
+    """A seeded, sampled request asked twice through the OpenAI front (the second drafts from the first's output):
+    the same tokens and the same logprobs as with speculation off."""
+    executor, on, off = servers
+    body = dict(model="", messages=[{"role": "user", "content": QUESTION}], max_tokens=40, temperature=0.7,
+                seed=11, logprobs=True, top_logprobs=2)
+    clients = {name: openai.OpenAI(base_url=f"{s.process.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+               for name, s in (("on", on), ("off", off))}
+    want = clients["off"].chat.completions.create(**body)
+    first = clients["on"].chat.completions.create(**body)
+    again = clients["on"].chat.completions.create(**body)
+    for got in (first, again):
+        assert got.choices[0].message.content == want.choices[0].message.content
+        got_lp = [(t.token, round(t.logprob, 3), [a.token for a in t.top_logprobs]) for t in got.choices[0].logprobs.content]
+        want_lp = [(t.token, round(t.logprob, 3), [a.token for a in t.top_logprobs]) for t in want.choices[0].logprobs.content]
+        assert got_lp == want_lp
+    assert again.usage.completion_tokens_details.accepted_prediction_tokens > 0.5 * again.usage.completion_tokens
     wait_kv_free(executor.stub)

@@ -273,7 +273,8 @@ def test_planner_with_the_ngram_proposer():
 
 def test_config_validation():
     SpeculativeConfig().validate()
-    assert not SpeculativeConfig().enabled and SpeculativeConfig("ngram").enabled
+    assert SpeculativeConfig().enabled and SpeculativeConfig().method == "auto"  # on by default
+    assert not SpeculativeConfig("off").enabled and SpeculativeConfig("ngram").enabled
     for bad, flag in [(dict(method="eagle"), "--speculative"), (dict(num_tokens=0), "--num-speculative-tokens"),
                       (dict(num_tokens=33), "--num-speculative-tokens"), (dict(ngram_min=0), "--ngram-min"),
                       (dict(ngram_min=3, ngram_max=2), "--ngram-max"), (dict(max_batch=-1), "--speculative-max-batch")]:
@@ -287,7 +288,7 @@ def test_cli_flags():
     args = parse_args(["--executor", "x:1", "--speculative", "ngram", "--num-speculative-tokens", "6",
                        "--ngram-min", "1", "--ngram-max", "5", "--speculative-max-batch", "3"])
     assert from_args(args) == SpeculativeConfig("ngram", 6, 1, 5, 3)
-    assert from_args(parse_args(["--executor", "x:1"])) == SpeculativeConfig()  # off by default
+    assert from_args(parse_args(["--executor", "x:1"])) == SpeculativeConfig()  # auto by default
     with pytest.raises(SystemExit):
         parse_args(["--executor", "x:1", "--speculative", "eagle"])
 

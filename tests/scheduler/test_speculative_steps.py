@@ -192,7 +192,7 @@ def engine_run(client, tokenizer, stopping: StoppingCriteria, proposer: OraclePr
     """One request through a running engine (speculative with the oracle's drafts, or off): its stream's
     events and its sequence."""
     async def run():
-        cfg = dict(speculative=dataclasses.replace(SPEC, num_tokens=8)) if proposer else {}
+        cfg = dict(speculative=dataclasses.replace(SPEC, num_tokens=8) if proposer else SpeculativeConfig("off"))
         async with Running(client, tokenizer, **cfg) as engine:
             if proposer:
                 engine.policy.speculator.proposer = proposer
