@@ -263,3 +263,17 @@ def test_bad_score_input_is_400_naming_the_field(rerank_url, path, body, param):
     r = httpx.post(f"{rerank_url}{path}", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_an_executor_without_pooling_is_a_precise_error(request, model_dir):
+    """--deterministic runs every row through the native step, which keeps no hidden states: its GetInfo lists
+    no "pooling", and the scheduler says so (400 over HTTP, FAILED_PRECONDITION over gRPC) without queueing."""
+    executor = start_for(request, model_dir, "--kv-blocks", "64", "--deterministic")
+    scheduler = start_scheduler_for(request, executor.address, "--http-port", "0")
+    for path, body in (("/v1/embeddings", {"input": "x"}), ("/v1/rerank", {"query": "q", "documents": ["d"]})):
+        r = httpx.post(f"{scheduler.process.http_url}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "failed_precondition"
+        assert "capability 'pooling'" in r.json()["error"]["message"] and "--deterministic" in r.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as err:
+        scheduler.stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text="x")]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
