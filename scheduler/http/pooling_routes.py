@@ -45,12 +45,14 @@ def add_pooling_routes(app: FastAPI, front: Front) -> None:
     fleet = front.fleet
     cfg = fleet.cfg.pooling
 
-    async def run(requests: list[GenerateRequest], request: Request) -> list[PooledResult] | None:
-        """The requests' values in order, under the caller's token share; None when the client went away."""
+    async def run(requests: list[GenerateRequest], request: Request,
+                  first_alone: bool = False) -> list[PooledResult] | None:
+        """The requests' values in order, under the caller's token share; None when the client went away.
+        first_alone: they share a prefix (runner.py)."""
         with front.limits.enter(CURRENT_PRINCIPAL.get()) as lease:
             lease.charge(cost(requests))
             try:
-                return await run_pooled(fleet, requests, fleet.cfg.max_running, request.receive)
+                return await run_pooled(fleet, requests, fleet.cfg.max_running, request.receive, first_alone)
             except ClientGone:
                 return None
 
@@ -84,7 +86,7 @@ def add_pooling_routes(app: FastAPI, front: Front) -> None:
                                        query_param, document_param)
         rid = request_id("score-")
         results = await run([pooled_request(f"{rid}-{i}", p, s.spec, adapter) for i, p in enumerate(prompts)],
-                            request)
+                            request, first_alone=len(set(queries)) == 1)  # (one query: its prompt is shared)
         if results is None:
             return None
         return adapter or front.names()[0], [s.score(r.values) for r in results], sum(r.prompt_tokens for r in results)

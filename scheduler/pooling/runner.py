@@ -2,7 +2,11 @@
 request of thousands of inputs neither fills the queue nor starves others), each a sequence of its own in the
 scheduler's batches (beside generations), results in input order. Every input still queued or running is
 aborted — its KV freed — when one fails, when the client goes away (`receive` answers http.disconnect), or when
-the caller is cancelled."""
+the caller is cancelled.
+
+Inputs that share a long prefix (a score request's prompt up to the document) go `first_alone`: the first runs
+by itself, so that its full blocks are in the executor's prefix cache when the others are looked up (submitted
+together, every one would be looked up before any had written them, and each would compute them again)."""
 from __future__ import annotations
 
 import asyncio
@@ -26,14 +30,16 @@ class PooledResult:
 
 
 async def run_pooled(fleet, requests: Sequence[GenerateRequest], window: int,
-                     receive: Callable[[], Awaitable[dict]] | None = None) -> list[PooledResult]:
+                     receive: Callable[[], Awaitable[dict]] | None = None,
+                     first_alone: bool = False) -> list[PooledResult]:
     results: list[PooledResult | None] = [None] * len(requests)
     todo: Iterator[tuple[int, GenerateRequest]] = iter(enumerate(requests))
     running: dict[asyncio.Task, tuple[int, object]] = {}
     watch = asyncio.ensure_future(_disconnect(receive)) if receive is not None else None
+    limit = [1 if first_alone else window]  # inputs at once (the first alone: then the window)
 
     def launch() -> None:
-        while len(running) < window:
+        while len(running) < limit[0]:
             nxt = next(todo, None)
             if nxt is None:
                 return
@@ -50,6 +56,7 @@ async def run_pooled(fleet, requests: Sequence[GenerateRequest], window: int,
             for task in done:
                 index, _ = running.pop(task)
                 results[index] = PooledResult(task.result(), len(requests[index].prompt_ids))  # (raises its error)
+            limit[0] = window
             launch()
         return [r for r in results if r is not None]
     finally:

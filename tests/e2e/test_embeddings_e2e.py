@@ -26,6 +26,7 @@ import pytest
 import torch
 import transformers
 
+from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.conftest import built_once
 from tests.grpc_harness import start_for, start_scheduler_for
@@ -62,9 +63,13 @@ def mean_stack(request, dirs, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rerank_url(request, dirs):
-    executor = start_for(request, dirs["rerank"], "--kv-blocks", "256")
-    return start_scheduler_for(request, executor.address, "--http-port", "0").process.http_url
+def rerank_executor(request, dirs):
+    return start_for(request, dirs["rerank"], "--kv-blocks", "256")
+
+
+@pytest.fixture(scope="module")
+def rerank_url(request, rerank_executor):
+    return start_scheduler_for(request, rerank_executor.address, "--http-port", "0").process.http_url
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +223,9 @@ def yes_no_reference(model_dir, query: str, docs: list[str]) -> list[float]:
     return scores
 
 
-def test_yes_no_rerank_and_score_equal_the_reference(rerank_url, dirs):
+def test_yes_no_rerank_and_score_equal_the_reference(rerank_url, rerank_executor, dirs):
     ref = yes_no_reference(dirs["rerank"], QUERY, DOCS)
+    hits = rerank_executor.stub.GetMetrics(epb.GetMetricsRequest(), timeout=10).prefix_cache.hit_tokens
     r = httpx.post(f"{rerank_url}/v1/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 3}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -228,6 +234,8 @@ def test_yes_no_rerank_and_score_equal_the_reference(rerank_url, dirs):
     assert [x["document"]["text"] for x in body["results"]] == [DOCS[i] for i in order]
     assert np.allclose([x["relevance_score"] for x in body["results"]], [ref[i] for i in order], atol=1e-5)
     assert body["usage"]["total_tokens"] > 0 and body["id"].startswith("rerank-")
+    # the prompt up to the document is the same for every document: its full blocks came from the prefix cache
+    assert rerank_executor.stub.GetMetrics(epb.GetMetricsRequest(), timeout=10).prefix_cache.hit_tokens >= hits + 16
     bare = httpx.post(f"{rerank_url}/v1/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCS],
                                                         "return_documents": False}, timeout=60).json()
     assert len(bare["results"]) == 4 and all("document" not in x for x in bare["results"])

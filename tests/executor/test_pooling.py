@@ -115,3 +115,20 @@ def test_classification_head_and_token_logits_equal_transformers(classifier_dir,
             "samples nothing" in str(bad[2].error)] == [True, True, True]
 
 
+
+
+def test_the_pooling_flag_overrides_the_checkpoint(embedder_dir):
+    """--pooling last on a sentence-transformers folder that says mean."""
+    info = make_executor(embedder_dir, pooling="last").info().pooling
+    assert info.default_type is PoolingType.LAST and info.source == "--pooling last"
+
+
+def test_llama_sequence_classifier_equals_transformers(tmp_path_factory):
+    model_dir = built_once(tmp_path_factory, "pooling", "llama-classifier-2",
+                           lambda out: make_classifier(out, "llama", num_labels=2))
+    ex = make_executor(model_dir)
+    (res,) = raising(ex.unified_decode([UnifiedItem(tuple(PROMPTS[0]), pooling=PoolingOptions(PoolingTask.CLASSIFY))]))
+    ref = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPTS[0]])).logits[0]
+    assert res.pooled.shape == (2,) and torch.allclose(res.pooled, want, atol=1e-4)
