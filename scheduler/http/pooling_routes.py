@@ -7,7 +7,7 @@ scopes are the other routes' (auth.py: a user token)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol, Sequence, TypeVar
 

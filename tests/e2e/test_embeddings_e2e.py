@@ -105,7 +105,7 @@ def test_openai_embeddings_equal_sentence_transformers(client, dirs):
     assert as_float.usage.prompt_tokens == as_float.usage.total_tokens == sum(map(len, ids))
     by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
     assert cosines([d.embedding for d in by_ids.data], ref).min() >= 0.9999
-    one = client.embeddings.create(model=MODEL, input=ids[1], encoding_format="float")
+    one = client.embeddings.create(model=MODEL, input=ids[1], encoding_format="float", user="someone")
     assert len(one.data) == 1 and cosines(one.data[0].embedding, ref[1]) >= 0.9999
 
 
