@@ -90,6 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="do not index full KV blocks for reuse: CreateCache then creates empty caches and every "
                          "prompt is computed whole (for comparison; prefix caching is on by default)")
+    ap.add_argument("--pooling", choices=("last", "mean"), default=None,
+                    help="how embeddings pool the final hidden states: the last token's, or the mean over every token "
+                         "(default: the checkpoint's sentence-transformers modules.json + 1_Pooling/config.json, "
+                         "else last token as Qwen3-Embedding-style models). Serving embeddings and scores: "
+                         "docs/agents.md#embeddings-and-rerank")
     ap.add_argument("--max-kv-subscribers", type=int, default=8,
                     help="SubscribeKvEvents streams served at once; more are refused RESOURCE_EXHAUSTED (default 8)")
     ap.add_argument("--kv-events-buffer", type=int, default=10_000,
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                                   adapter_root=args.adapter_root, adapters=tuple(_adapter_flags(args.adapter)),
                                   max_adapters_on_device=args.max_adapters_on_device,
                                   max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,
-                                  prefix_caching=not args.no_prefix_caching,
+                                  prefix_caching=not args.no_prefix_caching, pooling=args.pooling,
                                   max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer,
                                   kv_transfer=kv_transfer, kv_tiers=kv_tiers)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,

@@ -71,6 +71,9 @@ class ExecutorConfig:
     # Automatic prefix caching (executor_service/kv/prefix_cache.py): full blocks are indexed by content hash
     # and reused by CreateCache. Off: nothing is hashed, CreateCache creates empty caches.
     prefix_caching: bool = True
+    # Embedding pooling (models/pooling_config.py): last | mean, over the checkpoint's own configuration; None =
+    # the checkpoint's (sentence-transformers modules.json), else last token.
+    pooling: str | None = None
     max_kv_subscribers: int = 8  # concurrent SubscribeKvEvents streams
     kv_events_buffer: int = 10_000  # events a subscriber may have unread before it is dropped
     # Ranks the model is split over (executor_service/tp/stack.py); 1 = the whole model here.

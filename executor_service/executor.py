@@ -35,6 +35,7 @@ from executor_service.memory_probe import resident_memory_bytes
 from executor_service.metrics.op_stats import ExecutorMetrics, MetricsSnapshot
 from executor_service.model_stack import ModelStack
 from executor_service.step.op_lock import OpLock
+from executor_service.step.pooling import pooling_rules
 from executor_service.kv.prefix_cache import PrefixCache, PrefixCacheStats
 from executor_service.kv.prompt_logprob_store import restore_prompt_logprobs
 from executor_service.request_validation import RequestValidator, check_release_with_step, name_item
@@ -88,7 +89,8 @@ class Executor:
         self.sessions = SessionRegistry(config.session_ttl_s, clock)
         self._store = CacheStore(clock)
         self._scope: CacheTable | None = None  # the session view of the operation in progress
-        self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters)
+        self.pooling = pooling_rules(config, cfg)  # pooled items: embeddings, scores (executor_service/step/pooling.py)
+        self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters, self.pooling)
         self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics)
         self._lock = OpLock()
         self.transfer = KvTransfer(self, fingerprint_of(config, stack))
@@ -265,7 +267,8 @@ class Executor:
     def info(self) -> ExecutorInfo:
         cfg = self.model_config
         return ExecutorInfo(
-            model_id=self.config.model_dir.name, model_dir=str(self.config.model_dir), architecture=cfg.architecture,
+            model_id=self.config.model_dir.name, model_dir=str(self.config.model_dir),
+            architecture=cfg.checkpoint_architecture or cfg.architecture,
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             max_seq_len=cfg.max_position_embeddings, dtype=str(self.stack.dtype).removeprefix("torch."),
@@ -274,6 +277,7 @@ class Executor:
             max_adapters_on_device=self.adapters.max_on_device, session_ttl_s=self.sessions.ttl_s,
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
             capabilities=CAPABILITIES + ((caps.PREFIX_CACHING,) if self.prefix.enabled else ())
+            + ((caps.POOLING,) if self.pooling.info is not None else ())
             + self.stack.decode_capabilities,
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
@@ -281,7 +285,7 @@ class Executor:
             quantization=_quantization(self.config.quantization, self.stack.weight_format),
             role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint,
             tensor_parallel_size=self.config.tensor_parallel_size, kv_dtype=self.stack.kv_dtype,
-            attention_backend=self.stack.attention_backend)
+            attention_backend=self.stack.attention_backend, pooling=self.pooling.info)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""

@@ -13,6 +13,7 @@ from executor_service.adapters import AdapterRegistry
 from executor_service.step.batch import PlannedItem
 from executor_service.kv.cache_table import CacheState, CacheTable
 from executor_service.step.ngram_drafts import MAX_DRAFT_TOKENS  # noqa: F401  (re-exported)
+from executor_service.step.pooling import PoolingRules
 from executor_service.types import CreateCacheItem, UnifiedItem
 from models.config import ModelConfig
 from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong, TandemError
@@ -33,8 +34,11 @@ def check_release_with_step(cache_ids: Sequence[str]) -> None:
 
 
 class RequestValidator:
-    def __init__(self, model_config: ModelConfig, max_batch_tokens: int, adapters: AdapterRegistry) -> None:
+    def __init__(self, model_config: ModelConfig, max_batch_tokens: int, adapters: AdapterRegistry,
+                 pooling: PoolingRules | None = None) -> None:
+        """pooling: the rules of pooled items (None: none is served, and every model has an LM head)."""
         self.vocab_size = model_config.vocab_size
+        self.pooling = pooling
         self.max_len = model_config.max_position_embeddings
         self.max_batch_tokens = max_batch_tokens
         self.adapters = adapters
@@ -141,6 +145,10 @@ class RequestValidator:
             raise SequenceTooLong(f"{it.pos_offset} + {len(it.token_ids)} tokens"
                                   + (f" + {drafts} draft tokens" if drafts else "")
                                   + f" exceed the model's maximum length of {self.max_len}")
+        if self.pooling is not None:
+            it = self.pooling.check(it, state)
+        elif it.pooling is not None:
+            raise InvalidRequest("this executor serves no pooled items")
         sampling = it.sampling if it.sampling is not None else state.sampling if state else SamplingParams()
         return PlannedItem(it, state, sampling)
 

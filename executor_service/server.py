@@ -25,6 +25,7 @@ from executor_service.rpc.interceptor import ErrorMappingInterceptor
 from executor_service.model_thread import DEFAULT_MAX_QUEUED, ModelThread
 from executor_service.rpc.servicer import ExecutorServicer
 from executor_service.sessions import LeaseReaper, check_ttl
+from executor_service.types import PoolingOptions, PoolingTask, UnifiedItem
 from executor_service.kv.events.zmq_publisher import open_publisher
 from tandem.executor.v1 import executor_pb2, executor_pb2_grpc
 from tandem.grpc_setup import add_health_reflection_and_ports
@@ -76,8 +77,15 @@ def _load_and_warm(executor_cfg: ExecutorConfig) -> Executor:
     executor = Executor(executor_cfg)
     # Runs the forward's code paths once (kernels chosen, lazy inits done); writes one KV block, the only part
     # of the pool touched before READY (the rest is committed as requests first use it).
-    warm = executor.prefill([executor.info().bos_token_id or 0] * 4)
-    executor.release_cache([warm.cache.cache_id])
+    prompt = (executor.info().bos_token_id or 0,) * 4
+    if executor.pooling.lm_head:
+        warm = executor.prefill(prompt).cache
+    else:  # a sequence classifier samples nothing: its head runs instead (executor_service/step/pooling.py)
+        (result,) = executor.unified_decode([UnifiedItem(prompt, pooling=PoolingOptions(PoolingTask.CLASSIFY))])
+        if result.error is not None:
+            raise result.error
+        warm = result.cache
+    executor.release_cache([warm.cache_id])
     return executor
 
 

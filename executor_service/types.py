@@ -57,6 +57,39 @@ class SequenceOutput:
     logits: torch.Tensor | None = None  # [positions, vocab] float32 on CPU, when asked for
 
 
+class PoolingTask(enum.Enum):
+    EMBED = "embed"  # the pooled final hidden state
+    CLASSIFY = "classify"  # the sequence-classification head at the last position
+    TOKEN_LOGITS = "token_logits"  # chosen tokens' raw logits at the last position
+
+
+class PoolingType(enum.Enum):
+    LAST = "last"
+    MEAN = "mean"
+
+
+@dataclass(frozen=True)
+class PoolingOptions:
+    """What a pooled item returns instead of a sampled token (executor_service/step/pooling.py)."""
+
+    task: PoolingTask = PoolingTask.EMBED
+    type: PoolingType | None = None  # EMBED: None = the model's default (validation resolves it)
+    normalize: bool = False  # EMBED: L2-normalised
+    token_ids: tuple[int, ...] = ()  # TOKEN_LOGITS: whose logits, in this order
+
+
+@dataclass(frozen=True)
+class PoolingInfo:
+    """What the model offers for pooling (GetInfo)."""
+
+    default_type: PoolingType | None  # None: the checkpoint asks for a pooling not served (source says which)
+    source: str
+    num_labels: int = 0  # classification head outputs; 0 = none
+    lm_head: bool = True
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class UnifiedItem:
     """One item of a mixed batch: a prefill chunk (several tokens) or a decode (one token).
@@ -89,6 +122,8 @@ class UnifiedItem:
     # alternatives; None = not asked. The cache keeps the last position's hidden state for the next item
     # (executor_service/prompt_logprobs.py).
     prompt_logprobs: int | None = None
+    # Pooling: the sequence is pooled, not sampled; its final chunk returns UnifiedResult.pooled and no token.
+    pooling: PoolingOptions | None = None
 
 
 @dataclass
@@ -100,6 +135,7 @@ class UnifiedResult:
     error: TandemError | None = None
     # When the item asked: its tokens at positions max(pos_offset, 1) .. end - 1, each scored from the one before.
     prompt_logprobs: list[TokenOutput] = field(default_factory=list)
+    pooled: torch.Tensor | None = None  # a pooled item's final chunk: float32 [dim] on the CPU
 
 
 @dataclass(frozen=True)
@@ -213,6 +249,7 @@ class ExecutorInfo:
     tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the model is split over (executor_service/tp/stack.py)
     kv_dtype: str = ""  # the KV pool's dtype, as --kv-dtype spells it (models/kv/dtype.py)
     attention_backend: str = ""  # the eager forward's paged attention (models/attention/backend.py)
+    pooling: PoolingInfo | None = None  # None: pooled items are not served (executor_service/step/pooling.py)
 
 
 @dataclass(frozen=True)

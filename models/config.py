@@ -69,6 +69,11 @@ class ModelConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
     mlp_bias: bool = False  # the dense MLP's projections have biases
     quantized_experts: str = ""  # how the checkpoint stores expert weights: "" (as floats) | "mxfp4"
+    # A *ForSequenceClassification checkpoint (models/families/classifier.py): its config.json architecture
+    # (`architecture` is then the causal family's, whose layout it has) and its `score` head's outputs; no LM
+    # head of its own. "" and 0 for a causal LM.
+    checkpoint_architecture: str = ""
+    num_labels: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         """transformers' Qwen3MoeDecoderLayer rule: sparse unless listed in mlp_only_layers, every

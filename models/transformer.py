@@ -78,6 +78,8 @@ class DecoderModel(nn.Module):
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.num_labels:  # a sequence classifier's head (its checkpoint's `score.weight`): see classify()
+            self.score = Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         self.rotary: RotaryEmbedding | None = None  # the model's rope; set by the loader once the device is known
         self.layer_rotary: list[RotaryEmbedding | None] = []  # per layer (Gemma 3's local rope, NoPE layers)
         self.weights_version = 0  # bumped whenever weights change in place (quantize): kernels holding raw
@@ -160,6 +162,11 @@ class DecoderModel(nn.Module):
         for layer, rotary in zip(self.model.layers, self.layer_rotary):
             h = layer(h, None if rotary is None else ropes[id(rotary)], cache, meta, lora)
         return self.model.norm(h if rows is None else h[rows])  # [R, hidden]
+
+    def classify(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [R, hidden] -> float32 classification head outputs [R, num_labels] (a
+        *ForSequenceClassification checkpoint's `score` layer, read at the last position)."""
+        return self.score(h).float()
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [R, hidden] -> float32 logits [R, vocab] (LM head, scaling, soft-capping)."""

@@ -12,6 +12,7 @@ from scheduler.engine import decode_bursts
 from scheduler.engine import speculation
 from scheduler.config import SchedulerConfig
 from scheduler.http import limits as http_limits
+from scheduler.pooling import config as pooling_config
 from scheduler.server import serve_async
 from tandem.security.config import add_server_flags, server_security
 
@@ -100,6 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     speculation.add_arguments(ap)
     decode_bursts.add_arguments(ap)
     http_limits.add_arguments(ap)
+    pooling_config.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                           grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
                           served_model_names=tuple(args.served_model_name), allowed_origins=tuple(args.allowed_origins),
                           speculative=speculation.from_args(args), bursts=decode_bursts.from_args(args),
-                          http_limits=http_limits.from_args(args),
+                          http_limits=http_limits.from_args(args), pooling=pooling_config.from_args(args),
                           security=server_security(args), executor_tls_ca=args.executor_tls_ca,
                           executor_tls_cert=args.executor_tls_cert, executor_tls_key=args.executor_tls_key,
                           executor_tls=args.executor_tls, executor_tls_server_name=args.executor_tls_server_name,

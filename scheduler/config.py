@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler.http.limits import HttpLimits
+from scheduler.pooling.config import PoolingConfig
 from tandem.security.config import ServerSecurity
 
 
@@ -98,6 +99,8 @@ class SchedulerConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
     # Multi-step decode (scheduler/engine/decode_bursts.py): --decode-burst-ms, --max-decode-steps
     bursts: BurstConfig = field(default_factory=BurstConfig)
+    # Embeddings and scoring (scheduler/pooling/): --max-embedding-inputs, --rerank-mode, --rerank-tokens, ...
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
     security: ServerSecurity = ServerSecurity()  # this server's TLS, tokens, reflection (gRPC and HTTP alike)
     # The link to the executors: TLS when a CA or a client certificate is given (executor_tls_ca None: the
     # system's roots), mTLS with the certificate; the name their certificates must carry when it is not the
@@ -154,6 +157,7 @@ class SchedulerConfig:
         self.speculative.validate()
         self.bursts.validate()
         self.http_limits.validate()
+        self.pooling.validate()
         self.security.validate()
         for flag, value in (("--max-concurrent-per-token", self.max_concurrent_per_token),
                             ("--max-queued-tokens-per-token", self.max_queued_tokens_per_token)):

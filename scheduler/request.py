@@ -23,6 +23,22 @@ class StoppingCriteria:
 
 
 @dataclass(frozen=True)
+class PoolingSpec:
+    """A request pooled instead of generated (embeddings and scores, scheduler/pooling/): what its prompt's final
+    chunk returns in place of a token (the executor's UnifiedItem.pooling)."""
+
+    task: str = "embed"  # embed | classify | token_logits
+    type: str = "last"  # embed: last | mean (resolved from the model's default before the request is made)
+    normalize: bool = False  # embed: L2-normalised by the executor
+    token_ids: tuple[int, ...] = ()  # token_logits: whose logits at the last position
+
+    @property
+    def every_position(self) -> bool:
+        """Mean pooling reads every position's hidden state: no prefix can be reused from the prefix cache."""
+        return self.task == "embed" and self.type == "mean"
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -34,6 +50,7 @@ class GenerateRequest:
     constraint: "CompiledConstraint | None" = None  # structured output (scheduler/structured/grammar.py); None = none
     prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None = no prompt logprobs
     cache_salt: str = ""  # vLLM's cache_salt: requests of other salts never draft from this one's output
+    pooling: PoolingSpec | None = None  # pooled (embedding, score): one Delta with `pooled`, no token
 
     def choices(self, n: int) -> list["GenerateRequest"]:
         """n independent requests of this one (OpenAI's and vLLM's `n`): their own ids (`<id>-<i>`), and seed + i
@@ -94,6 +111,8 @@ class Delta:
     # On the first message of a request that asked: prompt positions 1 .. len - 1, each scored from the one
     # before (the first prompt token has none).
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # A pooled request's values (its only message, with finish_reason STOP): float32 embedding or scores.
+    pooled: tuple[float, ...] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.text or self.tokens or self.finish_reason)

@@ -154,6 +154,12 @@ class Sequence:
         return None if registered and want is self.registered_sampling else want
 
     @property
+    def reuses_prefix(self) -> bool:
+        """Whether a cached prefix may start its cache (CreateCache): not for mean pooling, which reads the hidden
+        state of every position."""
+        return self.request.pooling is None or not self.request.pooling.every_position
+
+    @property
     def allows_drafts(self) -> bool:
         """Whether speculative decoding may propose draft tokens for this sequence: not under a constraint
         (a token mask covers only the token sampled after an item, never drafts)."""

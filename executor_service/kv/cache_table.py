@@ -49,6 +49,10 @@ class CacheState:
     # item's first token; and what was computed for the blocks not yet stored beside the prefix cache.
     plp_hidden: torch.Tensor | None = None
     plp_trail: PromptLogprobTrail | None = None
+    # Mean pooling (executor_service/step/pooling.py): the float32 sum [hidden_size] of the final hidden states of
+    # positions 0 .. pool_rows - 1, while every item since position 0 asked for it; None otherwise.
+    pool_sum: torch.Tensor | None = None
+    pool_rows: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -57,11 +61,13 @@ class CacheState:
     def snapshot(self) -> "CacheSnapshot":
         """What a call may change, to put back if it fails after changing it."""
         return CacheSnapshot(self, self.table.length, len(self.tokens), self.prompt_len, self.sampling,
-                             self.table.blocks[-1] if self.table.blocks else None, self.plp_hidden, self.plp_trail)
+                             self.table.blocks[-1] if self.table.blocks else None, self.plp_hidden, self.plp_trail,
+                             self.pool_sum, self.pool_rows)
 
     def truncate(self, new_len: int) -> None:
-        if new_len < len(self.tokens):  # the kept hidden state and trail are of positions now gone
-            self.plp_hidden = self.plp_trail = None
+        if new_len < len(self.tokens):  # the kept hidden state, trail and pooled sum are of positions now gone
+            self.plp_hidden = self.plp_trail = self.pool_sum = None
+            self.pool_rows = 0
         del self.tokens[new_len:]
         if self.prompt_len is not None and self.prompt_len > new_len:
             self.prompt_len = new_len
@@ -77,6 +83,8 @@ class CacheSnapshot:
     last_block: int | None  # the table's last block (a failed call's copy-on-write of it is undone)
     plp_hidden: torch.Tensor | None = None
     plp_trail: PromptLogprobTrail | None = None
+    pool_sum: torch.Tensor | None = None
+    pool_rows: int = 0
 
     def restore(self, kv: PagedKvCache) -> None:
         """Puts the cache back as it was: blocks past the old length freed (and the last block itself if the
@@ -87,6 +95,7 @@ class CacheSnapshot:
         self.state.prompt_len = self.prompt_len
         self.state.sampling = self.sampling
         self.state.plp_hidden, self.state.plp_trail = self.plp_hidden, self.plp_trail
+        self.state.pool_sum, self.state.pool_rows = self.pool_sum, self.pool_rows
 
 
 class CacheStore:

@@ -12,6 +12,7 @@ from executor_service.metrics.op_stats import LatencySummary, MetricsSnapshot
 from executor_service.kv.prefix_cache import PrefixCacheStats
 from executor_service.request_validation import check_release_with_step, name_item, renumber_item
 from executor_service.step.ngram_drafts import NgramDrafts
+from executor_service.rpc.pooling_codec import pooled_to_pb, pooling_from_pb, pooling_info_to_pb
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, OutputMode, OutputOptions, SequenceOutput,
                                     SessionLease, SessionListing, StepResults, TokenOutput, UnifiedItem,
@@ -176,7 +177,8 @@ def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
                        sampling_from_pb(m.sampling) if m.HasField("sampling") else None, output, m.adapter,
                        m.prompt_len if m.HasField("prompt_len") else None, tuple(m.draft_token_ids),
                        allowed_tokens=m.allowed_tokens or None,
-                       prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None), dtype
+                       prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+                       pooling=pooling_from_pb(m)), dtype
 
 
 def unified_response_to_pb(results: StepResults[UnifiedResult], logits_dtypes: list[int],
@@ -187,6 +189,8 @@ def unified_response_to_pb(results: StepResults[UnifiedResult], logits_dtypes: l
                               prompt_logprobs=prompt_logprobs_to_pb(r.prompt_logprobs))
         if r.output is not None:
             res.output.CopyFrom(sequence_output_to_pb(r.output, dtype))
+        if r.pooled is not None:
+            res.pooled.CopyFrom(pooled_to_pb(r.pooled))
     return out
 
 
@@ -231,6 +235,8 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
     msg.kv_dtype, msg.attention_backend = info.kv_dtype, info.attention_backend
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
+    if info.pooling is not None:
+        msg.pooling.CopyFrom(pooling_info_to_pb(info.pooling))
     if info.kv_pool is not None:
         p = info.kv_pool
         msg.kv_pool.CopyFrom(pb.KvPoolSizing(blocks=p.blocks, tokens=p.tokens, bytes=p.bytes, reason=p.reason))

@@ -21,6 +21,7 @@ import torch
 from executor_service.kv.cache_table import CacheSnapshot, CacheState
 from models.decode.step import DecodeStep
 from executor_service.prompt_logprobs import LogprobRows, extend_trail, score
+from executor_service.step.pooling import kept_rows, pool
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from models.attention.paged import AttentionMetadata, ItemLayout
 from models.kv.paged_cache import PagedKvCache
@@ -62,10 +63,11 @@ class BatchRunner:
 
     def run(self, batch: list[PlannedItem], all_positions: bool = False,
             adapters: Callable[[], dict[str, LoraWeights]] | None = None
-            ) -> tuple[list[list[SequenceOutput] | None], list[list[TokenOutput]]]:
-        """Per item: None for a non-final chunk, else one SequenceOutput per position asked for (the last
-        position, or every position of the item when all_positions); and per item its prompt logprobs (empty
-        when it asked for none). adapters: called once the KV is
+            ) -> tuple[list[list[SequenceOutput] | None], list[list[TokenOutput]], list[torch.Tensor | None]]:
+        """Per item: None for a non-final chunk or a pooled item, else one SequenceOutput per position asked for
+        (the last position, or every position of the item when all_positions); per item its prompt logprobs
+        (empty when it asked for none); and per item its pooled values (a pooled item's final chunk, else
+        None: executor_service/step/pooling.py). adapters: called once the KV is
         reserved (a refused batch moves no adapter), returns the device weights of the items' adapters.
         Raises KvCapacityExceeded before touching anything, DeviceOutOfMemory for a device OOM; on that or
         any other error every cache is as it was (blocks, length, tokens, prompt end)."""
@@ -77,8 +79,9 @@ class BatchRunner:
             scored = [self._score(b, h) for b, h in zip(batch, hiddens)]
             self._commit(batch)  # before sampling: penalties and the RNG key read the new tokens
             self._keep_hidden(batch, hiddens, scored)
+            pooled = [pool(self.model, b.item, b.state, h) for b, h in zip(batch, hiddens)]
             return (self._outputs(batch, logits, rows_per_item),
-                    [rows.outputs(rows.top) if rows is not None else [] for rows in scored])
+                    [rows.outputs(rows.top) if rows is not None else [] for rows in scored], pooled)
         except torch.cuda.OutOfMemoryError as exc:  # = torch.OutOfMemoryError (torch >= 2.5), on any device
             self._restore(snapshots)
             if self.device.type == "cuda":
@@ -112,7 +115,7 @@ class BatchRunner:
     def _score(self, b: PlannedItem, hidden: torch.Tensor | None) -> LogprobRows | None:
         """The item's prompt logprobs (None when it asked for none): its tokens after the sequence's first,
         each scored from the hidden state of the position before it (hidden: [n, hidden_size], its rows)."""
-        if hidden is None:
+        if hidden is None or b.item.prompt_logprobs is None:  # (a pooled item's rows are not scored)
             return None
         pos, tokens = b.item.pos_offset, b.item.token_ids
         rows = hidden[:-1] if not pos else torch.cat([b.state.plp_hidden[None].to(hidden.dtype), hidden[:-1]])
@@ -136,7 +139,7 @@ class BatchRunner:
                  adapters: dict[str, LoraWeights]) -> tuple[torch.Tensor, list[int], list[torch.Tensor | None]]:
         """Logits of the rows to sample, rows per item, and per item asking for prompt logprobs the final
         hidden states of its positions ([n, hidden_size]; None for the others)."""
-        scoring = any(b.item.prompt_logprobs is not None for b in batch)
+        scoring = any(b.item.prompt_logprobs is not None or b.item.pooling is not None for b in batch)
         step = self.decode_step
         if step is not None and not scoring and all(
                 len(b.item.token_ids) == 1 and (step.takes_drafts or not b.item.draft_token_ids)
@@ -163,12 +166,14 @@ class BatchRunner:
             layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n))
             ids.extend(b.item.token_ids)
             ids.extend(b.item.draft_token_ids)
-            if b.item.prompt_logprobs is not None:  # (validated: no drafts) every position, the last sampled
-                spans.append((len(hidden_rows), len(hidden_rows) + n))
-                hidden_rows.extend(range(start, start + n))
+            # (validated: no drafts) prompt logprobs: every position, the last sampled; pooled: kept_rows
+            keep = (0, n) if b.item.prompt_logprobs is not None else kept_rows(b.item, n)
+            if keep is not None:
+                spans.append((len(hidden_rows), len(hidden_rows) + keep[1] - keep[0]))
+                hidden_rows.extend(range(start + keep[0], start + keep[1]))
             else:
                 spans.append(None)
-            if not b.item.is_final_chunk:
+            if not b.item.is_final_chunk or b.item.pooling is not None:  # (a pooled item samples nothing)
                 rows_per_item.append(0)
             elif all_positions:
                 logit_rows.extend(range(start, start + n))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import torch
+
 from executor_service.adapters import AdapterRegistry
 from executor_service.step.batch import BatchRunner, PlannedItem
 from executor_service.kv.cache_table import CacheState, CacheTable
@@ -43,25 +45,26 @@ class BatchStep:
                  else PlannedItem(p.item, self.new_state(p.item.adapter, sampling=p.sampling), p.sampling) for p in ok]
         outputs: list[list[SequenceOutput] | None] = []
         scored: list[list[TokenOutput]] = []
+        pooled: list[torch.Tensor | None] = []
         if batch:  # reserves KV first; on any error puts every cache back and re-raises
             kind = _step_kind(batch)  # (before the run: it marks prompts done)
             start = time.perf_counter()
-            outputs, scored = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
+            outputs, scored, pooled = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
             self.metrics.record_step(kind, time.perf_counter() - start, sum(len(b.item.token_ids) for b in batch))
             self._count(outputs, batch)
             for b in batch:  # a sliding-window model frees the blocks that left each window (kv_cache.py)
                 self.runner.kv.slide(b.state.table)
-        ran = iter(zip(batch, outputs, scored))
+        ran = iter(zip(batch, outputs, scored, pooled))
         results = []
         for item, p in zip(items, planned):
             if not isinstance(p, PlannedItem):
                 results.append(UnifiedResult(caches.ref(item.cache_id or ""), None, p))
                 continue
-            b, outs, plp = next(ran)
-            if item.sampling is not None:
+            b, outs, plp, vec = next(ran)
+            if item.sampling is not None and item.pooling is None:
                 b.state.sampling = item.sampling  # registered once the item succeeded
             results.append(UnifiedResult(self._register(p, b.state, caches), outs[0] if outs else None,
-                                         prompt_logprobs=plp))
+                                         prompt_logprobs=plp, pooled=vec))
         return results
 
     def verify(self, item: UnifiedItem, caches: CacheTable) -> list[SequenceOutput]:
@@ -73,7 +76,7 @@ class BatchStep:
         # Predictions are greedy, whatever sampling the cache has registered (which stays registered).
         batch = [PlannedItem(item, planned.state, SamplingParams())]
         start = time.perf_counter()
-        outputs, _ = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
+        outputs, _, _ = self.runner.run(batch, all_positions=True, adapters=lambda: self._adapter_weights(batch))
         self.metrics.record_step("verify", time.perf_counter() - start, len(item.token_ids))
         self._count(outputs, batch)
         self.metrics.tokens_processed += len(item.token_ids)

@@ -199,7 +199,8 @@ def model_info_to_pb(info: ExecutorInfo, served_name: str) -> vpb.GetModelInfoRe
     # could load a tokenizer from (smg reads it as a local path or a Hugging Face id, where a served name might
     # find another model's): so smg loads the tokenizer from its own --model-path, or from GetTokenizer.
     return vpb.GetModelInfoResponse(
-        model_path=f"{MODEL_PATH_SCHEME}{served_name}", served_model_name=served_name, is_generation=True,
+        model_path=f"{MODEL_PATH_SCHEME}{served_name}", served_model_name=served_name,
+        is_generation=info.pooling is None or info.pooling.lm_head,  # (a sequence classifier generates nothing)
         supports_vision=False, max_context_length=info.max_seq_len, max_req_input_len=info.max_seq_len,
         vocab_size=info.vocab_size, architectures=[info.architecture] if info.architecture else [],
         eos_token_ids=list(info.eos_token_ids))

@@ -20,6 +20,8 @@ from scheduler.rpc import codec
 from scheduler.text import tokenizer_bundle
 from scheduler.compat import vllm_engine_codec as vcodec
 from scheduler.fleet.fleet import Fleet
+from scheduler.pooling.inputs import embed_prompts, embed_spec, pooled_request, request_id
+from scheduler.pooling.runner import run_pooled
 from scheduler.request import Delta
 from scheduler.output.request_stream import RequestStream
 from scheduler.sequence import Sequence
@@ -127,7 +129,19 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             yield smg_common.GetTokenizerChunk(data=data, sha256=self._bundle.sha256 if i == len(chunks) - 1 else "")
 
     async def Embed(self, request: vpb.EmbedRequest, context) -> vpb.EmbedResponse:
-        raise NotServed("Embed: Tandem serves generation models only; it computes no embeddings")
+        """One input's embedding (smg tokenizes: input_ids are used as given), pooled and normalised as
+        GenerateService.Embed's (scheduler/pooling/)."""
+        self._last_receive = time.time()
+        fleet, info = self.fleet, self.fleet.info
+        spec = embed_spec(info)
+        (ids,) = embed_prompts([list(request.tokenized.input_ids)], fleet.tokenizer, info, 1,
+                               fleet.cfg.max_prompt_chars, "tokenized.input_ids")
+        req = pooled_request(request.request_id or request_id(), ids, spec)
+        with self._limits.enter(CURRENT_PRINCIPAL.get()) as lease:
+            lease.charge(cost([req]))
+            (result,) = await run_pooled(fleet, [req], 1)
+        return vpb.EmbedResponse(embedding=result.values, prompt_tokens=result.prompt_tokens,
+                                 embedding_dim=len(result.values))
 
     async def FlushCache(self, request: smg_common.FlushCacheRequest, context) -> smg_common.FlushCacheResponse:
         raise NotServed("FlushCache: Tandem's executors keep their prefix caches (blocks are evicted as needed, "

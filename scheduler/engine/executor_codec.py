@@ -8,13 +8,14 @@ from collections import OrderedDict
 from typing import Mapping
 
 import grpc
+import numpy as np
 
 from scheduler.engine.planner import StepItem, StepPlan
 from scheduler.engine.step_answer import ItemResult
 from scheduler.sequence import Sequence
-from scheduler.executor.info import ExecutorInfo
-from scheduler.request import GenerateRequest, TokenLogprob
-from tandem.capabilities import PROMPT_LOGPROBS, TOKEN_MASKS
+from scheduler.executor.info import ExecutorInfo, PoolingFacts
+from scheduler.request import GenerateRequest, PoolingSpec, TokenLogprob
+from tandem.capabilities import POOLING, PROMPT_LOGPROBS, TOKEN_MASKS
 from tandem.codec import kv_usage_from_pb, sampling_to_pb
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.errors import RemoteError
@@ -30,7 +31,8 @@ def capabilities_needed(request: GenerateRequest) -> frozenset[str]:
     """The GetInfo capabilities an executor must list to run this request right (an executor without
     token_masks would drop allowed_tokens as an unknown field and sample unconstrained)."""
     return frozenset(({TOKEN_MASKS} if request.constraint is not None else set())
-                     | ({PROMPT_LOGPROBS} if request.prompt_logprobs is not None else set()))
+                     | ({PROMPT_LOGPROBS} if request.prompt_logprobs is not None else set())
+                     | ({POOLING} if request.pooling is not None else set()))
 
 
 def executor_sampling(request: GenerateRequest, eos_token_ids) -> tuple[SamplingParams, SamplingParams]:
@@ -89,7 +91,20 @@ def _item_to_pb(item: StepItem, registered_sampling: bool) -> epb.UnifiedItem:
                            output=_output_options(req.top_logprobs), adapter=req.adapter,
                            # read by the executor at the first final chunk only
                            prompt_len=len(req.prompt_ids) if final else None, draft_token_ids=item.drafts,
-                           prompt_logprobs=seq.prompt_logprobs_wanted)
+                           prompt_logprobs=seq.prompt_logprobs_wanted,
+                           # (every chunk: mean pooling sums each chunk's positions)
+                           pooling=_pooling_pb(req.pooling) if req.pooling is not None else None)
+
+
+_POOLING_TASKS = {"embed": epb.POOLING_TASK_EMBED, "classify": epb.POOLING_TASK_CLASSIFY,
+                  "token_logits": epb.POOLING_TASK_TOKEN_LOGITS}
+_POOLING_TYPES = {"last": epb.POOLING_TYPE_LAST, "mean": epb.POOLING_TYPE_MEAN}
+_POOLING_NAMES = {v: k for k, v in _POOLING_TYPES.items()}
+
+
+def _pooling_pb(p: PoolingSpec) -> epb.PoolingOptions:
+    return epb.PoolingOptions(task=_POOLING_TASKS[p.task], type=_POOLING_TYPES[p.type], normalize=p.normalize,
+                              token_ids=p.token_ids)
 
 
 def _sampling_to_send(seq, registered: bool) -> cpb.SamplingParams | None:
@@ -141,7 +156,14 @@ def executor_info_from_pb(m: epb.GetInfoResponse) -> ExecutorInfo:
                         capabilities=frozenset(m.capabilities), adapters=tuple(sorted(m.adapters)),
                         model_dir=m.model_dir, dtype=m.dtype, device=m.device, instance_id=m.instance_id,
                         session_ttl_ms=m.session_ttl_ms, max_batch_tokens=m.max_batch_tokens,
-                        max_adapters_on_device=m.max_adapters_on_device, role=m.role or "both")
+                        max_adapters_on_device=m.max_adapters_on_device, role=m.role or "both",
+                        hidden_size=m.hidden_size, pooling=_pooling_facts(m) if POOLING in m.capabilities else None)
+
+
+def _pooling_facts(m: epb.GetInfoResponse) -> PoolingFacts:
+    p = m.pooling
+    return PoolingFacts(_POOLING_NAMES.get(p.default_type), p.source, p.num_labels, p.lm_head, p.matryoshka,
+                        tuple(p.matryoshka_dimensions))
 
 
 def created_caches_from_pb(resp: epb.CreateCacheResponse
@@ -170,8 +192,10 @@ def item_results_from_pb(resp: epb.UnifiedDecodeResponse | epb.DecodeResponse) -
         tokens = _token_logprobs(r.output.tokens) if r.HasField("output") else ()
         drafted = ((r.draft_steps, r.draft_tokens, r.accepted_draft_tokens) if isinstance(r, epb.DecodeResult)
                    else (0, 0, 0))
+        pooled = (tuple(np.frombuffer(r.pooled.data, dtype="<f4", count=r.pooled.dim).tolist())
+                  if isinstance(r, epb.UnifiedResult) and r.HasField("pooled") else None)
         results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, tokens,
                                   # (a Decode burst's DecodeResult has none)
                                   prompt_logprobs=_token_logprobs(getattr(r, "prompt_logprobs", ())),
-                                  burst_drafts=drafted))
+                                  burst_drafts=drafted, pooled=pooled))
     return results

@@ -160,9 +160,10 @@ class Planner:
             return f"{n_running} requests are running, the most this scheduler runs at once (--max-running)"
         if budget <= 0:
             return "running requests use the whole step's token budget (--max-batch-tokens)"
-        if self.reuse_prefixes and not s.cache_id and s.prefix_looked_up < 0:
+        reuse = self.reuse_prefixes and s.reuses_prefix
+        if reuse and not s.cache_id and s.prefix_looked_up < 0:
             return f"{_NOT_LOOKED_UP} (it arrived after this step's lookup)"
-        if self.reuse_prefixes and (shared := awaited_prefix(s, running, kv.block_size)):
+        if reuse and (shared := awaited_prefix(s, running, kv.block_size)):
             return (f"a running request is writing the first {shared} tokens of its prompt, which it reuses once "
                     f"they are written (prefix caching)")
         need = (ceil_div(s.num_tokens + 1, kv.block_size) - ceil_div(s.num_cached, kv.block_size)

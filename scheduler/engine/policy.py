@@ -39,7 +39,7 @@ from scheduler.engine.release_ledger import ReleaseLedger
 from scheduler.sequence import Sequence, Status
 from scheduler.engine.speculation import Speculator
 from scheduler.engine.step_answer import ItemResult
-from scheduler.output.step_outcome import Emitted, Failure, StepOutcome
+from scheduler.output.step_outcome import Emitted, Failure, Pooled, StepOutcome
 from tandem.errors import AdapterNotFound, CapacityExceeded, RemoteError, TandemError
 from tandem.kv_usage import KvUsage
 
@@ -160,6 +160,10 @@ class SchedulingPolicy:
             if seq.finished:  # aborted while the step ran
                 self._release(seq)
                 continue
+            if seq.request.pooling is not None:  # pooled: its final chunk's values end it (no token)
+                if item.is_final:
+                    self._pooled(out, seq, res.pooled)
+                continue
             if self.speculator is not None and (item.drafts or res.burst_drafts[0]):
                 self.speculator.settle(out, seq, item.drafts, res)
             for token in res.tokens:  # a stop inside an accepted run ends the sequence there
@@ -178,6 +182,19 @@ class SchedulingPolicy:
             log.warning("%d of %d items of a step failed alone: %s", len(out.failed), len(plan.items),
                         out.failed[0].error)
         return out
+
+    def _pooled(self, out: StepOutcome, seq: Sequence, values: tuple[float, ...] | None) -> None:
+        """A pooled sequence's final chunk ran: it ends with its values (an executor that returned none ignored
+        the pooling it was asked for: the request fails, naming that)."""
+        if values is None:
+            out.failed.append(Failure(seq, RemoteError("INTERNAL", "executor: a pooled item returned no values")))
+            self._end(seq)
+            return
+        out.pooled.append(Pooled(seq, values))
+        self.running.remove(seq)
+        self._release(seq)
+        self._forget(seq)
+        seq.status = Status.FINISHED
 
     def step_failed(self, plan: StepPlan, error: TandemError, kv_full: bool) -> list[Failure]:
         """The executor answered the step with an error; nothing of the step was written. KV exhaustion
@@ -254,6 +271,8 @@ class SchedulingPolicy:
         slots = 1 if self.head_needs_blocks else self.cfg.max_running - len(self.running)
         picked = []
         for s in self.waiting[:max(0, slots)]:
+            if not s.reuses_prefix:  # (mean pooling: every position is computed)
+                continue
             shared = shared_prefix(s, self.running, self.kv.block_size)
             if shared.awaited(s.num_cached):
                 continue  # being written by a running request: looked up once it is

@@ -25,6 +25,7 @@ class ItemResult:
     # A Decode burst whose executor drafted within it (DecodeItem.ngram_drafts): (steps that carried drafts,
     # draft tokens verified, accepted).
     burst_drafts: tuple[int, int, int] = (0, 0, 0)
+    pooled: tuple[float, ...] | None = None  # a pooled item's final chunk: its values (UnifiedResult.pooled)
 
 
 class StepAnswer(NamedTuple):

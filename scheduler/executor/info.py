@@ -10,6 +10,18 @@ from tandem.kv_usage import KvUsage
 
 
 @dataclass(frozen=True)
+class PoolingFacts:
+    """What the executor's model offers for pooling (GetInfoResponse.pooling; scheduler/pooling/ reads it)."""
+
+    default_type: str | None  # "last" | "mean"; None: the checkpoint names a pooling the executor does not serve
+    source: str  # where the default comes from, for people
+    num_labels: int = 0  # sequence-classification head outputs; 0 = none
+    lm_head: bool = True
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ExecutorInfo:
     """An executor's model facts, limits and capabilities, as of its last GetInfo answer."""
 
@@ -29,6 +41,8 @@ class ExecutorInfo:
     max_batch_tokens: int = 0  # tokens one call may carry (0 = no limit given)
     max_adapters_on_device: int = 0  # distinct adapters per step (0 = no limit)
     role: str = "both"  # its part in disaggregated serving: "prefill", "decode" or "both" (--role)
+    hidden_size: int = 0  # the model's hidden state width (an embedding's length)
+    pooling: PoolingFacts | None = None  # None: an executor that serves no pooled items (or an older one)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from scheduler.http.cors import Cors
 from scheduler.http.errors import BadParameter
 from scheduler.http.generation import ClientGone, Generation
 from scheduler.http.limits import HttpLimits
+from scheduler.http.pooling_routes import add_pooling_routes
 from scheduler.http.render import DONE, ChatRenderer, CompletionRenderer, TokenTexts, sse
 from scheduler.request import GenerateRequest
 from scheduler.token_limits import Lease, TokenLimits, cost
@@ -264,6 +265,8 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
             raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has {vocab} tokens")
         text = await front.off_loop(fleet.tokenizer.decode, body.tokens, False)
         return _json(s.DetokenizeResponse(prompt=text))
+
+    add_pooling_routes(app, front)  # /v1/embeddings, /v1/score, /v1/rerank
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

@@ -68,6 +68,10 @@ class OutputProcessor:
             touched[stream] = None
         for stream in touched:
             stream.publish()
+        for p in outcome.pooled:
+            stream = self.streams.get(p.seq)
+            if stream is not None and not stream.finished:
+                stream.pooled(p.values, p.seq.preemptions)
         if outcome.verified and self.events is not None:
             self.events.speculated(outcome.verified, outcome.seconds)
         return stopped

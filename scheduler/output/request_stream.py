@@ -75,6 +75,12 @@ class RequestStream:
             return self._finish(finish, preemptions)
         return None
 
+    def pooled(self, values: tuple[float, ...], preemptions: int = 0) -> None:
+        """A pooled request's values: its one message, which ends it (no token, no text)."""
+        self._timed_token()
+        self._delta.pooled = values
+        self._finish(Finish(FinishReason.STOP), preemptions)
+
     def prompt_logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> None:
         """The request's prompt logprobs, for the pending delta (None: nothing to add)."""
         if entries is not None:

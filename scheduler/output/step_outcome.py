@@ -20,6 +20,14 @@ class Emitted:
 
 
 @dataclass(frozen=True)
+class Pooled:
+    """A pooled sequence's values (its final chunk ran): it has ended."""
+
+    seq: Sequence
+    values: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Failure:
     """A request the policy ended, and the error its client gets."""
 
@@ -42,6 +50,7 @@ class Verified:
 class StepOutcome:
     emitted: list[Emitted] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
+    pooled: list[Pooled] = field(default_factory=list)
     drafts: int = 0  # items of the step that carried draft tokens (speculative decoding) ...
     drafted: int = 0  # ... their draft tokens ...
     accepted: int = 0  # ... and those accepted

@@ -13,7 +13,11 @@ from tandem.errors import TandemError
 from tandem.generate.v1 import generate_pb2 as pb
 from tandem.generate.v1 import generate_pb2_grpc as pb_grpc
 from scheduler.rpc import codec
+from scheduler.rpc.embed_codec import embed_inputs_from_pb, embed_response_to_pb
 from scheduler.fleet.fleet import Fleet
+from scheduler.pooling.inputs import embed_prompts, embed_spec, pooled_request, pooling_facts, request_id
+from scheduler.pooling.runner import run_pooled
+from scheduler.pooling.vectors import check_dimensions, shaped
 from scheduler.token_limits import TokenLimits, cost
 from tandem.security.auth import CURRENT_PRINCIPAL
 
@@ -63,6 +67,21 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         fleet = self.fleet
         await fleet.refresh_info()  # adapters may have been loaded or unloaded on the executor since
         return codec.model_info_to_pb(fleet.info, fleet.tokenizer, fleet.max_batch_tokens, fleet.cfg, fleet.stats())
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        fleet, info = self.fleet, self.fleet.info
+        spec = embed_spec(info)
+        dims = request.dimensions if request.HasField("dimensions") else None
+        check_dimensions(dims, pooling_facts(info), info.hidden_size, info.model_id)
+        prompts = await self._off_loop(embed_prompts, embed_inputs_from_pb(request), fleet.tokenizer, info,
+                                       fleet.cfg.pooling.max_inputs, fleet.cfg.max_prompt_chars, "inputs")
+        rid = request.request_id or request_id()
+        reqs = [pooled_request(f"{rid}-{i}", p, spec) for i, p in enumerate(prompts)]
+        with self._limits.enter(CURRENT_PRINCIPAL.get()) as lease:
+            lease.charge(cost(reqs))
+            results = await run_pooled(fleet, reqs, fleet.cfg.max_running)
+        return embed_response_to_pb(rid, [shaped(r.values, dims) for r in results],
+                                    [r.prompt_tokens for r in results])
 
     async def _off_loop(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)

@@ -138,11 +138,21 @@ class ModelTokenizer:
         self._compiled = compile_chat_template(self.chat_template, where) if self.chat_template is not None else None
 
     # ----------------------------------------------------------------- encoding
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text, with the special tokens the tokenizer's post-processor adds (e.g. BOS), as
-        transformers' `tokenizer(text)` does. (encode_batch, not encode: only it releases the GIL while it
-        runs, so a long text tokenized in a worker thread does not stall the event loop.)"""
-        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
+        transformers' `tokenizer(text)` does (add_special_tokens=False: none). (encode_batch, not encode: only
+        it releases the GIL while it runs, so a long text tokenized in a worker thread does not stall the event
+        loop.)"""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of a text pair as the post-processor joins pairs (a cross-encoder's input), as transformers'
+        `tokenizer(first, second)` does."""
+        return self._tok.encode_batch([(first, second)], add_special_tokens=True)[0].ids
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry (as transformers' convert_tokens_to_ids), None if it has none."""
+        return self._tok.token_to_id(token)
 
     def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> str:
         if self._compiled is None:

@@ -372,15 +372,32 @@ def test_refused_fields_are_invalid_argument_naming_them(engine, request_, field
 
 
 @pytest.mark.parametrize("call, what", [
-    (lambda e: e.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[5])), timeout=10), "embeddings"),
     (lambda e: e.FlushCache(smg_common.FlushCacheRequest(), timeout=10), "no flush"),
     (lambda e: list(e.SubscribeKvEvents(smg_common.SubscribeKvEventsRequest(), timeout=10)), "ZMQ"),
-], ids=["Embed", "FlushCache", "SubscribeKvEvents"])
+], ids=["FlushCache", "SubscribeKvEvents"])
 def test_what_tandem_does_not_do_is_unimplemented(engine, call, what):
     with pytest.raises(grpc.RpcError) as err:
         call(engine)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert what in err.value.details()
+
+
+def test_embed_is_the_last_token_hidden_state_normalised(engine, model):
+    """VllmEngine.Embed (docs/agents.md#embeddings-and-rerank): the tiny Llama has no sentence-transformers
+    modules.json, so its embedding is the last position's final hidden state, L2-normalised."""
+    import torch
+    import transformers
+
+    resp = engine.Embed(vpb.EmbedRequest(request_id="e", tokenized=vpb.TokenizedInput(input_ids=[1, 40, 41, 42])),
+                        timeout=30)
+    assert resp.embedding_dim == len(resp.embedding) == 64 and resp.prompt_tokens == 4
+    ref = transformers.AutoModel.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([[1, 40, 41, 42]])).last_hidden_state[0, -1]
+    assert float(torch.nn.functional.cosine_similarity(torch.tensor(list(resp.embedding)), want, dim=0)) >= 0.9999
+    with pytest.raises(grpc.RpcError) as err:
+        engine.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[])), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input_ids" in err.value.details()
 
 
 def test_get_tokenizer_streams_the_model_tokenizer(engine, model):

@@ -21,6 +21,19 @@ class LogitsDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOGITS_DTYPE_FLOAT32: _ClassVar[LogitsDtype]
     LOGITS_DTYPE_BFLOAT16: _ClassVar[LogitsDtype]
     LOGITS_DTYPE_FLOAT16: _ClassVar[LogitsDtype]
+
+class PoolingTask(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_TASK_UNSPECIFIED: _ClassVar[PoolingTask]
+    POOLING_TASK_EMBED: _ClassVar[PoolingTask]
+    POOLING_TASK_CLASSIFY: _ClassVar[PoolingTask]
+    POOLING_TASK_TOKEN_LOGITS: _ClassVar[PoolingTask]
+
+class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingType]
+    POOLING_TYPE_LAST: _ClassVar[PoolingType]
+    POOLING_TYPE_MEAN: _ClassVar[PoolingType]
 OUTPUT_MODE_UNSPECIFIED: OutputMode
 OUTPUT_MODE_TOKENS: OutputMode
 OUTPUT_MODE_LOGITS: OutputMode
@@ -29,6 +42,13 @@ LOGITS_DTYPE_UNSPECIFIED: LogitsDtype
 LOGITS_DTYPE_FLOAT32: LogitsDtype
 LOGITS_DTYPE_BFLOAT16: LogitsDtype
 LOGITS_DTYPE_FLOAT16: LogitsDtype
+POOLING_TASK_UNSPECIFIED: PoolingTask
+POOLING_TASK_EMBED: PoolingTask
+POOLING_TASK_CLASSIFY: PoolingTask
+POOLING_TASK_TOKEN_LOGITS: PoolingTask
+POOLING_TYPE_UNSPECIFIED: PoolingType
+POOLING_TYPE_LAST: PoolingType
+POOLING_TYPE_MEAN: PoolingType
 
 class CacheRef(_message.Message):
     __slots__ = ("cache_id", "seq_len")
@@ -85,7 +105,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint", "deterministic", "tensor_parallel_size", "kv_dtype", "attention_backend")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint", "deterministic", "tensor_parallel_size", "kv_dtype", "attention_backend", "pooling")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +139,7 @@ class GetInfoResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -152,7 +173,8 @@ class GetInfoResponse(_message.Message):
     tensor_parallel_size: int
     kv_dtype: str
     attention_backend: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., deterministic: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    pooling: PoolingInfo
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., deterministic: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ...) -> None: ...
 
 class KvPoolSizing(_message.Message):
     __slots__ = ("blocks", "tokens", "bytes", "reason")
@@ -265,7 +287,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class UnifiedItem(_message.Message):
-    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens", "prompt_logprobs")
+    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens", "prompt_logprobs", "pooling")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +299,7 @@ class UnifiedItem(_message.Message):
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
@@ -288,7 +311,44 @@ class UnifiedItem(_message.Message):
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     allowed_tokens: bytes
     prompt_logprobs: int
-    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    pooling: PoolingOptions
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[_Union[PoolingOptions, _Mapping]] = ...) -> None: ...
+
+class PoolingOptions(_message.Message):
+    __slots__ = ("task", "type", "normalize", "token_ids")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    task: PoolingTask
+    type: PoolingType
+    normalize: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, task: _Optional[_Union[PoolingTask, str]] = ..., type: _Optional[_Union[PoolingType, str]] = ..., normalize: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PooledOutput(_message.Message):
+    __slots__ = ("data", "dim")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dim: int
+    def __init__(self, data: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class PoolingInfo(_message.Message):
+    __slots__ = ("default_type", "source", "num_labels", "lm_head", "matryoshka", "matryoshka_dimensions")
+    DEFAULT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LABELS_FIELD_NUMBER: _ClassVar[int]
+    LM_HEAD_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    default_type: PoolingType
+    source: str
+    num_labels: int
+    lm_head: bool
+    matryoshka: bool
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, default_type: _Optional[_Union[PoolingType, str]] = ..., source: _Optional[str] = ..., num_labels: _Optional[int] = ..., lm_head: _Optional[bool] = ..., matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
     __slots__ = ("items", "session_id", "release_cache_ids")
@@ -301,16 +361,18 @@ class UnifiedDecodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[UnifiedItem, _Mapping]]] = ..., session_id: _Optional[str] = ..., release_cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnifiedResult(_message.Message):
-    __slots__ = ("cache", "output", "status", "prompt_logprobs")
+    __slots__ = ("cache", "output", "status", "prompt_logprobs", "pooled")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     output: SequenceOutput
     status: ItemStatus
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    pooled: PooledOutput
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., pooled: _Optional[_Union[PooledOutput, _Mapping]] = ...) -> None: ...
 
 class UnifiedDecodeResponse(_message.Message):
     __slots__ = ("results", "kv", "released")

@@ -50,6 +50,11 @@ class GenerateServiceStub:
                 request_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.generate.v1.GenerateService/Embed',
+                request_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -81,6 +86,17 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of one or more inputs: each input's final hidden states pooled as the model's configuration
+        says (last token or mean; the executor's --pooling overrides), L2-normalised. The inputs run in the
+        scheduler's batches beside generations (one prompt each, chunked like any prompt). FAILED_PRECONDITION
+        when no serving executor computes embeddings (capability "pooling"), or the model has no LM head nor
+        embedding pooling it can serve; INVALID_ARGUMENT for a bad input (its index is named).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +114,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_generate_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_generate_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +203,33 @@ class GenerateService:
             '/tandem.generate.v1.GenerateService/GetModelInfo',
             tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             tandem_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.generate.v1.GenerateService/Embed',
+            tandem_dot_generate_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_generate_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
