@@ -82,6 +82,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-queue-time", type=float, default=_D.max_queue_time_s,
                     help="seconds a request may wait to be admitted (to get KV blocks on the executor) before it ends "
                          f"RESOURCE_EXHAUSTED with the reason (default {_D.max_queue_time_s:.0f})")
+    ap.add_argument("--stream-stall-timeout-s", type=float, default=_D.stream_stall_timeout_s,
+                    help="a streaming client (HTTP or gRPC) that leaves a message unread this many seconds has its "
+                         "request stopped and its KV freed (RESOURCE_EXHAUSTED, counted in tandem:stream_stalls); the "
+                         f"generation never waits on a reader (default {_D.stream_stall_timeout_s:.0f})")
+    ap.add_argument("--stream-max-buffered", type=int, default=_D.stream_max_buffered,
+                    help="the same for a client that falls more than this many messages behind "
+                         f"(default {_D.stream_max_buffered})")
     ap.add_argument("--executor-retry-s", type=float, default=_D.executor_retry_s,
                     help="when the executor is lost or restarts: seconds queued and in-flight requests wait for it to "
                          "serve again (they are then recomputed, clients see a pause); past it they end UNAVAILABLE "
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_concurrent_rpcs=args.max_concurrent_rpcs,
                           max_message_mb=args.max_message_mb, max_prompt_chars=args.max_prompt_chars,
                           tokenizer_threads=args.tokenizer_threads, max_queue_time_s=args.max_queue_time,
+                          stream_stall_timeout_s=args.stream_stall_timeout_s, stream_max_buffered=args.stream_max_buffered,
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
                           grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
                           served_model_names=tuple(args.served_model_name), allowed_origins=tuple(args.allowed_origins),

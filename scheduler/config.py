@@ -81,6 +81,10 @@ class SchedulerConfig:
     tokenizer_threads: int = 2  # workers that tokenize and render chat templates off the event loop
     # A request not admitted (given KV blocks) within this time ends RESOURCE_EXHAUSTED, naming why.
     max_queue_time_s: float = 60.0
+    # A streaming client that leaves a message unread this long, or lets more than stream_max_buffered pile up,
+    # has its request stopped and its KV freed (scheduler/output/event_queue.py).
+    stream_stall_timeout_s: float = 30.0
+    stream_max_buffered: int = 4096
     # After the executor is lost (or restarts), queued and in-flight requests wait this long for it to serve
     # again (then they are recomputed); past it they end UNAVAILABLE. 0 = they end UNAVAILABLE at once.
     executor_retry_s: float = 60.0
@@ -137,6 +141,10 @@ class SchedulerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
             raise ValueError(f"--max-concurrent-rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        if not self.stream_stall_timeout_s > 0:
+            raise ValueError(f"--stream-stall-timeout-s must be > 0 seconds, got {self.stream_stall_timeout_s}")
+        if self.stream_max_buffered < 1:
+            raise ValueError(f"--stream-max-buffered must be >= 1, got {self.stream_max_buffered}")
         if not self.max_queue_time_s > 0:  # also rejects NaN
             raise ValueError(f"--max-queue-time must be > 0 seconds, got {self.max_queue_time_s}")
         if not self.resolve_interval_s > 0:

@@ -73,6 +73,7 @@ class SchedulerMetrics:
         self.spec_verify_s = 0.0  # time of steps that carried drafts
         self.success = {reason.value: 0 for reason in FinishReason}  # every series exists from the start
         self.failure: dict[str, int] = {}  # by gRPC status name
+        self.stream_stalls = 0  # requests stopped because their clients left their streams unread
         self.registry = CollectorRegistry()
         self.registry.register(_RequestCollector(self))
         self.kv_moves = KvMoveCounters()  # KV moved between executors, tokens recomputed where it was not
@@ -125,6 +126,9 @@ class SchedulerMetrics:
                     self.spec_accepted_per_pos.append(0)
                 for pos in range(v.accepted):
                     self.spec_accepted_per_pos[pos] += 1
+
+    def stalled(self) -> None:
+        self.stream_stalls += 1
 
     def recomputed(self, tokens: int) -> None:
         self.kv_moves.recomputed_tokens += tokens
@@ -191,6 +195,9 @@ class _RequestCollector(Collector):
         yield CounterMetricFamily("tandem:spec_decode_num_accepted_tokens", "Of those, tokens the model accepted "
                                   "(each saved a decode step).", value=m.spec_accepted_tokens)
         yield from _speculation(m)
+        yield CounterMetricFamily("tandem:stream_stalls", "Requests stopped (KV freed) because their client left "
+                                  "the stream unread past --stream-stall-timeout-s or --stream-max-buffered.",
+                                  value=m.stream_stalls)
         success = CounterMetricFamily("tandem:request_success", "Requests that finished, by finish reason.",
                                       labels=["finished_reason"])
         for reason, n in dict(m.success).items():

@@ -123,6 +123,10 @@ class ReplyTooLarge(CapacityExceeded):
     """The reply a call would produce is over the server's message size limit; refused before running."""
 
 
+class StreamStalled(CapacityExceeded):
+    """The client stopped reading its stream (or fell too far behind): the request was stopped, its KV freed."""
+
+
 class DeadlineExceeded(TandemError):
     """The caller's deadline had passed before the call could run; it was not run (nothing changed)."""
 

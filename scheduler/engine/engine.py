@@ -241,6 +241,9 @@ class Engine:
         self.masks.prefetch(policy.running)  # the next step's masks, computed while the loop streams and plans
         for seq in self.streams.process(outcome):  # a stop string ended it: only the text showed it
             policy.abort(seq)
+        cfg = self.cfg
+        for seq in self.streams.stalled(cfg.stream_stall_timeout_s, cfg.stream_max_buffered):
+            policy.abort(seq)
         self._throughput.add(len(outcome.emitted) if steps > 1 else sum(item.count for item in plan.items))
         self.after_step()
 

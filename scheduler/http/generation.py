@@ -40,7 +40,9 @@ class Generation:
         except BaseException:
             self.close()
             raise
-        self._events: asyncio.Queue = asyncio.Queue()
+        # Bounded: a response writer that stops (its client stopped reading) stops the pumps, so the messages
+        # wait in the streams' own queues, where the engine sees how long (--stream-stall-timeout-s).
+        self._events: asyncio.Queue = asyncio.Queue(maxsize=len(self._runs) or 1)
         self._open = len(self._runs)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._pump(i, stream)) for i, (_, stream) in enumerate(self._runs)]
@@ -49,7 +51,7 @@ class Generation:
     async def _pump(self, index: int, stream: RequestStream) -> None:
         while True:
             event = await stream.events.get()
-            self._events.put_nowait((index, event))
+            await self._events.put((index, event))
             if isinstance(event, TandemError) or event.finish_reason is not None:
                 return
 
@@ -60,7 +62,10 @@ class Generation:
             pass
         self.disconnected = True
         self.close()
-        self._events.put_nowait(_GONE)
+        try:
+            self._events.put_nowait(_GONE)
+        except asyncio.QueueFull:  # the reader finds `disconnected` set at its next message
+            pass
 
     async def events(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) until every choice has finished. Raises the first choice's error (the others
@@ -68,7 +73,7 @@ class Generation:
         try:
             while self._open:
                 item = await self._events.get()
-                if item is _GONE:
+                if item is _GONE or self.disconnected:
                     raise ClientGone()
                 index, event = item
                 if isinstance(event, TandemError):

@@ -11,6 +11,7 @@ from scheduler.output.request_events import RequestEvents
 from scheduler.output.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.output.step_outcome import Failure, StepOutcome
+from tandem.errors import StreamStalled
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -82,6 +83,24 @@ class OutputProcessor:
             stream = self.streams.get(f.seq)
             if stream is not None:
                 stream.fail(f.error)
+
+    def stalled(self, timeout_s: float, max_buffered: int) -> list[Sequence]:
+        """Ends the streams whose clients stopped reading (RequestStream.stalled) with StreamStalled, and returns
+        their sequences (the engine stops them and frees their KV)."""
+        ended = []
+        for seq, stream in self.streams.items():
+            if stream.stalled(timeout_s, max_buffered):
+                log.warning("a client left its stream unread (%d messages waiting): its request was stopped after "
+                            "%d tokens and its KV freed", stream.events.qsize(), len(seq.output_ids))
+                stream.fail(StreamStalled(
+                    f"the stream was not read for {timeout_s:g} s or fell more than {max_buffered} messages behind "
+                    "(--stream-stall-timeout-s, --stream-max-buffered): the request was stopped and its KV freed"))
+                if self.events is not None:
+                    self.events.stalled()
+                ended.append(seq)
+        for seq in ended:
+            del self.streams[seq]
+        return ended
 
     def cancel(self, seq: Sequence) -> None:
         """The client went away (cancel, deadline) or its stream ended: nothing more is sent."""

@@ -25,6 +25,9 @@ class RequestEvents(Protocol):
     def speculated(self, verified: list[Verified], seconds: float) -> None:
         """A step of `seconds` verified these drafts (one entry per sequence, or per burst)."""
 
+    def stalled(self) -> None:
+        """A request was stopped because its client left its stream unread (--stream-stall-timeout-s)."""
+
     def recomputed(self, tokens: int) -> None:
         """A request re-admitted after its cache was lost (preemption, executor lost, transfer failed) computes
         these tokens again (those the prefix cache gave back are not counted)."""

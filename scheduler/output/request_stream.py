@@ -10,11 +10,11 @@ It also keeps the request's timeline (queued, admitted, each token, end) and rep
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Callable
 
 from scheduler.output.detokenizer import IncrementalDetokenizer
+from scheduler.output.event_queue import EventQueue
 from scheduler.request import Delta, Finish, FinishReason, GenerateRequest, TokenLogprob, Usage
 from scheduler.output.request_events import RequestEvents
 from scheduler.output.stop_strings import StopStringMatcher
@@ -27,7 +27,7 @@ class RequestStream:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Created when the request is queued: its latencies count from here."""
         self.request = request
-        self.events: asyncio.Queue[Delta | TandemError] = asyncio.Queue()
+        self.events: EventQueue = EventQueue(clock)  # Delta | TandemError, in order
         self.finished = False
         self._completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the executor's prefix cache served (usage.cached_tokens)
@@ -106,6 +106,12 @@ class RequestStream:
             self.finished = True
             if self._metrics is not None:
                 self._metrics.failed("CANCELLED")
+
+    def stalled(self, timeout_s: float, max_buffered: int) -> bool:
+        """Whether the client has left a message unread for more than timeout_s, or more than max_buffered
+        messages (a reader that stopped, or one slower than the generation)."""
+        return not self.finished and (self.events.oldest_wait(self._clock()) > timeout_s
+                                      or self.events.qsize() > max_buffered)
 
     def publish(self) -> None:
         """Sends the pending delta to the client's stream (if it carries anything)."""
