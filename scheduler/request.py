@@ -33,6 +33,9 @@ class GenerateRequest:
     keep_special_tokens: bool = False
     constraint: "CompiledConstraint | None" = None  # structured output (scheduler/structured/grammar.py); None = none
     prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None = no prompt logprobs
+    # The constraint applies after the output ends with these token ids (a thinking model's answer:
+    # scheduler/reasoning/); () = from the first token
+    constraint_after: tuple[int, ...] = ()
 
     def choices(self, n: int) -> list["GenerateRequest"]:
         """n independent requests of this one (OpenAI's and vLLM's `n`): their own ids (`<id>-<i>`), and seed + i
