@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from scheduler.rpc import codec
 from scheduler.fleet.fleet import Fleet
-from scheduler.http import convert, errors, reasoning_output, tool_calls
+from scheduler.http import convert, errors, reasoning_output, responses_route, tool_calls
 from scheduler.http import response_schemas as s
 from scheduler.http.request_schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                              TokenizeRequest)
@@ -30,6 +30,7 @@ from scheduler.http.cors import Cors
 from scheduler.http.errors import BadParameter
 from scheduler.http.generation import ClientGone, Generation
 from scheduler.http.limits import HttpLimits
+from scheduler.http.responses_store import ResponseStore
 from scheduler.http.render import DONE, ChatRenderer, CompletionRenderer, TokenTexts, sse
 from scheduler.reasoning.parser import ReasoningParser
 from scheduler.reasoning.registry import choose as choose_reasoning
@@ -173,6 +174,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         app.add_middleware(Cors, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     errors.install(app)
+    responses_route.install(app, front, ResponseStore(fleet.cfg.responses_store_size))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -153,20 +153,24 @@ class ChatRenderer(_Renderer):
         return piece.content, piece.reasoning
 
     def chunk(self, index: int, d: Delta) -> str | None:
+        choice = self.chunk_choice(index, d)
+        return None if choice is None else self._chunk([choice])
+
+    def chunk_choice(self, index: int, d: Delta) -> s.ChatChunkChoice | None:
+        """The stream choice this delta makes (None: nothing to say yet); /v1/responses turns it into events."""
         self.note(index, d)
         text, thought = self._split(index, d)
         if self.tool_mode is not None:
             return self._tool_chunk(index, d, text, thought)
         if not text and not thought and d.finish_reason is None and not (self.logprobs and d.tokens):
             return None  # text held back (a possible stop string): nothing to say yet
-        choice = s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=text or None, reasoning_content=thought or None,
-                                                                  reasoning=thought or None),
-                                   logprobs=self._logprobs(d.tokens),
-                                   finish_reason=None if d.finish_reason is None else _FINISH[d.finish_reason],
-                                   stop_reason=stop_reason(d))
-        return self._chunk([choice])
+        return s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=text or None, reasoning_content=thought or None,
+                                                                reasoning=thought or None),
+                                 logprobs=self._logprobs(d.tokens),
+                                 finish_reason=None if d.finish_reason is None else _FINISH[d.finish_reason],
+                                 stop_reason=stop_reason(d))
 
-    def _tool_chunk(self, index: int, d: Delta, text: str, thought: str) -> str | None:
+    def _tool_chunk(self, index: int, d: Delta, text: str, thought: str) -> s.ChatChunkChoice | None:
         stream = self.tool_streams[index]
         finished = d.finish_reason is not None
         calls_delta = stream.delta(text, finished) if text or finished or stream.started else None
@@ -181,7 +185,7 @@ class ChatRenderer(_Renderer):
                                                                   reasoning_content=thought or None,
                                                                   reasoning=thought or None),
                                    logprobs=self._logprobs(d.tokens), finish_reason=finish, stop_reason=stop_reason(d))
-        return self._chunk([choice])
+        return choice
 
     @staticmethod
     def _tool_finish(last: Delta, called: bool) -> str:
