@@ -7,9 +7,9 @@ responses_render.py (plain dicts in OpenAI's shape).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from scheduler.http.request_schemas import Count, Float, _Body
 
@@ -67,7 +67,19 @@ class ReasoningItem(_Body):
     status: str | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+def _item_type(value: Any) -> str | None:
+    """An input item's kind: its `type` ("message" when left out, as OpenAI's easy input messages do)."""
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return _TAGS.get(kind)  # (None: refused as no kind of item)
+
+
+# Tagged by `type`, so that a bad item is refused for its own fields (input.0.output), not for every kind's;
+# the tags are the class names, which error paths leave out (errors.validation_param)
+_TAGS = {"message": "MessageItem", "function_call": "FunctionCallItem",
+         "function_call_output": "FunctionCallOutputItem", "reasoning": "ReasoningItem"}
+InputItem = Annotated[Annotated[MessageItem, Tag("MessageItem")] | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+                      | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]
+                      | Annotated[ReasoningItem, Tag("ReasoningItem")], Discriminator(_item_type)]
 
 
 class FunctionTool(_Body):
