@@ -13,6 +13,7 @@ from scheduler.engine import speculation
 from scheduler.config import SchedulerConfig
 from scheduler.http import limits as http_limits
 from scheduler.pooling import config as pooling_config
+from scheduler.reasoning.registry import CHOICES as REASONING_PARSERS
 from scheduler.server import serve_async
 from tandem.security.config import add_server_flags, server_security
 
@@ -54,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--uds", help="also listen on this Unix domain socket path")
     ap.add_argument("--http-port", type=int, default=_D.http_port,
                     help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-                         "/v1/models, /health, /tokenize, /detokenize) on --host at this port (0 = any free port; "
+                         "/v1/responses, /v1/models, /health, /tokenize, /detokenize) on --host at this port (0 = any free port; "
                          "its URL is the last word of the READY line). Default: off")
     ap.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                     help="the names the base model answers to on the HTTP front (the request's `model`; GET "
@@ -64,6 +65,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="CORS on the HTTP front: web pages of these origins (e.g. https://app.example.com; * = any) "
                          "may call it from a browser; preflights are answered without a token, the calls still "
                          "need one with --auth-token-file. Default: none (browsers refuse cross-origin calls)")
+    ap.add_argument("--reasoning-parser", default=_D.reasoning_parser, choices=REASONING_PARSERS, metavar="NAME",
+                    help="split a thinking model's reasoning from its answer on the HTTP front (chat: "
+                         "message.reasoning_content and .reasoning, delta.reasoning_content; /v1/responses: a "
+                         f"reasoning item): {', '.join(REASONING_PARSERS[2:])} (vLLM's names), none, or auto = by "
+                         "the model's family and chat template (default). Structured output and tool calls then "
+                         "apply to the answer, after the thinking ends (docs/agents.md#reasoning)")
+    ap.add_argument("--responses-store-size", type=int, default=_D.responses_store_size, metavar="N",
+                    help="responses /v1/responses keeps in memory for previous_response_id (least recently used "
+                         "dropped first; a dropped or unknown id is 404; store: false keeps none); 0 = none "
+                         f"(default {_D.responses_store_size})")
     ap.add_argument("--chat-template", type=Path, metavar="FILE",
                     help="a Jinja chat template (as in tokenizer_config.json's chat_template) used for chat "
                          "requests instead of the model's own, e.g. for a model that has none. Default: the model's")
@@ -155,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                           executor_retry_s=args.executor_retry_s, connect_timeout_s=args.connect_timeout,
                           grace_s=args.grace, metrics_port=args.metrics_port, http_port=args.http_port,
                           served_model_names=tuple(args.served_model_name), allowed_origins=tuple(args.allowed_origins),
+                          reasoning_parser=args.reasoning_parser, responses_store_size=args.responses_store_size,
                           speculative=speculation.from_args(args), bursts=decode_bursts.from_args(args),
                           http_limits=http_limits.from_args(args), pooling=pooling_config.from_args(args),
                           security=server_security(args), executor_tls_ca=args.executor_tls_ca,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from scheduler.http.limits import HttpLimits
 from scheduler.pooling.config import PoolingConfig
+from scheduler.reasoning.registry import AUTO, CHOICES as REASONING_PARSERS
 from tandem.security.config import ServerSecurity
 
 
@@ -98,6 +99,11 @@ class SchedulerConfig:
     # empty: the model's directory name (GetInfo.model_id).
     served_model_names: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # CORS on the HTTP front: browser origins allowed ("*" = any); () = none
+    # Splits a thinking model's reasoning from its answer on the HTTP front (scheduler/reasoning/): a parser's
+    # name, "none", or "auto" (by the model's family and chat template).
+    reasoning_parser: str = AUTO
+    # Responses kept for /v1/responses' previous_response_id (least recently used dropped first); 0 = none.
+    responses_store_size: int = 1024
     # The HTTP front's read timeouts, connection caps and prompts per request (--http-*-timeout-s, ...).
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative and its flags
@@ -162,6 +168,11 @@ class SchedulerConfig:
                                  "characters, not only spaces)")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError("--served-model-name: a name is given twice")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"--responses-store-size must be >= 0, got {self.responses_store_size}")
         self.speculative.validate()
         self.bursts.validate()
         self.http_limits.validate()

@@ -51,6 +51,9 @@ class GenerateRequest:
     prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None = no prompt logprobs
     cache_salt: str = ""  # vLLM's cache_salt: requests of other salts never draft from this one's output
     pooling: PoolingSpec | None = None  # pooled (embedding, score): one Delta with `pooled`, no token
+    # The constraint applies after the output ends with these token ids (a thinking model's answer:
+    # scheduler/reasoning/); () = from the first token
+    constraint_after: tuple[int, ...] = ()
 
     def choices(self, n: int) -> list["GenerateRequest"]:
         """n independent requests of this one (OpenAI's and vLLM's `n`): their own ids (`<id>-<i>`), and seed + i

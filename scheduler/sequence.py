@@ -43,7 +43,8 @@ class Sequence:
         self.eos_token_ids = frozenset(() if stop.ignore_eos else eos_token_ids)  # the EOS ids that stop it
         self._max_len = min(len(request.prompt_ids) + stop.max_new_tokens, max_seq_len)
         # Structured output: the grammar state, advanced with each appended token (None = unconstrained)
-        self.constraint = TokenConstraint(request.constraint) if request.constraint is not None else None
+        self.constraint = (TokenConstraint(request.constraint, request.constraint_after)
+                           if request.constraint is not None else None)
         # Prompt logprobs gathered from the executor (positions 1 ..) until they go out with the first token;
         # a cache lost before that loses them too (the recompute asks again), never after (sent once).
         self.prompt_logprobs: list[TokenLogprob] = []

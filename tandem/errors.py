@@ -82,6 +82,11 @@ class Unsupported(TandemError):
     template)."""
 
 
+class ResponseNotFound(TandemError):
+    """A stored response id (the OpenAI front's previous_response_id) that this server does not hold: never
+    stored, stored with store false, or dropped from its bounded store."""
+
+
 class NotServed(TandemError):
     """A method of a protocol Tandem speaks that does something Tandem does not do (embeddings, say); the
     message names what. Answered UNIMPLEMENTED."""

@@ -6,7 +6,7 @@ import grpc
 
 from tandem.errors import (AdapterInUse, AdapterNotFound, BlocksNotCached, CacheNotFound, CacheStateConflict, CapacityExceeded,
                            CheckpointError, DataLoss, DeadlineExceeded, InvalidRequest, NotServed, PermissionDenied,
-                           PositionMismatch, RemoteError, SequenceTooLong, SessionNotFound, TandemError,
+                           PositionMismatch, RemoteError, ResponseNotFound, SequenceTooLong, SessionNotFound, TandemError,
                            Unauthenticated, Unavailable, Unsupported)
 
 STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
@@ -14,6 +14,7 @@ STATUS_OF: dict[type[TandemError], grpc.StatusCode] = {
     CacheNotFound: grpc.StatusCode.NOT_FOUND,
     AdapterNotFound: grpc.StatusCode.NOT_FOUND,
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    ResponseNotFound: grpc.StatusCode.NOT_FOUND,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     AdapterInUse: grpc.StatusCode.FAILED_PRECONDITION,

@@ -95,7 +95,7 @@ class StepMasks:
         todo = []
         for seq in running:
             c = seq.constraint
-            if c is not None and not seq.finished and seq.is_decoding:
+            if c is not None and c.active and not seq.finished and seq.is_decoding:
                 c.sync(seq.output_ids)
                 if c.mask is None and not c.error:
                     todo.append(c)
@@ -106,7 +106,7 @@ class StepMasks:
     async def attach(self, plan: "StepPlan", items: list["epb.UnifiedItem"]) -> None:
         """Sets allowed_tokens on the step's final items of constrained sequences (items: plan.items as sent)."""
         wanted = [(msg, item.seq) for msg, item in zip(items, plan.items)
-                  if item.is_final and item.seq.constraint is not None]
+                  if item.is_final and item.seq.constraint is not None and item.seq.constraint.active]
         if not wanted:
             return
         start = time.perf_counter()

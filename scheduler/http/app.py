@@ -3,7 +3,7 @@ body -> tandem.generate.v1 GenerateRequest (convert.py) -> the servicer's own si
 codec.request_from_pb (tokenizing and chat templating in the worker threads) -> fleet.submit (generation.py)
 -> OpenAI JSON or SSE chunks (render.py). Status codes come from errors.py; nothing here picks one.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health, POST /tokenize,
+Routes: POST /v1/chat/completions, POST /v1/responses (responses/route.py), POST /v1/completions, GET /v1/models[/{id}], GET /health, POST /tokenize,
 POST /detokenize, GET /metrics (only with a metrics hook; 404 otherwise).
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from scheduler.rpc import codec
 from scheduler.fleet.fleet import Fleet
-from scheduler.http import convert, errors, tool_calls
+from scheduler.http import convert, errors, reasoning_output, tool_calls
+from scheduler.http.responses import route as responses_route
 from scheduler.http import response_schemas as s
 from scheduler.http.request_schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                              TokenizeRequest)
@@ -31,7 +32,10 @@ from scheduler.http.errors import BadParameter
 from scheduler.http.generation import ClientGone, Generation
 from scheduler.http.limits import HttpLimits
 from scheduler.http.pooling_routes import add_pooling_routes
+from scheduler.http.responses.store import ResponseStore
 from scheduler.http.render import DONE, ChatRenderer, CompletionRenderer, TokenTexts, sse
+from scheduler.reasoning.parser import ReasoningParser
+from scheduler.reasoning.registry import choose as choose_reasoning
 from scheduler.request import GenerateRequest
 from scheduler.token_limits import Lease, TokenLimits, cost
 from tandem.errors import AdapterNotFound, InvalidRequest, Unavailable
@@ -51,8 +55,10 @@ def _json(payload: s.Out) -> Response:
 class _Front:
     """What the routes share: the fleet, the tokenizer workers, the token text cache, the per-token limits."""
 
-    def __init__(self, fleet: Fleet, workers: Executor | None, limits: TokenLimits, max_prompts: int) -> None:
+    def __init__(self, fleet: Fleet, workers: Executor | None, limits: TokenLimits, max_prompts: int,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.fleet = fleet
+        self.reasoning = reasoning  # the parser that splits thinking from answers (--reasoning-parser), or None
         self.workers = workers
         self.limits = limits
         self.max_prompts = max_prompts  # --max-prompts-per-request
@@ -86,14 +92,17 @@ class _Front:
         raise AdapterNotFound(f"the model {model[:_MAX_MODEL_CHARS]!r} does not exist; this server serves {served} "
                               "(GET /v1/models)")
 
-    async def requests(self, messages: list[pb.GenerateRequest], n: int) -> list[GenerateRequest]:
-        """Every choice's domain request, validated and tokenized as the gRPC servicer does (each prompt once)."""
+    async def requests(self, messages: list[pb.GenerateRequest], n: int,
+                       template_variables: dict | None = None) -> list[GenerateRequest]:
+        """Every choice's domain request, validated and tokenized as the gRPC servicer does (each prompt once).
+        template_variables: more variables for the chat template (chat_template_kwargs)."""
         fleet = self.fleet
         for m in messages:
             codec.check_input_size(m, fleet.cfg.max_prompt_chars)
         info = fleet.info
         done = await asyncio.gather(*(self.off_loop(codec.request_from_pb, m, fleet.tokenizer, info,
-                                                    fleet.cfg.default_max_new_tokens, fleet.grammars)
+                                                    fleet.cfg.default_max_new_tokens, fleet.grammars,
+                                                    template_variables)
                                       for m in messages))
         return [choice for r in done for choice in r.choices(n)]
 
@@ -155,7 +164,10 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
     down). metrics: the /metrics body, or None (404). authenticator: bearer tokens (None or off: none asked);
     limits: per-token shares of the completion routes. allowed_origins: CORS (--allowed-origins). http_limits:
     prompts per request (the connection limits are the server's: serve.py)."""
-    front = _Front(fleet, workers, limits or TokenLimits(), (http_limits or HttpLimits()).max_prompts)
+    tok = fleet.tokenizer
+    reasoning = choose_reasoning(fleet.cfg.reasoning_parser, fleet.info.architecture, tok.chat_template,
+                                 tok.encode_plain)
+    front = _Front(fleet, workers, limits or TokenLimits(), (http_limits or HttpLimits()).max_prompts, reasoning)
     app = FastAPI(title="Tandem scheduler (OpenAI-compatible)", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if authenticator is not None and authenticator.on:  # before a byte of body is read
@@ -164,21 +176,29 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
         app.add_middleware(Cors, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     errors.install(app)
+    responses_route.install(app, front, ResponseStore(fleet.cfg.responses_store_size))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         n = body.n or 1
         opts = body.stream_options
 
+        split: list[reasoning_output.ChoiceReasoning | None] = [None]
+
         async def requests() -> list[GenerateRequest]:
             adapter = await front.adapter_for(body.model)
-            return await front.requests([convert.chat_request(body, adapter)], n)
+            m = convert.chat_request(body, adapter)
+            if front.reasoning is not None and front.reasoning.keep_special_tokens:
+                m.keep_special_tokens = True  # (its markers are special tokens)
+            made = await front.requests([m], n, convert.template_variables(body))
+            made, split[0] = reasoning_output.prepare(front.reasoning, made, body.include_reasoning is not False)
+            return made
 
         def renderer(requests: list[GenerateRequest]) -> ChatRenderer:
             return ChatRenderer(front.model_of(requests), len(requests), n, front.texts,
                                 bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
                                 logprobs=bool(body.logprobs), tool_mode=tool_calls.tool_mode(body),
-                                prompt_logprobs=body.prompt_logprobs is not None)
+                                prompt_logprobs=body.prompt_logprobs is not None, reasoning=split[0])
 
         return await front.generate(n, requests, renderer, request, bool(body.stream))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from scheduler.http import tool_calls
 from scheduler.http.errors import BadParameter
@@ -120,6 +121,22 @@ def chat_request(body: ChatCompletionRequest, adapter: str) -> pb.GenerateReques
         common["constraint"] = tool_calls.constraint(body, mode)
     return pb.GenerateRequest(messages=chat_messages(body.messages, tool_calls.tools_pb(body)),
                               prompt_logprobs=body.prompt_logprobs, **common)
+
+
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt")  # variables the server sets itself
+
+
+def template_variables(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's variables a request adds: chat_template_kwargs (vLLM's; e.g. enable_thinking) and
+    reasoning_effort (OpenAI's, which gpt-oss templates read, as vLLM passes it)."""
+    out = dict(body.chat_template_kwargs or {})
+    for key in _TEMPLATE_OWN:
+        if key in out:
+            raise BadParameter(f"chat_template_kwargs.{key}", f"chat_template_kwargs cannot set {key!r}: the server "
+                               "sets it from the request itself")
+    if body.reasoning_effort is not None:
+        out.setdefault("reasoning_effort", body.reasoning_effort)
+    return out
 
 
 def prompts(body: CompletionRequest, max_prompts: int = HttpLimits.max_prompts) -> list[str | list[int]]:

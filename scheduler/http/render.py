@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from scheduler.http import response_schemas as s
 from scheduler.http.prompt_echo import echo_logprobs, vllm_prompt_logprobs
+from scheduler.http.reasoning_output import ChoiceReasoning
 from scheduler.http.tool_calls import ToolCallStream, ToolMode, calls
 from scheduler.request import Delta, FinishReason, TokenLogprob
 from scheduler.request import Usage as DomainUsage
@@ -115,10 +116,13 @@ class ChatRenderer(_Renderer):
     prefix = "chatcmpl"
 
     def __init__(self, *args, logprobs: bool, tool_mode: ToolMode | None = None, prompt_logprobs: bool = False,
-                 **kw) -> None:
+                 reasoning: ChoiceReasoning | None = None, **kw) -> None:
         """tool_mode: the output is a tool call (scheduler/http/tool_calls.py), answered as tool_calls.
-        prompt_logprobs: the whole response carries vLLM's prompt_logprobs (of its one prompt)."""
+        prompt_logprobs: the whole response carries vLLM's prompt_logprobs (of its one prompt). reasoning: the
+        outputs' thinking goes to reasoning_content (and vLLM's newer `reasoning`), the answer to content (and
+        the tool calls)."""
         super().__init__(*args, **kw)
+        self.reasoning = reasoning
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.tool_mode = tool_mode
@@ -141,31 +145,47 @@ class ChatRenderer(_Renderer):
                                                logprobs=None, finish_reason=None)])
                 for i in range(len(self.text))]
 
-    def chunk(self, index: int, d: Delta) -> str | None:
-        self.note(index, d)
-        if self.tool_mode is not None:
-            return self._tool_chunk(index, d)
-        if not d.text and d.finish_reason is None and not (self.logprobs and d.tokens):
-            return None  # text held back (a possible stop string): nothing to say yet
-        choice = s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=d.text or None),
-                                   logprobs=self._logprobs(d.tokens),
-                                   finish_reason=None if d.finish_reason is None else _FINISH[d.finish_reason],
-                                   stop_reason=stop_reason(d))
-        return self._chunk([choice])
+    def _split(self, index: int, d: Delta) -> tuple[str, str]:
+        """(answer text, reasoning text) of a delta."""
+        if self.reasoning is None:
+            return d.text, ""
+        piece = self.reasoning.delta(index, d.text, d.finish_reason is not None)
+        return piece.content, piece.reasoning
 
-    def _tool_chunk(self, index: int, d: Delta) -> str | None:
+    def chunk(self, index: int, d: Delta) -> str | None:
+        choice = self.chunk_choice(index, d)
+        return None if choice is None else self._chunk([choice])
+
+    def chunk_choice(self, index: int, d: Delta) -> s.ChatChunkChoice | None:
+        """The stream choice this delta makes (None: nothing to say yet); /v1/responses turns it into events."""
+        self.note(index, d)
+        text, thought = self._split(index, d)
+        if self.tool_mode is not None:
+            return self._tool_chunk(index, d, text, thought)
+        if not text and not thought and d.finish_reason is None and not (self.logprobs and d.tokens):
+            return None  # text held back (a possible stop string): nothing to say yet
+        return s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=text or None, reasoning_content=thought or None,
+                                                                reasoning=thought or None),
+                                 logprobs=self._logprobs(d.tokens),
+                                 finish_reason=None if d.finish_reason is None else _FINISH[d.finish_reason],
+                                 stop_reason=stop_reason(d))
+
+    def _tool_chunk(self, index: int, d: Delta, text: str, thought: str) -> s.ChatChunkChoice | None:
         stream = self.tool_streams[index]
         finished = d.finish_reason is not None
-        calls_delta = stream.delta(d.text, finished)
+        calls_delta = stream.delta(text, finished) if text or finished or stream.started else None
         content = None
         if finished and stream.mode.name is None and calls_delta is None:
             content = stream.text or None  # "required" cut before its array closed: the text as it is
-        if calls_delta is None and content is None and not finished and not (self.logprobs and d.tokens):
+        if (calls_delta is None and content is None and not thought and not finished
+                and not (self.logprobs and d.tokens)):
             return None
         finish = None if not finished else self._tool_finish(d, content is None)
-        choice = s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=content, tool_calls=calls_delta),
+        choice = s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=content, tool_calls=calls_delta,
+                                                                  reasoning_content=thought or None,
+                                                                  reasoning=thought or None),
                                    logprobs=self._logprobs(d.tokens), finish_reason=finish, stop_reason=stop_reason(d))
-        return self._chunk([choice])
+        return choice
 
     @staticmethod
     def _tool_finish(last: Delta, called: bool) -> str:
@@ -176,11 +196,17 @@ class ChatRenderer(_Renderer):
 
     def _message(self, i: int) -> tuple[s.ChatMessageOut, bool]:
         """Choice i's message, and whether it is tool calls."""
+        content: str | None = self.text[i]
+        thought = None
+        if self.reasoning is not None:
+            split = self.reasoning.whole(i, self.text[i])
+            content, thought = split.content, split.reasoning
         if self.tool_mode is not None:
-            made = calls(self.tool_mode, self.text[i])
+            made = calls(self.tool_mode, content or "")
             if made is not None:
-                return s.ChatMessageOut(content=None, tool_calls=made), True
-        return s.ChatMessageOut(content=self.text[i]), False
+                return s.ChatMessageOut(content=None, tool_calls=made, reasoning_content=thought,
+                                        reasoning=thought), True
+        return s.ChatMessageOut(content=content, reasoning_content=thought, reasoning=thought), False
 
     def whole(self) -> s.ChatCompletion:
         choices = []

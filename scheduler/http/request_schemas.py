@@ -117,6 +117,7 @@ class ChatMessageIn(_Body):
     audio: None = None  # (audio output is never produced, so a real one cannot come back)
     function_call: None = None  # (the legacy functions API is not served: only null comes back)
     reasoning_content: str | None = None  # vLLM's reasoning field, as its responses carry it
+    reasoning: str | None = None  # (its newer name, vLLM >= 0.11.1)
 
 
 class FunctionIn(_Body):
@@ -198,6 +199,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolIn] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # unset: "auto" with tools
     parallel_tool_calls: bool | None = None  # with "required": false = exactly one call
+    # more variables for the chat template (vLLM's), e.g. {"enable_thinking": false} for Qwen3 / SmolLM3
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool | None = None  # vLLM's: false leaves the reasoning out (unset = true)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's: the template's reasoning_effort
 
 
 class CompletionRequest(SamplingFields):

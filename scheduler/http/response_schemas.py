@@ -81,6 +81,10 @@ class ChatMessageOut(Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    # The thinking of a reasoning model (--reasoning-parser): vLLM's reasoning_content, and since vLLM 0.11.1
+    # `reasoning` (OpenAI's guidance for chat completions) with the same text; null without thinking.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionCallDelta(Out):
@@ -117,6 +121,8 @@ class ChatDelta(Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # (as ChatMessageOut's)
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(Out):

@@ -4,6 +4,7 @@ executor-facing half (tandem.executor.v1) is scheduler/engine/executor_codec.py.
 from __future__ import annotations
 
 import uuid
+from typing import Any, Mapping
 
 from scheduler.executor.info import ExecutorInfo, ExecutorStats
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
@@ -41,7 +42,9 @@ def check_input_size(m: pb.GenerateRequest | pb.TokenizeRequest, max_chars: int)
                                  f"{max_chars} (--max-prompt-chars)")
 
 
-def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTokenizer, vocab_size: int) -> list[int]:
+def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTokenizer, vocab_size: int,
+                       template_variables: Mapping[str, Any] | None = None) -> list[int]:
+    """template_variables: more variables for the chat template (the HTTP front's chat_template_kwargs)."""
     kind = m.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("the request has no input: set one of text, token_ids or messages")
@@ -57,7 +60,8 @@ def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTok
     else:
         if not m.messages.messages:
             raise InvalidRequest("input messages is empty: give at least one {role, content}")
-        ids = tok.encode_chat(messages_from_pb(m.messages.messages), tools_from_pb(m.messages.tools))
+        ids = tok.encode_chat(messages_from_pb(m.messages.messages), tools_from_pb(m.messages.tools),
+                              template_variables)
     if not ids:
         raise InvalidRequest(f"input {kind} is empty (it tokenizes to no tokens)")
     return ids
@@ -121,9 +125,10 @@ def compile_constraint(m: pb.GenerateRequest, info: ExecutorInfo,
 
 
 def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorInfo,
-                    default_max_new: int, grammars: GrammarCompiler | None = None) -> GenerateRequest:
+                    default_max_new: int, grammars: GrammarCompiler | None = None,
+                    template_variables: Mapping[str, Any] | None = None) -> GenerateRequest:
     """The validated, tokenized request (run off the event loop: tokenizing and compiling a constraint take
-    time). grammars: the fleet's (None: a constraint is refused)."""
+    time). grammars: the fleet's (None: a constraint is refused). template_variables: see prompt_ids_from_pb."""
     if len(m.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id has {len(m.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     if m.top_logprobs > MAX_TOP_LOGPROBS:
@@ -133,7 +138,7 @@ def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorIn
     if m.adapter and m.adapter not in info.adapters:
         raise AdapterNotFound(f"unknown adapter {m.adapter!r}; loaded: {sorted(info.adapters) or 'none'}")
     sampling = sampling_params_from_pb(m.sampling, info.vocab_size)
-    prompt = prompt_ids_from_pb(m, tok, info.vocab_size)
+    prompt = prompt_ids_from_pb(m, tok, info.vocab_size, template_variables)
     stopping = stopping_from_pb(m.stopping, len(prompt), info.max_seq_len, default_max_new, info.vocab_size)
     return GenerateRequest(m.request_id or uuid.uuid4().hex, tuple(prompt), stopping, sampling, m.adapter,
                            m.top_logprobs, m.keep_special_tokens, compile_constraint(m, info, grammars),

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -154,25 +154,36 @@ class ModelTokenizer:
         """The id of a vocabulary entry (as transformers' convert_tokens_to_ids), None if it has none."""
         return self._tok.token_to_id(token)
 
-    def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = (),
+                    variables: Mapping[str, Any] | None = None) -> str:
+        """The template's text for messages and tools; variables: more of the template's variables (a request's
+        chat_template_kwargs, e.g. enable_thinking), which never replace messages, tools or
+        add_generation_prompt."""
         if self._compiled is None:
             raise Unsupported(f"model {self.model_dir.name!r} has no chat template (tokenizer_config.json "
                               "chat_template, chat_template.jinja or a GGUF file's tokenizer.chat_template; the "
                               "scheduler's --chat-template gives one); send text or token_ids instead")
         try:
             # (tools=None without tools, as transformers passes it: templates test `if tools`)
-            return self._compiled.render(messages=[_template_message(m) for m in messages],
-                                         tools=[_template_tool(t) for t in tools] or None,
-                                         add_generation_prompt=True, **self._template_vars)
+            return self._compiled.render({**self._template_vars, **(variables or {}),
+                                          "messages": [_template_message(m) for m in messages],
+                                          "tools": [_template_tool(t) for t in tools] or None,
+                                          "add_generation_prompt": True})
         except _TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the chat template failed on these messages: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = (),
+                    variables: Mapping[str, Any] | None = None) -> list[int]:
         """The rendered template's ids. The template writes its own special tokens, so none are added
         (as `apply_chat_template(tokenize=True)` does)."""
-        return self._tok.encode_batch([self.render_chat(messages, tools)], add_special_tokens=False)[0].ids
+        return self._tok.encode_batch([self.render_chat(messages, tools, variables)],
+                                      add_special_tokens=False)[0].ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of text without the special tokens the post-processor adds (a marker's ids)."""
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     # ----------------------------------------------------------------- decoding
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -253,3 +253,19 @@ def test_no_token_or_prompt_in_the_logs(secure, secure_executor):
         assert "security: TLS on" in log
         for secret in (SCHEDULER_AT_EXECUTOR, ADMIN, ALICE, BOB, PROMPT):
             assert secret not in log
+
+
+def test_responses_need_a_user_token_and_stored_ones_stay_with_theirs(secure, pki):
+    """/v1/responses under the same auth as the other completion routes; a stored response is another token's
+    404 (previous_response_id), as if it did not exist."""
+    url = secure.process.http_url
+    body = {"input": "hi", "max_output_tokens": 2}
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca)), timeout=30) as http:
+        assert http.post(f"{url}/v1/responses", json=body).status_code == 401
+        made = http.post(f"{url}/v1/responses", json=body, headers={"authorization": f"Bearer {ALICE}"})
+        assert made.status_code == 200 and made.json()["status"] in ("completed", "incomplete")
+        follow = {**body, "previous_response_id": made.json()["id"]}
+        assert http.post(f"{url}/v1/responses", json=follow,
+                         headers={"authorization": f"Bearer {BOB}"}).status_code == 404
+        assert http.post(f"{url}/v1/responses", json=follow,
+                         headers={"authorization": f"Bearer {ALICE}"}).status_code == 200

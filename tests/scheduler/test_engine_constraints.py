@@ -145,3 +145,28 @@ def test_a_schema_nested_too_deep_is_invalid_not_internal(grammars):
         grammars.compile(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(deep)))
     with pytest.raises(InvalidRequest, match="not valid JSON"):
         grammars.compile(ConstraintSpec(ConstraintKind.JSON_SCHEMA, "[" * 100_000 + "]" * 100_000))
+
+
+def test_a_constraint_after_a_marker_leaves_the_tokens_before_it_free(model_dir, tokenizer, grammars):
+    """constraint_after (a thinking model's answer, scheduler/reasoning/): the tokens up to and including the
+    marker are the free run's, the rest follows the grammar; preemption and recompute keep the tokens; a marker
+    that never comes leaves the whole output free."""
+    free = GenerateRequest("free", tuple(PROMPTS[0]), StoppingCriteria(24))
+    (plain,), _ = asyncio.run(run(InProcessExecutorClient(make_executor(model_dir, kv_blocks=64)), tokenizer, [free]))
+    ids = tokens(plain)
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # a token's first appearance
+    words = grammars.compile(ConstraintSpec(ConstraintKind.REGEX, WORDS))
+    gated = dataclasses.replace(free, request_id="gated", constraint=words, constraint_after=(ids[at],))
+    never = dataclasses.replace(free, request_id="never", constraint=words, constraint_after=(ids[at], 10**6))
+    (got, dormant), _ = asyncio.run(run(InProcessExecutorClient(make_executor(model_dir, kv_blocks=64)), tokenizer,
+                                        [gated, never]))
+    assert tokens(got)[:at + 1] == ids[:at + 1]
+    assert got[-1].finish_reason is FinishReason.STOP
+    assert re.fullmatch(WORDS, tokenizer.decode(tokens(got)[at + 1:])), tokenizer.decode(tokens(got)[at + 1:])
+    assert tokens(dormant) == ids
+    four = [dataclasses.replace(gated, request_id=f"g{k}", prompt_ids=tuple(PROMPTS[k])) for k in range(4)]
+    roomy, _ = asyncio.run(run(InProcessExecutorClient(make_executor(model_dir, kv_blocks=64)), tokenizer, four))
+    small = InProcessExecutorClient(make_executor(model_dir, kv_blocks=7))
+    squeezed, _ = asyncio.run(run(small, tokenizer, four, prefill_chunk=8, max_batch_tokens=16))
+    assert sum(e[-1].usage.preemptions for e in squeezed) > 0
+    assert [tokens(e) for e in squeezed] == [tokens(e) for e in roomy] and tokens(roomy[0]) == tokens(got)

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API on the HTTP front: its route, schemas, conversion, rendering and response store."""
