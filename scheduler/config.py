@@ -59,6 +59,9 @@ class SchedulerConfig:
     uds: str | None = None  # also listen on this Unix socket
     tokenizer: str | None = None  # dir with tokenizer.json; None = the model dir the executor reports
     chat_template: Path | None = None  # a Jinja chat template file used instead of the model's own
+    # tool_choice "auto": the tool-call syntax read (scheduler/tool_parsers/registry.py: hermes, llama3_json,
+    # mistral, openai; "none" = off); None = the one the chat template shows, if any
+    tool_call_parser: str | None = None
     max_batch_tokens: int = 2048  # tokens per step (decodes + prefill chunks), capped by the executor's limit
     max_running: int = 64  # sequences decoding or prefilling at once
     prefill_chunk: int = 512  # most prompt tokens of one sequence per step
