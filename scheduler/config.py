@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler.http.limits import HttpLimits
+from scheduler.tool_parsers.registry import NAMES as TOOL_PARSERS
 from tandem.security.config import ServerSecurity
 
 
@@ -132,6 +133,9 @@ class SchedulerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
             raise ValueError(f"--max-concurrent-rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if not self.max_queue_time_s > 0:  # also rejects NaN
             raise ValueError(f"--max-queue-time must be > 0 seconds, got {self.max_queue_time_s}")
         if not self.resolve_interval_s > 0:

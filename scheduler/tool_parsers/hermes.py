@@ -14,7 +14,7 @@ an object (or names no tool) is left in the content as written.
 """
 from __future__ import annotations
 
-from scheduler.tool_parsers.json_prefix import skip_ws
+from scheduler.tool_parsers.json_prefix import Memo, skip_ws
 from scheduler.tool_parsers.syntax import Call, Piece, Syntax, Text, held_suffix, read_call_object
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -24,7 +24,7 @@ class Hermes(Syntax):
     name = "hermes"
     markers = (OPEN, CLOSE)
 
-    def scan(self, text: str, final: bool, tools: frozenset[str]) -> list[Piece]:
+    def scan(self, text: str, final: bool, tools: frozenset[str], memo: Memo | None = None) -> list[Piece]:
         pieces: list[Piece] = []
         i = 0
         while True:
@@ -37,7 +37,7 @@ class Hermes(Syntax):
             if at > i:
                 pieces.append(Text(text[i:at]))
             body = at + len(OPEN)
-            obj = read_call_object(text, body, tools, final)
+            obj = read_call_object(text, body, tools, final, memo)
             if obj.state == "undecided":
                 return pieces
             if obj.state == "text":  # not a call: the tag stays in the text as written

@@ -56,18 +56,28 @@ def string_end(text: str, i: int) -> Extent:
         i = m.end()
 
 
-def value_end(text: str, start: int) -> Extent:
-    """The extent of the JSON value that begins at text[start] (after whitespace)."""
+Memo = dict[int, tuple[int, tuple[str, ...], str]]
+
+
+def value_end(text: str, start: int, memo: Memo | None = None) -> Extent:
+    """The extent of the JSON value that begins at text[start] (after whitespace). memo: where scans of this text
+    stopped, by start (valid while the text only grows at its end, as a streamed output does): a value read
+    again as its text grows resumes at the token it stopped in instead of reading it all again."""
     stack: list[str] = []  # "{" or "[" of the containers open
     # what the next token may be: "value", "key" (or "}"), "colon", "after" (a "," or the container's close),
     # "value_or_close" (just after "["), "key_or_close" (just after "{")
     want = "value"
     i = start
+    if memo is not None and start in memo:
+        i, opened, want = memo[start]
+        stack = list(opened)
     n = len(text)
     while True:
         i = skip_ws(text, i)
         if i >= n:
             return Extent(Reach.PARTIAL, n)
+        if memo is not None:
+            memo[start] = (i, tuple(stack), want)  # (the state before this token: resumable however it ends)
         c = text[i]
         if want in ("key", "key_or_close"):
             if c == "}" and want == "key_or_close":

@@ -12,7 +12,7 @@ the calls is content.
 """
 from __future__ import annotations
 
-from scheduler.tool_parsers.json_prefix import skip_ws
+from scheduler.tool_parsers.json_prefix import Memo, skip_ws
 from scheduler.tool_parsers.syntax import Call, Piece, Syntax, Text, read_call_object
 
 PYTHON_TAG = "<|python_tag|>"
@@ -22,7 +22,7 @@ class Llama3Json(Syntax):
     name = "llama3_json"
     markers = (PYTHON_TAG,)
 
-    def scan(self, text: str, final: bool, tools: frozenset[str]) -> list[Piece]:
+    def scan(self, text: str, final: bool, tools: frozenset[str], memo: Memo | None = None) -> list[Piece]:
         i = skip_ws(text, 0)
         if text.startswith(PYTHON_TAG, i):
             i = skip_ws(text, i + len(PYTHON_TAG))
@@ -33,7 +33,7 @@ class Llama3Json(Syntax):
         pieces: list[Piece] = []
         start = 0  # where the text not yet given to a piece begins
         while True:
-            obj = read_call_object(text, i, tools, final)
+            obj = read_call_object(text, i, tools, final, memo)
             if obj.state == "undecided":
                 return pieces
             if obj.state == "text":

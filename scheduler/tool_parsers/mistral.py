@@ -15,7 +15,7 @@ import random
 import re
 import string
 
-from scheduler.tool_parsers.json_prefix import Reach, skip_ws, value_end
+from scheduler.tool_parsers.json_prefix import Memo, Reach, skip_ws, value_end
 from scheduler.tool_parsers.syntax import Call, Piece, Syntax, Text, held_suffix, read_call_object
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -31,7 +31,7 @@ class Mistral(Syntax):
     def call_id(self) -> str:
         return "".join(random.choices(_ALNUM, k=9))
 
-    def scan(self, text: str, final: bool, tools: frozenset[str]) -> list[Piece]:
+    def scan(self, text: str, final: bool, tools: frozenset[str], memo: Memo | None = None) -> list[Piece]:
         at = text.find(TOOL_CALLS)
         if at < 0:
             end = len(text) if final else len(text) - held_suffix(text, (TOOL_CALLS,))
@@ -41,15 +41,15 @@ class Mistral(Syntax):
         if i >= len(text):
             return pieces + ([Text(text[at:])] if final else [])
         if text[i] == "[":
-            return pieces + _array(text, at, i + 1, tools, final)
-        return pieces + _named(text, at, tools, final)
+            return pieces + _array(text, at, i + 1, tools, final, memo)
+        return pieces + _named(text, at, tools, final, memo)
 
 
-def _array(text: str, at: int, i: int, tools: frozenset[str], final: bool) -> list[Piece]:
+def _array(text: str, at: int, i: int, tools: frozenset[str], final: bool, memo: Memo | None) -> list[Piece]:
     """[{call}, {call}, ...] from text[i] (just past the "[")."""
     pieces: list[Piece] = []
     while True:
-        obj = read_call_object(text, i, tools, final)
+        obj = read_call_object(text, i, tools, final, memo)
         if obj.state == "undecided":
             return pieces
         if obj.state == "text":  # not a call: from [TOOL_CALLS] on (or after the calls before it) it is text
@@ -71,7 +71,7 @@ def _array(text: str, at: int, i: int, tools: frozenset[str], final: bool) -> li
         return pieces + [Call(obj.name, obj.arguments, broken=text[at:], tail=text[obj.args_end:])]
 
 
-def _named(text: str, at: int, tools: frozenset[str], final: bool) -> list[Piece]:
+def _named(text: str, at: int, tools: frozenset[str], final: bool, memo: Memo | None) -> list[Piece]:
     """name[ARGS]{...}, repeated after [TOOL_CALLS], from text[at] (the first [TOOL_CALLS])."""
     pieces: list[Piece] = []
     i = at
@@ -93,7 +93,7 @@ def _named(text: str, at: int, tools: frozenset[str], final: bool) -> list[Piece
             return pieces + [Text(text[start:])]
         if a >= len(text):
             return pieces + ([Text(text[start:])] if final else [])
-        e = value_end(text, a)
+        e = value_end(text, a, memo)
         if e.reach is Reach.PARTIAL:
             if final:
                 return pieces + [Call(name, text[a:e.end], broken=text[start:], tail="")]

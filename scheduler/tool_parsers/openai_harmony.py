@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from scheduler.tool_parsers.json_prefix import Reach, skip_ws, value_end
+from scheduler.tool_parsers.json_prefix import Memo, Reach, skip_ws, value_end
 from scheduler.tool_parsers.syntax import Call, Piece, Syntax, Text, held_suffix
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -36,7 +36,7 @@ class OpenAIHarmony(Syntax):
     name = "openai"
     markers = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
 
-    def scan(self, text: str, final: bool, tools: frozenset[str]) -> list[Piece]:
+    def scan(self, text: str, final: bool, tools: frozenset[str], memo: Memo | None = None) -> list[Piece]:
         pieces: list[Piece] = []
         i = 0
         while i < len(text):
@@ -62,7 +62,7 @@ class OpenAIHarmony(Syntax):
             channel = _CHANNEL.search(header)
             name = recipient.group(1).removeprefix("functions.") if recipient else None
             if recipient and recipient.group(1).startswith("functions.") and name in tools:
-                piece, done = _call(text, i, body, end, name, final)
+                piece, done = _call(text, i, body, end, name, final, memo)
                 pieces.append(piece)
                 if not done:
                     return pieces
@@ -78,7 +78,8 @@ class OpenAIHarmony(Syntax):
         return pieces
 
 
-def _call(text: str, start: int, body: int, end: int, name: str, final: bool) -> tuple[Call, bool]:
+def _call(text: str, start: int, body: int, end: int, name: str, final: bool,
+          memo: Memo | None) -> tuple[Call, bool]:
     """The call a message's body makes, and whether the message is over (complete or broken at its end)."""
     stop = end if end >= 0 else len(text)
     a = skip_ws(text, body)
@@ -86,7 +87,7 @@ def _call(text: str, start: int, body: int, end: int, name: str, final: bool) ->
         if end >= 0 or final:  # no arguments at all
             return Call(name, "{}", done=True), True
         return Call(name, ""), False
-    e = value_end(text[:stop], a)
+    e = value_end(text[:stop], a, memo)
     args = text[a:e.end]
     if text[a] != "{" or e.reach is Reach.BROKEN:
         return Call(name, "" if text[a] != "{" else args, broken=text[start:stop], tail=text[e.end:stop]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from scheduler.tool_parsers.json_prefix import Memo
 from scheduler.tool_parsers.syntax import Call, Piece, Syntax, Text, held_suffix
 
 
@@ -85,6 +86,7 @@ class ToolCallReader:
         self.max_calls = max_calls
         self._strip = strip
         self.text = ""
+        self._memo: Memo = {}  # (the text only grows: JSON read before is not read again)
         self._sent = _Sent()
         self.done_calls = 0  # calls complete so far (streamed)
 
@@ -94,7 +96,7 @@ class ToolCallReader:
     def feed(self, text: str, final: bool = False) -> Update:
         """The deltas to stream for this much more text (final: no more follows)."""
         self._add(text, final)
-        pieces = self._limit(self.syntax.scan(self.text, final, self.tools))
+        pieces = self._limit(self.syntax.scan(self.text, final, self.tools, self._memo))
         content, calls = _content(pieces, final, whole=False), [p for p in pieces if isinstance(p, Call)]
         sent = self._sent
         if not content.startswith(sent.content):  # (a scan only adds; never send a content that contradicts it)

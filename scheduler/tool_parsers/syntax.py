@@ -4,8 +4,9 @@ calls), the base class of a syntax, and the reading of a call written as a JSON 
 
 A scan reads the text seen so far and returns the pieces it has decided, in order; what it cannot decide yet (the
 start of a marker, a call whose name has not come) is left out until more text decides it. `final` says that no
-text follows. A call whose name and the start of its arguments came is a call from then on: if its text breaks later (its arguments stop
-being JSON, or the output ends first), the Call says so (`broken`) and the reader decides what the client sees.
+text follows. A call whose name and the start of its arguments came is a call from then on: if its text breaks
+later (its arguments stop being JSON, or the output ends first), the Call says so (`broken`) and the reader
+decides what the client sees.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from scheduler.tool_parsers.json_prefix import Reach, skip_ws, string_end, value_end
+from scheduler.tool_parsers.json_prefix import Memo, Reach, skip_ws, string_end, value_end
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Syntax:
     name = ""
     markers: tuple[str, ...] = ()
 
-    def scan(self, text: str, final: bool, tools: frozenset[str]) -> list[Piece]:
+    def scan(self, text: str, final: bool, tools: frozenset[str], memo: Memo | None = None) -> list[Piece]:
+        """The pieces of text decided so far. memo: the reader's, for JSON values read again as the text grows."""
         raise NotImplementedError
 
     def call_id(self) -> str:
@@ -94,12 +96,12 @@ class _Reading:
         self.arguments, self.args_end = text[start:end], end
 
 
-def read_call_object(text: str, i: int, tools: frozenset[str], final: bool,
+def read_call_object(text: str, i: int, tools: frozenset[str], final: bool, memo: Memo | None = None,
                      args_keys: tuple[str, ...] = ("arguments", "parameters")) -> CallObject:
     """Reads {"name": <a tool's name>, "arguments": {...}} starting at text[i] (after whitespace); "type": "function"
     may be there too (Llama 3.2 writes it). Keys in any order; the name must be one of the tools. Once final, an
     object still open is not a call (no name yet) or broken."""
-    out = _read(text, i, tools, args_keys)
+    out = _read(text, i, tools, args_keys, memo)
     if final and out.state == "undecided":
         return CallObject("text")
     if final and out.state == "call":
@@ -107,7 +109,7 @@ def read_call_object(text: str, i: int, tools: frozenset[str], final: bool,
     return out
 
 
-def _read(text: str, i: int, tools: frozenset[str], args_keys: tuple[str, ...]) -> CallObject:
+def _read(text: str, i: int, tools: frozenset[str], args_keys: tuple[str, ...], memo: Memo | None) -> CallObject:
     i = skip_ws(text, i)
     if i >= len(text):
         return CallObject("undecided")
@@ -170,7 +172,7 @@ def _read(text: str, i: int, tools: frozenset[str], args_keys: tuple[str, ...]) 
             continue
         if text[i] != "{":
             return r.refused(i)
-        e = value_end(text, i)
+        e = value_end(text, i, memo)
         r.args(text, i, e.end)
         if e.reach is Reach.PARTIAL:
             return r.progress()

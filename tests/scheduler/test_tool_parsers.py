@@ -197,3 +197,26 @@ def test_a_hermes_template_renders_earlier_calls_and_their_results():
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
     assert json.loads(text.split("<tools>\n")[1].split("\n</tools>")[0])["function"]["name"] == "get_weather"
+
+
+def test_long_arguments_are_read_once_however_many_deltas(monkeypatch):
+    """Each delta re-reads the text, but a JSON value read before resumes where it stopped (the reader's memo): a
+    call of thousands of JSON tokens streamed in token-sized pieces reads each token about once, not once per
+    delta (counted: the scanner's steps; without the memo they grow with tokens x deltas, seconds of CPU)."""
+    from scheduler.tool_parsers import json_prefix
+
+    steps = 0
+    skip = json_prefix.skip_ws
+
+    def counted(text, i):
+        nonlocal steps
+        steps += 1
+        return skip(text, i)
+
+    monkeypatch.setattr(json_prefix, "skip_ws", counted)
+    arguments = json.dumps({"rows": [{"k": i, "v": "x"} for i in range(400)]})
+    text = f'<tool_call>\n{{"name": "get_time", "arguments": {arguments}}}\n</tool_call>'
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    assert _streamed(Hermes(), QWEN_SPECIALS, pieces) == (None, [("get_time", arguments)], 1)
+    tokens = 400 * 10  # ({"k": 1, "v": "x"}: ten tokens each)
+    assert steps < 3 * tokens + 2 * len(pieces), steps
