@@ -14,6 +14,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.http import limits as http_limits
 from scheduler.pooling import config as pooling_config
 from scheduler.reasoning.registry import CHOICES as REASONING_PARSERS
+from scheduler.tool_parsers.registry import NAMES as TOOL_PARSERS
 from scheduler.server import serve_async
 from tandem.security.config import add_server_flags, server_security
 
@@ -78,6 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chat-template", type=Path, metavar="FILE",
                     help="a Jinja chat template (as in tokenizer_config.json's chat_template) used for chat "
                          "requests instead of the model's own, e.g. for a model that has none. Default: the model's")
+    ap.add_argument("--tool-call-parser", choices=TOOL_PARSERS, metavar="NAME",
+                    help="how the model writes tool calls, for tool_choice \"auto\" on the HTTP front (OpenAI's "
+                         "default when a request gives tools): hermes (<tool_call>{json}</tool_call>: Qwen2.5, "
+                         "Qwen3, Hermes, SmolLM3), llama3_json (Llama 3.x JSON calls), mistral ([TOOL_CALLS]), "
+                         "openai (GPT-OSS harmony), or none (\"auto\" refused). vLLM's names. Default: the "
+                         "one the chat template shows, else none (docs/agents.md)")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template), or a "
                                         ".gguf file (its tokenizer and chat template); default: the model the "
                                         "executor reports")
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SchedulerConfig(executor=args.executor[0], executors=tuple(args.executor),
                           resolve_interval_s=args.resolve_interval, host=args.host, port=args.port, uds=args.uds,
                           tokenizer=args.tokenizer, chat_template=args.chat_template,
+                          tool_call_parser=args.tool_call_parser,
                           max_batch_tokens=args.max_batch_tokens,
                           max_running=args.max_running, prefill_chunk=args.prefill_chunk,
                           default_max_new_tokens=args.default_max_new_tokens, max_waiting=args.max_waiting,

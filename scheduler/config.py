@@ -7,6 +7,7 @@ from pathlib import Path
 from scheduler.http.limits import HttpLimits
 from scheduler.pooling.config import PoolingConfig
 from scheduler.reasoning.registry import AUTO, CHOICES as REASONING_PARSERS
+from scheduler.tool_parsers.registry import NAMES as TOOL_PARSERS
 from tandem.security.config import ServerSecurity
 
 
@@ -66,6 +67,9 @@ class SchedulerConfig:
     uds: str | None = None  # also listen on this Unix socket
     tokenizer: str | None = None  # dir with tokenizer.json; None = the model dir the executor reports
     chat_template: Path | None = None  # a Jinja chat template file used instead of the model's own
+    # tool_choice "auto": the tool-call syntax read (scheduler/tool_parsers/registry.py: hermes, llama3_json,
+    # mistral, openai; "none" = off); None = the one the chat template shows, if any
+    tool_call_parser: str | None = None
     max_batch_tokens: int = 2048  # tokens per step (decodes + prefill chunks), capped by the executor's limit
     max_running: int = 64  # sequences decoding or prefilling at once
     prefill_chunk: int = 512  # most prompt tokens of one sequence per step
@@ -151,6 +155,9 @@ class SchedulerConfig:
             raise ValueError(f"--stream-stall-timeout-s must be > 0 seconds, got {self.stream_stall_timeout_s}")
         if self.stream_max_buffered < 1:
             raise ValueError(f"--stream-max-buffered must be >= 1, got {self.stream_max_buffered}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if not self.max_queue_time_s > 0:  # also rejects NaN
             raise ValueError(f"--max-queue-time must be > 0 seconds, got {self.max_queue_time_s}")
         if not self.resolve_interval_s > 0:

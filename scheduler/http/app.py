@@ -20,11 +20,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from scheduler.rpc import codec
 from scheduler.fleet.fleet import Fleet
+from scheduler.tool_parsers import registry as tool_parsers
 from scheduler.http import convert, errors, reasoning_output, tool_calls
 from scheduler.http.responses import route as responses_route
 from scheduler.http import response_schemas as s
 from scheduler.http.request_schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                             TokenizeRequest)
+                                             StreamOptions, TokenizeRequest)
 from scheduler.http.auth import TokenAuth
 from scheduler.http.body_limit import BodyLimit
 from scheduler.http.cors import Cors
@@ -64,6 +65,11 @@ class _Front:
         self.max_prompts = max_prompts  # --max-prompts-per-request
         self.texts = TokenTexts(fleet.tokenizer)
         self.created = int(time.time())
+        # tool_choice "auto": the syntax read (--tool-call-parser, or the chat template's), chosen once here
+        syntax = tool_parsers.choose(fleet.cfg.tool_call_parser, fleet.tokenizer.chat_template)
+        tok = fleet.tokenizer
+        self.auto_tools = tool_calls.AutoTools(syntax, frozenset(tok.pieces(sorted(tok.special_ids)))) \
+            if syntax is not None else None
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
@@ -156,6 +162,20 @@ async def _stream(generation: Generation, renderer: ChatRenderer | CompletionRen
     yield DONE
 
 
+def _include_usage(opts: StreamOptions | None) -> bool:
+    """The usage chunk at the end of a stream: include_usage, or vLLM's continuous_usage_stats (whose
+    include_usage defaults to true, as vLLM 0.10.1.1's StreamOptions)."""
+    return opts is not None and bool(opts.include_usage or (opts.continuous_usage_stats and
+                                                            opts.include_usage is None))
+
+
+def _continuous_usage(opts: StreamOptions | None, requests: list[GenerateRequest]) -> list[int] | None:
+    """Per choice its prompt's tokens when every chunk carries usage (vLLM's continuous_usage_stats); else None."""
+    if opts is None or not opts.continuous_usage_stats or opts.include_usage is False:
+        return None
+    return [len(r.prompt_ids) for r in requests]
+
+
 def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool], max_body_bytes: int,
               metrics: MetricsHook | None = None, authenticator: Authenticator | None = None,
               auth_health: bool = False, limits: TokenLimits | None = None,
@@ -187,7 +207,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
 
         async def requests() -> list[GenerateRequest]:
             adapter = await front.adapter_for(body.model)
-            m = convert.chat_request(body, adapter)
+            m = convert.chat_request(body, adapter, front.auto_tools)
             if front.reasoning is not None and front.reasoning.keep_special_tokens:
                 m.keep_special_tokens = True  # (its markers are special tokens)
             made = await front.requests([m], n, convert.template_variables(body))
@@ -196,8 +216,9 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
 
         def renderer(requests: list[GenerateRequest]) -> ChatRenderer:
             return ChatRenderer(front.model_of(requests), len(requests), n, front.texts,
-                                bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
-                                logprobs=bool(body.logprobs), tool_mode=tool_calls.tool_mode(body),
+                                bool(body.return_tokens_as_token_ids), _include_usage(opts),
+                                _continuous_usage(opts, requests), body.request_id,
+                                logprobs=bool(body.logprobs), tool_mode=tool_calls.tool_mode(body, front.auto_tools),
                                 prompt_logprobs=body.prompt_logprobs is not None, reasoning=split[0])
 
         return await front.generate(n, requests, renderer, request, bool(body.stream))
@@ -220,7 +241,8 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
 
         def renderer(requests: list[GenerateRequest]) -> CompletionRenderer:
             return CompletionRenderer(front.model_of(requests), len(requests), n, front.texts,
-                                      bool(body.return_tokens_as_token_ids), bool(opts and opts.include_usage),
+                                      bool(body.return_tokens_as_token_ids), _include_usage(opts),
+                                      _continuous_usage(opts, requests), body.request_id,
                                       logprobs=body.logprobs, echo=echo if body.echo else None,
                                       prompt_only=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs is not None)
 

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from scheduler.http import tool_calls
+from scheduler.http import tool_calls, vllm_extras
 from scheduler.http.errors import BadParameter
 from scheduler.http.limits import HttpLimits
 from scheduler.http.request_schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingFields
@@ -106,15 +106,20 @@ def chat_messages(messages: list[ChatMessageIn], tools: list[pb.Tool] | None = N
     return pb.ChatMessages(messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools or [])
 
 
-def chat_request(body: ChatCompletionRequest, adapter: str) -> pb.GenerateRequest:
+def chat_request(body: ChatCompletionRequest, adapter: str,
+                 auto: tool_calls.AutoTools | None = None) -> pb.GenerateRequest:
     """The request of a chat completion; with a tool choice that calls (tool_calls.tool_mode) the output is
-    constrained to the call(s)."""
+    constrained to the call(s); with "auto" the model writes them in its own syntax (auto: this server's parser),
+    its special tokens kept in the text when that syntax's markers are special tokens."""
+    vllm_extras.check(body)
     if body.top_logprobs and not body.logprobs:
         raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     common = _common(body, adapter, body.top_logprobs or 0, max_tokens)
-    mode = tool_calls.tool_mode(body)
-    if mode is not None:
+    mode = tool_calls.tool_mode(body, auto)
+    if mode is not None and mode.auto is not None:
+        common["keep_special_tokens"] |= mode.auto.keep_special_tokens
+    elif mode is not None:
         if common["constraint"] is not None:
             raise BadParameter("tool_choice", "tool_choice makes the output a tool call and the request has another "
                                "constraint (response_format or guided_*): give only one")
@@ -158,6 +163,7 @@ def prompts(body: CompletionRequest, max_prompts: int = HttpLimits.max_prompts) 
 def completion_requests(body: CompletionRequest, adapter: str,
                         max_prompts: int = HttpLimits.max_prompts) -> list[pb.GenerateRequest]:
     """One GenerateRequest per prompt."""
+    vllm_extras.check(body)
     if body.max_tokens == 0 and not body.echo:
         raise BadParameter("max_tokens", "max_tokens 0 generates nothing: it needs echo (the prompt back, with its "
                            "logprobs when logprobs is set), or ask for at least 1 token")

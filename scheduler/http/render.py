@@ -4,7 +4,9 @@ text_completion, or the chunks of its SSE stream, with logprobs and usage as Ope
 finish_reason: "length" (max_tokens or the model's length), "stop" (EOS, a stop token, a stop string), "abort"
 (the server shut down before the end, as vLLM says), "tool_calls" (a tool choice's calls are complete);
 stop_reason (vLLM's): the stop string matched, or the stop token's id. usage counts each prompt once however
-many choices it has (prompt_tokens, cached_tokens) and every choice's tokens (completion_tokens).
+many choices it has (prompt_tokens, cached_tokens) and every choice's tokens (completion_tokens). With vLLM's
+stream_options.continuous_usage_stats every chunk of a choice also carries that choice's usage so far (its
+prompt's tokens, its tokens generated), as vLLM 0.10.1.1 streams it.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from functools import lru_cache
 from scheduler.http import response_schemas as s
 from scheduler.http.prompt_echo import echo_logprobs, vllm_prompt_logprobs
 from scheduler.http.reasoning_output import ChoiceReasoning
-from scheduler.http.tool_calls import ToolCallStream, ToolMode, calls
+from scheduler.http.tool_calls import ToolCallStream, ToolMode, auto_delta, calls
 from scheduler.request import Delta, FinishReason, TokenLogprob
 from scheduler.request import Usage as DomainUsage
 
@@ -70,8 +72,10 @@ class _Renderer:
     prefix = ""
 
     def __init__(self, model: str, choices: int, n: int, texts: TokenTexts, as_ids: bool,
-                 include_usage: bool) -> None:
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+                 include_usage: bool, continuous_usage: list[int] | None = None, request_id: str | None = None) -> None:
+        """continuous_usage: per choice its prompt's tokens, when every chunk carries the choice's usage so far.
+        request_id: vLLM's, the response's id after the prefix (default: a random one)."""
+        self.id = f"{self.prefix}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.n = n
@@ -83,6 +87,8 @@ class _Renderer:
         self.last: list[Delta | None] = [None] * choices
         self.usages: list[DomainUsage | None] = [None] * choices
         self.prompt_entries: list[tuple[TokenLogprob, ...] | None] = [None] * choices  # (the first delta's)
+        self.prompt_tokens = continuous_usage
+        self.generated = [0] * choices  # tokens of each choice so far (continuous usage)
 
     def add(self, index: int, d: Delta) -> None:
         """Accumulates a delta (for a whole response; chunks only need note())."""
@@ -91,6 +97,7 @@ class _Renderer:
         self.note(index, d)
 
     def note(self, index: int, d: Delta) -> None:
+        self.generated[index] += len(d.tokens)
         if d.prompt_logprobs is not None:
             self.prompt_entries[index] = d.prompt_logprobs
         if d.finish_reason is not None:
@@ -99,6 +106,13 @@ class _Renderer:
 
     def usage(self) -> s.Usage:
         return usage(self.usages, self.n)
+
+    def usage_so_far(self, index: int) -> s.Usage | None:
+        """Choice index's usage so far, on every chunk with continuous usage stats; None otherwise."""
+        if self.prompt_tokens is None:
+            return None
+        prompt, done = self.prompt_tokens[index], self.generated[index]
+        return s.Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
     def opening(self) -> list[str]:
         """Chunks sent before any delta."""
@@ -126,7 +140,10 @@ class ChatRenderer(_Renderer):
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.tool_mode = tool_mode
-        self.tool_streams = [ToolCallStream(tool_mode) for _ in self.text] if tool_mode is not None else []
+        auto = tool_mode is not None and tool_mode.auto is not None
+        self.tool_streams = [ToolCallStream(tool_mode) for _ in self.text] if tool_mode is not None and not auto \
+            else []
+        self.readers = [tool_mode.reader() for _ in self.text] if auto else []  # (auto: the model's own calls)
 
     def _logprobs(self, tokens: list[TokenLogprob]) -> s.ChatLogprobs | None:
         if not self.logprobs:
@@ -136,8 +153,10 @@ class ChatRenderer(_Renderer):
                               top_logprobs=self._top(t)) for t in tokens])
 
     def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> str:
+        if usage is None and len(choices) == 1:
+            usage = self.usage_so_far(choices[0].index)  # (continuous usage stats; else null but on the last)
         return sse(s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
-                                         usage=usage))  # null on every chunk but the last
+                                         usage=usage))
 
     def opening(self) -> list[str]:
         """The first chunk of every choice: the assistant role."""
@@ -160,6 +179,8 @@ class ChatRenderer(_Renderer):
         """The stream choice this delta makes (None: nothing to say yet); /v1/responses turns it into events."""
         self.note(index, d)
         text, thought = self._split(index, d)
+        if self.readers:
+            return self._auto_chunk(index, d, text, thought)
         if self.tool_mode is not None:
             return self._tool_chunk(index, d, text, thought)
         if not text and not thought and d.finish_reason is None and not (self.logprobs and d.tokens):
@@ -187,6 +208,20 @@ class ChatRenderer(_Renderer):
                                    logprobs=self._logprobs(d.tokens), finish_reason=finish, stop_reason=stop_reason(d))
         return choice
 
+    def _auto_chunk(self, index: int, d: Delta, text: str, thought: str) -> s.ChatChunkChoice | None:
+        """tool_choice auto: the answer text read for calls; content and call deltas as they are decided."""
+        reader = self.readers[index]
+        finished = d.finish_reason is not None
+        content, calls_delta = auto_delta(reader.feed(text, finished))
+        if (content is None and calls_delta is None and not thought and not finished
+                and not (self.logprobs and d.tokens)):
+            return None
+        finish = self._tool_finish(d, reader.done_calls > 0) if finished else None
+        return s.ChatChunkChoice(index=index, delta=s.ChatDelta(content=content, tool_calls=calls_delta,
+                                                                reasoning_content=thought or None,
+                                                                reasoning=thought or None),
+                                 logprobs=self._logprobs(d.tokens), finish_reason=finish, stop_reason=stop_reason(d))
+
     @staticmethod
     def _tool_finish(last: Delta, called: bool) -> str:
         return "tool_calls" if called and last.finish_reason is FinishReason.STOP else _FINISH[last.finish_reason]
@@ -201,6 +236,12 @@ class ChatRenderer(_Renderer):
         if self.reasoning is not None:
             split = self.reasoning.whole(i, self.text[i])
             content, thought = split.content, split.reasoning
+        if self.readers:  # tool_choice auto: the answer (after any thinking) read for the model's own calls
+            read = self.readers[i].whole(content or "")
+            made = [s.ToolCallOut(id=c.id, function=s.FunctionCallOut(name=c.name, arguments=c.arguments))
+                    for c in read.calls]
+            return s.ChatMessageOut(content=read.content, tool_calls=made or None, reasoning_content=thought,
+                                    reasoning=thought), bool(made)
         if self.tool_mode is not None:
             made = calls(self.tool_mode, content or "")
             if made is not None:
@@ -296,7 +337,8 @@ class CompletionRenderer(_Renderer):
                                     finish_reason=None if d.finish_reason is None else _FINISH[d.finish_reason],
                                     stop_reason=stop_reason(d),
                                     prompt_logprobs=self._prompt_logprobs(index) if d.prompt_logprobs else None)
-        return sse(s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice]))
+        return sse(s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                usage=self.usage_so_far(index)))
 
     def closing(self) -> str:
         return sse(s.Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage()))

@@ -35,6 +35,7 @@ Count = Annotated[int, Field(ge=1, le=UINT32_MAX)]  # a uint32 number of tokens,
 FLOAT32_MAX = 3.4028234663852886e38
 # float on the wire: finite (1e999 parses as inf) and within float32's range, refused here naming the field
 Float = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+MAX_REQUEST_ID = 256  # characters of vLLM's request_id
 MAX_DEPTH = 64  # levels of nesting of a free-form JSON value (a schema, tool parameters): llguidance takes 128
 
 
@@ -143,6 +144,8 @@ class NamedToolChoice(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    # vLLM's: every chunk also carries its choice's usage so far (scheduler/http/render.py)
+    continuous_usage_stats: bool | None = None
 
 
 class JsonSchemaFormat(_Body):
@@ -188,6 +191,21 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM 0.10.1.1's other extras (scheduler/http/vllm_extras.py: accepted where they change nothing or are
+    # served, else refused naming why); request_id: the response's id after its "chatcmpl-" / "cmpl-"
+    request_id: Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID)] | None = None
+    priority: int | None = Field(None, ge=-2**63, lt=2**63)
+    use_beam_search: bool | None = None
+    length_penalty: Float | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=UINT32_MAX)
+    allowed_token_ids: list[TokenId] | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    logits_processors: list[Any] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -203,6 +221,17 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool | None = None  # vLLM's: false leaves the reasoning out (unset = true)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's: the template's reasoning_effort
+    # vLLM 0.10.1.1's chat extras (scheduler/http/vllm_extras.py)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    bad_words: list[str] | None = None
+    echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    structural_tag: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -213,6 +242,8 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: each choice's prompt_logprobs
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # only best_of == n is served
+    add_special_tokens: bool | None = None  # vLLM's (default true: as text prompts are encoded)
+    prompt_embeds: Any = None  # vLLM's, refused (scheduler/http/vllm_extras.py)
 
 
 class TokenizeRequest(_Body):

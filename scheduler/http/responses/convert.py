@@ -44,12 +44,10 @@ def param_of(chat_param: str | None) -> str | None:
 
 
 def auto_tool_choice(body: ResponsesRequest) -> str:
-    """THE SEAM for tool_choice "auto" (OpenAI's default when tools are given): the model writes text or calls in
-    its own syntax, which a per-family tool-call parser reads. Until the chat path has those parsers this refuses
-    it; once it does, return "auto" here and the chat path (ChatRenderer) parses the calls for both routes."""
-    raise BadParameter("tool_choice", "tool_choice \"auto\" (the default with tools) is not supported yet: this "
-                       "server does not parse tool calls out of free text. Send tool_choice \"required\" (one or "
-                       "more calls of the tools), {\"type\": \"function\", \"name\": ...} or \"none\"")
+    """tool_choice "auto" (OpenAI's default when tools are given): the model writes text or calls in its own syntax,
+    which the chat path's per-family tool-call parser reads (scheduler/tool_parsers/; a server without one for
+    its model refuses it there, naming --tool-call-parser)."""
+    return "auto"
 
 
 def input_messages(body: ResponsesRequest) -> list[ChatMessageIn]:

@@ -40,6 +40,7 @@ class Front(Protocol):
     limits: TokenLimits
     reasoning: ReasoningParser | None
     texts: TokenTexts
+    auto_tools: tool_calls.AutoTools | None
 
     async def adapter_for(self, model: str | None) -> str: ...
 
@@ -86,11 +87,11 @@ def install(app: FastAPI, front: Front, store: ResponseStore) -> None:
         owner = CURRENT_PRINCIPAL.get()
         history = store.conversation(body.previous_response_id, owner) if body.previous_response_id else []
         chat, conversation = _renamed(responses_convert.chat_body, body, history)
-        mode = _renamed(tool_calls.tool_mode, chat)
+        mode = _renamed(tool_calls.tool_mode, chat, front.auto_tools)
         lease = front.limits.enter(owner, 1)
         try:
             adapter = await front.adapter_for(body.model)
-            m = _renamed(convert.chat_request, chat, adapter)
+            m = _renamed(convert.chat_request, chat, adapter, front.auto_tools)
             if front.reasoning is not None and front.reasoning.keep_special_tokens:
                 m.keep_special_tokens = True
             made = await front.requests([m], 1, _renamed(convert.template_variables, chat))
