@@ -115,7 +115,8 @@ def _sampling_to_send(seq, registered: bool) -> cpb.SamplingParams | None:
 def create_cache_items(seqs) -> list[epb.CreateCacheItem]:
     """CreateCache items looking up each sequence's tokens in the executor's prefix cache."""
     return [epb.CreateCacheItem(token_ids=s.token_slice(0, s.num_tokens), adapter=s.request.adapter,
-                                prompt_logprobs=s.prompt_logprobs_wanted) for s in seqs]
+                                cache_salt=s.request.cache_salt, prompt_logprobs=s.prompt_logprobs_wanted)
+            for s in seqs]
 
 
 def burst_to_pb(plan: StepPlan, drafting: Mapping[Sequence, tuple[int, int, int]] | None = None

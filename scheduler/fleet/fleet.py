@@ -172,7 +172,7 @@ class Fleet:
         for e in fit:
             bs = e.policy.kv.block_size
             if bs not in hashes:
-                hashes[bs] = prompt_hashes(request.prompt_ids, request.adapter, bs)
+                hashes[bs] = prompt_hashes(request.prompt_ids, request.adapter, bs, request.cache_salt)
             candidates[e.client.address] = (e, self._candidate(e, hashes[bs]))
         best = choose([c for _, c in candidates.values()], len(request.prompt_ids))
         engine = candidates[best.name][0]

@@ -80,9 +80,9 @@ class Candidate:
     cached_tokens: int  # of the request's prompt, cached there (PrefixIndex.cached_blocks x block size)
 
 
-def prompt_hashes(prompt: Sequence[int], adapter: str, block_size: int) -> list[bytes]:
+def prompt_hashes(prompt: Sequence[int], adapter: str, block_size: int, cache_salt: str = "") -> list[bytes]:
     """The block hashes a prompt's reusable prefix would have (never its last token: that one is computed)."""
-    return chain_hashes(root_hash(adapter), prompt, block_size, max_blocks=max(0, len(prompt) - 1) // block_size)
+    return chain_hashes(root_hash(adapter, cache_salt=cache_salt), prompt, block_size, max_blocks=max(0, len(prompt) - 1) // block_size)
 
 
 def score(c: Candidate, prompt_tokens: int) -> float:

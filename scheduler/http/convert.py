@@ -82,7 +82,7 @@ def constraint(body: SamplingFields) -> pb.Constraint | None:
 def _common(body: SamplingFields, adapter: str, top_logprobs: int, max_tokens: int | None) -> dict:
     return dict(sampling=sampling(body), stopping=stopping(body, max_tokens), adapter=adapter,
                 top_logprobs=top_logprobs, keep_special_tokens=body.skip_special_tokens is False,
-                constraint=constraint(body))
+                constraint=constraint(body), cache_salt=body.cache_salt or "")
 
 
 def _content(i: int, m: ChatMessageIn) -> str:

@@ -203,7 +203,7 @@ class SamplingFields(_Body):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     logits_processors: list[Any] | None = None
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None  # prefix cache and drafts per salt
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
 

@@ -3,11 +3,11 @@
 Clients written for vLLM send them (guidellm sends stream_options.continuous_usage_stats and ignore_eos on every
 request), so each one is named in the request schemas: those this server serves are honoured there (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens,
-prompt_logprobs, return_tokens_as_token_ids, guided_*, continuous_usage_stats, request_id), and the rest are
+prompt_logprobs, return_tokens_as_token_ids, guided_*, continuous_usage_stats, request_id, cache_salt), and the rest are
 accepted at the value that changes nothing (vLLM's default) and otherwise refused here, 400 naming the field and
 why it cannot apply — never as an unknown field.
 
-Not here: chat_template_kwargs, reasoning_effort and include_reasoning (the reasoning work of issue 45 serves them).
+chat_template_kwargs, reasoning_effort and include_reasoning are the reasoning fields' (scheduler/reasoning/).
 """
 from __future__ import annotations
 
@@ -40,8 +40,6 @@ _BOTH: dict[str, tuple[Callable[[Any, SamplingFields], bool], str]] = {
                  "scheduling): only priority 0 is served"),
     "logits_processors": (lambda v, b: not v, _NO_CODE),
     "vllm_xargs": (lambda v, b: not v, "extension arguments for vLLM plugins: this server has no plugins"),
-    "cache_salt": (lambda v, b: False, "the prefix cache is shared by every request of the same adapter and is not "
-                   "salted per request; run a separate server (or adapter) for tenants that must not share it"),
     "kv_transfer_params": (lambda v, b: False, "vLLM's KV-connector parameters are not served: Tandem moves KV "
                            "between executors itself (docs/fleet.md)"),
 }

@@ -21,6 +21,7 @@ from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256  # (the executor's limit too: executor_service/request_validation.py)
 MAX_CHAT_MESSAGES = 4096
 _FINISH = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORTED: pb.FINISH_REASON_ABORTED}
@@ -129,6 +130,8 @@ def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorIn
                     template_variables: Mapping[str, Any] | None = None) -> GenerateRequest:
     """The validated, tokenized request (run off the event loop: tokenizing and compiling a constraint take
     time). grammars: the fleet's (None: a constraint is refused). template_variables: see prompt_ids_from_pb."""
+    if len(m.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt has {len(m.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
     if len(m.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id has {len(m.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     if m.top_logprobs > MAX_TOP_LOGPROBS:
@@ -142,7 +145,7 @@ def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorIn
     stopping = stopping_from_pb(m.stopping, len(prompt), info.max_seq_len, default_max_new, info.vocab_size)
     return GenerateRequest(m.request_id or uuid.uuid4().hex, tuple(prompt), stopping, sampling, m.adapter,
                            m.top_logprobs, m.keep_special_tokens, compile_constraint(m, info, grammars),
-                           m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
+                           m.prompt_logprobs if m.HasField("prompt_logprobs") else None, cache_salt=m.cache_salt)
 
 
 def delta_to_pb(request_id: str, d: Delta) -> pb.GenerateResponse:

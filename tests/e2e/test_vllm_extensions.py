@@ -96,7 +96,6 @@ REFUSED = [
     ("/v1/chat/completions", "guided_decoding_backend", "xgrammar", "llguidance"),
     ("/v1/completions", "guided_whitespace_pattern", " ", "whitespace"),
     ("/v1/chat/completions", "logits_processors", ["my.Processor"], "no code"),
-    ("/v1/chat/completions", "cache_salt", "s3cret", "not salted"),
     ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}, "KV"),
     ("/v1/chat/completions", "vllm_xargs", {"k": 1}, "plugins"),
     ("/v1/chat/completions", "chat_template", "{{ messages }}", "--chat-template"),
@@ -149,4 +148,26 @@ def test_guidellm_benchmarks_every_request_successfully(url, model_dir, tmp_path
     (bench,) = json.loads(report.read_text())["benchmarks"]
     totals = bench["metrics"]["request_totals"] if "metrics" in bench else bench["request_totals"]
     assert totals["successful"] == 16 and totals["errored"] == 0 and totals["incomplete"] == 0, totals
+    wait_kv_free(stack[0].stub)
+
+
+def test_cache_salt_keeps_prefix_cache_blocks_to_requests_of_the_same_salt(url, stack):
+    """vLLM's cache_salt: a prompt cached under one salt is reused by the same salt only (not by another, nor by
+    requests without one); the executor's prefix cache keys its blocks by the salt."""
+    prompt = list(range(5, 5 + 100))  # several KV blocks
+
+    def cached(**salt) -> int:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, **salt})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0  # another salt: nothing of tenant-a's
+    assert cached() == 0  # no salt: the shared cache holds none of it either
+    assert cached(cache_salt="tenant-a") >= 64  # the same salt: reused
+    assert cached() >= 64  # (and the unsalted request's own blocks are the unsalted one's)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": "s" * 257})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
     wait_kv_free(stack[0].stub)

@@ -295,3 +295,10 @@ def test_item_results_carry_per_item_statuses():
     assert failed.tokens == () and failed.error.status_name == "NOT_FOUND"
     assert "unknown adapter 'x'" in str(failed.error)
     assert unset_ok.error is None and unset_ok.tokens == () and unset_ok.seq_len == 9
+
+
+def test_cache_salt(parse):
+    assert parse().cache_salt == "" and parse(cache_salt="tenant-a").cache_salt == "tenant-a"
+    assert parse(cache_salt="s" * 256).cache_salt == "s" * 256
+    with pytest.raises(InvalidRequest, match="cache_salt"):
+        parse(cache_salt="s" * 257)
