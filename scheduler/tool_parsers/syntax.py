@@ -109,6 +109,17 @@ def read_call_object(text: str, i: int, tools: frozenset[str], final: bool, memo
     return out
 
 
+def _string(text: str, i: int, r: _Reading) -> tuple[str, int, CallObject | None]:
+    """The JSON string starting at text[i], and the index after it; or the CallObject to answer with when the
+    string is cut short (progress) or broken (refused)."""
+    e = string_end(text, i)
+    if e.reach is Reach.PARTIAL:
+        return "", e.end, r.progress()
+    if e.reach is Reach.BROKEN:
+        return "", e.end, r.refused(e.end)
+    return json.loads(text[i:e.end]), e.end, None
+
+
 def _read(text: str, i: int, tools: frozenset[str], args_keys: tuple[str, ...], memo: Memo | None) -> CallObject:
     i = skip_ws(text, i)
     if i >= len(text):
@@ -136,16 +147,13 @@ def _read(text: str, i: int, tools: frozenset[str], args_keys: tuple[str, ...], 
                 return r.progress()
         if text[i] != '"':
             return r.refused(i)
-        e = string_end(text, i)
-        if e.reach is Reach.PARTIAL:
-            return r.progress()
-        if e.reach is Reach.BROKEN:
-            return r.refused(e.end)
-        key = json.loads(text[i:e.end])
+        key, end, stop = _string(text, i, r)
+        if stop is not None:
+            return stop
         if key in seen or key not in ("name", "type", *args_keys):
             return r.refused(i)
         seen.add(key)
-        i = skip_ws(text, e.end)
+        i = skip_ws(text, end)
         if i >= len(text):
             return r.progress()
         if text[i] != ":":
@@ -156,19 +164,16 @@ def _read(text: str, i: int, tools: frozenset[str], args_keys: tuple[str, ...], 
         if key in ("name", "type"):
             if text[i] != '"':
                 return r.refused(i)
-            e = string_end(text, i)
-            if e.reach is Reach.PARTIAL:
-                return r.progress()
-            if e.reach is Reach.BROKEN:
-                return r.refused(e.end)
-            value = json.loads(text[i:e.end])
+            value, end, stop = _string(text, i, r)
+            if stop is not None:
+                return stop
             if key == "name":
                 if value not in tools:
                     return CallObject("text")  # (no name came before it: nothing was shown as a call)
                 r.name = value
             elif value != "function":
                 return r.refused(i)
-            i = e.end
+            i = end
             continue
         if text[i] != "{":
             return r.refused(i)
