@@ -1,5 +1,6 @@
 """scripts/gpu_check on a machine without CUDA: says so, runs the CPU-runnable parity tests, prints its table
-and exits 0 (on a GPU it runs the CUDA-marked tests and bench_decode; docs/cuda.md)."""
+with a row per stage and exits 0 (on a GPU it runs the CUDA-marked tests and the figures; docs/cuda.md). Its
+whole run, figures and serving included, is rehearsed through the bundle in test_gpu_bundle.py."""
 from __future__ import annotations
 
 import os
@@ -14,20 +15,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU gpu_check runs the benchmarks (minutes)")
-def test_gpu_check_without_cuda_says_so_and_exits_0():
+def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
     script = ROOT / "scripts" / "gpu_check"
     assert os.access(script, os.X_OK)
-    proc = subprocess.run([str(script), "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHON": sys.executable})
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([str(script), "--quick", "--skip", "figures,serving"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable, "OUT": str(out)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no CUDA device here" in proc.stdout
-    assert "parity (CPU)" in proc.stdout and " ok " in proc.stdout, proc.stdout
+    rows = {line[:34].strip(): line[34:].split(maxsplit=1) for line in proc.stdout.splitlines()[-6:]}
+    assert rows["parity (CPU)"][0] == "ran" and "passed" in rows["parity (CPU)"][1], proc.stdout
+    assert rows["CUDA tests"] == ["skipped", "no CUDA"], proc.stdout
+    assert rows["serving"] == ["skipped", "--skip serving"], proc.stdout
+    # $OUT: the table and the logs, as a lent machine returns them (plain names, two files)
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check_logs.tar.gz", "gpu_check_table.txt"]
+    assert "parity (CPU)" in (out / "gpu_check_table.txt").read_text()
 
 
 def test_gpu_check_help_and_unknown_arguments():
     script = str(ROOT / "scripts" / "gpu_check")
     shown = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
-    assert shown.returncode == 0 and "--shape NAME" in shown.stdout and "--keep DIR" in shown.stdout, shown.stdout
+    assert shown.returncode == 0 and "--skip LIST" in shown.stdout and "--keep DIR" in shown.stdout, shown.stdout
     refused = subprocess.run([script, "--bogus"], capture_output=True, text=True, timeout=30)
     assert refused.returncode == 2 and "unknown argument --bogus" in refused.stderr, refused.stderr
 
