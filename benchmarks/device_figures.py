@@ -6,10 +6,11 @@ machine (no weights travel), in the dtype measured."""
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -122,9 +123,10 @@ def prefill_rows(ex: Any, allowed: Any, lengths: list[int], repeats: int) -> dic
     return out
 
 
-def run_executor(args, model_dir: Path, graphs: str, prompts: list[list[int]], allowed: Any, prefill: bool
-                 ) -> dict[str, Any]:
-    """Builds one executor (graphs on, off, or its own choice), measures it, frees it."""
+def run_executor(args, model_dir: Path, graphs: str, prompts: list[list[int]], allowed: Any, prefill: bool,
+                 run: dict[str, Any], save: Callable[[], Any]) -> None:
+    """Builds one executor (graphs on, off, or its own choice), measures it into `run` (save() after each part:
+    partial results survive a kill), frees it."""
     cuda = args.device == "cuda"
     ctx = args.prompt_len + args.steps + 8
     blocks = max(args.batch_list) * (ctx // 16 + 2) + max(args.prefill_list) // 16 + 64
@@ -138,17 +140,24 @@ def run_executor(args, model_dir: Path, graphs: str, prompts: list[list[int]], a
                         **({"cuda_graphs": GRAPHS[graphs]} if cuda else {}))
     build_s = time.perf_counter() - start
     info = ex.info()
-    run = {"graphs": graphs, "build_s": build_s, "capture_s": getattr(ex.decode_step, "capture_s", None),
+    run |= {"graphs": graphs, "build_s": build_s, "capture_s": getattr(ex.decode_step, "capture_s", None),
            "attention_backend": info.attention_backend, "capabilities": list(info.capabilities)}
+    replays = "replays CUDA graphs" if "cuda_graphs" in info.capabilities else "no CUDA graphs"
     log(f"graphs {graphs}: executor ready in {build_s:.1f} s (capture {run['capture_s'] or 0:.1f} s), attention "
-        f"{info.attention_backend}, decode capabilities {[c for c in info.capabilities if 'decode' in c or 'graph' in c]}")
+        f"{info.attention_backend}, decode {replays}")
     run["decode"] = decode_rows(ex, prompts, args.batch_list, args.steps)
-    if prefill:
-        run["prefill"] = prefill_rows(ex, allowed, args.prefill_list, args.repeats)
     run["peak_memory_bytes"] = (torch.cuda.max_memory_allocated() if cuda
                                 else ex.info().resident_memory_bytes)  # CPU: the process's RSS
+    if prefill:
+        save()
+        run["prefill"] = {}
+        for n in args.prefill_list:
+            run["prefill"].update(prefill_rows(ex, allowed, [n], args.repeats))
+            save()
     del ex
-    return run
+    gc.collect()  # (the next executor's peak memory without this one's)
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +171,28 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     bandwidth = device_bandwidth(device)
     step_bytes = bytes_read_per_step(model_dir, cfg.tie_word_embeddings, BYTES[args.dtype])
-    log(f"{name}: {bandwidth / 1e9:,.0f} GB/s; {step_bytes / 1e9:.3f} GB of weights per step: batch-1 limit "
-        f"{bandwidth / step_bytes:,.0f} tok/s; attention {attention_note(device)}")
-    runs = [run_executor(args, model_dir, g, prompts, allowed, prefill=i == 0) for i, g in enumerate(args.graph_list)]
     limit = bandwidth / step_bytes
+    log(f"{name}: {bandwidth / 1e9:,.0f} GB/s; {step_bytes / 1e9:.3f} GB of weights per step: batch-1 limit "
+        f"{limit:,.0f} tok/s; attention {attention_note(device)}")
+    result = {"benchmark": "bench_device", "config": {k: v for k, v in vars(args).items() if k != "out"}
+              | {"model": str(model_dir), "threads": threads}, "machine": machine_info(device), "device_name": name,
+              "bandwidth_Bps": bandwidth, "step_bytes": step_bytes, "batch1_limit_tok_s": limit,
+              "attention_note": attention_note(device), "runs": []}
+    for i, graphs in enumerate(args.graph_list):  # the prefill rows last: a first compile that runs long (flex on
+        last = i == len(args.graph_list) - 1      # CUDA, per shape) leaves every decode row written
+        run: dict[str, Any] = {}
+        result["runs"].append(run)
+        try:
+            run_executor(args, model_dir, graphs, prompts, allowed, last, run,
+                         save=lambda: write_json(args.out, result))
+        except Exception as exc:  # noqa: BLE001 - the other settings still run; the exit status says it failed
+            log(f"graphs {graphs}: {type(exc).__name__}: {exc}")
+            run |= {"graphs": graphs, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        write_json(args.out, result)  # after each executor: a stage killed at its time limit keeps what it measured
+    runs = [r for r in result["runs"] if "decode" in r]
+    failed = len(result["runs"]) - len(runs)
+    if not runs:
+        return 1
     rows = [{"graphs": r["graphs"], "batch": int(b), "ms/step": v["step_ms"], "tok/s": v["tok_s"],
              "of BW limit": f"{v['tok_s'] / limit:.0%}" if b == "1" else None}
             for r in runs for b, v in r["decode"].items()]
@@ -173,10 +200,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{runs[0]['attention_backend']} ({attention_note(device)})")
     print(table(rows, 2))
     print(table([{"prompt": int(n), "tok/s": v["tok_s"], "ms": v["s"] * 1e3, "first s": v["first_s"]}
-                 for n, v in runs[0]["prefill"].items()], 1))
-    write_json(args.out, {"benchmark": "bench_device", "config": {k: v for k, v in vars(args).items() if k != "out"}
-                          | {"model": str(model_dir), "threads": threads}, "machine": machine_info(device),
-                          "device_name": name, "bandwidth_Bps": bandwidth, "step_bytes": step_bytes,
-                          "batch1_limit_tok_s": limit, "attention_note": attention_note(device), "runs": runs})
+                 for n, v in result["runs"][-1].get("prefill", {}).items()], 1))
     log(f"wrote {args.out}")
-    return 0
+    return 1 if failed else 0

@@ -16,12 +16,17 @@ def line(what: str, figure: str) -> str:
 
 
 def device_rows(r: dict[str, Any]) -> list[str]:
+    """The figures a run wrote, also a partial one (a stage killed at its limit: what it had measured)."""
     limit, gib = r["batch1_limit_tok_s"], 2 ** 30
-    rows = [line("attention backend", f"{r['runs'][0]['attention_backend']} ({r['attention_note']})"),
+    backend = next((run["attention_backend"] for run in r["runs"] if "attention_backend" in run), "?")
+    rows = [line("attention backend", f"{backend} ran (auto here: {r['attention_note']})"),
             line("bandwidth limit, batch 1", f"{limit:,.0f} tok/s ({r['bandwidth_Bps'] / 1e9:,.0f} GB/s / "
                                              f"{r['step_bytes'] / 1e9:.3f} GB of weights per step)")]
     for run in r["runs"]:
-        graphs = "" if run["graphs"] == "n/a" else f", graphs {run['graphs']}"
+        graphs = "" if run.get("graphs", "n/a") == "n/a" else f", graphs {run['graphs']}"
+        if "error" in run or "decode" not in run:
+            rows.append(line(f"executor{graphs}", f"FAILED: {run.get('error', 'killed before its decode rows')}"))
+            continue
         for batch, v in run["decode"].items():
             note = f"{v['tok_s'] / limit:.0%} of the limit" if batch == "1" else ""
             if batch == "64" and r["config"].get("shape_name") == "smollm2-135m" and run["graphs"] != "n/a":
@@ -33,7 +38,7 @@ def device_rows(r: dict[str, Any]) -> list[str]:
         capture = f", capture {run['capture_s']:.1f} s" if run.get("capture_s") is not None else ""
         rows.append(line(f"ready / memory{graphs}", f"built in {run['build_s']:.1f} s{capture}; peak "
                      f"{'GPU memory' if r['device_name'] != 'CPU' else 'RSS'} {run['peak_memory_bytes'] / gib:.2f} GiB"))
-    for n, v in r["runs"][0].get("prefill", {}).items():
+    for n, v in next((run["prefill"] for run in r["runs"] if run.get("prefill")), {}).items():
         rows.append(line(f"prefill {n} tokens", f"{v['tok_s']:,.0f} tok/s ({v['s'] * 1e3:.1f} ms; first call "
                                                 f"{v['first_s']:.1f} s)"))
     return rows

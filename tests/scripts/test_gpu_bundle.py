@@ -77,6 +77,35 @@ def bundle() -> Path:
     return out
 
 
+def load_gpu_bundle():
+    """scripts/gpu_bundle as a module (a script without .py)."""
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("gpu_bundle", str(ROOT / "scripts" / "gpu_bundle"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpu_bundle", loader))
+    loader.exec_module(module)
+    return module
+
+
+def test_a_manylinux_platform_takes_every_older_tag():
+    """pip matches --platform exactly: manylinux_2_35 must also accept the 2_17 (manylinux2014) wheels."""
+    tags = load_gpu_bundle().platforms(["manylinux_2_35_x86_64"])
+    assert tags[0] == "manylinux_2_35_x86_64" and "manylinux_2_17_x86_64" in tags and "manylinux_2_5_x86_64" in tags
+    assert {"manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
+    assert "linux_x86_64" not in tags  # (built for one machine only)
+
+
+def test_the_bundle_holds_no_torch_and_refuses_over_its_limit(bundle):
+    names = [w.name for w in bundle.glob("*.whl")]
+    assert not [n for n in names if n.lower().startswith(("torch-", "triton-", "nvidia"))], names
+    assert (bundle / "provided.txt").read_text().startswith("torch>=")
+    over = subprocess.run([str(ROOT / "scripts" / "gpu_bundle"), str(bundle), "--python-version",
+                           PYTHON.removeprefix("python"), "--compress", "lzma", "--max-mb", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert over.returncode == 3, over.stdout + over.stderr
+    assert "over --max-mb 1 MiB" in over.stderr and "the biggest: transformers" in over.stdout, over.stdout
+
+
 def run_offline(bundle_dir: Path, python: Path, site: Path, *flags: str, timeout: float = 600
                 ) -> subprocess.CompletedProcess:
     prefix, env, _ = offline_prefix()

@@ -3,6 +3,7 @@ with a row per stage and exits 0 (on a GPU it runs the CUDA-marked tests and the
 whole run, figures and serving included, is rehearsed through the bundle in test_gpu_bundle.py."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,3 +54,24 @@ def test_a_missing_dependency_is_named_before_anything_runs(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "cannot import what the checks run: ModuleNotFoundError: No module named 'opentelemetry'" in proc.stderr
     assert "parity" not in proc.stdout  # nothing ran
+
+
+def test_the_rows_of_a_stage_killed_at_its_limit_keep_what_it_measured(tmp_path):
+    """benchmarks/device_figures.py writes its JSON after each part: gpu_check formats the rows of a partial one."""
+    partial = {"batch1_limit_tok_s": 16000.0, "bandwidth_Bps": 4.3e12, "step_bytes": 2.7e8, "device_name": "GPU",
+               "attention_note": "flex (compiled): flashinfer-python is not importable here",
+               "config": {"shape_name": "smollm2-135m"},
+               "runs": [{"graphs": "on", "build_s": 9.0, "capture_s": 4.5, "attention_backend": "flex",
+                         "decode": {"1": {"step_ms": 2.0, "tok_s": 500.0}, "64": {"step_ms": 3.2, "tok_s": 20000.0}},
+                         "peak_memory_bytes": 2 ** 31, "prefill": {"512": {"first_s": 30.0, "s": 0.01, "tok_s": 51200.0}}},
+                        {"graphs": "off"}]}
+    path = tmp_path / "figures.json"
+    path.write_text(json.dumps(partial))
+    rows = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_rows.py"), "device", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert rows.returncode == 0, rows.stderr
+    assert "flex ran (auto here: flex (compiled): flashinfer-python is not importable here)" in rows.stdout
+    assert "500 tok/s (2.00 ms/step); 3% of the limit, target >= 50%: BELOW" in rows.stdout, rows.stdout
+    assert "20,000 tok/s (3.20 ms/step); target >= 20,000: ok" in rows.stdout, rows.stdout
+    assert "capture 4.5 s; peak GPU memory 2.00 GiB" in rows.stdout and "prefill 512 tokens" in rows.stdout
+    assert "executor, graphs off" in rows.stdout and "killed before its decode rows" in rows.stdout, rows.stdout
