@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch_device(args.device)
     threads = set_threads(args.threads)
-    model_dir = args.model or shape_checkpoint(args.shape_name, args.dtype)
+    model_dir = args.model or shape_checkpoint(args.shape_name, args.dtype, device=args.device)
     cfg = ModelConfig.from_dir(model_dir)
     allowed = model_vocabulary(model_dir, cfg)
     prompts = vocabulary_prompts(max(args.batch_list), args.prompt_len, allowed, seed=0, stream=0)
