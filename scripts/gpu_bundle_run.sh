@@ -23,9 +23,31 @@ if [ "$(cat "$site/.tandem-bundle" 2>/dev/null)" != "$key" ]; then
   echo "run: installing $(ls "$bundle"/*.whl | wc -l) wheels into $site with $py (no index: nothing is downloaded)"
   rm -rf "$site"
   start=$SECONDS
-  # no configuration file, no PIP_* variable: nothing but this folder is looked at (--find-links, extra indexes)
-  PIP_CONFIG_FILE=/dev/null "$py" -m pip install --isolated --no-index --find-links "$bundle" --target "$site" \
-    --no-compile --disable-pip-version-check --no-warn-script-location -q -r "$bundle/requirements.txt"
+  if "$py" -m pip --version >/dev/null 2>&1; then
+    # no configuration file, no PIP_* variable: nothing but this folder is looked at (--find-links, extra indexes)
+    PIP_CONFIG_FILE=/dev/null "$py" -m pip install --isolated --no-index --find-links "$bundle" --target "$site" \
+      --no-compile --disable-pip-version-check --no-warn-script-location -q -r "$bundle/requirements.txt"
+  else  # a Python without pip: the wheels unpacked as they are (gpu_bundle resolved them all; scripts left out)
+    echo "run: $py has no pip: unpacking the wheels instead" >&2
+    "$py" - "$bundle" "$site" <<'EOF'
+import sys, zipfile
+from pathlib import Path
+bundle, site = Path(sys.argv[1]), Path(sys.argv[2])
+for wheel in sorted(bundle.glob("*.whl")):
+    with zipfile.ZipFile(wheel) as z:
+        for member in z.infolist():
+            parts = Path(member.filename).parts
+            if member.is_dir():
+                continue
+            if parts[0].endswith(".data"):  # <name>.data/purelib|platlib/... belongs in the site itself
+                if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                    continue
+                parts = parts[2:]
+            target = site.joinpath(*parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(member))
+EOF
+  fi
   echo "$key" >"$site/.tandem-bundle"
   echo "run: installed in $(( SECONDS - start ))s"
 fi
