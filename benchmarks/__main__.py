@@ -8,6 +8,8 @@ import sys
 # NAME -> (module:function, one line). Modules are imported only when their benchmark runs: most import torch.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "decode": ("decode:main", "decode speed per weight mode (stream, steps, llama.cpp peer)"),
+    "device": ("device_figures:main", "one device's figures in process: decode batch 1/64 with CUDA graphs on/off, "
+               "prefill 512/4k, capture time, memory, attention backend (scripts/gpu_check)"),
     "disagg": ("disagg:main", "KV that moves: prefill/decode executors vs two `both` (ITL p99), migration pause vs recompute"),
     "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC"),
     "fleet": ("fleet:main", "one scheduler over several executors: scaling, and failover after a SIGKILL"),

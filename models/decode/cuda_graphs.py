@@ -101,6 +101,7 @@ class CudaGraphDecode:
         self._pools = (kv.k.unbind(0), kv.v.unbind(0))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
         self.calls = 0  # steps replayed (read by tests and benchmarks)
+        self.capture_s: float | None = None  # how long capture() took (benchmarks/device_figures.py reports it)
         self.eager_calls = 0  # steps with no captured bucket, run eagerly
         self.takes_drafts = False  # (a DecodeStep: drafted calls run the eager forward)
 
@@ -131,7 +132,8 @@ class CudaGraphDecode:
             pool = graph.pool()
             self._graphs[bucket] = (graph, static, out)
         torch.cuda.synchronize(self.device)
-        return time.monotonic() - start
+        self.capture_s = time.monotonic() - start
+        return self.capture_s
 
     def _forward(self, s: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = DecodeMetadata(s["positions"], s["slots"], s["table"], s["lens"], *self._pools)

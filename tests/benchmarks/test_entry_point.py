@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-NAMES = ["decode", "disagg", "executor", "fleet", "forward", "kv_restart", "lora", "prefix", "quantized",
+NAMES = ["decode", "device", "disagg", "executor", "fleet", "forward", "kv_restart", "lora", "prefix", "quantized",
          "serving", "spec", "startup", "structured", "tp"]
 
 
