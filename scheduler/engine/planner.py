@@ -27,7 +27,7 @@ The executor's own accounting stays the authority: a RESOURCE_EXHAUSTED answer s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.engine.prefix_wait import awaited_prefix
 from scheduler.sequence import Sequence
@@ -113,6 +113,12 @@ class Planner:
                 budget -= len(drafts)
                 free -= grow(s, 1 + len(drafts)) - grow(s, 1)
             plan.items.append(StepItem(s, s.num_cached, 1, drafts))
+        if spec is not None:  # only the drafts that lower the step's time per token (measured costs)
+            drafting = [i for i, item in enumerate(plan.items) if item.drafts]
+            kept = spec.keep(len(decoding), [(plan.items[i].seq, len(plan.items[i].drafts)) for i in drafting])
+            for j, i in enumerate(drafting):
+                if j not in kept:
+                    plan.items[i] = replace(plan.items[i], drafts=())
 
         # 2. running prompts (chunked prefill in progress, oldest first)
         prefilling = [s for s in running if not s.is_decoding]

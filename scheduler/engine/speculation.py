@@ -8,7 +8,8 @@ little more than one. They cost when the step is already compute bound (large ba
   (scheduler/engine/step_cost.py: from the steps' times against their sizes and the drafts' acceptance rate;
   until the steps have been measured, 4; at most 32), or than --speculative-max-batch where one is given;
 - per sequence, the draft length adapts: after a fully accepted draft it grows by one (up to
-  --num-speculative-tokens), after a partly accepted one it is the accepted length + 1, and after drafts
+  --num-speculative-tokens; a draft from an earlier request's output doubles, up to 4x that: a repeated answer
+  tends to go on repeating), after a partly accepted one it is the accepted length + 1, and after drafts
   accepted not at all the sequence sits out 2, 4, ... 16 steps before it drafts again;
 - no drafts while a request is short of min_new_tokens (the EOS ban then changes from position to position),
   and never past its max_new_tokens or the model's length (Sequence.draft_room).
@@ -23,7 +24,7 @@ from typing import Protocol
 from scheduler.config import METHODS, SpeculativeConfig
 from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
 from scheduler.engine.response_index import ResponseIndex
-from scheduler.engine.step_cost import StepCost
+from scheduler.engine.step_cost import StepCost, worth
 from scheduler.engine.suffix_proposer import NGRAM, SUFFIX, SuffixProposer
 from scheduler.sequence import Sequence
 from scheduler.engine.step_answer import ItemResult
@@ -32,6 +33,9 @@ from scheduler.output.step_outcome import StepOutcome, Verified
 _BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16
 _UNMEASURED_MAX_BATCH = 4  # drafts up to this batch until the step costs are measured
+_SUFFIX_MAX_TOKENS = 32  # (the executor's limit) a suffix draft fully accepted doubles, up to 4 x the setting
+_SEQ_DECAY = 0.7  # per verification: a sequence's acceptance rate follows its last few drafts
+_PRIOR_TOKENS = 2.0  # a sequence's rate starts at the global one, worth this many draft tokens
 _MEASURED_MAX_BATCH = 32  # and never beyond this one (the fit is a line: far from the sizes seen, a guess)
 
 
@@ -93,6 +97,12 @@ class _DraftLength:
     tokens: int  # draft length for the next step
     misses: int = 0  # drafts in a row accepted not at all
     cooldown: int = 0  # steps to sit out before drafting again
+    drafted: float = 0.0  # recent draft tokens verified (exponentially weighted) ...
+    accepted: float = 0.0  # ... and accepted: the sequence's own acceptance rate
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.drafted = self.drafted * _SEQ_DECAY + drafted
+        self.accepted = self.accepted * _SEQ_DECAY + accepted
 
 
 class Speculator:
@@ -110,8 +120,28 @@ class Speculator:
         --speculative-max-batch overrides the measurement."""
         if self.cfg.max_batch is not None:
             return self.cfg.max_batch
-        measured = self.cost.break_even()
-        return _UNMEASURED_MAX_BATCH if measured is None else min(_MEASURED_MAX_BATCH, max(1.0, measured))
+        return _UNMEASURED_MAX_BATCH if self.cost.fit() is None else _MEASURED_MAX_BATCH
+
+    def expected(self, seq: Sequence, tokens: int) -> float:
+        """Draft tokens of a `tokens`-long draft of seq's expected to be accepted: with p its acceptance rate
+        (its own recent drafts, starting from the global rate), p + p^2 + ... + p^tokens (a draft is accepted
+        up to its first miss)."""
+        state = self._lengths.get(seq)
+        prior = self.cost.acceptance
+        prior = 0.5 if prior is None else prior
+        drafted, accepted = (0.0, 0.0) if state is None else (state.drafted, state.accepted)
+        p = min(0.999, (accepted + prior * _PRIOR_TOKENS) / (drafted + _PRIOR_TOKENS))
+        return p * (1 - p ** tokens) / (1 - p)
+
+    def keep(self, batch: int, drafts: list[tuple[Sequence, int]]) -> set[int]:
+        """Which of these (sequence, draft tokens) candidates of a step of `batch` decoding sequences draft:
+        those whose drafts lower the step's time per token, by the measured step costs and each one's
+        acceptance rate (step_cost.worth); all of them while the costs are unmeasured or
+        --speculative-max-batch is fixed (the count rule alone)."""
+        fit = self.cost.fit()
+        if fit is None or self.cfg.max_batch is not None:
+            return set(range(len(drafts)))
+        return worth(fit, batch, [(d, self.expected(seq, d)) for seq, d in drafts])
 
     def step_allows_drafts(self, decoding: int) -> bool:
         return 0 < decoding <= self.max_batch()
@@ -159,7 +189,9 @@ class Speculator:
         if not self.step_allows_drafts(len(seqs)) or cfg.ngram_min > ngram_max:
             return {}
         settings = (cfg.num_tokens, cfg.ngram_min, ngram_max)
-        return {s: settings for s in seqs if s.allows_drafts and s.draft_room() > 0}
+        may = [s for s in seqs if s.allows_drafts and s.draft_room() > 0]
+        chosen = self.keep(len(seqs), [(s, cfg.num_tokens) for s in may])
+        return {s: settings for i, s in enumerate(may) if i in chosen}
 
     def settle(self, out: StepOutcome, seq: Sequence, drafts: tuple[int, ...], res: ItemResult) -> None:
         """Counts what a step verified for seq (the step's metrics, the request's usage): the draft it carried
@@ -179,6 +211,10 @@ class Speculator:
             seq.drafted_tokens += drafted
             seq.accepted_tokens += accepted
             self.cost.verified(drafted, accepted)
+            state = self._lengths.get(seq)
+            if state is None:
+                state = self._lengths[seq] = _DraftLength(self.cfg.num_tokens)
+            state.verified(drafted, accepted)
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """The executor accepted `accepted` of the `drafted` tokens sent for seq."""
@@ -188,8 +224,12 @@ class Speculator:
         state = self._lengths.get(seq)
         if state is None:
             return
+        state.verified(drafted, accepted)
         if accepted == drafted:
-            state.tokens, state.misses = min(self.cfg.num_tokens, state.tokens + 1), 0
+            if self.method(seq) == SUFFIX:  # an earlier output followed exactly: it likely goes on, double
+                state.tokens, state.misses = min(_SUFFIX_MAX_TOKENS, 4 * self.cfg.num_tokens, 2 * state.tokens), 0
+            else:
+                state.tokens, state.misses = min(self.cfg.num_tokens, state.tokens + 1), 0
         elif accepted:
             state.tokens, state.misses = accepted + 1, 0
         else:

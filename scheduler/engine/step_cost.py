@@ -9,7 +9,12 @@ compute bound) and on how well drafts are being accepted.
 
 StepCost fits a and b by least squares over recent single decode steps (exponentially weighted, so the fit
 follows a machine that gets busier), and the acceptance rate as an exponentially weighted ratio. Until the steps
-seen span a range of sizes the fit says nothing (break_even() is None) and the caller keeps its fallback.
+seen span a range of sizes the fit says nothing (None) and the caller keeps its fallback.
+
+Acceptance differs between requests (a copy accepts most drafts, plain chat few), so the speculator decides per
+request, not from one rate: worth() takes each candidate's draft length d and expected accepted tokens e (its
+own acceptance history) and, best ratio e / d first, adds a candidate while it lowers the step's time per token,
+(a + b (B + D + d)) / (B + E + e) < (a + b (B + D)) / (B + E) — the uniform-rate bound above is its special case.
 """
 from __future__ import annotations
 
@@ -57,11 +62,20 @@ class StepCost:
     def acceptance(self) -> float | None:
         return self._accepted / self._drafted if self._drafted >= 1 else None
 
-    def break_even(self) -> float | None:
-        """The batch size from which drafts cost more than they save (drafts pay for B < this), or None
-        while unmeasured. Unbounded (inf) when every draft is accepted."""
-        fit, p = self.fit(), self.acceptance
-        if fit is None or p is None:
-            return None
-        a, b = fit
-        return math.inf if p >= 1 else a * p / (b * (1 - p))
+
+
+def worth(fit: tuple[float, float], batch: int, candidates: list[tuple[int, float]]) -> set[int]:
+    """Which of `candidates` ((draft tokens d, expected accepted tokens e) each, by index) lower the time per token
+    of a step of `batch` decoding sequences when their drafts join it, by t(n) = a + b n (fit)."""
+    a, b = fit
+    time, tokens = a + b * batch, float(batch)
+    chosen: set[int] = set()
+    for i in sorted(range(len(candidates)), key=lambda i: -candidates[i][1] / max(1, candidates[i][0])):
+        d, e = candidates[i]
+        if d <= 0:
+            continue
+        if (time + b * d) * tokens >= time * (tokens + e):  # no lower time per token with it
+            break
+        time, tokens = time + b * d, tokens + e
+        chosen.add(i)
+    return chosen

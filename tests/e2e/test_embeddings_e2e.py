@@ -109,6 +109,20 @@ def test_openai_embeddings_equal_sentence_transformers(client, dirs):
     assert len(one.data) == 1 and cosines(one.data[0].embedding, ref[1]) >= 0.9999
 
 
+def test_langchain_openai_embeddings(mean_stack, dirs):
+    """langchain-openai's OpenAIEmbeddings against Tandem: documents and a query, equal to sentence-transformers'.
+    (check_embedding_ctx_length=False: otherwise it sends tiktoken's token ids, which mean nothing to this model.)"""
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import OpenAIEmbeddings
+    from sentence_transformers import SentenceTransformer
+
+    ref = SentenceTransformer(str(dirs["mean"]), device="cpu").encode(TEXTS, normalize_embeddings=True)
+    emb = OpenAIEmbeddings(model=MODEL, base_url=f"{mean_stack[1].process.http_url}/v1", api_key="unused",
+                           check_embedding_ctx_length=False, max_retries=0)
+    assert cosines(emb.embed_documents(TEXTS), ref).min() >= 0.9999
+    assert cosines(emb.embed_query(TEXTS[2]), ref[2]) >= 0.9999
+
+
 def test_dimensions_cut_and_renormalise_on_a_matryoshka_model(client, rerank_url):
     full = np.asarray(client.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="float").data[0].embedding)
     cut = client.embeddings.create(model=MODEL, input=TEXTS[0], dimensions=16).data[0].embedding

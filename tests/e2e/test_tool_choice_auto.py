@@ -190,3 +190,19 @@ def test_responses_with_tools_and_no_tool_choice_is_auto(stack):
         _client(plain).responses.create(model=NAME, input="What is the weather in Paris?", tools=tools,
                                         max_output_tokens=12)
     assert refused.value.body["param"] == "tool_choice" and "--tool-call-parser" in refused.value.body["message"]
+
+
+def test_langchain_with_structured_output(stack):
+    """langchain-openai's with_structured_output (its default method: response_format json_schema, strict): the
+    answer is constrained to the schema and comes back parsed."""
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    schema = {"title": "Weather", "description": "A city's weather.", "type": "object",
+              "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    _, hermes, _, _ = stack
+    llm = ChatOpenAI(model=NAME, base_url=f"{hermes.process.http_url}/v1", api_key="none", temperature=0,
+                     max_retries=0, max_tokens=60)
+    got = llm.with_structured_output(schema).invoke("What is the weather in Paris?")
+    assert set(got) == {"city", "sunny"} and isinstance(got["city"], str) and isinstance(got["sunny"], bool)

@@ -1,11 +1,10 @@
 """Suffix decoding and the measured batch rule, piece by piece over real Sequence objects: the cross-request
 index (ResponseIndex: longest match, the vote that stops where earlier outputs diverge, scopes that never mix,
-its token bound and LRU eviction leaving no stale entry), the SuffixProposer over both sources, StepCost's fit
-and break-even, and the Speculator's batch limit from it. (End to end over real processes:
+its token bound and LRU eviction leaving no stale entry), the SuffixProposer over both sources, StepCost's fit,
+the rule that keeps only the drafts lowering a step's time per token, and the Speculator deciding by it per request. (End to end over real processes:
 tests/e2e/test_suffix_speculation.py.)"""
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -14,7 +13,7 @@ from scheduler.config import SpeculativeConfig
 from scheduler.engine.draft_proposer import NgramProposer
 from scheduler.engine.response_index import ResponseIndex
 from scheduler.engine.speculation import Speculator, make_proposer
-from scheduler.engine.step_cost import StepCost
+from scheduler.engine.step_cost import StepCost, worth
 from scheduler.engine.suffix_proposer import NGRAM, SUFFIX, SuffixProposer, draft_scope
 from scheduler.request import GenerateRequest, StoppingCriteria
 from scheduler.sequence import Sequence, Status
@@ -154,56 +153,77 @@ def test_make_proposer_by_method():
 # ------------------------------------------------------------------ StepCost and the batch rule
 
 
-def test_step_cost_fits_the_line_and_the_break_even():
+def test_step_cost_fits_the_line():
     cost = StepCost()
-    assert cost.fit() is None and cost.break_even() is None
+    assert cost.fit() is None and cost.acceptance is None
     rng = random.Random(1)
     for _ in range(200):
         n = rng.randrange(1, 20)
         cost.step(n, 0.010 + 0.002 * n)
     a, b = cost.fit()
     assert a == pytest.approx(0.010) and b == pytest.approx(0.002)
-    assert cost.break_even() is None  # no drafts verified yet
-    cost.verified(10, 5)  # p = 0.5: B < a p / (b (1 - p)) = 5
-    assert cost.break_even() == pytest.approx(5.0)
+    cost.verified(10, 5)
+    assert cost.acceptance == pytest.approx(0.5)
     cost.verified(1000, 1000)
-    p = (5 * 0.995 + 1000) / (10 * 0.995 + 1000)  # (older verifications weigh less)
-    assert cost.break_even() == pytest.approx(0.010 * p / (0.002 * (1 - p)))
-    always = StepCost()
-    for n in (1, 5) * 10:
-        always.step(n, 0.01 + 0.001 * n)
-    always.verified(4, 4)
-    assert always.break_even() == math.inf
+    assert cost.acceptance == pytest.approx((5 * 0.995 + 1000) / (10 * 0.995 + 1000))  # older ones weigh less
 
 
 def test_step_cost_needs_a_spread_of_sizes():
     cost = StepCost()
     for _ in range(100):
         cost.step(4, 0.02)
-    cost.verified(8, 4)
-    assert cost.fit() is None and cost.break_even() is None
+    assert cost.fit() is None
     cost.step(0, 1.0)  # ignored
     cost.step(3, float("nan"))
     assert cost.fit() is None
 
 
-def test_speculator_drafts_up_to_the_measured_break_even_within_the_cap():
+def test_worth_adds_drafts_while_they_lower_the_time_per_token():
+    fit = (0.020, 0.001)  # 20 ms a step, 1 ms a token
+    # uniform rate p: drafts pay exactly below the batch a p / (b (1 - p)) (p = 0.3: 8.57)
+    p, d = 0.3, 4
+    e = p * d  # (any e / d = p)
+    assert worth(fit, 8, [(d, e)]) == {0} and worth(fit, 9, [(d, e)]) == set()
+    # mixed: a copying request (3.5 of 4 accepted) drafts beside chat ones (0.2 of 4) that do not pay
+    got = worth(fit, 8, [(4, 0.2), (4, 3.5), (4, 0.2)])
+    assert got == {1}
+    assert worth(fit, 1, [(4, 0.0)]) == set() and worth(fit, 1, [(0, 1.0)]) == set()
+
+
+def test_speculator_keeps_the_drafts_that_pay_by_each_requests_own_rate():
     spec = Speculator(SpeculativeConfig("auto"))
-    assert spec.max_batch() == 4  # unmeasured
-    for n in (1, 2, 3, 6, 9) * 10:  # a = 20 ms, b = 1 ms: drafts pay below 20 p / (1 - p)
+    copying, chatting = seq_of(range(10), [1], arrival=0), seq_of(range(10), [1], arrival=1)
+    assert spec.keep(8, [(copying, 4), (chatting, 4)]) == {0, 1}  # unmeasured: the count rule alone
+    assert spec.max_batch() == 4 and not spec.step_allows_drafts(5)
+    for n in (1, 2, 3, 6, 9) * 10:  # a = 20 ms, b = 1 ms
         spec.cost.step(n, 0.020 + 0.001 * n)
-    spec.cost.verified(10, 3)  # p = 0.3: 8.57
-    assert spec.max_batch() == pytest.approx(20 * 0.3 / 0.7)
-    assert spec.step_allows_drafts(8) and not spec.step_allows_drafts(9)
-    spec.cost.verified(1000, 990)  # nearly all accepted: far above the cap
-    assert spec.max_batch() == 32 and spec.step_allows_drafts(32) and not spec.step_allows_drafts(33)  # the cap
-    spec.cost.verified(100_000, 0)  # nothing accepted of late: a lone sequence still drafts (its cooldown
-    assert spec.max_batch() == 1  # limits the cost), so that the rate keeps being measured
-    fixed = Speculator(SpeculativeConfig("auto", max_batch=2))  # a number given: the measurement is not asked
+    assert spec.max_batch() == 32  # measured: up to the cap, each step decides by keep()
+    for _ in range(6):
+        spec.drafts(copying, 4), spec.drafts(chatting, 4)
+        spec.observe(copying, 4, 4)
+        spec.observe(chatting, 4, 0)
+    assert spec.expected(copying, 4) > 3 and spec.expected(chatting, 4) < 0.3
+    assert spec.keep(8, [(copying, 4), (chatting, 4)]) == {0}
+    assert spec.keep(5000, [(copying, 4)]) == set()  # a batch so large that even near-sure drafts cost more
+    fixed = Speculator(SpeculativeConfig("auto", max_batch=2))  # a number given: the count rule alone
     fixed.cost = spec.cost
-    assert fixed.max_batch() == 2 and fixed.step_allows_drafts(2) and not fixed.step_allows_drafts(3)
+    assert fixed.max_batch() == 2 and fixed.keep(2, [(chatting, 4)]) == {0}
     never = Speculator(SpeculativeConfig("auto", max_batch=0))
     assert not any(never.step_allows_drafts(n) for n in range(5))
+
+
+def test_burst_drafting_by_the_same_rule():
+    spec = Speculator(SpeculativeConfig("auto"))
+    copying, chatting = seq_of(range(10), [1], arrival=0), seq_of(range(10), [1], arrival=1)
+    assert set(spec.burst_drafting([copying, chatting])) == {copying, chatting}  # unmeasured
+    for n in (1, 2, 3, 6, 9) * 10:
+        spec.cost.step(n, 0.020 + 0.001 * n)
+    for _ in range(6):
+        spec.drafts(copying, 4), spec.drafts(chatting, 4)
+        spec.observe(copying, 4, 4)
+        spec.observe(chatting, 4, 0)
+    batch = [copying, chatting] + [seq_of(range(10), [1], arrival=2 + i) for i in range(6)]
+    assert copying in spec.burst_drafting(batch) and chatting not in spec.burst_drafting(batch)
 
 
 def test_suffix_drafts_keep_the_step_single():
@@ -216,3 +236,22 @@ def test_suffix_drafts_keep_the_step_single():
     c = seq_of([9, 8, 9, 8, 9, 8] + HEADER, [9, 8], arrival=2)
     assert spec.drafts(c, 10) and not spec.needs_own_step(c)
     assert not Speculator(SpeculativeConfig("ngram")).needs_own_step(b)
+
+
+def test_a_fully_accepted_suffix_draft_doubles():
+    spec = Speculator(SpeculativeConfig("suffix", num_tokens=4))
+    answer = list(range(40, 80))
+    spec.forget(seq_of([1, 2, 3] + HEADER, answer))  # (recorded)
+    b = seq_of([7, 7, 7] + HEADER, answer[:2], arrival=1)
+    assert len(spec.drafts(b, 100)) == 4 and spec.method(b) == SUFFIX
+    spec.observe(b, 4, 4)
+    b.output_ids = answer[:7]
+    assert len(spec.drafts(b, 100)) == 8
+    spec.observe(b, 8, 8)
+    b.output_ids = answer[:16]
+    assert len(spec.drafts(b, 100)) == 16  # (4 x --num-speculative-tokens at most)
+    spec.observe(b, 16, 16)
+    b.output_ids = answer[:20]
+    assert len(spec.drafts(b, 100)) == 16
+    spec.observe(b, 16, 3)  # partly accepted: accepted + 1, as for n-grams
+    assert len(spec.drafts(b, 100)) == 4
