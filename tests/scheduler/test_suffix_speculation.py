@@ -180,10 +180,11 @@ def test_step_cost_needs_a_spread_of_sizes():
 
 def test_worth_adds_drafts_while_they_lower_the_time_per_token():
     fit = (0.020, 0.001)  # 20 ms a step, 1 ms a token
-    # uniform rate p: drafts pay exactly below the batch a p / (b (1 - p)) (p = 0.3: 8.57)
+    # uniform rate p: drafts pay below the batch a p / (b (1 - p)) (p = 0.3: 8.57), and are sent only where they
+    # promise a 10% lower time per token: (a + b (B + d)) B < 0.9 (a + b B) (B + e) holds to B = 4 here
     p, d = 0.3, 4
     e = p * d  # (any e / d = p)
-    assert worth(fit, 8, [(d, e)]) == {0} and worth(fit, 9, [(d, e)]) == set()
+    assert worth(fit, 4, [(d, e)]) == {0} and worth(fit, 5, [(d, e)]) == set()
     # mixed: a copying request (3.5 of 4 accepted) drafts beside chat ones (0.2 of 4) that do not pay
     got = worth(fit, 8, [(4, 0.2), (4, 3.5), (4, 0.2)])
     assert got == {1}
