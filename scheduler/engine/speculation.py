@@ -141,7 +141,16 @@ class Speculator:
         fit = self.cost.fit()
         if fit is None or self.cfg.max_batch is not None:
             return set(range(len(drafts)))
-        return worth(fit, batch, [(d, self.expected(seq, d)) for seq, d in drafts])
+        # A request that has not drafted yet drafts once whatever the estimate (its first verification measures it;
+        # otherwise a low global rate would keep every new request from ever drafting, a repeat included).
+        new = {i for i, (seq, _) in enumerate(drafts) if self._unmeasured(seq)}
+        rest = [i for i in range(len(drafts)) if i not in new]
+        chosen = worth(fit, batch, [(drafts[i][1], self.expected(drafts[i][0], drafts[i][1])) for i in rest])
+        return new | {rest[j] for j in chosen}
+
+    def _unmeasured(self, seq: Sequence) -> bool:
+        state = self._lengths.get(seq)
+        return state is None or state.drafted == 0
 
     def step_allows_drafts(self, decoding: int) -> bool:
         return 0 < decoding <= self.max_batch()

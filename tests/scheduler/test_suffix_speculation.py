@@ -206,6 +206,9 @@ def test_speculator_keeps_the_drafts_that_pay_by_each_requests_own_rate():
     assert spec.expected(copying, 4) > 3 and spec.expected(chatting, 4) < 0.3
     assert spec.keep(8, [(copying, 4), (chatting, 4)]) == {0}
     assert spec.keep(5000, [(copying, 4)]) == set()  # a batch so large that even near-sure drafts cost more
+    spec.cost.verified(100_000, 0)  # the global rate near 0: a request that never drafted still drafts once
+    fresh = seq_of(range(10), [1], arrival=9)
+    assert spec.keep(8, [(chatting, 4), (fresh, 4)]) == {1}
     fixed = Speculator(SpeculativeConfig("auto", max_batch=2))  # a number given: the count rule alone
     fixed.cost = spec.cost
     assert fixed.max_batch() == 2 and fixed.keep(2, [(chatting, 4)]) == {0}
