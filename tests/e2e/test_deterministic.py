@@ -130,7 +130,7 @@ def _run_all(setup: Setup) -> None:
     wait_kv_free(s.executor.stub)
 
     small = s.start_executor(0, "--kv-blocks", "14")  # 224 slots; the 32 together need ~10x that
-    small_sch = start_scheduler_for(s.request, small.address)
+    small_sch = start_scheduler_for(s.request, small.address, "--speculative", "off")  # (preemption, not drafts)
     got = together(small_sch.stub, reqs)
     assert sum(g.usage.preemptions for g in got) > 0, "the pool was meant to force preemption"
     assert_same(got, ref, "preempted and recomputed")

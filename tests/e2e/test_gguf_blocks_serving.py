@@ -21,7 +21,8 @@ SMALL_KV_BLOCKS = 12  # x 16 tokens: 192 tokens for everyone
 def stack(request, model_dir, tmp_path_factory):
     path, _ = write_gguf(model_dir, tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf", "Q8_0")
     executor = start_for(request, path, "--kv-blocks", str(SMALL_KV_BLOCKS))
-    return executor, start_scheduler_for(request, executor.address)
+    # (no drafts: a repeat of the first pass's requests would draft from its outputs and need no preemption)
+    return executor, start_scheduler_for(request, executor.address, "--speculative", "off")
 
 
 def test_served_on_its_blocks_with_preemption(stack):

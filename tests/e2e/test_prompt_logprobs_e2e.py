@@ -61,7 +61,7 @@ def test_generate_returns_prompt_logprobs_once_and_from_the_prefix_cache(stack, 
 
 def test_preempted_requests_return_them_once_and_right(request, model_dir, ref):
     executor = start_for(request, model_dir, "--kv-blocks", "12")  # 192 tokens for six 70-token sequences
-    sch = start_scheduler_for(request, executor.address, "--prefill-chunk", "32")
+    sch = start_scheduler_for(request, executor.address, "--prefill-chunk", "32", "--speculative", "off")
     prompts = [PROMPT[:20] + [200 + q] + PROMPT[21:] for q in range(6)]
     stop = pb.StoppingCriteria(max_new_tokens=20, ignore_eos=True)
     with cf.ThreadPoolExecutor(6) as pool:

@@ -200,7 +200,7 @@ def test_tokenize_and_model_info(scheduler, tok, model_dir):
 @pytest.fixture(scope="module")
 def small_kv(request, model_dir):
     executor = start_for(request, model_dir, "--kv-blocks", str(SMALL_KV_BLOCKS))
-    return executor, start_scheduler_for(request, executor.address)
+    return executor, start_scheduler_for(request, executor.address, "--speculative", "off")  # (preemption, not drafts)
 
 
 def test_preemption_under_a_small_kv_pool_loses_nothing(small_kv, hf, tok):

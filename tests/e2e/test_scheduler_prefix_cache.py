@@ -73,7 +73,7 @@ def test_multi_turn_chat_reuses_every_earlier_turn(on, off):
 
 def test_preempted_requests_get_their_prefix_back_and_lose_nothing(request, model_dir, off):
     executor = start_for(request, model_dir, "--kv-blocks", "14")  # 224 tokens for everyone
-    scheduler = start_scheduler_for(request, executor.address)
+    scheduler = start_scheduler_for(request, executor.address, "--speculative", "off")  # (preemption, not drafts)
     _, sch_off = off
     stop = pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True)
     prompts = [SYSTEM[:48] + [210 + q, 5, 6] for q in range(6)]  # 3 shared blocks + 51..91 tokens each
