@@ -41,7 +41,7 @@ def spec(request, executor):
 
 @pytest.fixture(scope="module")
 def off(request, executor):
-    return start_scheduler_for(request, executor.address, *CHUNKED)
+    return start_scheduler_for(request, executor.address, *CHUNKED, "--speculative", "off")
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -130,7 +130,7 @@ def smol(request, smollm2_dir):
     """(executor, speculating scheduler with the HTTP front and metrics, scheduler without)."""
     executor = start_for(request, smollm2_dir, "--kv-blocks", "64")
     on = start_scheduler_for(request, executor.address, *SPEC[:2], "--http-port", "0", "--metrics-port", "0")
-    return executor, on, start_scheduler_for(request, executor.address)
+    return executor, on, start_scheduler_for(request, executor.address, "--speculative", "off")
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def spec(request, executor):
 
 @pytest.fixture(scope="module")
 def plain(request, executor):
-    return start_scheduler_for(request, executor.address, *BURSTS)
+    return start_scheduler_for(request, executor.address, *BURSTS, "--speculative", "off")
 
 
 def looping_prompt(seed: int) -> list[int]:
