@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.devices import device  # noqa: F401  (the `device` fixture: cpu, and cuda marked `cuda`)
+
 
 @pytest.fixture
 def stub(server):

@@ -83,7 +83,7 @@ def test_greedy_32_matches_transformers(moe, chunk, prefix):
     ex = make_executor(moe.model_dir, prefix_caching=prefix)
     prompt = prompt_of(21, seed=1)
     ref_tokens, ref_logits = moe.greedy(prompt)
-    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, TOL, chunk, create=prefix)
+    assert_greedy_matches(ex, prompt, ref_tokens, ref_logits, STEPS, chunk=chunk, create=prefix)
 
 
 def test_mixed_batch_of_five_with_releases(moe):

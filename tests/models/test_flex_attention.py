@@ -15,12 +15,12 @@ from models.attention.spec import AttentionSpec
 from models.attention.flex import FlexMetadata
 from models.kv.paged_cache import PagedKvCache
 from models.loader import load_model
+from tests.devices import CUDA_MARKS
 from tests.models.family_checkpoints import FAMILIES
 
 BS = 16
 POOL = 24
-ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda,
-                                     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+ON_CUDA = pytest.param("cuda", marks=CUDA_MARKS)  # flex against gathered, both ours: float32 on both devices
 
 
 def _pair(model, compile_flex: bool = False):

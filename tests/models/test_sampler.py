@@ -17,8 +17,10 @@ import models.sampler as sampler_mod
 from tandem.errors import InvalidRequest
 from models.sampler import Sampler, SamplingRow, _mix32, _mix32_, row_key
 from tandem.sampling_params import SamplingParams as SP
+from tests.devices import CPU, CUDA, CUDA_MARKS
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the sampler's own device: cpu, and cuda marked `cuda` (skipped without one); it samples float32 logits on both
+DEVICES = [pytest.param(d.name, id=d.name, marks=CUDA_MARKS if d is CUDA else ()) for d in (CPU, CUDA)]
 
 
 def row(params: SP, token_ids=(), num_output_tokens: int = 0, step_key: int | None = None,
@@ -111,9 +113,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(device):
         assert sampler.sample(mixed, batch).token_ids[i].item() == first[i]
 
 
-def test_cpu_and_cuda_draw_the_same_tokens():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_cpu_and_cuda_draw_the_same_tokens(device):
     v, n = 500, 2000
     logits = rand_logits(1, v, seed=3, scale=1.0).expand(n, v).contiguous()
     rows = [row(SP(temperature=1.0, top_p=0.9, min_p=0.01, seed=5), step_key=k) for k in range(n)]
