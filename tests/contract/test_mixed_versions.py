@@ -1,0 +1,160 @@
+"""Versions that mix (the contract is additive): this tree's scheduler over the previous release's executor, and the
+previous release's scheduler over this tree's executor, each built from git at test time
+(tests/contract/previous_release.py), stream the tokens of the same-version pair whose executor they use (greedy
+and seeded), and the newer scheduler sends only what the older executor's GetInfo capabilities allow (a proxy
+between them checks every request: tests/capability_proxy.py).
+
+The previous release may equal this tree (nothing landed since): then the pairs above mix nothing, so a third
+test plays the oldest executor this scheduler must serve, the current one shown only tandem.capabilities.BASELINE
+(its other calls answering UNIMPLEMENTED): the scheduler still streams the same tokens, sends no field or call of a
+capability it was not shown, refuses clearly what it cannot do there (constrained output, prompt logprobs) — and
+the current executor, serving it, serves a scheduler that sends none of the newer fields, as an older one would.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import grpc
+import pytest
+
+from tandem import capabilities as caps
+from tandem.common.v1 import common_pb2 as cpb
+from tandem.generate.v1 import generate_pb2 as pb
+from tests.capability_proxy import CapabilityProxy
+from tests.contract import previous_release as release
+from tests.grpc_harness import start_executor, start_for, start_scheduler
+from tests.scheduler_client import collect, ids_request, rpc_error, wait_kv_free
+
+KV = ("--kv-blocks", "128")
+# What a scheduler shown every capability surely relies on with these requests (the checker's control case).
+SURELY_USED = frozenset({caps.SESSIONS, caps.CREATE_CACHE, caps.REGISTERED_SAMPLING, caps.RELEASE_WITH_STEP})
+
+
+def _requests() -> list[pb.GenerateRequest]:
+    """Greedy and seeded, prompts of 12-40 tokens (two share a 24-token prefix), 8-28 new tokens each (so
+    requests end while others run: their releases ride with a step)."""
+    shared = [(5 + 11 * k) % 380 + 3 for k in range(24)]
+    out = []
+    for i in range(6):
+        prompt = [1] + (shared if i in (2, 5) else []) + [(40 + 7 * i + 13 * k) % 380 + 3 for k in range(12 + 3 * i)]
+        sampling = cpb.SamplingParams(temperature=0.8, top_k=30, seed=500 + i) if i % 3 == 1 else None
+        out.append(ids_request(prompt, 0, sampling=sampling,
+                               stopping=pb.StoppingCriteria(max_new_tokens=8 + 4 * i, ignore_eos=True)))
+    return out
+
+
+def _tokens(scheduler) -> list[list[int]]:
+    reqs = _requests()
+    with cf.ThreadPoolExecutor(len(reqs)) as pool:
+        return [r.token_ids for r in pool.map(lambda r: collect(scheduler.stub, r), reqs)]
+
+
+def _run(executor_address: str, source_root=None) -> list[list[int]]:
+    with start_scheduler(executor_address, source_root=source_root) as scheduler:
+        return _tokens(scheduler)
+
+
+@pytest.fixture(scope="module")
+def old_tree(tmp_path_factory):
+    why = release.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    return release.extract(tmp_path_factory.mktemp("previous-release"))
+
+
+@pytest.fixture(scope="module")
+def kernel() -> tuple[str, ...]:
+    """Both executors run the same decode step; the torch one where the native library's sources differ (the old
+    one would need a build of its own, 1-2 CPU minutes: models/native/library.py keys its cache on them)."""
+    return ("--decode-kernel", "torch") if release.differs("models/native") else ()
+
+
+def _start_old(start, *args, **kw):
+    try:
+        return start(*args, **kw)
+    except RuntimeError as exc:
+        note = (" (its dependencies differ from this tree's pyproject.toml: install them in this venv)"
+                if release.dependencies_differ() else "")
+        raise AssertionError(f"the previous release {release.PREVIOUS_RELEASE[:12]} did not start{note}: {exc}")
+
+
+@pytest.fixture(scope="module")
+def new_executor(request, model_dir, kernel):
+    return start_for(request, model_dir, *KV, *kernel)
+
+
+@pytest.fixture(scope="module")
+def old_executor(request, model_dir, kernel, old_tree):
+    server = _start_old(start_executor, model_dir, *KV, *kernel, source_root=old_tree)
+    request.addfinalizer(server.close)
+    return server
+
+
+@pytest.fixture(scope="module")
+def new_reference(new_executor) -> list[list[int]]:
+    """This tree's scheduler over this tree's executor."""
+    return _run(new_executor.address)
+
+
+def test_this_scheduler_over_the_previous_executor(old_executor, old_tree):
+    reference = _start_old(_run, old_executor.address, source_root=old_tree)  # the previous release alone
+    with CapabilityProxy(old_executor.address) as proxy, start_scheduler(proxy.address) as scheduler:
+        assert _tokens(scheduler) == reference
+        shown = proxy.shown
+    assert proxy.violations == []  # every field and call it sent, checked against what the old executor listed
+    assert SURELY_USED & shown <= set(proxy.used), proxy.used  # the checker saw the features in use
+    wait_kv_free(old_executor.stub)
+
+
+def test_the_previous_scheduler_over_this_executor(new_executor, new_reference, old_tree):
+    assert _start_old(_run, new_executor.address, source_root=old_tree) == new_reference
+    wait_kv_free(new_executor.stub)
+
+
+@pytest.fixture(scope="module")
+def oldest(new_executor):
+    """This tree's scheduler over this tree's executor shown only the baseline capabilities."""
+    with CapabilityProxy(new_executor.address, hide=caps.ALL - caps.BASELINE) as proxy, \
+            start_scheduler(proxy.address) as scheduler:
+        yield proxy, scheduler
+
+
+def test_a_scheduler_shown_only_the_baseline_streams_the_same_tokens_and_sends_nothing_newer(
+        oldest, new_reference, new_executor):
+    proxy, scheduler = oldest
+    assert _tokens(scheduler) == new_reference
+    assert proxy.shown == caps.BASELINE & proxy.shown and caps.UNIFIED_DECODE in proxy.shown
+    assert proxy.violations == []
+    assert set(proxy.used) <= caps.BASELINE | {caps.SESSIONS, caps.KV_EVENTS}, proxy.used  # (probes only)
+    assert proxy.probed["OpenSession"] >= 1  # no session there: the anonymous one
+    assert proxy.calls["CreateCache"] == 0 and proxy.calls["Decode"] == 0  # no prefix lookup, no bursts
+    wait_kv_free(new_executor.stub)
+
+
+@pytest.mark.parametrize("field, capability", [
+    ("constraint", caps.TOKEN_MASKS), ("prompt_logprobs", caps.PROMPT_LOGPROBS)])
+def test_what_the_older_executor_cannot_do_is_refused_by_name(oldest, field, capability):
+    _, scheduler = oldest
+    extra = {"constraint": pb.Constraint(regex="[a-z]+")} if field == "constraint" else {"prompt_logprobs": 2}
+    err = rpc_error(collect, scheduler.stub, ids_request([1, 40, 41, 42], 4, **extra))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert capability in err.details()
+
+
+def test_the_proxy_records_what_was_not_shown(new_executor):
+    """Control: the checker flags a gated field and a gated call sent to an executor that did not list them."""
+    from tandem.executor.v1 import executor_pb2 as epb
+    from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
+
+    with CapabilityProxy(new_executor.address, hide={caps.RELEASE_WITH_STEP, caps.CREATE_CACHE}) as proxy, \
+            grpc.insecure_channel(proxy.address) as channel:
+        stub = epb_grpc.ExecutorServiceStub(channel)
+        assert caps.RELEASE_WITH_STEP not in stub.GetInfo(epb.GetInfoRequest()).capabilities
+        resp = stub.UnifiedDecode(epb.UnifiedDecodeRequest(
+            items=[epb.UnifiedItem(token_ids=[1, 5, 6], is_final_chunk=True)], release_cache_ids=["gone"]))
+        stub.ReleaseCache(epb.ReleaseCacheRequest(cache_ids=[resp.results[0].cache.cache_id]))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.CreateCache(epb.CreateCacheRequest(items=[epb.CreateCacheItem(token_ids=[1, 5])]))
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert proxy.violations == ["UnifiedDecode relied on ['release_with_step'], which GetInfo did not list",
+                                "CreateCache relied on ['create_cache'], which GetInfo did not list"]
