@@ -11,8 +11,10 @@ that lacked the `hide` capabilities: GetInfo answers without them, and the calls
 (CreateCache, SubscribeKvEvents, OpenSession ...) answer UNIMPLEMENTED, as a server without the method does.
 What it records: for each request, the capabilities it relies on (`used`: a field or a call an executor without
 the capability would ignore or not know); one the client was not shown is a violation, except the calls a
-client may probe because their UNIMPLEMENTED has a fallback (`PROBES`). The table of what relies on what is
-GATES below: a field added to the contract under a new capability belongs there.
+client may probe because their UNIMPLEMENTED has a fallback (`PROBES`). What relies on what: CALLS and
+FIELD_GATES below; a field added to the contract under a new capability belongs there (a test of
+tests/contract/test_mixed_versions.py fails on a request field that is in neither it nor its list of the fields
+every executor reads).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from concurrent import futures
 from typing import Callable, Iterable, Iterator
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from tandem import capabilities as caps
@@ -40,43 +43,38 @@ CALLS = {"CreateCache": caps.CREATE_CACHE, "SubscribeKvEvents": caps.KV_EVENTS, 
 PROBES = frozenset({"OpenSession", "SubscribeKvEvents"})
 
 
-def _unified(req: epb.UnifiedDecodeRequest) -> Iterator[str]:
-    if req.release_cache_ids:
-        yield caps.RELEASE_WITH_STEP
-    for item in req.items:
-        if item.draft_token_ids:
-            yield caps.SPECULATIVE_DRAFTS
-        if item.allowed_tokens:
-            yield caps.TOKEN_MASKS
-        if item.HasField("prompt_logprobs"):
-            yield caps.PROMPT_LOGPROBS
-        if item.HasField("pooling"):
-            yield caps.POOLING
-        if item.cache_id and item.is_final_chunk and not item.HasField("sampling"):
-            yield caps.REGISTERED_SAMPLING  # (unset on an existing cache: the registered parameters)
+# The request fields an executor without a capability would drop or misread, (message, field) -> (the capability,
+# which values need it). A field set to another value, or not set, means what it meant before the capability.
+FIELD_GATES: dict[tuple[str, str], tuple[str, Callable[[object], bool]]] = {
+    ("UnifiedDecodeRequest", "release_cache_ids"): (caps.RELEASE_WITH_STEP, bool),
+    ("DecodeRequest", "release_cache_ids"): (caps.RELEASE_WITH_STEP, bool),
+    ("DecodeRequest", "num_steps"): (caps.MULTI_STEP_DECODE, lambda n: n > 1),
+    ("UnifiedItem", "draft_token_ids"): (caps.SPECULATIVE_DRAFTS, bool),
+    ("UnifiedItem", "allowed_tokens"): (caps.TOKEN_MASKS, bool),
+    ("UnifiedItem", "prompt_logprobs"): (caps.PROMPT_LOGPROBS, lambda _: True),
+    ("UnifiedItem", "pooling"): (caps.POOLING, lambda _: True),
+    ("DecodeItem", "draft_token_ids"): (caps.SPECULATIVE_DRAFTS, bool),
+    ("DecodeItem", "ngram_drafts"): (caps.MULTI_STEP_DRAFTS, lambda _: True),
+    ("DecodeItem", "max_tokens"): (caps.MULTI_STEP_DRAFTS, bool),
+    ("CreateCacheItem", "prompt_logprobs"): (caps.PROMPT_LOGPROBS, lambda _: True),
+}
 
 
-def _decode(req: epb.DecodeRequest) -> Iterator[str]:
-    if req.release_cache_ids:
-        yield caps.RELEASE_WITH_STEP
-    if req.num_steps > 1:
-        yield caps.MULTI_STEP_DECODE
-    for item in req.items:
-        if item.draft_token_ids:
-            yield caps.SPECULATIVE_DRAFTS
-        if item.HasField("ngram_drafts") or item.max_tokens:
-            yield caps.MULTI_STEP_DRAFTS
+def fields_needing(message) -> Iterator[str]:
+    """The capabilities the set fields of a request message (and of the messages in it) rely on."""
+    name = message.DESCRIPTOR.name
+    for field, value in message.ListFields():  # (the fields set: present, non-empty or not zero)
+        gate = FIELD_GATES.get((name, field.name))
+        if gate is not None and gate[1](value):
+            yield gate[0]
+        for m in (value,) if isinstance(value, Message) else value if field.message_type is not None else ():
+            if isinstance(m, Message):  # (a map's entries iterate as keys: none of the contract's gates are in one)
+                yield from fields_needing(m)
+    if name == "UnifiedItem" and message.cache_id and message.is_final_chunk and not message.HasField("sampling"):
+        yield caps.REGISTERED_SAMPLING  # (unset on an existing cache: the parameters registered with it)
 
 
-def _create(req: epb.CreateCacheRequest) -> Iterator[str]:
-    if any(item.HasField("prompt_logprobs") for item in req.items):
-        yield caps.PROMPT_LOGPROBS
-
-
-# rpc -> (request type, the capabilities a request's fields rely on)
-GATES: dict[str, tuple[type, Callable[..., Iterable[str]]]] = {
-    "UnifiedDecode": (epb.UnifiedDecodeRequest, _unified), "Decode": (epb.DecodeRequest, _decode),
-    "CreateCache": (epb.CreateCacheRequest, _create)}
+_REQUESTS = {m.name: getattr(epb, m.input_type.name) for m in _EXECUTOR.methods}
 
 
 class CapabilityProxy:
@@ -111,9 +109,8 @@ class CapabilityProxy:
     def inspect(self, rpc: str, request: bytes) -> bool:
         """Records what the request relies on; False: answer UNIMPLEMENTED (a call this executor plays without)."""
         needed = {CALLS[rpc]} if rpc in CALLS else set()
-        if rpc in GATES:
-            message_type, gates = GATES[rpc]
-            needed.update(gates(message_type.FromString(request)))
+        if rpc in _REQUESTS:
+            needed.update(fields_needing(_REQUESTS[rpc].FromString(request)))
         with self._lock:
             self.calls[rpc] += 1
             self.used.update(needed)

@@ -20,7 +20,8 @@ import pytest
 from tandem import capabilities as caps
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.generate.v1 import generate_pb2 as pb
-from tests.capability_proxy import CapabilityProxy
+from tandem.executor.v1 import executor_pb2 as epb
+from tests.capability_proxy import FIELD_GATES, CapabilityProxy
 from tests.contract import previous_release as release
 from tests.grpc_harness import start_executor, start_for, start_scheduler
 from tests.scheduler_client import collect, ids_request, rpc_error, wait_kv_free
@@ -143,7 +144,6 @@ def test_what_the_older_executor_cannot_do_is_refused_by_name(oldest, field, cap
 
 def test_the_proxy_records_what_was_not_shown(new_executor):
     """Control: the checker flags a gated field and a gated call sent to an executor that did not list them."""
-    from tandem.executor.v1 import executor_pb2 as epb
     from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
 
     with CapabilityProxy(new_executor.address, hide={caps.RELEASE_WITH_STEP, caps.CREATE_CACHE}) as proxy, \
@@ -158,3 +158,62 @@ def test_the_proxy_records_what_was_not_shown(new_executor):
         assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert proxy.violations == ["UnifiedDecode relied on ['release_with_step'], which GetInfo did not list",
                                 "CreateCache relied on ['create_cache'], which GetInfo did not list"]
+
+
+# The fields of the requests a scheduler sends that every executor reads (since capabilities exist; those of a call
+# that is a capability, CALLS, since that capability). The others are FIELD_GATES'. An older executor drops a field
+# it does not know without a word, so a field added to these messages is one or the other: read as before when
+# dropped (then it goes here), or under a new capability (tandem/capabilities.py) that the scheduler checks before
+# setting it, with its entry in FIELD_GATES (tests/capability_proxy.py).
+READ_BY_EVERY_EXECUTOR = frozenset({
+    "UnifiedDecodeRequest.items", "UnifiedDecodeRequest.session_id",
+    "UnifiedItem.cache_id", "UnifiedItem.token_ids", "UnifiedItem.pos_offset", "UnifiedItem.is_final_chunk",
+    "UnifiedItem.sampling", "UnifiedItem.output", "UnifiedItem.adapter", "UnifiedItem.prompt_len",
+    "DecodeRequest.items", "DecodeRequest.session_id",
+    "DecodeItem.cache", "DecodeItem.token_id", "DecodeItem.sampling", "DecodeItem.output", "DecodeItem.adapter",
+    "DecodeItem.stop_token_ids",
+    "SamplingParams.temperature", "SamplingParams.top_k", "SamplingParams.top_p", "SamplingParams.min_p",
+    "SamplingParams.repetition_penalty", "SamplingParams.presence_penalty", "SamplingParams.frequency_penalty",
+    "SamplingParams.seed", "SamplingParams.logit_bias",
+    "OutputOptions.mode", "OutputOptions.top_logprobs", "OutputOptions.logits_dtype",
+    "CacheRef.cache_id", "CacheRef.seq_len",
+    "NgramDrafts.max_draft_tokens", "NgramDrafts.ngram_min", "NgramDrafts.ngram_max",  # (under multi_step_drafts)
+    "PoolingOptions.task", "PoolingOptions.type", "PoolingOptions.normalize", "PoolingOptions.token_ids",  # (pooling)
+    "CreateCacheRequest.items", "CreateCacheRequest.session_id",  # (create_cache)
+    "CreateCacheItem.token_ids", "CreateCacheItem.adapter", "CreateCacheItem.cache_salt",
+    "ReleaseCacheRequest.cache_ids", "ReleaseCacheRequest.session_id",
+    "ImportKvRequest.source_address", "ImportKvRequest.export", "ImportKvRequest.create_cache",  # (kv_transfer)
+    "ImportKvRequest.session_id", "ExportKvRequest.cache_id", "ExportKvRequest.block_hashes",
+    "ExportKvRequest.max_chunk_bytes", "ExportKvRequest.session_id",
+    "OpenSessionRequest.client_name", "KeepAliveRequest.session_id", "CloseSessionRequest.session_id",  # (sessions)
+    "SubscribeKvEventsRequest.summary_interval_ms",  # (kv_events)
+})
+# What a scheduler calls (and ExportKv, which an executor calls on its peer for ImportKv).
+SENT = ("GetInfo", "UnifiedDecode", "Decode", "ReleaseCache", "CreateCache", "ImportKv", "ExportKv", "OpenSession",
+        "KeepAlive", "CloseSession", "SubscribeKvEvents")
+
+
+def _fields(descriptor, out: set[str], seen: set[str]) -> None:
+    """Every "Message.field" of descriptor and of the contract's messages in it (map entries left out)."""
+    seen.add(descriptor.full_name)
+    for field in descriptor.fields:
+        out.add(f"{descriptor.name}.{field.name}")
+        sub = field.message_type
+        if sub is not None and sub.full_name.startswith("tandem.") and not sub.GetOptions().map_entry \
+                and sub.full_name not in seen:
+            _fields(sub, out, seen)
+
+
+def test_every_request_field_a_scheduler_sends_is_read_by_every_executor_or_gated_by_a_capability():
+    service = epb.DESCRIPTOR.services_by_name["ExecutorService"]
+    found: set[str] = set()
+    seen: set[str] = set()
+    for name in SENT:
+        _fields(service.methods_by_name[name].input_type, found, seen)
+    gated = {f"{message}.{field}" for message, field in FIELD_GATES}
+    assert found - READ_BY_EVERY_EXECUTOR - gated == set(), (
+        "a request field an older executor would drop without a word: gate it by a capability (tandem/capabilities.py,"
+        " checked by the scheduler before setting it) and add it to FIELD_GATES, or list it above if dropping it"
+        " changes nothing")
+    assert (READ_BY_EVERY_EXECUTOR | gated) - found == set()  # (no stale names)
+    assert READ_BY_EVERY_EXECUTOR & gated == set()
