@@ -142,6 +142,18 @@ def test_what_the_older_executor_cannot_do_is_refused_by_name(oldest, field, cap
     assert capability in err.details()
 
 
+def test_an_executor_older_than_the_baseline_is_refused_by_name_while_the_others_serve(new_executor):
+    """An executor that lacks a baseline capability (from before capabilities existed) would fail every step: the
+    scheduler refuses it at once, naming what it lacks, even as the first executor it is given."""
+    with CapabilityProxy(new_executor.address, hide={caps.UNIFIED_DECODE}) as proxy, \
+            start_scheduler(proxy.address, "--executor", new_executor.address) as scheduler:
+        executors = scheduler.stub.GetModelInfo(pb.GetModelInfoRequest()).executors
+        assert [e.state for e in executors] == [pb.ExecutorStatus.STATE_REFUSED, pb.ExecutorStatus.STATE_SERVING]
+        assert "lacks the capabilities ['unified_decode']" in executors[0].reason
+        assert len(collect(scheduler.stub, ids_request([1, 40, 41], 4)).token_ids) == 4
+        assert proxy.calls["UnifiedDecode"] == 0
+
+
 def test_the_proxy_records_what_was_not_shown(new_executor):
     """Control: the checker flags a gated field and a gated call sent to an executor that did not list them."""
     from tandem.executor.v1 import executor_pb2_grpc as epb_grpc
