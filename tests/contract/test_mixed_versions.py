@@ -9,6 +9,9 @@ test plays the oldest executor this scheduler must serve, the current one shown 
 (its other calls answering UNIMPLEMENTED): the scheduler still streams the same tokens, sends no field or call of a
 capability it was not shown, refuses clearly what it cannot do there (constrained output, prompt logprobs) — and
 the current executor, serving it, serves a scheduler that sends none of the newer fields, as an older one would.
+An executor shown less than the baseline is refused by name. And since an older executor drops a field it does
+not know without a word, a static test fails on any request field that is neither read by every executor nor
+gated by a capability (tests/capability_proxy.py's FIELD_GATES).
 """
 from __future__ import annotations
 
