@@ -117,15 +117,17 @@ def test_the_previous_scheduler_over_this_executor(new_executor, new_reference, 
 
 @pytest.fixture(scope="module")
 def oldest(new_executor):
-    """This tree's scheduler over this tree's executor shown only the baseline capabilities."""
-    with CapabilityProxy(new_executor.address, hide=caps.ALL - caps.BASELINE) as proxy, \
-            start_scheduler(proxy.address) as scheduler:
-        yield proxy, scheduler
+    """This tree's scheduler over this tree's executor shown less than the baseline capabilities (given first: the
+    fleet's reference), and shown only the baseline: (the latter's proxy, the scheduler, the former's proxy)."""
+    with CapabilityProxy(new_executor.address, hide={caps.UNIFIED_DECODE}) as too_old, \
+            CapabilityProxy(new_executor.address, hide=caps.ALL - caps.BASELINE) as proxy, \
+            start_scheduler(too_old.address, "--executor", proxy.address) as scheduler:
+        yield proxy, scheduler, too_old
 
 
 def test_a_scheduler_shown_only_the_baseline_streams_the_same_tokens_and_sends_nothing_newer(
         oldest, new_reference, new_executor):
-    proxy, scheduler = oldest
+    proxy, scheduler, _ = oldest
     assert _tokens(scheduler) == new_reference
     assert proxy.shown == caps.BASELINE & proxy.shown and caps.UNIFIED_DECODE in proxy.shown
     assert proxy.violations == []
@@ -138,23 +140,22 @@ def test_a_scheduler_shown_only_the_baseline_streams_the_same_tokens_and_sends_n
 @pytest.mark.parametrize("field, capability", [
     ("constraint", caps.TOKEN_MASKS), ("prompt_logprobs", caps.PROMPT_LOGPROBS)])
 def test_what_the_older_executor_cannot_do_is_refused_by_name(oldest, field, capability):
-    _, scheduler = oldest
+    _, scheduler, _ = oldest
     extra = {"constraint": pb.Constraint(regex="[a-z]+")} if field == "constraint" else {"prompt_logprobs": 2}
     err = rpc_error(collect, scheduler.stub, ids_request([1, 40, 41, 42], 4, **extra))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert capability in err.details()
 
 
-def test_an_executor_older_than_the_baseline_is_refused_by_name_while_the_others_serve(new_executor):
+def test_an_executor_older_than_the_baseline_is_refused_by_name_while_the_others_serve(oldest):
     """An executor that lacks a baseline capability (from before capabilities existed) would fail every step: the
     scheduler refuses it at once, naming what it lacks, even as the first executor it is given."""
-    with CapabilityProxy(new_executor.address, hide={caps.UNIFIED_DECODE}) as proxy, \
-            start_scheduler(proxy.address, "--executor", new_executor.address) as scheduler:
-        executors = scheduler.stub.GetModelInfo(pb.GetModelInfoRequest()).executors
-        assert [e.state for e in executors] == [pb.ExecutorStatus.STATE_REFUSED, pb.ExecutorStatus.STATE_SERVING]
-        assert "lacks the capabilities ['unified_decode']" in executors[0].reason
-        assert len(collect(scheduler.stub, ids_request([1, 40, 41], 4)).token_ids) == 4
-        assert proxy.calls["UnifiedDecode"] == 0
+    _, scheduler, too_old = oldest
+    executors = scheduler.stub.GetModelInfo(pb.GetModelInfoRequest()).executors
+    assert [e.state for e in executors] == [pb.ExecutorStatus.STATE_REFUSED, pb.ExecutorStatus.STATE_SERVING]
+    assert "lacks the capabilities ['unified_decode']" in executors[0].reason
+    assert len(collect(scheduler.stub, ids_request([1, 40, 41], 4)).token_ids) == 4
+    assert too_old.calls["UnifiedDecode"] == too_old.calls["CreateCache"] == 0
 
 
 def test_the_proxy_records_what_was_not_shown(new_executor):
