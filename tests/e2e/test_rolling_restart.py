@@ -27,7 +27,8 @@ from tests.grpc_harness import GrpcServer, start_executor, start_scheduler_for
 from tests.scheduler_client import collect, ids_request, wait_kv_free
 
 KV = ("--kv-blocks", "160", "--session-ttl", "3")
-CLIENTS = 6  # requests in flight at any time: about three on each executor
+CLIENTS = 4  # clients, each sending a request THINK_S after its last one ended: about two on each executor
+THINK_S = 0.1  # (a steady load, not a saturating one: the suite's cores are shared)
 _URL = re.compile(r"metrics on (https?://\S+/metrics)")
 _SAMPLE = re.compile(r"^(tandem:[a-z_]+) ([0-9.e+-]+)$", re.M)
 
@@ -60,7 +61,7 @@ def _run(scheduler: GrpcServer, client: openai.OpenAI, kind: int) -> list[int]:
 
 
 class Load:
-    """CLIENTS threads, each sending one request after another (kinds in a shuffled order) until stopped."""
+    """CLIENTS threads, each sending one request after another (kinds in a random order) until stopped."""
 
     def __init__(self, scheduler: GrpcServer, client: openai.OpenAI) -> None:
         self.scheduler, self.client = scheduler, client
@@ -79,6 +80,7 @@ class Load:
                 self.done.append((kind, _run(self.scheduler, self.client, kind)))
             except Exception as exc:  # every failure is the test's finding
                 self.errors.append(f"kind {kind}: {type(exc).__name__}: {exc}")
+            self._stop.wait(THINK_S)
 
     def wait_for(self, completed: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
