@@ -153,8 +153,8 @@ def start(name: str, module: str, *args: str, capture_log: bool = True, log_path
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if source_root is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(source_root), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(_die_with_parent(cmd), cwd=source_root or ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=log if log is not None else None, text=True, env=env,
+    proc = subprocess.Popen(_die_with_parent(cmd), cwd=source_root or ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=log if log is not None else None, text=True, env=env,
                             start_new_session=own_session)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_stdout, args=(proc.stdout, lines), daemon=True,
