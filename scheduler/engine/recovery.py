@@ -12,8 +12,9 @@ Back — an executor answers GetInfo: it must serve what the scheduler relies on
 maximum length: the tokenizer and every queued sequence were built for them; the baseline capabilities,
 tandem.capabilities.BASELINE), else the queue fails clearly and polling goes on. If it is the same process (same
 instance id), what the lost one may still hold is freed (the old session closed, or without sessions the
-forgotten caches released); a new session is opened; the engine adopts the info (token budget, adapter slots; queued requests whose adapter it lacks end NOT_FOUND;
-queue clocks restart: the outage does not count against --max-queue-time); the loop runs again.
+forgotten caches released); a new session is opened; the engine adopts the info (token budget, adapter slots;
+queued requests whose adapter it lacks end NOT_FOUND; queue clocks restart: the outage does not count against
+--max-queue-time); the loop runs again.
 """
 from __future__ import annotations
 
