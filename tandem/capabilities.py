@@ -46,3 +46,11 @@ ALL: frozenset[str] = frozenset({
     SPECULATIVE_DRAFTS, TOKEN_MASKS, RELEASE_WITH_STEP, PROMPT_LOGPROBS, MULTI_STEP_DRAFTS, KV_TRANSFER,
     PREFIX_CACHING, COMPILED_DECODE, NATIVE_DECODE, DETERMINISTIC, CUDA_GRAPHS, POOLING,
 })
+
+# What a scheduler relies on without checking: the first contract's features, listed by every executor since
+# capabilities exist. Every other name is checked before the scheduler uses what it stands for, and without it
+# the scheduler falls back (docs/executor-contract.md#versions): so an executor of an older release, which lacks
+# newer names, serves a newer scheduler with the older behaviour, and tests/contract/test_mixed_versions.py
+# checks that a scheduler shown only these names sends nothing that needs another.
+BASELINE: frozenset[str] = frozenset({PAGED_KV, UNIFIED_DECODE, CHUNKED_PREFILL, ITEM_STATUS, TOP_LOGPROBS,
+                                      SEEDED_SAMPLING, LORA, LOGITS_OUTPUT})

@@ -134,8 +134,10 @@ def _pump_stdout(stream, lines: "queue.Queue") -> None:
 
 
 def start(name: str, module: str, *args: str, capture_log: bool = True, log_path: Path | None = None,
-          own_session: bool = False, python: str = sys.executable) -> ServerProcess:
+          own_session: bool = False, python: str = sys.executable, source_root: Path | None = None) -> ServerProcess:
     """Runs `python -m module *args` in the repo root and returns at once; .wait_ready() waits for READY.
+    source_root: run another source tree instead (another release's checkout, tests/contract/previous_release.py):
+    the process starts there, with it first on PYTHONPATH, so its packages win over this tree's install.
     Its stderr goes to log_path if given (kept), else with capture_log to a temp file (quoted by errors,
     .log()), else to this terminal. own_session: the child does not get the terminal's Ctrl-C (the caller
     stops it). Call it from a thread that outlives the server: the parent-death signal (see
@@ -149,8 +151,10 @@ def start(name: str, module: str, *args: str, capture_log: bool = True, log_path
     else:
         log = None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(_die_with_parent(cmd), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=log if log is not None else None, text=True, env=env,
+    if source_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(source_root), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(_die_with_parent(cmd), cwd=source_root or ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=log if log is not None else None, text=True, env=env,
                             start_new_session=own_session)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_stdout, args=(proc.stdout, lines), daemon=True,

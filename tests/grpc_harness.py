@@ -59,21 +59,23 @@ class GrpcServer:
 
 
 def start_executor(model_dir: Path | str, *extra_args: str,
-                   credentials: grpc.ChannelCredentials | None = None) -> GrpcServer:
+                   credentials: grpc.ChannelCredentials | None = None, source_root: Path | None = None) -> GrpcServer:
     """`python -m executor_service --model DIR --port 0 *extra_args`, returned once READY. On the CPU unless the
     arguments name a --device: the suite compares with in-process CPU references (tests/executor_driver.py), and
     on a machine with a GPU the executor's default (`auto`) would put it on CUDA in bfloat16; the CUDA checks are
-    the tests marked `cuda` (scripts/gpu_check)."""
+    the tests marked `cuda` (scripts/gpu_check). source_root: another release's source tree to run
+    (tests/contract/previous_release.py)."""
     if not any(a == "--device" or a.startswith("--device=") for a in extra_args):
         extra_args = (*extra_args, "--device", "cpu")
-    return GrpcServer(server_process.launch_executor(model_dir, *extra_args), executor_pb2_grpc.ExecutorServiceStub,
-                      credentials)
+    return GrpcServer(server_process.launch_executor(model_dir, *extra_args, source_root=source_root),
+                      executor_pb2_grpc.ExecutorServiceStub, credentials)
 
 
 def start_scheduler(executor_address: str, *extra_args: str,
-                    credentials: grpc.ChannelCredentials | None = None) -> GrpcServer:
-    """`python -m scheduler --executor ADDR --port 0 *extra_args`, returned once READY."""
-    return GrpcServer(server_process.launch_scheduler(executor_address, *extra_args),
+                    credentials: grpc.ChannelCredentials | None = None, source_root: Path | None = None) -> GrpcServer:
+    """`python -m scheduler --executor ADDR --port 0 *extra_args`, returned once READY (source_root: as
+    start_executor's)."""
+    return GrpcServer(server_process.launch_scheduler(executor_address, *extra_args, source_root=source_root),
                       generate_pb2_grpc.GenerateServiceStub, credentials)
 
 

@@ -9,11 +9,12 @@ New requests are still queued while the retry window (cfg.executor_retry_s, from
 every queued request ends UNAVAILABLE and new ones fail at once until an executor serves again.
 
 Back — an executor answers GetInfo: it must serve what the scheduler relies on (model, vocabulary, EOS ids,
-maximum length: the tokenizer and every queued sequence were built for them), else the queue fails clearly
-and polling goes on. If it is the same process (same instance id), what the lost one may still hold is freed
-(the old session closed, or without sessions the forgotten caches released); a new session is opened; the
-engine adopts the info (token budget, adapter slots; queued requests whose adapter it lacks end NOT_FOUND;
-queue clocks restart: the outage does not count against --max-queue-time); the loop runs again.
+maximum length: the tokenizer and every queued sequence were built for them; the baseline capabilities,
+tandem.capabilities.BASELINE), else the queue fails clearly and polling goes on. If it is the same process (same
+instance id), what the lost one may still hold is freed (the old session closed, or without sessions the
+forgotten caches released); a new session is opened; the engine adopts the info (token budget, adapter slots;
+queued requests whose adapter it lacks end NOT_FOUND; queue clocks restart: the outage does not count against
+--max-queue-time); the loop runs again.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from scheduler.executor.info import ExecutorInfo
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.executor.session import ExecutorSession
 from scheduler.output.step_outcome import Failure
+from tandem.capabilities import BASELINE
 from tandem.errors import RemoteError, Unavailable
 
 log = logging.getLogger("tandem.scheduler")
@@ -131,7 +133,8 @@ class Recovery:
 
 
 def unfit_reason(was: ExecutorInfo, now: ExecutorInfo, address: str) -> str:
-    """Why an executor that answers again cannot continue the scheduler's requests ("" = it can)."""
+    """Why an executor that answers again (or joins the fleet: `was` is then the fleet's reference) cannot continue
+    the scheduler's requests ("" = it can): another model, or older than the capabilities' baseline."""
     for what, old, new in (("model", was.model_id, now.model_id), ("model directory", was.model_dir, now.model_dir),
                            ("vocabulary size", was.vocab_size, now.vocab_size),
                            ("EOS token ids", list(was.eos_token_ids), list(now.eos_token_ids)),
@@ -139,4 +142,8 @@ def unfit_reason(was: ExecutorInfo, now: ExecutorInfo, address: str) -> str:
         if old != new:
             shown = "" if what == "model directory" else f" ({new} instead of {old})"  # no host paths
             return f"executor {address} came back with another {what}{shown}; restart the scheduler to serve it"
+    missing = sorted(BASELINE - now.capabilities)
+    if missing:  # (what the scheduler relies on without checking: an executor from before capabilities existed)
+        return (f"executor {address} lacks the capabilities {missing}, which this scheduler relies on: it is older "
+                "than the contract's baseline (docs/executor-contract.md#versions); upgrade it")
     return ""
