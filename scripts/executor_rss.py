@@ -54,12 +54,13 @@ class LoadResult:
 
 
 def run_load(scheduler_address: str, executor_pid: int, requests: int, concurrency: int, max_tokens: int,
-             vocab: int, interval_s: float = 0.5, seed: int = 0, echo: bool = False) -> LoadResult:
-    """Drives `requests` greedy generations of up to max_tokens tokens (prompts of 4..200 random token ids below
-    vocab) at `concurrency`, sampling the executor's RSS every interval_s (printed as they come with echo)."""
+             vocab: int, interval_s: float = 0.5, seed: int = 0, echo: bool = False,
+             lengths: tuple[int, ...] = (4, 16, 40, 90, 200)) -> LoadResult:
+    """Drives `requests` greedy generations of max_tokens tokens (prompts of random token ids below vocab, their
+    lengths drawn from `lengths`) at `concurrency`, sampling the executor's RSS every interval_s (printed as they come with echo)."""
     out = LoadResult(ready_mb=rss_mb(executor_pid))
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice((4, 16, 40, 90, 200)))] for _ in range(requests)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice(lengths))] for _ in range(requests)]
     channel = grpc.insecure_channel(scheduler_address)
     stub = gpb_grpc.GenerateServiceStub(channel)
     guard = threading.Lock()
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=400, help="prompt token ids are drawn below this")
+    ap.add_argument("--lengths", default="4,16,40,90,200", help="prompt lengths drawn from (comma list)")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between RSS samples")
     ap.add_argument("--executor-args", default="", help="extra executor flags, one quoted string")
     args = ap.parse_args(argv)
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         sch = server_process.launch_scheduler(ex.address)
         try:
             r = run_load(sch.address, ex.proc.pid, args.requests, args.concurrency, args.max_tokens, args.vocab,
-                         args.interval, echo=True)
+                         args.interval, echo=True, lengths=tuple(int(n) for n in args.lengths.split(",")))
         finally:
             sch.stop()
     finally:

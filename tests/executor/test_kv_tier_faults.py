@@ -5,10 +5,11 @@ docs/kv-transfer.md, 'Disk faults'):
 - a read-only directory: the executor refuses to start, saying why;
 - the directory deleted under the running executor: the tier's index is dropped (reads miss, counted), requests
   recompute, and the next write recreates the directory.
-Each fault test also runs requests side by side under the fault and checks that the KV pool is whole afterwards
+The executor runs with --kv-disk-fsync (a flag that needs a disk tier: checked first). Each fault test also runs requests side by side under the fault and checks that the KV pool is whole afterwards
 (every block free, no cache left)."""
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as cf
 import random
 import re
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from executor_service.kv.tiers.config import add_flags, from_args
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_executor
 from tests.small_fs import fill, mount_refused, remount, tmpfs
@@ -87,6 +89,15 @@ def until(cond, what: str, timeout_s: float = 30.0, poke=None) -> None:
         time.sleep(0.05)
 
 
+def test_kv_disk_fsync_needs_a_disk_tier():
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    assert from_args(ap.parse_args(["--kv-disk-dir", "/x", "--kv-disk-gb", "1", "--kv-disk-fsync"])).disk_fsync
+    assert not from_args(ap.parse_args(["--kv-disk-dir", "/x", "--kv-disk-gb", "1"])).disk_fsync  # off by default
+    with pytest.raises(ValueError, match="--kv-disk-fsync needs a disk tier"):
+        from_args(ap.parse_args(["--kv-disk-fsync"]))
+
+
 @pytest.fixture(scope="module")
 def mounted(tmp_path_factory):
     why = mount_refused()
@@ -99,7 +110,8 @@ def mounted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, mounted):
     s = start_executor(model_dir, "--kv-blocks", str(KV_BLOCKS), "--kv-host-gb", f"{HOST_GB:.12f}",
-                       "--kv-disk-dir", str(mounted / "tier"), "--kv-disk-gb", "1", "--metrics-port", "0")
+                       "--kv-disk-dir", str(mounted / "tier"), "--kv-disk-gb", "1", "--kv-disk-fsync",
+                       "--metrics-port", "0")  # (fsync on: its path runs; the default's runs in test_kv_tier_grpc)
     yield s
     s.close()
 

@@ -34,6 +34,24 @@ class DiskTierUnusable(ValueError):
     start (a ValueError: its command line is wrong for this machine)."""
 
 
+def check_dir(d: Path) -> str | None:
+    """Makes d (and its parents) and writes a file there: raises DiskTierUnusable when it never can (read-only,
+    no permission, not a directory), returns why writes must wait when the disk is full, else None. The executor
+    calls it on --kv-disk-dir before loading the model, so a wrong directory fails the start at once."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".probe.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        if exc.errno in NOT_FOR_USE or not d.is_dir():
+            raise DiskTierUnusable(f"--kv-disk-dir cannot hold the disk tier: {reason(exc)} (errno "
+                                   f"{errno.errorcode.get(exc.errno or 0, '?')}); give a writable directory, or "
+                                   "leave --kv-disk-dir out to run without a disk tier") from exc
+        return reason(exc)
+    return None
+
+
 class DiskTier:
     """Blocks in files under DIR/<fingerprint digest>/ (see the module docstring)."""
 
@@ -61,19 +79,14 @@ class DiskTier:
 
     def _open_dir(self) -> None:
         """Creates the directory and checks that it takes a file; refuses a directory that never will."""
-        try:
-            self._make_dir()
-            probe = self.dir / ".probe.tmp"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            if exc.errno in NOT_FOR_USE:
-                raise DiskTierUnusable(f"--kv-disk-dir cannot hold the disk tier: {reason(exc)} (errno "
-                                       f"{errno.errorcode.get(exc.errno or 0, '?')}); give a writable directory, "
-                                       "or leave --kv-disk-dir out to run without a disk tier") from exc
-            if not self.dir.is_dir():
-                raise DiskTierUnusable(f"--kv-disk-dir cannot hold the disk tier: {reason(exc)}") from exc
-            self.health.stop(reason(exc))  # a full disk: the tier opens, its writes wait for room
+        why = check_dir(self.dir)
+        if why is None:
+            try:
+                self._make_dir()
+            except OSError as exc:  # (a full disk can refuse the FINGERPRINT file)
+                why = reason(exc)
+        if why is not None:
+            self.health.stop(why)  # a full disk: the tier opens, its writes wait for room
 
     def _make_dir(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
