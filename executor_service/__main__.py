@@ -13,7 +13,9 @@ from executor_service.config import ExecutorConfig
 from executor_service.kv.events.endpoint import ZmqKvConfig
 from executor_service.kv.tiers.config import add_flags as add_kv_tier_flags
 from executor_service.kv.tiers.config import from_args as kv_tiers_from_args
+from executor_service.kv.tiers.disk import check_dir as check_disk_dir
 from executor_service.kv.transfer.config import add_flags as add_kv_transfer_flags
+from executor_service.malloc_tuning import DEFAULT_ARENA_MAX, DEFAULT_TRIM_S
 from executor_service.kv.transfer.config import from_args as kv_transfer_from_args
 from executor_service.server import ServerConfig, serve
 from executor_service.tp.launch import TpLaunch, add_tp_flags
@@ -84,6 +86,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--session-ttl", type=float, default=30.0, metavar="SECONDS",
                     help="lease of a client session and of the anonymous session: caches of a session that no call "
                          "named for this long are released (default 30; reaped within 1.25x this)")
+    ap.add_argument("--malloc-arena-max", type=int, default=DEFAULT_ARENA_MAX, metavar="N",
+                    help=f"glibc malloc arenas (default {DEFAULT_ARENA_MAX}; 0 = glibc's default, 8 per core): each "
+                         "arena keeps memory freed in it, so fewer arenas bound the executor's resident memory "
+                         "under load (docs/operations.md, 'Memory')")
+    ap.add_argument("--malloc-trim-s", type=float, default=DEFAULT_TRIM_S, metavar="SECONDS",
+                    help=f"hand free heap pages back to the system (malloc_trim) when the model thread goes idle, at "
+                         f"most once per this many seconds (default {DEFAULT_TRIM_S:.0f}; 0 = never)")
     ap.add_argument("--max-queued-calls", type=int, default=64,
                     help="model calls that may wait behind the one running; more are refused at once with "
                          "RESOURCE_EXHAUSTED (default 64). Info, listing, release and session calls never queue")
@@ -211,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kv_transfer = kv_transfer_from_args(args)
         kv_tiers = kv_tiers_from_args(args)
+        if kv_tiers.disk_dir is not None:
+            check_disk_dir(kv_tiers.disk_dir)  # a directory that cannot hold the tier fails before the model loads
     except ValueError as exc:
         print(f"tandem-executor: error: {exc}", file=sys.stderr)
         return 2
@@ -238,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
                               threads=args.threads, max_queued_calls=args.max_queued_calls,
                               metrics_port=args.metrics_port, security=server_security(args),
-                              kv_events_zmq=_zmq_flags(args))
+                              kv_events_zmq=_zmq_flags(args), malloc_arena_max=args.malloc_arena_max,
+                              malloc_trim_s=args.malloc_trim_s)
     try:
         tp = TpLaunch.from_args(args, rank_cores)  # None: the whole model in this process
         if tp is not None:

@@ -95,9 +95,8 @@ class Executor:
         self._lock = OpLock()
         self.transfer = KvTransfer(self, fingerprint_of(config, stack))
         if self.prefix.enabled:  # evicted blocks kept in host memory / on disk (executor_service/kv/tiers/store.py)
-            kt = config.kv_tiers
-            self.prefix.tiers = TierLink.open(self.kv, self.transfer.fingerprint, kt.host_gb, kt.disk_dir, kt.disk_gb,
-                                              self.events, lambda: self.control_op("kv_tier"))
+            self.prefix.tiers = TierLink.open(self.kv, self.transfer.fingerprint, config.kv_tiers, self.events,
+                                              lambda: self.control_op("kv_tier"))
 
     # ----------------------------------------------------------------- operations
     def prefill(self, token_ids: Sequence[int], cache_id: str | None = None,

@@ -24,10 +24,14 @@ DEFAULT_MAX_QUEUED = 64
 
 
 class ModelThread:
-    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED) -> None:
+    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED,
+                 after_call: Callable[[int], None] | None = None) -> None:
+        """after_call(calls waiting): run on the model thread after each call (executor_service/malloc_tuning.py's
+        idle trim)."""
         if max_queued < 1:
             raise ValueError(f"--max-queued-calls must be >= 1, got {max_queued}")
         self.max_queued = max_queued
+        self._after_call = after_call
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._guard = threading.Lock()
         self._waiting = 0  # calls submitted and not yet started
@@ -44,7 +48,11 @@ class ModelThread:
         def started() -> T:
             with self._guard:
                 self._waiting -= 1
-            return fn(*args)
+            try:
+                return fn(*args)
+            finally:
+                if self._after_call is not None:
+                    self._after_call(self.queued())
 
         try:
             future = self._pool.submit(started)

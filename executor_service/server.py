@@ -22,6 +22,7 @@ from executor_service.metrics.prometheus import ExecutorExporter
 from executor_service.rpc.auth_scopes import scope_of
 from executor_service.metrics.op_stats import RpcMetrics
 from executor_service.rpc.interceptor import ErrorMappingInterceptor
+from executor_service.malloc_tuning import DEFAULT_ARENA_MAX, DEFAULT_TRIM_S, IdleTrim, set_arena_max
 from executor_service.model_thread import DEFAULT_MAX_QUEUED, ModelThread
 from executor_service.rpc.servicer import ExecutorServicer
 from executor_service.sessions import LeaseReaper, check_ttl
@@ -53,6 +54,8 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus GET /metrics on host:this (0 = any free port); None = none
     security: ServerSecurity = ServerSecurity()  # TLS, tokens, reflection, --insecure (README: Security)
     kv_events_zmq: ZmqKvConfig | None = None  # KV events on ZMQ in vLLM's format; None = off
+    malloc_arena_max: int = DEFAULT_ARENA_MAX  # glibc malloc arenas (0 = glibc's default, 8 per core)
+    malloc_trim_s: float = DEFAULT_TRIM_S  # free heap pages handed back when the model thread idles; 0 = never
 
 
 def build_server(cfg: ServerConfig, servicer: ExecutorServicer, metrics: RpcMetrics,
@@ -96,7 +99,10 @@ def serve(executor_cfg: ExecutorConfig, cfg: ServerConfig) -> int:
     guard = ServerGuard(cfg.security)  # reads certificates and tokens: a bad file stops us here, naming its flag
     guard.check_exposure(cfg.host, ["gRPC"] * (cfg.port >= 0) + ["metrics"] * (cfg.metrics_port is not None))
     metrics = RpcMetrics()
-    thread = ModelThread(cfg.max_queued_calls)
+    if set_arena_max(cfg.malloc_arena_max):  # before the server's threads exist: arenas made before it stay
+        log.info("malloc: %s arenas, trimmed when the model thread idles %s", cfg.malloc_arena_max or "glibc's default",
+                 f"(at most every {cfg.malloc_trim_s:g} s)" if cfg.malloc_trim_s else "never (--malloc-trim-s 0)")
+    thread = ModelThread(cfg.max_queued_calls, IdleTrim(cfg.malloc_trim_s).after_call)
     servicer = ExecutorServicer(metrics, thread, max_reply_bytes=cfg.max_message_mb * 1024 * 1024)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):

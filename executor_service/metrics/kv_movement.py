@@ -1,5 +1,5 @@
 """The executor's Prometheus families for KV that moves (docs/kv-transfer.md): each tier's blocks and bytes,
-its hits, writes, evictions and corrupt files, spills dropped, and ExportKv/ImportKv transfers (a seconds
+its hits, writes, evictions, corrupt and missing files, refused writes, spills dropped, and ExportKv/ImportKv transfers (a seconds
 histogram, bytes, finished and failed ones). Read when scraped from the counters the tiers (executor_service/kv/tiers/store.py) and the
 transfers (executor_service/kv/transfer/pinned_export.py) keep; executor_service/metrics/prometheus.py yields them beside the others."""
 from __future__ import annotations
@@ -45,6 +45,15 @@ def tier_metrics(tiers: "list[TierStats]", dropped: int) -> Iterator[Metric]:
                                   "back.", value=disk[0].read_bytes)
         yield CounterMetricFamily("tandem:executor_kv_tier_read_seconds", "Time spent reading and checking them "
                                   "(the read bandwidth is the ratio of the two).", value=disk[0].read_seconds)
+        yield CounterMetricFamily("tandem:executor_kv_tier_write_errors", "Evicted blocks not written to the disk "
+                                  "tier because the disk refused (full, read-only, I/O error): the failed write "
+                                  "and those skipped while writes were stopped.", value=disk[0].write_errors)
+        yield GaugeMetricFamily("tandem:executor_kv_tier_disk_writable", "1 while the disk tier writes, 0 while "
+                                "its writes are stopped by a refused write (retried every second).",
+                                value=int(disk[0].writable))
+        yield CounterMetricFamily("tandem:executor_kv_tier_missing_files", "Disk tier block files found deleted "
+                                  "under the executor (a miss: dropped from the index, recomputed).",
+                                  value=disk[0].missing)
     yield CounterMetricFamily("tandem:executor_kv_tier_dropped_spills", "Evicted blocks not written to the disk "
                               "tier: its writer was too far behind.", value=dropped)
 

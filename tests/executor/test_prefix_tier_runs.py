@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from executor_service.kv.events.hub import KvEventHub
+from executor_service.kv.tiers.config import KvTierConfig
 from executor_service.kv.tiers.link import TierLink
 from executor_service.kv.prefix_cache import PrefixCache
 from models.kv.paged_cache import BlockTable, PagedKvCache
@@ -19,7 +20,7 @@ BS = 4
 def test_tier_run_stops_before_a_block_the_pool_holds():
     kv = PagedKvCache(1, 8, BS, 1, 2, torch.float32, torch.device("cpu"))
     cache = PrefixCache(kv, True, KvEventHub())
-    cache.tiers = TierLink.open(kv, "test", host_gb=0.01, disk_dir=None, disk_gb=0)
+    cache.tiers = TierLink.open(kv, "test", KvTierConfig(host_gb=0.01))
     a = kv.allocator
     root = PrefixCache.root("", "", "")
     tokens = list(range(10, 10 + 3 * BS + 1))  # blocks A, B, C and one token more

@@ -15,10 +15,13 @@ class KvTierConfig:
     disk_gb: float = 0.0  # its size bound (GiB); the least recently used blocks go when full
     host_gb: float = 0.0  # host-memory tier size (GiB); 0 = none
     disk_flush_s: float = 10.0  # on a clean stop: time to write the pool's cached blocks to the disk tier; 0 = none
+    disk_fsync: bool = False  # fsync each block file and its directory once written (durable across a power loss)
 
     def validate(self) -> None:
         if self.disk_gb < 0 or self.host_gb < 0 or self.disk_flush_s < 0:
             raise ValueError("--kv-disk-gb, --kv-host-gb and --kv-disk-flush-s must be >= 0")
+        if self.disk_fsync and self.disk_dir is None:
+            raise ValueError("--kv-disk-fsync needs a disk tier (--kv-disk-dir and --kv-disk-gb)")
         if (self.disk_dir is None) != (self.disk_gb == 0):
             raise ValueError("--kv-disk-dir and --kv-disk-gb go together: give both (a directory and its size "
                              "bound in GiB) or neither")
@@ -36,6 +39,12 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                    help="on a clean stop (SIGTERM, after the last request), time given to writing the prefix "
                         "cache's blocks still in the KV pool to --kv-disk-dir, so that a restart finds the prefixes "
                         "that were warm (most recently used first; 0 = none: only evicted blocks survive a restart)")
+    g.add_argument("--kv-disk-fsync", action="store_true",
+                   help="fsync each disk tier block file, and its directory, once written. Off by default: the "
+                        "tier is a cache, and a power loss (not a crash: files are written whole and renamed) may "
+                        "lose or truncate the most recent files, which the tier's checks then drop (recomputed, "
+                        "never served wrong). On: what was written survives a power loss, at the cost of a sync "
+                        "per block on the background writer (docs/kv-transfer.md, 'Disk faults')")
     g.add_argument("--kv-host-gb", type=float, default=0.0, metavar="GIB",
                    help="host-memory tier between the KV pool and the disk (mainly for CUDA; 0 = none): evicted "
                         "blocks are kept here first, lost on restart")
@@ -43,6 +52,6 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> KvTierConfig:
     cfg = KvTierConfig(disk_dir=args.kv_disk_dir, disk_gb=args.kv_disk_gb, host_gb=args.kv_host_gb,
-                       disk_flush_s=args.kv_disk_flush_s)
+                       disk_flush_s=args.kv_disk_flush_s, disk_fsync=args.kv_disk_fsync)
     cfg.validate()
     return cfg

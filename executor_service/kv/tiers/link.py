@@ -14,6 +14,7 @@ from typing import Callable, ContextManager, Sequence
 from executor_service.kv.block_bytes import block_nbytes, read_blocks, write_blocks
 from executor_service.kv.events.hub import BlocksRemoved, BlocksStored, KvEvent, KvEventHub
 from executor_service.kv.tiers.block_file import TierBlock
+from executor_service.kv.tiers.config import KvTierConfig
 from executor_service.kv.tiers.disk import DiskTier
 from executor_service.kv.tiers.host import HostTier
 from executor_service.kv.tiers.store import TierChange, TierStats, TierStore
@@ -34,14 +35,16 @@ class TierLink:
             store.on_disk_change = self._announce_locked
 
     @staticmethod
-    def open(kv: PagedKvCache, fingerprint: str, host_gb: float, disk_dir, disk_gb: float,
-             events: KvEventHub | None = None, lock: LockFactory | None = None) -> "TierLink | None":
+    def open(kv: PagedKvCache, fingerprint: str, config: KvTierConfig, events: KvEventHub | None = None,
+             lock: LockFactory | None = None) -> "TierLink | None":
         """events, lock: the executor's KV event hub and a factory of its model lock (a control operation), for
-        KV events naming the tiers; without them the tiers announce nothing."""
-        if not host_gb and disk_dir is None:
+        KV events naming the tiers; without them the tiers announce nothing. Raises DiskTierUnusable when
+        config.disk_dir cannot hold a tier."""
+        if not config.host_gb and config.disk_dir is None:
             return None
-        host = HostTier(int(host_gb * 2**30)) if host_gb else None
-        disk = DiskTier(disk_dir, int(disk_gb * 2**30), fingerprint, block_nbytes(kv)) if disk_dir is not None else None
+        host = HostTier(int(config.host_gb * 2**30)) if config.host_gb else None
+        disk = DiskTier(config.disk_dir, int(config.disk_gb * 2**30), fingerprint, block_nbytes(kv),
+                        config.disk_fsync) if config.disk_dir is not None else None
         return TierLink(kv, TierStore(host, disk), events, lock)
 
     def spill(self, evicted: list[tuple[bytes, int, tuple[bytes, str, bytes]]]) -> None:
@@ -59,8 +62,9 @@ class TierLink:
                 break
             b = self.store.get(h)
             if b is None:
-                if self.store.disk is not None and h not in self.store.disk:  # a corrupt file, now deleted
-                    self._announce(TierChange(DiskTier.medium, [], [h]))
+                gone = self.store.disk.take_removed() if self.store.disk is not None else []
+                if gone:  # a corrupt or deleted file (or the whole directory), now out of the index
+                    self._announce(TierChange(DiskTier.medium, [], gone))
                 break
             out.append(b)
         return out

@@ -44,6 +44,9 @@ class TierStats:
     corrupt: int  # block files found truncated, corrupt or foreign (never served, deleted); 0 in host memory
     read_bytes: int = 0  # disk: bytes of the block files loaded back
     read_seconds: float = 0.0  # disk: time reading and checking them (read bandwidth = read_bytes / read_seconds)
+    write_errors: int = 0  # disk: blocks not written because the disk refused (full, read-only, I/O error)
+    writable: bool = True  # disk: False while its writes are stopped (executor_service/kv/tiers/disk_writes.py)
+    missing: int = 0  # disk: block files found deleted under the executor (dropped from the index)
 
 
 class TierStore:
@@ -95,7 +98,7 @@ class TierStore:
         if self.disk is not None:
             d = self.disk
             out.append(TierStats(d.medium, len(d), d.bytes, d.hits, d.written, d.evicted, d.corrupt, d.read_bytes,
-                                 d.read_seconds))
+                                 d.read_seconds, d.health.errors, d.health.writable, d.missing))
         return out
 
     def write_through(self, blocks: list[TierBlock], deadline: float) -> int:
