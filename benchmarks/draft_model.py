@@ -33,7 +33,8 @@ log = make_log("bench_draft")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = parser("draft", __doc__, "k 2, 8 tokens, the self pair", model=False)
     add_sizes(ap, DEFAULTS, {"output-len": "tokens decoded per run"})
-    ap.add_argument("--draft-tokens", default=None, help=f"comma list of draft lengths k (default {DEFAULTS['draft_tokens']})")
+    ap.add_argument("--draft-tokens", default=None,
+                    help=f"comma list of draft lengths k (default {DEFAULTS['draft_tokens']})")
     ap.add_argument("--pairs", default=None, help=f"comma list of {', '.join(PAIRS)} (default {DEFAULTS['pairs']})")
     args = parse(ap, argv, QUICK, DEFAULTS)
     args.k_list = int_list(args.draft_tokens, "--draft-tokens")
@@ -116,7 +117,8 @@ def _without_output(r: dict[str, Any]) -> dict[str, Any]:
 def _prompt(target: Path, vocab: int) -> list[int]:
     """The chat prompt through the model's own tokenizer where it has a chat template; random ids otherwise."""
     from scheduler.text.tokenizer import ChatMessage, ModelTokenizer
-    if (target / "tokenizer_config.json").is_file() and "chat_template" in (target / "tokenizer_config.json").read_text():
+    config = target / "tokenizer_config.json"
+    if config.is_file() and "chat_template" in config.read_text():
         return ModelTokenizer(target).encode_chat([ChatMessage("user", PROMPT)])
     rng = random.Random(0)  # (a shape checkpoint: the tiny test tokenizer, no template)
     return [rng.randrange(3, min(vocab, 400)) for _ in range(40)]

@@ -157,7 +157,7 @@ class RequestValidator:
         return PlannedItem(it, state, sampling)
 
     def _check_model_drafts(self, it: UnifiedItem) -> None:
-        """UnifiedItem.model_draft_tokens (the room for them is decided later: executor_service/step/model_drafts.py)."""
+        """UnifiedItem.model_draft_tokens (the room for them is decided later: step/model_drafts.py)."""
         n = it.model_draft_tokens
         if not self.draft_model:
             raise InvalidRequest("model_draft_tokens needs an executor started with --draft-model (capability "

@@ -107,7 +107,8 @@ class DraftModel:
             if not self._reserve(dc, end + n - 1, busy):
                 self.stats.items_without_drafts += 1
                 continue
-            pending = state.tokens[keep:] + list(new) if keep < len(state.tokens) else list(new[keep - len(state.tokens):])
+            held = len(state.tokens)
+            pending = state.tokens[keep:] + list(new) if keep < held else list(new[keep - held:])
             live.append(_Drafting(i, dc, pending, n))
         try:
             self._catch_up(live)

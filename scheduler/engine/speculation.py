@@ -58,8 +58,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "extraction, code changes, RAG); 'suffix' also looks them up in the outputs of earlier "
                         "requests of the same adapter and cache_salt (retries, re-plans, repeated answers); 'auto' "
                         "is 'suffix', and where the executor runs a draft model (its --draft-model) that model guesses "
-                        "for requests the lookups find nothing for; 'draft_model': only the draft model. Drafts stop at the batch size where the measured step costs say they no longer "
-                        "pay. The executor verifies them in the same step; greedy and seeded outputs are identical "
+                        "for requests the lookups find nothing for; 'draft_model': only the draft model. Drafts "
+                        "stop at the batch size where the measured step costs say they no longer pay. The executor verifies them in the same step; greedy and seeded outputs are identical "
                         f"to 'off' (default {d.method})")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_tokens, metavar="N",
                    help=f"most draft tokens per request and step (1..32; default {d.num_tokens})")
@@ -269,7 +269,7 @@ class Speculator:
             return
         state.verified(drafted, accepted)
         if accepted == drafted:
-            if not model and self.method(seq) == SUFFIX:  # an earlier output followed exactly: it likely goes on, double
+            if not model and self.method(seq) == SUFFIX:  # an earlier output followed exactly: likely goes on, double
                 state.tokens, state.misses = min(_SUFFIX_MAX_TOKENS, 4 * self.cfg.num_tokens, 2 * state.tokens), 0
             else:
                 state.tokens, state.misses = min(self.cfg.num_tokens, state.tokens + 1), 0

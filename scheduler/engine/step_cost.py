@@ -106,19 +106,3 @@ def worth(fit: tuple[float, float], batch: int, candidates: list[tuple[int, floa
         chosen.add(i)
     return chosen
 
-
-def break_even_acceptance(fit: tuple[float, float], batch: int, draft_tokens: int, making: float) -> float | None:
-    """The acceptance rate p at which a draft of `draft_tokens` tokens (costing `making` seconds to make) beside a
-    step of `batch` decoding sequences leaves the time per token unchanged (no margin): the smallest p with
-    (t + b d + making) / (B + e(p)) <= t / B, e(p) = p + ... + p^d; None when no p <= 1 reaches it."""
-    a, b = fit
-    t = a + b * batch
-    need = batch * (b * draft_tokens + making) / t  # expected accepted tokens that pay for the draft
-    if need > draft_tokens:
-        return None
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        p = (lo + hi) / 2
-        e = draft_tokens if p >= 1 else p * (1 - p ** draft_tokens) / (1 - p)
-        lo, hi = (p, hi) if e < need else (lo, p)
-    return hi
