@@ -36,8 +36,8 @@ class ModelDrafts:
             return batch, drafted
         bs = self.kv.block_size
         budget = self.max_batch_tokens - sum(len(b.item.token_ids) + len(b.item.draft_token_ids) for b in batch)
-        spare = self.kv.allocator.num_free - sum(
-            self.kv.blocks_needed(b.state.table, b.state.table.length + len(b.item.token_ids)) for b in batch)
+        spare = self.kv.allocator.num_free - sum(self.kv.blocks_needed(
+            b.state.table, b.state.table.length + len(b.item.token_ids) + len(b.item.draft_token_ids)) for b in batch)
         wants, where = [], []
         for i in asking:
             b = batch[i]
