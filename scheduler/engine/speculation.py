@@ -29,6 +29,7 @@ from scheduler.engine.suffix_proposer import NGRAM, SUFFIX, SuffixProposer
 from scheduler.sequence import Sequence
 from scheduler.engine.step_answer import ItemResult
 from scheduler.output.step_outcome import StepOutcome, Verified
+from tandem import capabilities as caps
 
 _BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16
@@ -37,7 +38,9 @@ _SUFFIX_MAX_TOKENS = 32  # (the executor's limit) a suffix draft fully accepted 
 _SEQ_DECAY = 0.7  # per verification: a sequence's acceptance rate follows its last few drafts
 _PRIOR_TOKENS = 2.0  # a sequence's rate starts at the global one, worth this many draft tokens
 _MEASURED_MAX_BATCH = 32  # and never beyond this one (the fit is a line: far from the sizes seen, a guess)
-DRAFT_MODEL = "draft_model"  # drafts guessed by the executor's draft model (UnifiedItem.model_draft_tokens)
+# Drafts guessed by the executor's draft model (UnifiedItem.model_draft_tokens): the method is named as the
+# executor's capability that serves it.
+DRAFT_MODEL = caps.DRAFT_MODEL
 
 
 def _max_batch(text: str) -> int | None:
