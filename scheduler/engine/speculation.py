@@ -13,6 +13,11 @@ little more than one. They cost when the step is already compute bound (large ba
   accepted not at all the sequence sits out 2, 4, ... 16 steps before it drafts again;
 - no drafts while a request is short of min_new_tokens (the EOS ban then changes from position to position),
   and never past its max_new_tokens or the model's length (Sequence.draft_room).
+
+Where the executor runs a draft model (capability "draft_model", its --draft-model) and the method is auto or
+draft_model, a sequence whose lookups propose nothing asks the executor for model drafts instead
+(UnifiedItem.model_draft_tokens): with their own length, cooldown and acceptance rate, and the draft model's
+measured time per guessed token (UnifiedDecodeResponse.draft_model_ms) added to their cost in the keep rule.
 """
 from __future__ import annotations
 
