@@ -11,6 +11,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "device": ("device_figures:main", "one device's figures in process: decode batch 1/64 with CUDA graphs on/off, "
                "prefill 512/4k, capture time, memory, attention backend (scripts/gpu_check)"),
     "disagg": ("disagg:main", "KV that moves: prefill/decode executors vs two `both` (ITL p99), migration pause vs recompute"),
+    "draft": ("draft_model:main", "draft-model speculation (--draft-model): tok/s on vs off, acceptance and the "
+              "break-even acceptance from measured costs (SmolLM2 drafting for itself; a random 1.7B/135M pair)"),
     "executor": ("executor_step:main", "decode-step latency in-process vs over gRPC"),
     "fleet": ("fleet:main", "one scheduler over several executors: scaling, and failover after a SIGKILL"),
     "forward": ("forward:main", "Tandem's in-process forward vs transformers' (decode and prefill, GFLOP/s)"),

@@ -182,6 +182,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                 "choice)")
     cpu_cores.add_flags(ap)
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    sp = ap.add_argument_group("speculative decoding with a draft model")
+    sp.add_argument("--draft-model", type=Path, metavar="PATH",
+                    help="a smaller model of the same tokenizer (checkpoint directory or GGUF file) run here beside "
+                         "the served model: it guesses draft tokens for requests that ask (a scheduler's "
+                         "--speculative auto does, where its suffix/n-gram lookup finds nothing), which the served "
+                         "model verifies in the same step (output unchanged). Refused at start when its vocabulary "
+                         "differs. Default: none")
+    sp.add_argument("--draft-kv-blocks", type=int, metavar="N",
+                    help="the draft model's own KV pool, in blocks of --block-size tokens (one draft cache per "
+                         "drafting request; least recently used ones evicted when full). Default: a quarter of the "
+                         "served model's pool, at least 16")
     add_tp_flags(ap)
     add_kv_transfer_flags(ap)
     add_kv_tier_flags(ap)
@@ -245,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                                   max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,
                                   prefix_caching=not args.no_prefix_caching, pooling=args.pooling,
                                   max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer,
-                                  kv_transfer=kv_transfer, kv_tiers=kv_tiers)
+                                  kv_transfer=kv_transfer, kv_tiers=kv_tiers, draft_model=args.draft_model,
+                                  draft_kv_blocks=args.draft_kv_blocks)
     server_cfg = ServerConfig(host=args.host, port=args.port, uds=args.uds, max_message_mb=args.max_message_mb,
                               threads=args.threads, max_queued_calls=args.max_queued_calls,
                               metrics_port=args.metrics_port, security=server_security(args),

@@ -82,6 +82,11 @@ class ExecutorConfig:
     kv_transfer: KvTransferConfig = KvTransferConfig()
     # KV tiers under the prefix cache: host memory, disk (executor_service/kv/tiers/config.py)
     kv_tiers: KvTierConfig = KvTierConfig()
+    # Speculative decoding with a draft model (executor_service/draft_model_stack.py): a checkpoint directory or
+    # GGUF file of the same vocabulary, run here beside the served model; its own KV pool of draft_kv_blocks
+    # blocks (None: a quarter of the served pool's, at least 16).
+    draft_model: Path | None = None
+    draft_kv_blocks: int | None = None
 
     def attention_bound(self) -> int | None:
         """The attention workspace limit to split buckets at; None = never split."""

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Sequence
 
 from executor_service.adapters import AdapterRegistry
+from executor_service.draft_model_stack import load_draft_model
+from executor_service.step.draft_model import draft_model_info
+from executor_service.step.model_drafts import ModelDrafts
 from executor_service.step.batch_step import BatchStep
 from executor_service.kv.cache_table import CacheState, CacheStore, CacheTable
 from executor_service.config import ExecutorConfig
@@ -90,8 +93,13 @@ class Executor:
         self._store = CacheStore(clock)
         self._scope: CacheTable | None = None  # the session view of the operation in progress
         self.pooling = pooling_rules(config, cfg)  # pooled items: embeddings, scores (executor_service/step/pooling.py)
-        self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters, self.pooling)
-        self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics)
+        # --draft-model: loaded after the served model's pool, out of what it leaves (draft_model_stack.py)
+        self.draft = load_draft_model(config, stack)
+        drafts = None if self.draft is None else ModelDrafts(self.draft, self.kv, config.max_batch_tokens,
+                                                             cfg.max_position_embeddings)
+        self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters, self.pooling,
+                                           draft_model=self.draft is not None)
+        self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics, drafts)
         self._lock = OpLock()
         self.transfer = KvTransfer(self, fingerprint_of(config, stack))
         if self.prefix.enabled:  # evicted blocks kept in host memory / on disk (executor_service/kv/tiers/store.py)
@@ -132,7 +140,8 @@ class Executor:
         check_release_with_step(release)
         with self._op("unified_decode", session):
             released = self._release(release)[0] if release else 0
-            return StepResults(self._run(items), released)
+            results = self._run(items)
+            return StepResults(results, released, self._step.draft_seconds)
 
     def decode(self, items: Sequence[DecodeItem], num_steps: int = 1, session: str = ANONYMOUS,
                release: Sequence[str] = ()) -> StepResults[DecodeResult]:
@@ -277,6 +286,7 @@ class Executor:
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
             capabilities=CAPABILITIES + ((caps.PREFIX_CACHING,) if self.prefix.enabled else ())
             + ((caps.POOLING,) if self.pooling.info is not None else ())
+            + ((caps.DRAFT_MODEL,) if self.draft is not None else ())
             + self.stack.decode_capabilities,
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
@@ -284,7 +294,8 @@ class Executor:
             quantization=_quantization(self.config.quantization, self.stack.weight_format),
             role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint,
             tensor_parallel_size=self.config.tensor_parallel_size, kv_dtype=self.stack.kv_dtype,
-            attention_backend=self.stack.attention_backend, pooling=self.pooling.info)
+            attention_backend=self.stack.attention_backend, pooling=self.pooling.info,
+            draft_model=draft_model_info(self.draft) if self.draft is not None else None)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""
@@ -344,7 +355,7 @@ class Executor:
             if state is None:
                 unknown.append(cid)
                 continue
-            self.kv.release(state.table)
+            self._free(state)
             released += 1
         self.metrics.caches_released += released
         return released, unknown
@@ -353,8 +364,14 @@ class Executor:
         """Frees every cache of a session (under the model lock: no call can be extending them)."""
         states = self._store.pop_session(session.session_id)
         for state in states:
-            self.kv.release(state.table)
+            self._free(state)
         return len(states)
+
+    def _free(self, state: CacheState) -> None:
+        """A cache's blocks back to the pool, and its draft cache's to the draft pool."""
+        self.kv.release(state.table)
+        if self.draft is not None:
+            self.draft.free(state)
 
     def _run(self, items: Sequence[UnifiedItem]) -> list[UnifiedResult]:
         return self._step.run(items, self._caches)

@@ -35,8 +35,10 @@ def check_release_with_step(cache_ids: Sequence[str]) -> None:
 
 class RequestValidator:
     def __init__(self, model_config: ModelConfig, max_batch_tokens: int, adapters: AdapterRegistry,
-                 pooling: PoolingRules | None = None) -> None:
-        """pooling: the rules of pooled items (None: none is served, and every model has an LM head)."""
+                 pooling: PoolingRules | None = None, draft_model: bool = False) -> None:
+        """pooling: the rules of pooled items (None: none is served, and every model has an LM head);
+        draft_model: the executor runs one (UnifiedItem.model_draft_tokens is served)."""
+        self.draft_model = draft_model
         self.vocab_size = model_config.vocab_size
         self.pooling = pooling
         self.max_len = model_config.max_position_embeddings
@@ -140,6 +142,8 @@ class RequestValidator:
                     "made it with prompt_logprobs set): ask on every chunk of the prompt")
         if it.draft_token_ids:
             self._check_drafts(it)
+        if it.model_draft_tokens:
+            self._check_model_drafts(it)
         drafts = len(it.draft_token_ids)
         if end + drafts > self.max_len:
             raise SequenceTooLong(f"{it.pos_offset} + {len(it.token_ids)} tokens"
@@ -151,6 +155,25 @@ class RequestValidator:
             raise InvalidRequest("this executor serves no pooled items")
         sampling = it.sampling if it.sampling is not None else state.sampling if state else SamplingParams()
         return PlannedItem(it, state, sampling)
+
+    def _check_model_drafts(self, it: UnifiedItem) -> None:
+        """UnifiedItem.model_draft_tokens (the room for them is decided later: step/model_drafts.py)."""
+        n = it.model_draft_tokens
+        if not self.draft_model:
+            raise InvalidRequest("model_draft_tokens needs an executor started with --draft-model (capability "
+                                 "\"draft_model\"); this one runs no draft model")
+        if not 0 < n <= MAX_DRAFT_TOKENS:
+            raise InvalidRequest(f"model_draft_tokens {n}; at most {MAX_DRAFT_TOKENS} per item")
+        if not it.is_final_chunk:
+            raise InvalidRequest("model_draft_tokens need a final chunk: a prompt chunk with more to come samples "
+                                 "nothing to verify them against")
+        if it.draft_token_ids:
+            raise InvalidRequest("model_draft_tokens and draft_token_ids exclude each other: send one of them")
+        if not it.output.wants_tokens or it.output.wants_logits:
+            raise InvalidRequest("model drafts are verified by sampling them: the output mode must be tokens "
+                                 "(no logits per drafted position)")
+        if it.allowed_tokens is not None or it.prompt_logprobs is not None or it.pooling is not None:
+            raise InvalidRequest("model_draft_tokens cannot go with allowed_tokens, prompt_logprobs or pooling")
 
     def _check_drafts(self, it: UnifiedItem) -> None:
         if not it.is_final_chunk:

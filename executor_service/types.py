@@ -124,6 +124,9 @@ class UnifiedItem:
     prompt_logprobs: int | None = None
     # Pooling: the sequence is pooled, not sampled; its final chunk returns UnifiedResult.pooled and no token.
     pooling: PoolingOptions | None = None
+    # Draft tokens the executor's draft model guesses for this item (--draft-model), verified as draft_token_ids
+    # are (executor_service/step/model_drafts.py); 0 = none. Up to this many: fewer where they do not fit.
+    model_draft_tokens: int = 0
 
 
 @dataclass
@@ -136,6 +139,7 @@ class UnifiedResult:
     # When the item asked: its tokens at positions max(pos_offset, 1) .. end - 1, each scored from the one before.
     prompt_logprobs: list[TokenOutput] = field(default_factory=list)
     pooled: torch.Tensor | None = None  # a pooled item's final chunk: float32 [dim] on the CPU
+    model_draft_tokens: int = 0  # the draft model's guesses verified for this item (accepted: output tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -166,9 +170,10 @@ class StepResults(list[R]):
     callers that want only those), and `released`: how many caches the call's release ids freed before its
     items ran (ids the session did not hold are not counted)."""
 
-    def __init__(self, results: Iterable[R] = (), released: int = 0) -> None:
+    def __init__(self, results: Iterable[R] = (), released: int = 0, draft_model_seconds: float = 0.0) -> None:
         super().__init__(results)
         self.released = released
+        self.draft_model_seconds = draft_model_seconds  # time the call ran the draft model (model drafts)
 
 
 @dataclass
@@ -215,6 +220,26 @@ class KvPoolSizing:
 
 
 @dataclass(frozen=True)
+class DraftModelInfo:
+    """The draft model (--draft-model) and its counters since start (executor_service/step/draft_model.py)."""
+
+    model_id: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    kv_pool: KvPoolSizing
+    free_blocks: int
+    live_caches: int
+    caches_freed: int
+    caches_evicted: int
+    items_without_drafts: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    catch_up_tokens: int
+    draft_seconds: float
+
+
+@dataclass(frozen=True)
 class ExecutorInfo:
     model_id: str
     model_dir: str
@@ -250,6 +275,7 @@ class ExecutorInfo:
     kv_dtype: str = ""  # the KV pool's dtype, as --kv-dtype spells it (models/kv/dtype.py)
     attention_backend: str = ""  # the eager forward's paged attention (models/attention/backend.py)
     pooling: PoolingInfo | None = None  # None: pooled items are not served (executor_service/step/pooling.py)
+    draft_model: DraftModelInfo | None = None  # None: no --draft-model
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ from tandem.security.config import ServerSecurity
 
 
 RPC_HEADROOM = 64  # calls --max-concurrent-rpcs allows by default beyond those that could run or queue
-METHODS = ("off", "ngram", "suffix", "auto")  # --speculative ("auto": suffix, the measured batch rule)
+# --speculative ("auto": suffix, the measured batch rule, and the executor's draft model where it runs one;
+# "draft_model": that model's drafts only)
+METHODS = ("off", "ngram", "suffix", "auto", "draft_model")
 
 
 @dataclass(frozen=True)

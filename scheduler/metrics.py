@@ -269,7 +269,8 @@ def _speculation(m: SchedulerMetrics) -> Iterator[Metric]:
     for i, (name, text) in enumerate(names):
         fam = CounterMetricFamily(f"tandem:spec_decode_{name}_by_method", f"{text}, by where the drafts came from "
                                   "(ngram: the request's own tokens; suffix: earlier requests' outputs; ngram_burst: "
-                                  "the executor's, within multi-step bursts).", labels=["method"])
+                                  "the executor's, within multi-step bursts; draft_model: the executor's draft "
+                                  "model).", labels=["method"])
         for method, counts in sorted(by_method.items()):
             fam.add_metric([method], counts[i])
         yield fam

@@ -14,7 +14,7 @@ from executor_service.request_validation import check_release_with_step, name_it
 from executor_service.step.ngram_drafts import NgramDrafts
 from executor_service.rpc.pooling_codec import pooled_to_pb, pooling_from_pb, pooling_info_to_pb
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
-                                    DecodeResult, ExecutorInfo, OutputMode, OutputOptions, SequenceOutput,
+                                    DecodeResult, ExecutorInfo, KvPoolSizing, OutputMode, OutputOptions, SequenceOutput,
                                     SessionLease, SessionListing, StepResults, TokenOutput, UnifiedItem,
                                     UnifiedResult)
 from tandem.codec import kv_usage_to_pb, sampling_from_pb, token_logprob_to_pb  # noqa: F401  (re-exported)
@@ -113,7 +113,7 @@ class ParsedItems(Generic[M, T]):
         else:
             ran, released = StepResults(), release_only()
         results = iter(ran)
-        out: StepResults[R] = StepResults(released=released)
+        out: StepResults[R] = StepResults(released=released, draft_model_seconds=ran.draft_model_seconds)
         for n, (m, e) in enumerate(zip(self.messages, self.errors)):
             if e is not None:
                 out.append(failed(m, e))
@@ -178,15 +178,17 @@ def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
                        m.prompt_len if m.HasField("prompt_len") else None, tuple(m.draft_token_ids),
                        allowed_tokens=m.allowed_tokens or None,
                        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-                       pooling=pooling_from_pb(m)), dtype
+                       pooling=pooling_from_pb(m), model_draft_tokens=m.model_draft_tokens), dtype
 
 
 def unified_response_to_pb(results: StepResults[UnifiedResult], logits_dtypes: list[int],
                            kv: KvUsage) -> pb.UnifiedDecodeResponse:
-    out = pb.UnifiedDecodeResponse(kv=kv_usage_to_pb(kv), released=results.released)
+    out = pb.UnifiedDecodeResponse(kv=kv_usage_to_pb(kv), released=results.released,
+                                   draft_model_ms=results.draft_model_seconds * 1e3)
     for r, dtype in zip(results, logits_dtypes):
         res = out.results.add(cache=cache_to_pb(r.cache), status=item_status_to_pb(r.error),
-                              prompt_logprobs=prompt_logprobs_to_pb(r.prompt_logprobs))
+                              prompt_logprobs=prompt_logprobs_to_pb(r.prompt_logprobs),
+                              model_draft_tokens=r.model_draft_tokens)
         if r.output is not None:
             res.output.CopyFrom(sequence_output_to_pb(r.output, dtype))
         if r.pooled is not None:
@@ -238,9 +240,20 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
     if info.pooling is not None:
         msg.pooling.CopyFrom(pooling_info_to_pb(info.pooling))
     if info.kv_pool is not None:
-        p = info.kv_pool
-        msg.kv_pool.CopyFrom(pb.KvPoolSizing(blocks=p.blocks, tokens=p.tokens, bytes=p.bytes, reason=p.reason))
+        msg.kv_pool.CopyFrom(_kv_pool_to_pb(info.kv_pool))
+    if info.draft_model is not None:
+        d = info.draft_model
+        msg.draft_model.CopyFrom(pb.DraftModelInfo(
+            model_id=d.model_id, architecture=d.architecture, num_layers=d.num_layers, hidden_size=d.hidden_size,
+            kv_pool=_kv_pool_to_pb(d.kv_pool), free_blocks=d.free_blocks, live_caches=d.live_caches,
+            caches_freed=d.caches_freed, caches_evicted=d.caches_evicted, items_without_drafts=d.items_without_drafts,
+            draft_tokens=d.draft_tokens, accepted_draft_tokens=d.accepted_draft_tokens,
+            catch_up_tokens=d.catch_up_tokens, draft_ms=d.draft_seconds * 1e3))
     return msg
+
+
+def _kv_pool_to_pb(p: KvPoolSizing) -> pb.KvPoolSizing:
+    return pb.KvPoolSizing(blocks=p.blocks, tokens=p.tokens, bytes=p.bytes, reason=p.reason)
 
 
 def latency_to_pb(s: LatencySummary) -> pb.LatencySummary:

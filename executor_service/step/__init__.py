@@ -1,1 +1,1 @@
-"""Running model calls: batches, multi-step decode, drafts, the one decode-step decision, the op lock."""
+"""Running model calls: batches, multi-step decode, drafts (n-gram, a draft model), decode-step choice, op lock."""

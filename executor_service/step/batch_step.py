@@ -17,6 +17,7 @@ import torch
 
 from executor_service.adapters import AdapterRegistry
 from executor_service.step.batch import BatchRunner, PlannedItem
+from executor_service.step.model_drafts import ModelDrafts
 from executor_service.kv.cache_table import CacheState, CacheTable
 from executor_service.metrics.op_stats import ExecutorMetrics
 from executor_service.kv.prefix_cache import PrefixCache
@@ -28,8 +29,11 @@ from tandem.sampling_params import SamplingParams
 
 class BatchStep:
     def __init__(self, runner: BatchRunner, validator: RequestValidator, prefix: PrefixCache,
-                 adapters: AdapterRegistry, metrics: ExecutorMetrics) -> None:
+                 adapters: AdapterRegistry, metrics: ExecutorMetrics, drafts: ModelDrafts | None = None) -> None:
+        """drafts: the draft model's guesses for items that ask (--draft-model); None: no draft model."""
         self.runner = runner
+        self.drafts = drafts
+        self.draft_seconds = 0.0  # time the last run() spent in the draft model
         self.validator = validator
         self.prefix = prefix
         self.adapters = adapters
@@ -46,25 +50,32 @@ class BatchStep:
         outputs: list[list[SequenceOutput] | None] = []
         scored: list[list[TokenOutput]] = []
         pooled: list[torch.Tensor | None] = []
+        drafted = [0] * len(batch)
+        self.draft_seconds = 0.0
         if batch:  # reserves KV first; on any error puts every cache back and re-raises
             kind = _step_kind(batch)  # (before the run: it marks prompts done)
+            if self.drafts is not None:  # the draft model's guesses become draft_token_ids (model_drafts.py)
+                batch, drafted = self.drafts.attach(batch)
+                self.draft_seconds = self.drafts.last_seconds
             start = time.perf_counter()
             outputs, scored, pooled = self.runner.run(batch, adapters=lambda: self._adapter_weights(batch))
             self.metrics.record_step(kind, time.perf_counter() - start, sum(len(b.item.token_ids) for b in batch))
+            if self.drafts is not None:
+                self.drafts.settle(batch, drafted, outputs)
             self._count(outputs, batch)
             for b in batch:  # a sliding-window model frees the blocks that left each window (kv_cache.py)
                 self.runner.kv.slide(b.state.table)
-        ran = iter(zip(batch, outputs, scored, pooled))
+        ran = iter(zip(batch, outputs, scored, pooled, drafted))
         results = []
         for item, p in zip(items, planned):
             if not isinstance(p, PlannedItem):
                 results.append(UnifiedResult(caches.ref(item.cache_id or ""), None, p))
                 continue
-            b, outs, plp, vec = next(ran)
+            b, outs, plp, vec, n_drafted = next(ran)
             if item.sampling is not None and item.pooling is None:
                 b.state.sampling = item.sampling  # registered once the item succeeded
             results.append(UnifiedResult(self._register(p, b.state, caches), outs[0] if outs else None,
-                                         prompt_logprobs=plp, pooled=vec))
+                                         prompt_logprobs=plp, pooled=vec, model_draft_tokens=n_drafted))
         return results
 
     def verify(self, item: UnifiedItem, caches: CacheTable) -> list[SequenceOutput]:

@@ -114,6 +114,7 @@ class DecodeBursts:
             seq = item.seq
             if (item.count != 1 or (item.drafts and not inside) or not seq.is_decoding or not seq.prompt_end_sent
                     or (item.drafts and speculator is not None and speculator.needs_own_step(seq))
+                    or item.model_drafts  # (the executor drafts with its draft model in single steps only)
                     or seq.constraint is not None or len(seq.output_ids) < seq.request.stopping.min_new_tokens):
                 return 1
             steps = min(steps, seq.tokens_left)

@@ -29,6 +29,16 @@ class DraftProposer(Protocol):
         ...
 
 
+class NoProposer:
+    """--speculative draft_model: no lookup; drafts come only from the executor's draft model."""
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return []
+
+    def forget(self, seq: Sequence) -> None:
+        pass
+
+
 class NgramProposer:
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         if not 1 <= ngram_min <= ngram_max:

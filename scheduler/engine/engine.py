@@ -237,7 +237,7 @@ class Engine:
         outcome = policy.update(plan, resp.results, resp.kv)
         outcome.seconds = resp.elapsed_s
         if policy.speculator is not None:
-            policy.speculator.observe_step(plan.items, steps, resp.elapsed_s, outcome)
+            policy.speculator.observe_step(plan.items, steps, resp.elapsed_s, outcome, resp.draft_model_s)
         self.masks.prefetch(policy.running)  # the next step's masks, computed while the loop streams and plans
         for seq in self.streams.process(outcome):  # a stop string ended it: only the text showed it
             policy.abort(seq)

@@ -24,7 +24,8 @@ from scheduler.engine import executor_codec as codec
 from scheduler.engine.token_masks import StepMasks
 from tandem.codec import kv_usage_from_pb
 from tandem.errors import RemoteError
-from tandem.capabilities import PREFIX_CACHING, REGISTERED_SAMPLING, RELEASE_WITH_STEP, SPECULATIVE_DRAFTS
+from tandem.capabilities import (DRAFT_MODEL, PREFIX_CACHING, REGISTERED_SAMPLING, RELEASE_WITH_STEP,
+                                 SPECULATIVE_DRAFTS)
 
 log = logging.getLogger("tandem.scheduler")
 STALL_POLL_S = (0.02, 0.5)  # KV held by another client of the executor: look again, backing off to 0.5 s
@@ -102,7 +103,8 @@ class ExecutorCalls:
                 self.policy.releases.keep_stale([r.cache_id for r in results if r.cache_id])
                 return None, steps
         self.session.renewed(started)
-        return StepAnswer(results, kv_usage_from_pb(resp.kv), self.clock() - started), steps
+        drafting_s = getattr(resp, "draft_model_ms", 0.0) / 1e3  # (a DecodeResponse has none)
+        return StepAnswer(results, kv_usage_from_pb(resp.kv), self.clock() - started, drafting_s), steps
 
     async def _step_failed(self, plan: StepPlan, exc: ExecutorUnreachable | RemoteError) -> None:
         failure = classify(exc, Call.STEP, self.client.address, bool(self.session.id))
@@ -127,6 +129,8 @@ class ExecutorCalls:
         # (read each pass: an executor back after a loss may have it on or off)
         self.planner.reuse_prefixes = PREFIX_CACHING in self._info().capabilities
         self.planner.speculator = self.policy.speculator if SPECULATIVE_DRAFTS in self._info().capabilities else None
+        if self.policy.speculator is not None:  # model drafts where the executor runs a draft model (--draft-model)
+            self.policy.speculator.draft_model = DRAFT_MODEL in self._info().capabilities
         if not self.planner.reuse_prefixes:
             return
         seqs = self.policy.to_match()

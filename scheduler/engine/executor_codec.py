@@ -91,6 +91,7 @@ def _item_to_pb(item: StepItem, registered_sampling: bool) -> epb.UnifiedItem:
                            output=_output_options(req.top_logprobs), adapter=req.adapter,
                            # read by the executor at the first final chunk only
                            prompt_len=len(req.prompt_ids) if final else None, draft_token_ids=item.drafts,
+                           model_draft_tokens=item.model_drafts,
                            prompt_logprobs=seq.prompt_logprobs_wanted,
                            # (every chunk: mean pooling sums each chunk's positions)
                            pooling=_pooling_pb(req.pooling) if req.pooling is not None else None)
@@ -198,5 +199,6 @@ def item_results_from_pb(resp: epb.UnifiedDecodeResponse | epb.DecodeResponse) -
         results.append(ItemResult(r.cache.cache_id, r.cache.seq_len, tokens,
                                   # (a Decode burst's DecodeResult has none)
                                   prompt_logprobs=_token_logprobs(getattr(r, "prompt_logprobs", ())),
-                                  burst_drafts=drafted, pooled=pooled))
+                                  burst_drafts=drafted, pooled=pooled,
+                                  model_drafted=getattr(r, "model_draft_tokens", 0)))
     return results

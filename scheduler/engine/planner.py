@@ -46,6 +46,7 @@ class StepItem:
     start: int  # position of the first token (the sequence's num_cached)
     count: int  # tokens written this step
     drafts: tuple[int, ...] = ()  # speculative decoding: tokens guessed to follow (verified by the executor)
+    model_drafts: int = 0  # or: tokens the executor's draft model is to guess (UnifiedItem.model_draft_tokens)
 
     @property
     def is_final(self) -> bool:  # the chunk reaches the end of the known tokens: sample after it
@@ -106,19 +107,24 @@ class Planner:
             spec, self.skip_drafts_once = None, False
         for s in decoding:
             drafts: tuple[int, ...] = ()
+            model = 0
             if spec is not None and budget > 0:
                 # tokens the blocks it will hold (and the free ones) have room for after its decode token
                 room = (ceil_div(s.num_cached + 1, bs) + free) * bs - s.num_cached - 1
                 drafts = spec.drafts(s, min(budget, room))
-                budget -= len(drafts)
-                free -= grow(s, 1 + len(drafts)) - grow(s, 1)
-            plan.items.append(StepItem(s, s.num_cached, 1, drafts))
+                if not drafts:  # nothing to copy: the executor's draft model guesses, where it runs one
+                    model = spec.model_drafts(s, min(budget, room))
+                budget -= len(drafts) + model
+                free -= grow(s, 1 + len(drafts) + model) - grow(s, 1)
+            plan.items.append(StepItem(s, s.num_cached, 1, drafts, model))
         if spec is not None:  # only the drafts that lower the step's time per token (measured costs)
-            drafting = [i for i, item in enumerate(plan.items) if item.drafts]
-            kept = spec.keep(len(decoding), [(plan.items[i].seq, len(plan.items[i].drafts)) for i in drafting])
+            drafting = [i for i, item in enumerate(plan.items) if item.drafts or item.model_drafts]
+            candidates = [(item.seq, len(item.drafts) or item.model_drafts, bool(item.model_drafts))
+                          for item in (plan.items[i] for i in drafting)]
+            kept = spec.keep(len(decoding), candidates)
             for j, i in enumerate(drafting):
                 if j not in kept:
-                    plan.items[i] = replace(plan.items[i], drafts=())
+                    plan.items[i] = replace(plan.items[i], drafts=(), model_drafts=0)
 
         # 2. running prompts (chunked prefill in progress, oldest first)
         prefilling = [s for s in running if not s.is_decoding]

@@ -164,7 +164,7 @@ class SchedulingPolicy:
                 if item.is_final:
                     self._pooled(out, seq, res.pooled)
                 continue
-            if self.speculator is not None and (item.drafts or res.burst_drafts[0]):
+            if self.speculator is not None and (item.drafts or item.model_drafts or res.burst_drafts[0]):
                 self.speculator.settle(out, seq, item.drafts, res)
             for token in res.tokens:  # a stop inside an accepted run ends the sequence there
                 finish = seq.append(token.token_id)
@@ -204,7 +204,7 @@ class SchedulingPolicy:
         self._in_flight = set()
         if kv_full:
             self.short_of_blocks = True
-            if any(item.drafts for item in plan.items):  # maybe only the drafts did not fit: retry without
+            if any(item.drafts or item.model_drafts for item in plan.items):  # maybe only the drafts did not fit
                 self.planner.skip_drafts_once = True
                 return []
             if self.running:

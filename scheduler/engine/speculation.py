@@ -13,6 +13,11 @@ little more than one. They cost when the step is already compute bound (large ba
   accepted not at all the sequence sits out 2, 4, ... 16 steps before it drafts again;
 - no drafts while a request is short of min_new_tokens (the EOS ban then changes from position to position),
   and never past its max_new_tokens or the model's length (Sequence.draft_room).
+
+Where the executor runs a draft model (capability "draft_model", its --draft-model) and the method is auto or
+draft_model, a sequence whose lookups propose nothing asks the executor for model drafts instead
+(UnifiedItem.model_draft_tokens): with their own length, cooldown and acceptance rate, and the draft model's
+measured time per guessed token (UnifiedDecodeResponse.draft_model_ms) added to their cost in the keep rule.
 """
 from __future__ import annotations
 
@@ -22,13 +27,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler.config import METHODS, SpeculativeConfig
-from scheduler.engine.draft_proposer import DraftProposer, NgramProposer
+from scheduler.engine.draft_proposer import DraftProposer, NgramProposer, NoProposer
 from scheduler.engine.response_index import ResponseIndex
-from scheduler.engine.step_cost import StepCost, worth
+from scheduler.engine.step_cost import DraftModelCost, StepCost, worth
 from scheduler.engine.suffix_proposer import NGRAM, SUFFIX, SuffixProposer
 from scheduler.sequence import Sequence
 from scheduler.engine.step_answer import ItemResult
 from scheduler.output.step_outcome import StepOutcome, Verified
+from tandem import capabilities as caps
 
 _BURST_MAX_NGRAM = 16  # the contract's limit on NgramDrafts.ngram_max
 _MAX_COOLDOWN_STEPS = 16
@@ -37,6 +43,9 @@ _SUFFIX_MAX_TOKENS = 32  # (the executor's limit) a suffix draft fully accepted 
 _SEQ_DECAY = 0.7  # per verification: a sequence's acceptance rate follows its last few drafts
 _PRIOR_TOKENS = 2.0  # a sequence's rate starts at the global one, worth this many draft tokens
 _MEASURED_MAX_BATCH = 32  # and never beyond this one (the fit is a line: far from the sizes seen, a guess)
+# Drafts guessed by the executor's draft model (UnifiedItem.model_draft_tokens): the method is named as the
+# executor's capability that serves it.
+DRAFT_MODEL = caps.DRAFT_MODEL
 
 
 def _max_batch(text: str) -> int | None:
@@ -56,8 +65,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "and output and proposes what followed (wins when the output copies the input: editing, "
                         "extraction, code changes, RAG); 'suffix' also looks them up in the outputs of earlier "
                         "requests of the same adapter and cache_salt (retries, re-plans, repeated answers); 'auto' "
-                        "is 'suffix'. Drafts stop at the batch size where the measured step costs say they no longer "
-                        "pay. The executor verifies them in the same step; greedy and seeded outputs are identical "
+                        "is 'suffix', and where the executor runs a draft model (its --draft-model) that model guesses "
+                        "for requests the lookups find nothing for; 'draft_model': only the draft model. Drafts "
+                        "stop at the batch size where the measured step costs say they no longer pay. The executor verifies them in the same step; greedy and seeded outputs are identical "
                         f"to 'off' (default {d.method})")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_tokens, metavar="N",
                    help=f"most draft tokens per request and step (1..32; default {d.num_tokens})")
@@ -81,6 +91,8 @@ def from_args(args: argparse.Namespace) -> SpeculativeConfig:
 
 
 def make_proposer(cfg: SpeculativeConfig) -> DraftProposer:
+    if cfg.method == DRAFT_MODEL:
+        return NoProposer()
     ngram = NgramProposer(cfg.ngram_min, cfg.ngram_max)
     if cfg.method in ("suffix", "auto"):
         return SuffixProposer(ngram, ResponseIndex(cfg.suffix_cache_tokens))
@@ -112,6 +124,11 @@ class Speculator:
         # (weak: a sequence that ends without forget() leaves nothing behind)
         self._lengths: weakref.WeakKeyDictionary[Sequence, _DraftLength] = weakref.WeakKeyDictionary()
         self.cost = StepCost()
+        # The executor runs a draft model (capability "draft_model"; set by the engine from GetInfo): sequences
+        # with nothing to copy ask it for drafts, with their own length and acceptance rate for those.
+        self.draft_model = False
+        self._model_lengths: weakref.WeakKeyDictionary[Sequence, _DraftLength] = weakref.WeakKeyDictionary()
+        self.model_cost = DraftModelCost()
 
     def max_batch(self) -> float:
         """Decoding sequences up to which a step drafts now. Never under 1 (unless --speculative-max-batch 0):
@@ -122,34 +139,37 @@ class Speculator:
             return self.cfg.max_batch
         return _UNMEASURED_MAX_BATCH if self.cost.fit() is None else _MEASURED_MAX_BATCH
 
-    def expected(self, seq: Sequence, tokens: int) -> float:
+    def expected(self, seq: Sequence, tokens: int, model: bool = False) -> float:
         """Draft tokens of a `tokens`-long draft of seq's expected to be accepted: with p its acceptance rate
-        (its own recent drafts, starting from the global rate), p + p^2 + ... + p^tokens (a draft is accepted
-        up to its first miss)."""
-        state = self._lengths.get(seq)
-        prior = self.cost.acceptance
+        (its own recent drafts of that kind, lookup or draft model, starting from the global rate),
+        p + p^2 + ... + p^tokens (a draft is accepted up to its first miss)."""
+        state = (self._model_lengths if model else self._lengths).get(seq)
+        prior = (self.model_cost.rate if model else self.cost).acceptance
         prior = 0.5 if prior is None else prior
         drafted, accepted = (0.0, 0.0) if state is None else (state.drafted, state.accepted)
         p = min(0.999, (accepted + prior * _PRIOR_TOKENS) / (drafted + _PRIOR_TOKENS))
         return p * (1 - p ** tokens) / (1 - p)
 
-    def keep(self, batch: int, drafts: list[tuple[Sequence, int]]) -> set[int]:
-        """Which of these (sequence, draft tokens) candidates of a step of `batch` decoding sequences draft:
-        those whose drafts lower the step's time per token, by the measured step costs and each one's
-        acceptance rate (step_cost.worth); all of them while the costs are unmeasured or
-        --speculative-max-batch is fixed (the count rule alone)."""
+    def keep(self, batch: int, drafts: list[tuple[Sequence, int, bool]]) -> set[int]:
+        """Which of these (sequence, draft tokens, by the draft model) candidates of a step of `batch` decoding
+        sequences draft: those whose drafts lower the step's time per token, by the measured step costs, the
+        draft model's measured time per draft token (for its drafts) and each one's acceptance rate
+        (step_cost.worth); all of them while the costs are unmeasured or --speculative-max-batch is fixed (the
+        count rule alone)."""
         fit = self.cost.fit()
         if fit is None or self.cfg.max_batch is not None:
             return set(range(len(drafts)))
         # A request that has not drafted yet drafts once whatever the estimate (its first verification measures it;
         # otherwise a low global rate would keep every new request from ever drafting, a repeat included).
-        new = {i for i, (seq, _) in enumerate(drafts) if self._unmeasured(seq)}
+        new = {i for i, (seq, _, model) in enumerate(drafts) if self._unmeasured(seq, model)}
         rest = [i for i in range(len(drafts)) if i not in new]
-        chosen = worth(fit, batch, [(drafts[i][1], self.expected(drafts[i][0], drafts[i][1])) for i in rest])
+        per_token = self.model_cost.per_token or 0.0
+        chosen = worth(fit, batch, [(n, self.expected(seq, n, model), n * per_token if model else 0.0)
+                                    for seq, n, model in (drafts[i] for i in rest)])
         return new | {rest[j] for j in chosen}
 
-    def _unmeasured(self, seq: Sequence) -> bool:
-        state = self._lengths.get(seq)
+    def _unmeasured(self, seq: Sequence, model: bool = False) -> bool:
+        state = (self._model_lengths if model else self._lengths).get(seq)
         return state is None or state.drafted == 0
 
     def step_allows_drafts(self, decoding: int) -> bool:
@@ -164,12 +184,18 @@ class Speculator:
         outputs): the step then stays single, so that they are verified."""
         return self.method(seq) == SUFFIX
 
-    def observe_step(self, items: list[_Item], steps: int, seconds: float, out: StepOutcome) -> None:
-        """A call of `steps` steps of these items took `seconds`: if decode-only, its size per step (tokens,
-        drafts included) against its time, for the break-even."""
+    def observe_step(self, items: list[_Item], steps: int, seconds: float, out: StepOutcome,
+                     draft_model_s: float = 0.0) -> None:
+        """A call of `steps` steps of these items took `seconds`, draft_model_s of them in the executor's draft
+        model: the draft model's time per token it guessed; and if decode-only, the step's size per step
+        (tokens, drafts included) against its time without the draft model's, for the break-even."""
+        guessed = sum(v.drafted for v in out.verified if v.method == DRAFT_MODEL)
+        if guessed:
+            self.model_cost.observe(guessed, draft_model_s)
+        seconds -= draft_model_s
         if not items or any(item.count != 1 for item in items):
             return
-        tokens = sum(1 + len(item.drafts) for item in items)
+        tokens = sum(1 + len(item.drafts) for item in items) + guessed
         if steps > 1:  # (the executor's drafts within the burst: their tokens per step on average)
             tokens = len(items) + sum(v.drafted for v in out.verified) / steps
         self.cost.step(tokens, seconds / steps)
@@ -188,6 +214,20 @@ class Speculator:
         n = min(state.tokens, limit, seq.draft_room())
         return tuple(self.proposer.propose(seq, n)) if n > 0 else ()
 
+    def model_drafts(self, seq: Sequence, limit: int) -> int:
+        """How many draft tokens the executor's draft model is to guess for seq this step (0: none; asked when
+        its lookup proposed nothing): the draft model's own length for it, adapted as drafts() adapts, with its
+        own cooldown after guesses accepted not at all."""
+        if not self.draft_model or self.cfg.method not in ("auto", DRAFT_MODEL) or not seq.allows_drafts:
+            return 0
+        state = self._model_lengths.get(seq)
+        if state is None:
+            state = self._model_lengths[seq] = _DraftLength(self.cfg.num_tokens)
+        if state.cooldown:
+            state.cooldown -= 1
+            return 0
+        return max(0, min(state.tokens, limit, seq.draft_room()))
+
     def burst_drafting(self, seqs: list[Sequence]) -> dict[Sequence, tuple[int, int, int]]:
         """The sequences of a multi-step burst the executor drafts for within it (DecodeItem.ngram_drafts),
         with (max draft tokens, n-gram min, n-gram max): the same rules as single steps (--speculative-max-batch,
@@ -195,23 +235,24 @@ class Speculator:
         step by step itself."""
         cfg = self.cfg
         ngram_max = min(cfg.ngram_max, _BURST_MAX_NGRAM)
-        if not self.step_allows_drafts(len(seqs)) or cfg.ngram_min > ngram_max:
+        if not self.step_allows_drafts(len(seqs)) or cfg.ngram_min > ngram_max or cfg.method == DRAFT_MODEL:
             return {}
         settings = (cfg.num_tokens, cfg.ngram_min, ngram_max)
         may = [s for s in seqs if s.allows_drafts and s.draft_room() > 0]
-        chosen = self.keep(len(seqs), [(s, cfg.num_tokens) for s in may])
+        chosen = self.keep(len(seqs), [(s, cfg.num_tokens, False) for s in may])
         return {s: settings for i, s in enumerate(may) if i in chosen}
 
     def settle(self, out: StepOutcome, seq: Sequence, drafts: tuple[int, ...], res: ItemResult) -> None:
         """Counts what a step verified for seq (the step's metrics, the request's usage): the draft it carried
         (res.tokens = the accepted drafts and the token after them), or those the executor made within a
         burst (res.burst_drafts)."""
-        if drafts:
-            accepted = max(0, len(res.tokens) - 1)
+        if drafts or res.model_drafted:  # (one or the other: the executor's draft model guessed the second)
+            drafted, accepted = len(drafts) or res.model_drafted, max(0, len(res.tokens) - 1)
+            method = self.method(seq) if drafts else DRAFT_MODEL
             out.drafts += 1
-            out.drafted, out.accepted = out.drafted + len(drafts), out.accepted + accepted
-            out.verified.append(Verified(self.method(seq), len(drafts), accepted))
-            self.observe(seq, len(drafts), accepted)
+            out.drafted, out.accepted = out.drafted + drafted, out.accepted + accepted
+            out.verified.append(Verified(method, drafted, accepted))
+            self.observe(seq, drafted, accepted, model=not drafts)
         steps, drafted, accepted = res.burst_drafts
         if steps:  # (the executor adapted these drafts' length: nothing to learn here but the rate)
             out.drafts += steps
@@ -225,17 +266,18 @@ class Speculator:
                 state = self._lengths[seq] = _DraftLength(self.cfg.num_tokens)
             state.verified(drafted, accepted)
 
-    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """The executor accepted `accepted` of the `drafted` tokens sent for seq."""
+    def observe(self, seq: Sequence, drafted: int, accepted: int, model: bool = False) -> None:
+        """The executor accepted `accepted` of the `drafted` tokens sent for seq (model: guessed by its draft
+        model; the global rate is the lookups' only: a draft model's rate has its own scale)."""
         seq.drafted_tokens += drafted
         seq.accepted_tokens += accepted
-        self.cost.verified(drafted, accepted)
-        state = self._lengths.get(seq)
+        (self.model_cost.rate if model else self.cost).verified(drafted, accepted)
+        state = (self._model_lengths if model else self._lengths).get(seq)
         if state is None:
             return
         state.verified(drafted, accepted)
         if accepted == drafted:
-            if self.method(seq) == SUFFIX:  # an earlier output followed exactly: it likely goes on, double
+            if not model and self.method(seq) == SUFFIX:  # an earlier output followed exactly: likely goes on, double
                 state.tokens, state.misses = min(_SUFFIX_MAX_TOKENS, 4 * self.cfg.num_tokens, 2 * state.tokens), 0
             else:
                 state.tokens, state.misses = min(self.cfg.num_tokens, state.tokens + 1), 0
@@ -247,4 +289,5 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self._lengths.pop(seq, None)
+        self._model_lengths.pop(seq, None)
         self.proposer.forget(seq)

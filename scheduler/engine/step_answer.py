@@ -26,6 +26,7 @@ class ItemResult:
     # draft tokens verified, accepted).
     burst_drafts: tuple[int, int, int] = (0, 0, 0)
     pooled: tuple[float, ...] | None = None  # a pooled item's final chunk: its values (UnifiedResult.pooled)
+    model_drafted: int = 0  # the executor's draft model's guesses verified for it (UnifiedResult.model_draft_tokens)
 
 
 class StepAnswer(NamedTuple):
@@ -34,3 +35,4 @@ class StepAnswer(NamedTuple):
     results: list[ItemResult]  # per item of the plan, in its order
     kv: KvUsage
     elapsed_s: float
+    draft_model_s: float = 0.0  # of elapsed_s, the executor's time in its draft model (model drafts)

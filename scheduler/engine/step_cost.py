@@ -69,18 +69,40 @@ class StepCost:
 
 
 
-def worth(fit: tuple[float, float], batch: int, candidates: list[tuple[int, float]]) -> set[int]:
-    """Which of `candidates` ((draft tokens d, expected accepted tokens e) each, by index) lower the time per token
-    of a step of `batch` decoding sequences when their drafts join it, by t(n) = a + b n (fit)."""
+class DraftModelCost:
+    """Seconds the executor's draft model spends per draft token it guesses (UnifiedDecodeResponse.draft_model_ms
+    over the step's model draft tokens), exponentially weighted; None until measured. Per token as measured at
+    the batch sizes seen: the draft model's forwards are shared by the items drafting in a step."""
+
+    def __init__(self) -> None:
+        self._w = self._s = 0.0
+        self.rate = StepCost()  # (its acceptance rate only: the draft model's, apart from the lookups')
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
+            self._w = self._w * _DECAY + tokens
+            self._s = self._s * _DECAY + seconds
+
+    @property
+    def per_token(self) -> float | None:
+        return self._s / self._w if self._w >= 1 else None
+
+
+def worth(fit: tuple[float, float], batch: int, candidates: list[tuple[int, float, float]]) -> set[int]:
+    """Which of `candidates` ((draft tokens d, expected accepted tokens e, seconds spent making the draft) each, by
+    index) lower the time per token of a step of `batch` decoding sequences when their drafts join it, by
+    t(n) = a + b n (fit) plus what making them costs (a draft model's time; 0 for a lookup)."""
     a, b = fit
     time, tokens = a + b * batch, float(batch)
     chosen: set[int] = set()
-    for i in sorted(range(len(candidates)), key=lambda i: -candidates[i][1] / max(1, candidates[i][0])):
-        d, e = candidates[i]
+    for i in sorted(range(len(candidates)), key=lambda i: -candidates[i][1] / (max(1, candidates[i][0]) * b
+                                                                               + candidates[i][2])):
+        d, e, making = candidates[i]
         if d <= 0:
             continue
-        if (time + b * d) * tokens >= _MARGIN * time * (tokens + e):  # not clearly lower time per token
+        if (time + b * d + making) * tokens >= _MARGIN * time * (tokens + e):  # not clearly lower time per token
             break
-        time, tokens = time + b * d, tokens + e
+        time, tokens = time + b * d + making, tokens + e
         chosen.add(i)
     return chosen
+

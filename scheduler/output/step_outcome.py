@@ -37,8 +37,9 @@ class Failure:
 
 @dataclass(frozen=True)
 class Verified:
-    """Drafts of one sequence that a step verified: where they came from ("ngram", "suffix"; "ngram_burst": the
-    executor's, within a multi-step burst, `steps` drafts summed), their tokens and the accepted ones."""
+    """Drafts of one sequence that a step verified: where they came from ("ngram", "suffix", "draft_model": the
+    executor's draft model; "ngram_burst": the executor's, within a multi-step burst, `steps` drafts summed),
+    their tokens and the accepted ones."""
 
     method: str
     drafted: int

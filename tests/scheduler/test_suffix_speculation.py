@@ -184,17 +184,17 @@ def test_worth_adds_drafts_while_they_lower_the_time_per_token():
     # promise a 10% lower time per token: (a + b (B + d)) B < 0.9 (a + b B) (B + e) holds to B = 4 here
     p, d = 0.3, 4
     e = p * d  # (any e / d = p)
-    assert worth(fit, 4, [(d, e)]) == {0} and worth(fit, 5, [(d, e)]) == set()
+    assert worth(fit, 4, [(d, e, 0.0)]) == {0} and worth(fit, 5, [(d, e, 0.0)]) == set()
     # mixed: a copying request (3.5 of 4 accepted) drafts beside chat ones (0.2 of 4) that do not pay
-    got = worth(fit, 8, [(4, 0.2), (4, 3.5), (4, 0.2)])
+    got = worth(fit, 8, [(4, 0.2, 0.0), (4, 3.5, 0.0), (4, 0.2, 0.0)])
     assert got == {1}
-    assert worth(fit, 1, [(4, 0.0)]) == set() and worth(fit, 1, [(0, 1.0)]) == set()
+    assert worth(fit, 1, [(4, 0.0, 0.0)]) == set() and worth(fit, 1, [(0, 1.0, 0.0)]) == set()
 
 
 def test_speculator_keeps_the_drafts_that_pay_by_each_requests_own_rate():
     spec = Speculator(SpeculativeConfig("auto"))
     copying, chatting = seq_of(range(10), [1], arrival=0), seq_of(range(10), [1], arrival=1)
-    assert spec.keep(8, [(copying, 4), (chatting, 4)]) == {0, 1}  # unmeasured: the count rule alone
+    assert spec.keep(8, [(copying, 4, False), (chatting, 4, False)]) == {0, 1}  # unmeasured: the count rule alone
     assert spec.max_batch() == 4 and not spec.step_allows_drafts(5)
     for n in (1, 2, 3, 6, 9) * 10:  # a = 20 ms, b = 1 ms
         spec.cost.step(n, 0.020 + 0.001 * n)
@@ -204,14 +204,14 @@ def test_speculator_keeps_the_drafts_that_pay_by_each_requests_own_rate():
         spec.observe(copying, 4, 4)
         spec.observe(chatting, 4, 0)
     assert spec.expected(copying, 4) > 3 and spec.expected(chatting, 4) < 0.3
-    assert spec.keep(8, [(copying, 4), (chatting, 4)]) == {0}
-    assert spec.keep(5000, [(copying, 4)]) == set()  # a batch so large that even near-sure drafts cost more
+    assert spec.keep(8, [(copying, 4, False), (chatting, 4, False)]) == {0}
+    assert spec.keep(5000, [(copying, 4, False)]) == set()  # a batch so large that even near-sure drafts cost more
     spec.cost.verified(100_000, 0)  # the global rate near 0: a request that never drafted still drafts once
     fresh = seq_of(range(10), [1], arrival=9)
-    assert spec.keep(8, [(chatting, 4), (fresh, 4)]) == {1}
+    assert spec.keep(8, [(chatting, 4, False), (fresh, 4, False)]) == {1}
     fixed = Speculator(SpeculativeConfig("auto", max_batch=2))  # a number given: the count rule alone
     fixed.cost = spec.cost
-    assert fixed.max_batch() == 2 and fixed.keep(2, [(chatting, 4)]) == {0}
+    assert fixed.max_batch() == 2 and fixed.keep(2, [(chatting, 4, False)]) == {0}
     never = Speculator(SpeculativeConfig("auto", max_batch=0))
     assert not any(never.step_allows_drafts(n) for n in range(5))
 

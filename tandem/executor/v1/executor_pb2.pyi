@@ -105,7 +105,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint", "deterministic", "tensor_parallel_size", "kv_dtype", "attention_backend", "pooling")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint", "deterministic", "tensor_parallel_size", "kv_dtype", "attention_backend", "pooling", "draft_model")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class GetInfoResponse(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -174,7 +175,8 @@ class GetInfoResponse(_message.Message):
     kv_dtype: str
     attention_backend: str
     pooling: PoolingInfo
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., deterministic: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ...) -> None: ...
+    draft_model: DraftModelInfo
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., deterministic: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ..., draft_model: _Optional[_Union[DraftModelInfo, _Mapping]] = ...) -> None: ...
 
 class KvPoolSizing(_message.Message):
     __slots__ = ("blocks", "tokens", "bytes", "reason")
@@ -187,6 +189,38 @@ class KvPoolSizing(_message.Message):
     bytes: int
     reason: str
     def __init__(self, blocks: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DraftModelInfo(_message.Message):
+    __slots__ = ("model_id", "architecture", "num_layers", "hidden_size", "kv_pool", "free_blocks", "live_caches", "caches_freed", "caches_evicted", "items_without_drafts", "draft_tokens", "accepted_draft_tokens", "catch_up_tokens", "draft_ms")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
+    CACHES_FREED_FIELD_NUMBER: _ClassVar[int]
+    CACHES_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_WITHOUT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    kv_pool: KvPoolSizing
+    free_blocks: int
+    live_caches: int
+    caches_freed: int
+    caches_evicted: int
+    items_without_drafts: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    catch_up_tokens: int
+    draft_ms: float
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., free_blocks: _Optional[int] = ..., live_caches: _Optional[int] = ..., caches_freed: _Optional[int] = ..., caches_evicted: _Optional[int] = ..., items_without_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., catch_up_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("token_ids", "cache_id", "sampling", "output", "adapter", "session_id")
@@ -287,7 +321,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class UnifiedItem(_message.Message):
-    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens", "prompt_logprobs", "pooling")
+    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens", "prompt_logprobs", "pooling", "model_draft_tokens")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +334,7 @@ class UnifiedItem(_message.Message):
     ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
@@ -312,7 +347,8 @@ class UnifiedItem(_message.Message):
     allowed_tokens: bytes
     prompt_logprobs: int
     pooling: PoolingOptions
-    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[_Union[PoolingOptions, _Mapping]] = ...) -> None: ...
+    model_draft_tokens: int
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[_Union[PoolingOptions, _Mapping]] = ..., model_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolingOptions(_message.Message):
     __slots__ = ("task", "type", "normalize", "token_ids")
@@ -361,28 +397,32 @@ class UnifiedDecodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[UnifiedItem, _Mapping]]] = ..., session_id: _Optional[str] = ..., release_cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnifiedResult(_message.Message):
-    __slots__ = ("cache", "output", "status", "prompt_logprobs", "pooled")
+    __slots__ = ("cache", "output", "status", "prompt_logprobs", "pooled", "model_draft_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     output: SequenceOutput
     status: ItemStatus
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     pooled: PooledOutput
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., pooled: _Optional[_Union[PooledOutput, _Mapping]] = ...) -> None: ...
+    model_draft_tokens: int
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., output: _Optional[_Union[SequenceOutput, _Mapping]] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., pooled: _Optional[_Union[PooledOutput, _Mapping]] = ..., model_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class UnifiedDecodeResponse(_message.Message):
-    __slots__ = ("results", "kv", "released")
+    __slots__ = ("results", "kv", "released", "draft_model_ms")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_MS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[UnifiedResult]
     kv: KvUsage
     released: int
-    def __init__(self, results: _Optional[_Iterable[_Union[UnifiedResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
+    draft_model_ms: float
+    def __init__(self, results: _Optional[_Iterable[_Union[UnifiedResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., released: _Optional[int] = ..., draft_model_ms: _Optional[float] = ...) -> None: ...
 
 class ForwardVerifyRequest(_message.Message):
     __slots__ = ("cache", "token_ids", "output", "adapter", "session_id")
