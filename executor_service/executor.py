@@ -41,6 +41,8 @@ from executor_service.kv.prompt_logprob_store import restore_prompt_logprobs
 from executor_service.request_validation import RequestValidator, check_release_with_step, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
 from executor_service.tp.stack import build_stack
+from executor_service.vision.embedding_cache import ImageEmbeddings, VisionStats
+from executor_service.vision.image_checks import vision_info
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, OutputOptions, PrefillResult, SessionLease,
                                     SessionListing, StepResults, UnifiedItem, UnifiedResult, VerifyResult)
@@ -91,6 +93,10 @@ class Executor:
         self._scope: CacheTable | None = None  # the session view of the operation in progress
         self.pooling = pooling_rules(config, cfg)  # pooled items: embeddings, scores (executor_service/step/pooling.py)
         self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters, self.pooling)
+        # Images (a vision-language model): embeddings computed once per image, by content hash
+        self.images = (ImageEmbeddings(self.model.vision, self.device, config.vision_cache_images)
+                       if getattr(self.model, "vision", None) is not None else None)
+        self.runner.images = self.images
         self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics)
         self._lock = OpLock()
         self.transfer = KvTransfer(self, fingerprint_of(config, stack))
@@ -190,8 +196,11 @@ class Executor:
                     results.append(CreateCacheResult(CacheRef("", 0), 0, name_item(exc, n)))
                     continue
                 state = self._step.new_state(it.adapter, it.cache_salt)
-                state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root, it.prompt_logprobs)
+                spans = [(im.offset, im.length, im.content_hash) for im in it.images]
+                state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root, it.prompt_logprobs,
+                                                        spans)
                 state.tokens = list(it.token_ids[:state.cached_tokens])
+                state.images = [s for s in spans if s[0] < state.cached_tokens]  # (the reused blocks show them)
                 self.metrics.caches_created += 1
                 results.append(CreateCacheResult(CacheRef(self._caches.add(state), state.cached_tokens),
                                                  state.cached_tokens,
@@ -278,6 +287,7 @@ class Executor:
             max_batch_tokens=self.config.max_batch_tokens, adapters=self.adapters.names(),
             capabilities=CAPABILITIES + ((caps.PREFIX_CACHING,) if self.prefix.enabled else ())
             + ((caps.POOLING,) if self.pooling.info is not None else ())
+            + ((caps.VISION,) if self.images is not None else ())
             + self.stack.decode_capabilities,
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
@@ -285,7 +295,8 @@ class Executor:
             quantization=_quantization(self.config.quantization, self.stack.weight_format),
             role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint,
             tensor_parallel_size=self.config.tensor_parallel_size, kv_dtype=self.stack.kv_dtype,
-            attention_backend=self.stack.attention_backend, pooling=self.pooling.info)
+            attention_backend=self.stack.attention_backend, pooling=self.pooling.info,
+            vision=vision_info(cfg.vision, self.config.vision_cache_images) if self.images is not None else None)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""
@@ -293,6 +304,10 @@ class Executor:
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         return self.metrics.snapshot()
+
+    def vision_stats(self) -> VisionStats | None:
+        """The vision encoder's counters; None for a text-only model."""
+        return self.images.stats() if self.images is not None else None
 
     def cache_length(self, cache_id: str, session: str = ANONYMOUS) -> int:
         return self._store.view(session).get(cache_id).table.length
