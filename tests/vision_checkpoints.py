@@ -70,3 +70,28 @@ def image_processor_class(architecture: str = "Idefics3"):
         return SmolVLMImageProcessorPil
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
     return Idefics3ImageProcessorPil
+
+
+def vision_checkpoint(tmp_path_factory, architecture: str = "Idefics3") -> Path:
+    """The tiny checkpoint of a vision family, built once per run (tests/conftest.py's built_once)."""
+    from tests.conftest import built_once, load_script
+    maker = load_script("make_tiny_checkpoint")
+    return built_once(tmp_path_factory, f"tiny-{architecture.lower()}", architecture,
+                      lambda out: make_idefics3_checkpoint(out, maker, architecture=architecture))
+
+
+def noise_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
+    """A random image (PIL) of that size: noise, so that every pixel matters."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    data = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return Image.fromarray(data[..., 0] if channels == 1 else data, mode)
+
+
+def png_bytes(image) -> bytes:
+    import io
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
