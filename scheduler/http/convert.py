@@ -107,8 +107,9 @@ def _parts(i: int, m: ChatMessageIn) -> list[pb.ContentPart]:
         elif part.type == "image_url":
             url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
             if not isinstance(url, str) or not url:
-                raise BadParameter(f"messages[{i}].content[{j}].image_url", "an image_url part needs image_url.url "
-                                   "(a data: URL, or a file:// or http(s) URL the server is allowed to read)")
+                raise BadParameter(f"messages.{i}.content.{j}", f"messages[{i}].content[{j}].image_url: an image_url "
+                                   "part needs image_url.url (a data: URL, or a file:// or http(s) URL the server "
+                                   "is allowed to read)")
             out.append(pb.ContentPart(image=pb.ImageSource(url=url)))
         else:
             raise BadParameter(f"messages.{i}.content.{j}", f"content parts of type {part.type!r:.40} are not "

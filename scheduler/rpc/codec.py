@@ -79,21 +79,27 @@ def prompt_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, vocab_size: int,
     sources = image_sources(m.messages.messages, image_field) if m.WhichOneof("input") == "messages" else []
     if not sources:
         return prompt_ids_from_pb(m, tok, vocab_size, template_variables), ()
-    if images is None:
-        raise Unsupported(f"{sources[0][0]}: this model takes no images (it is not a vision-language model "
-                          "served here: docs/models.md)")
-    if len(sources) > images.policy.max_images:
-        raise InvalidRequest(f"{len(sources)} images in one request; at most {images.policy.max_images} "
-                             "(--max-images-per-request)")
-    loaded = [images.load_image(where, **{src.WhichOneof("source"): getattr(src, src.WhichOneof("source"))})
-              if src.WhichOneof("source") else _no_source(where) for where, src in sources]
+    loaded = []
+    for where, param, src in sources:
+        try:
+            if images is None:
+                raise InvalidRequest(f"{where}: this model takes no images (it is not a vision-language model served "
+                                     "here: docs/models.md)")
+            if len(sources) > images.policy.max_images:
+                raise InvalidRequest(f"{where}: {len(sources)} images in one request; at most "
+                                     f"{images.policy.max_images} (--max-images-per-request)")
+            kind = src.WhichOneof("source")
+            if kind is None:
+                raise InvalidRequest(f"{where}: set one of data, path or url")
+            loaded.append(images.load_image(where, **{kind: getattr(src, kind)}))
+        except InvalidRequest as exc:
+            exc.param = param  # (the HTTP front's error body names it)
+            raise
     ids, placed = images.encode_chat(tok, messages_from_pb(m.messages.messages), loaded,
                                      tools_from_pb(m.messages.tools), template_variables)
     return ids, placed
 
 
-def _no_source(where: str):
-    raise InvalidRequest(f"{where}: set one of data, path or url")
 
 
 def sampling_params_from_pb(m: cpb.SamplingParams, vocab_size: int) -> SamplingParams:

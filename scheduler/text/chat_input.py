@@ -90,8 +90,9 @@ def _content(i: int, m: pb.ChatMessage) -> str | tuple[dict[str, str], ...]:
 
 
 def image_sources(messages: Sequence[pb.ChatMessage], field: str = "parts[{j}].image"
-                  ) -> list[tuple[str, pb.ImageSource]]:
-    """Every image part of the messages in order, with the name an error about it gives (field: the part's name
-    within a message, {j} its index; the HTTP front names its own content[{j}].image_url)."""
-    return [(f"messages[{i}].{field.format(j=j)}", part.image) for i, m in enumerate(messages)
-            for j, part in enumerate(m.parts) if part.WhichOneof("part") == "image"]
+                  ) -> list[tuple[str, str, pb.ImageSource]]:
+    """Every image part of the messages in order: (the name an error about it gives, the HTTP front's `param` for
+    it, the source). field: the part's name within a message, {j} its index (the HTTP front names its own
+    content[{j}].image_url)."""
+    return [(f"messages[{i}].{field.format(j=j)}", f"messages.{i}.content.{j}", part.image)
+            for i, m in enumerate(messages) for j, part in enumerate(m.parts) if part.WhichOneof("part") == "image"]
