@@ -16,8 +16,10 @@ import torch
 
 from executor_service.vision.image_checks import MAX_TILES
 from tandem.executor.v1 import executor_pb2 as epb
+from tandem.generate.v1 import generate_pb2 as gpb
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.hf_reference import rel_err
+from tests.scheduler_client import collect
 from tests.vision_checkpoints import image_processor_class, noise_image, png_bytes, vision_checkpoint
 
 TEXT = "Describe the fish."
@@ -144,6 +146,21 @@ def test_a_local_file_inside_the_allowed_directory(client, media, hf):
     _, want, _ = _hf(hf, image, 3)
     r = _chat(client, f"file://{media / 'fish.png'}", max_tokens=3)
     assert r.choices[0].message.content == hf[1].decode(want, skip_special_tokens=True)
+
+
+def test_generate_service_takes_image_bytes(stack, hf):
+    image = noise_image(64, 64, seed=14)
+    _, want, _ = _hf(hf, image, 4)
+    parts = [gpb.ContentPart(image=gpb.ImageSource(data=png_bytes(image))), gpb.ContentPart(text=TEXT)]
+    request = gpb.GenerateRequest(messages=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", parts=parts)]),
+                                  stopping=gpb.StoppingCriteria(max_new_tokens=4, ignore_eos=True))
+    assert collect(stack[1].stub, request).token_ids == want
+    bad = gpb.GenerateRequest(messages=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", parts=[
+        gpb.ContentPart(image=gpb.ImageSource(data=b"GIF89a nonsense"))])]))
+    import grpc
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stack[1].stub, bad)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages[0].parts[0].image" in info.value.details()
 
 
 @pytest.mark.parametrize("case,why", [("not_an_image", "not an image"), ("too_large", "--max-image-bytes"),

@@ -151,3 +151,18 @@ def test_bad_images_fail_their_item(ours, ex):
         (res,) = ex.unified_decode([UnifiedItem(tuple(ids), images=(image,))])
         assert res.error is not None, why
         assert "image 0" in str(res.error), (why, str(res.error))
+
+
+def test_smolvlm_logits_match_transformers(tmp_path_factory):
+    """SmolVLM is Idefics3's architecture under another name (same tower, connector, processor and placeholder
+    text): its checkpoint loads and matches transformers' SmolVLMForConditionalGeneration."""
+    import transformers
+    ckpt = vision_checkpoint(tmp_path_factory, "SmolVLM")
+    ours = (ChatImages.load(ckpt, MediaPolicy()), ModelTokenizer(ckpt))
+    ids, items = _prompt(ours, [noise_image(70, 50, seed=9)])
+    pixels = torch.from_numpy(np.frombuffer(items[0].pixel_values, dtype="<f4").reshape(items[0].shape).copy())
+    model = transformers.SmolVLMForConditionalGeneration.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids]), pixel_values=pixels[None]).logits[0, -1]
+    first, cache_id = _logits_run(make_executor(ckpt), ids, items)
+    assert rel_err(first.logits[0], want) <= 1e-4 and first.tokens[0].token_id == int(want.argmax())
