@@ -166,3 +166,17 @@ def test_smolvlm_logits_match_transformers(tmp_path_factory):
         want = model(input_ids=torch.tensor([ids]), pixel_values=pixels[None]).logits[0, -1]
     first, cache_id = _logits_run(make_executor(ckpt), ids, items)
     assert rel_err(first.logits[0], want) <= 1e-4 and first.tokens[0].token_id == int(want.argmax())
+
+
+def test_image_and_text_items_in_one_forward(ours, ex):
+    """A mixed call (an image prompt, a text prompt, another image prompt) gives each item what it gets alone."""
+    a_ids, a_im = _prompt(ours, [noise_image(50, 70, seed=31)])
+    b_ids, b_im = _prompt(ours, [noise_image(20, 24, seed=32)], "Another one.")
+    text = [5, 6, 7, 8, 9, 10, 11]
+    alone = [_logits_run(ex, a_ids, a_im), _logits_run(ex, text, ()), _logits_run(ex, b_ids, b_im)]
+    together = raising(ex.unified_decode([UnifiedItem(tuple(a_ids), output=LOGITS, images=a_im),
+                                          UnifiedItem(tuple(text), output=LOGITS),
+                                          UnifiedItem(tuple(b_ids), output=LOGITS, images=b_im)]))
+    for (out, cache_id), res in zip(alone, together):
+        assert rel_err(res.output.logits[0], out.logits[0]) <= 1e-5
+        ex.release_cache([cache_id, res.cache.cache_id])
