@@ -148,6 +148,15 @@ def test_a_local_file_inside_the_allowed_directory(client, media, hf):
     assert r.choices[0].message.content == hf[1].decode(want, skip_special_tokens=True)
 
 
+def test_responses_input_image(stack, client, hf):
+    image = noise_image(20, 24, seed=15)
+    _, want, _ = _hf(hf, image, 3)
+    r = client.responses.create(model="m", max_output_tokens=3, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(image)},
+                                     {"type": "input_text", "text": TEXT}]}])
+    assert r.output_text == hf[1].decode(want, skip_special_tokens=True)
+
+
 def test_generate_service_takes_image_bytes(stack, hf):
     image = noise_image(64, 64, seed=14)
     _, want, _ = _hf(hf, image, 4)
