@@ -197,3 +197,30 @@ def test_bad_images_are_400s_naming_the_part(stack, media, tmp_path, case, why):
     message = json.loads(r.text)["error"]["message"]
     assert "messages[0].content[1].image_url" in message and why in message, message
     assert str(tmp_path) not in message and str(media) not in message  # no host paths
+
+
+@pytest.fixture(scope="module")
+def small_kv(request, ckpt):
+    """An executor with 12 blocks of KV (192 tokens): one image request fits, five at once do not."""
+    executor = start_for(request, ckpt, "--kv-blocks", "12", "--no-prefix-caching")
+    return executor, start_scheduler_for(request, executor.address, "--speculative", "off")
+
+
+def test_preempted_image_requests_are_recomputed_with_their_images(small_kv):
+    executor, scheduler = small_kv
+
+    def run(seed):
+        parts = [gpb.ContentPart(image=gpb.ImageSource(data=png_bytes(noise_image(50, 70, seed=seed)))),
+                 gpb.ContentPart(text=TEXT)]
+        return collect(scheduler.stub, gpb.GenerateRequest(
+            messages=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", parts=parts)]),
+            stopping=gpb.StoppingCriteria(max_new_tokens=40, ignore_eos=True)))
+
+    seeds = [41, 42, 43, 44, 45]
+    alone = [run(s) for s in seeds]
+    assert all(r.usage.preemptions == 0 for r in alone)
+    import concurrent.futures as cf
+    with cf.ThreadPoolExecutor(len(seeds)) as pool:
+        together = list(pool.map(run, seeds))
+    assert sum(r.usage.preemptions for r in together) > 0, "the pool was meant to be too small for all at once"
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
