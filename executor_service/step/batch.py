@@ -199,15 +199,17 @@ class BatchRunner:
         lora = LoraBatch.build(adapter_spans, adapters, len(ids), self.device, self.lora_stacks)
         mm = (merge_rows(imaged, self.images, self.model.config.vision.image_token_id, self.device)
               if imaged and self.images is not None else None)
+        # (passed only when there are images: a tensor-parallel leader, which never has a vision tower, takes none)
+        mm_kw = {"mm": mm} if mm is not None else {}
         if not scoring:
             rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-            return self.model(input_ids, meta, self.kv, rows, lora, mm), rows_per_item, spans  # logits: [R, vocab]
+            return self.model(input_ids, meta, self.kv, rows, lora, **mm_kw), rows_per_item, spans  # [R, vocab]
         # The rows to sample are among the kept ones or added after them: one forward gives both.
         kept = set(hidden_rows)
         hidden_rows.extend(r for r in logit_rows if r not in kept)
         where = {r: i for i, r in enumerate(hidden_rows)}
         h = self.model.hidden(input_ids, meta, self.kv, torch.tensor(hidden_rows, dtype=torch.int64,
-                                                                     device=self.device), lora, mm)  # [H, hidden]
+                                                                     device=self.device), lora, **mm_kw)  # [H, hidden]
         pick = torch.tensor([where[r] for r in logit_rows], dtype=torch.int64, device=self.device)
         return (self.model.project(h[pick]), rows_per_item,  # logits: [R, vocab]
                 [None if s is None else h[s[0]:s[1]] for s in spans])
