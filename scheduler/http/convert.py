@@ -105,7 +105,15 @@ def _parts(i: int, m: ChatMessageIn) -> list[pb.ContentPart]:
         if part.type == "text" and part.text is not None:
             out.append(pb.ContentPart(text=part.text))
         elif part.type == "image_url":
-            url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+            spec = part.image_url if isinstance(part.image_url, dict) else {"url": part.image_url}
+            unknown = sorted(set(spec) - {"url", "detail"})
+            if unknown:
+                raise BadParameter(f"messages.{i}.content.{j}", f"messages[{i}].content[{j}].image_url: unknown field "
+                                   f"{unknown[0][:40]!r} (image_url takes url and detail)")
+            if spec.get("detail") not in (None, "auto", "low", "high"):
+                raise BadParameter(f"messages.{i}.content.{j}", f"messages[{i}].content[{j}].image_url.detail must be "
+                                   "auto, low or high (the model's processor decides the tiles whatever it says)")
+            url = spec.get("url")
             if not isinstance(url, str) or not url:
                 raise BadParameter(f"messages.{i}.content.{j}", f"messages[{i}].content[{j}].image_url: an image_url "
                                    "part needs image_url.url (a data: URL, or a file:// or http(s) URL the server "

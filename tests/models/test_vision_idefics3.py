@@ -180,3 +180,9 @@ def test_image_and_text_items_in_one_forward(ours, ex):
     for (out, cache_id), res in zip(alone, together):
         assert rel_err(res.output.logits[0], out.logits[0]) <= 1e-5
         ex.release_cache([cache_id, res.cache.cache_id])
+
+
+def test_a_marker_in_the_text_is_refused(ours):
+    from tandem.errors import InvalidRequest
+    with pytest.raises(InvalidRequest, match="image markers"):
+        _prompt(ours, [noise_image(20, 24)], text="and here <image> too")
