@@ -26,6 +26,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "startup": ("startup:main", "executor time to READY, memory and first-request latency, cold and warm"),
     "structured": ("structured:main", "constrained decoding's cost per step through real servers (JSON-lines grammar vs plain)"),
     "tp": ("tp:main", "tensor parallelism: decode and prefill time and per-rank memory vs --tensor-parallel-size"),
+    "vision": ("vision:main", "one image in process: image processing, vision encoder and TTFT cold / embedding cache / "
+               "prefix cache (SmolVLM-256M shapes, random weights)"),
 }
 
 

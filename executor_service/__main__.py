@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="do not index full KV blocks for reuse: CreateCache then creates empty caches and every "
                          "prompt is computed whole (for comparison; prefix caching is on by default)")
+    ap.add_argument("--vision-cache-images", type=int, default=64, metavar="N",
+                    help="vision-language models: keep the embeddings of the N most recently used images, by content "
+                         "hash, so a repeated image runs no vision encoder (0 = keep none; default 64)")
     ap.add_argument("--pooling", choices=("last", "mean"), default=None,
                     help="how embeddings pool the final hidden states: the last token's, or the mean over every token "
                          "(default: the checkpoint's sentence-transformers modules.json + 1_Pooling/config.json, "
@@ -255,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_adapters_on_device=args.max_adapters_on_device,
                                   max_lora_rank=args.max_lora_rank, session_ttl_s=args.session_ttl,
                                   prefix_caching=not args.no_prefix_caching, pooling=args.pooling,
+                                  vision_cache_images=args.vision_cache_images,
                                   max_kv_subscribers=args.max_kv_subscribers, kv_events_buffer=args.kv_events_buffer,
                                   kv_transfer=kv_transfer, kv_tiers=kv_tiers, draft_model=args.draft_model,
                                   draft_kv_blocks=args.draft_kv_blocks)

@@ -74,6 +74,9 @@ class ExecutorConfig:
     # Embedding pooling (models/pooling_config.py): last | mean, over the checkpoint's own configuration; None =
     # the checkpoint's (sentence-transformers modules.json), else last token.
     pooling: str | None = None
+    # Vision-language models: images whose embeddings are kept by content hash (executor_service/vision/
+    # embedding_cache.py), least recently used first out; 0 = none kept.
+    vision_cache_images: int = 64
     max_kv_subscribers: int = 8  # concurrent SubscribeKvEvents streams
     kv_events_buffer: int = 10_000  # events a subscriber may have unread before it is dropped
     # Ranks the model is split over (executor_service/tp/stack.py); 1 = the whole model here.

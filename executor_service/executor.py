@@ -44,6 +44,8 @@ from executor_service.kv.prompt_logprob_store import restore_prompt_logprobs
 from executor_service.request_validation import RequestValidator, check_release_with_step, name_item
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
 from executor_service.tp.stack import build_stack
+from executor_service.vision.embedding_cache import ImageEmbeddings, VisionStats
+from executor_service.vision.image_checks import vision_info
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, OutputOptions, PrefillResult, SessionLease,
                                     SessionListing, StepResults, UnifiedItem, UnifiedResult, VerifyResult)
@@ -95,10 +97,12 @@ class Executor:
         self.pooling = pooling_rules(config, cfg)  # pooled items: embeddings, scores (executor_service/step/pooling.py)
         # --draft-model: loaded after the served model's pool, out of what it leaves (draft_model_stack.py)
         self.draft = load_draft_model(config, stack)
-        drafts = None if self.draft is None else ModelDrafts(self.draft, self.kv, config.max_batch_tokens,
-                                                             cfg.max_position_embeddings)
+        drafts = self.draft and ModelDrafts(self.draft, self.kv, config.max_batch_tokens, cfg.max_position_embeddings)
         self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters, self.pooling,
                                            draft_model=self.draft is not None)
+        # Images (a vision-language model): embeddings computed once per image, by content hash
+        self.runner.images = self.images = (ImageEmbeddings(self.model.vision, self.device, config.vision_cache_images)
+                                            if getattr(self.model, "vision", None) is not None else None)
         self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics, drafts)
         self._lock = OpLock()
         self.transfer = KvTransfer(self, fingerprint_of(config, stack))
@@ -198,8 +202,11 @@ class Executor:
                     results.append(CreateCacheResult(CacheRef("", 0), 0, name_item(exc, n)))
                     continue
                 state = self._step.new_state(it.adapter, it.cache_salt)
-                state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root, it.prompt_logprobs)
+                spans = [(im.offset, im.length, im.content_hash) for im in it.images]
+                state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root, it.prompt_logprobs,
+                                                        spans)
                 state.tokens = list(it.token_ids[:state.cached_tokens])
+                state.images = [s for s in spans if s[0] < state.cached_tokens]  # (the reused blocks show them)
                 self.metrics.caches_created += 1
                 results.append(CreateCacheResult(CacheRef(self._caches.add(state), state.cached_tokens),
                                                  state.cached_tokens,
@@ -287,6 +294,7 @@ class Executor:
             capabilities=CAPABILITIES + ((caps.PREFIX_CACHING,) if self.prefix.enabled else ())
             + ((caps.POOLING,) if self.pooling.info is not None else ())
             + ((caps.DRAFT_MODEL,) if self.draft is not None else ())
+            + ((caps.VISION,) if self.images is not None else ())
             + self.stack.decode_capabilities,
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
             moe_layers=tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), kv_pool=self.kv_pool,
@@ -295,7 +303,8 @@ class Executor:
             role=self.config.kv_transfer.role, kv_fingerprint=self.transfer.fingerprint,
             tensor_parallel_size=self.config.tensor_parallel_size, kv_dtype=self.stack.kv_dtype,
             attention_backend=self.stack.attention_backend, pooling=self.pooling.info,
-            draft_model=draft_model_info(self.draft) if self.draft is not None else None)
+            draft_model=draft_model_info(self.draft) if self.draft is not None else None,
+            vision=vision_info(cfg.vision, self.config.vision_cache_images) if self.images is not None else None)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer -> tokens routed to each of its experts since start."""
@@ -303,6 +312,9 @@ class Executor:
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         return self.metrics.snapshot()
+
+    def vision_stats(self) -> VisionStats | None:  # None: a text-only model
+        return self.images.stats() if self.images is not None else None
 
     def cache_length(self, cache_id: str, session: str = ANONYMOUS) -> int:
         return self._store.view(session).get(cache_id).table.length

@@ -7,6 +7,7 @@ that fails one gets its domain error (its message naming the item) and the other
 contract's per-item statuses promise."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from executor_service.adapters import AdapterRegistry
@@ -15,8 +16,10 @@ from executor_service.kv.cache_table import CacheState, CacheTable
 from executor_service.step.ngram_drafts import MAX_DRAFT_TOKENS  # noqa: F401  (re-exported)
 from executor_service.step.pooling import PoolingRules
 from executor_service.types import CreateCacheItem, UnifiedItem
+from executor_service.vision.image_checks import check_images
 from models.config import ModelConfig
 from tandem.errors import CacheStateConflict, InvalidRequest, PositionMismatch, SequenceTooLong, TandemError
+from tandem.image_hash import image_hash
 from tandem.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tandem.token_mask import allows_any, mask_bytes
 
@@ -44,6 +47,7 @@ class RequestValidator:
         self.max_len = model_config.max_position_embeddings
         self.max_batch_tokens = max_batch_tokens
         self.adapters = adapters
+        self.vision = model_config.vision  # None: items with images fail (executor_service/vision/image_checks.py)
 
     def batch(self, items: Sequence[UnifiedItem], caches: CacheTable) -> list[PlannedItem | TandemError]:
         """Raises the call's errors; else returns, in order, each item planned (with its cache's state) or the
@@ -91,6 +95,7 @@ class RequestValidator:
         if it.adapter:
             self.adapters.get(it.adapter)  # AdapterNotFound
         _check_prompt_logprobs(it.prompt_logprobs)
+        check_images(it.images, self.vision, 0, len(it.token_ids), (), it.token_ids, with_pixels=False)
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -149,6 +154,10 @@ class RequestValidator:
             raise SequenceTooLong(f"{it.pos_offset} + {len(it.token_ids)} tokens"
                                   + (f" + {drafts} draft tokens" if drafts else "")
                                   + f" exceed the model's maximum length of {self.max_len}")
+        if it.images:
+            check_images(it.images, self.vision, it.pos_offset, end, state.tokens if state else (), it.token_ids)
+            it = replace(it, images=tuple(im if im.content_hash else replace(
+                im, content_hash=image_hash(im.dtype, im.shape, im.pixel_values)) for im in it.images))
         if self.pooling is not None:
             it = self.pooling.check(it, state)
         elif it.pooling is not None:

@@ -91,6 +91,35 @@ class PoolingInfo:
 
 
 @dataclass(frozen=True)
+class VisionInfo:
+    """GetInfo's vision facts (the contract's VisionInfo)."""
+
+    family: str
+    image_token_id: int
+    tile_size: int
+    tokens_per_tile: int
+    max_tiles: int
+    max_images_per_item: int
+    max_pixel_bytes: int
+    embedding_cache_images: int
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt (UnifiedItem.images): its pre-processed pixels and its placeholder span (the
+    positions offset .. offset + length - 1; those whose token is the model's image token take its embedding
+    rows in order). content_hash: tandem/image_hash.py's digest of dtype, shape and pixels (computed here when
+    the pixels come; the only thing CreateCache reads beside the span)."""
+
+    content_hash: str
+    offset: int
+    length: int
+    dtype: str = "float32"
+    shape: tuple[int, ...] = ()
+    pixel_values: bytes = b""
+
+
+@dataclass(frozen=True)
 class UnifiedItem:
     """One item of a mixed batch: a prefill chunk (several tokens) or a decode (one token).
 
@@ -127,6 +156,9 @@ class UnifiedItem:
     # Draft tokens the executor's draft model guesses for this item (--draft-model), verified as draft_token_ids
     # are (executor_service/step/model_drafts.py); 0 = none. Up to this many: fewer where they do not fit.
     model_draft_tokens: int = 0
+    # Images whose placeholder span overlaps this item's tokens (executor_service/vision/): their embedding
+    # rows replace the image token's embeddings at the span's image-token positions.
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass
@@ -193,6 +225,7 @@ class CreateCacheItem:
     # Reuse only blocks with prompt logprobs stored with this many alternatives, and return the reused prefix's
     # (None: any block, none returned).
     prompt_logprobs: int | None = None
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (hash and span: they key the blocks they overlap)
 
 
 @dataclass
@@ -276,6 +309,7 @@ class ExecutorInfo:
     attention_backend: str = ""  # the eager forward's paged attention (models/attention/backend.py)
     pooling: PoolingInfo | None = None  # None: pooled items are not served (executor_service/step/pooling.py)
     draft_model: DraftModelInfo | None = None  # None: no --draft-model
+    vision: VisionInfo | None = None  # None: a text-only model (images are not served)
 
 
 @dataclass(frozen=True)

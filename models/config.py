@@ -8,6 +8,7 @@ from typing import Any
 
 from models.families import FAMILIES
 from models.rope_config import RopeConfig
+from models.vision.config import VisionConfig
 from tandem.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)  # (models/families/)
@@ -74,6 +75,10 @@ class ModelConfig:
     # head of its own. "" and 0 for a causal LM.
     checkpoint_architecture: str = ""
     num_labels: int = 0
+    # A vision-language checkpoint (models/families/idefics3.py): where its text tower's tensors sit (our
+    # `model.X` is read as `<prefix>X`; "" = as named) and its vision tower (None: a text-only model).
+    checkpoint_text_prefix: str = ""
+    vision: VisionConfig | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """transformers' Qwen3MoeDecoderLayer rule: sparse unless listed in mlp_only_layers, every

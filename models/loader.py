@@ -26,6 +26,7 @@ from tandem.errors import CheckpointError
 from tandem.model_path import is_gguf
 from models.transformer import DecoderModel
 from models.moe import SparseMoeBlock
+from models.vision.load import load_vision_tower
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,6 +89,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         return model
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
+    if cfg.vision is not None and on_layer is not None:
+        raise CheckpointError(f"{model_dir}: a vision-language model is not split into ranks; run it on one")
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
         model = DecoderModel(cfg)
@@ -106,7 +109,11 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     read_names: set[str] = set()  # every checkpoint tensor read (the rest are reported unused)
     sources: list[torch.Tensor] = []  # what the parameter being made was read from
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str, as_named: bool = False) -> torch.Tensor:
+        """as_named: the checkpoint's own name (the vision tower's); else ours, mapped to the text tower's."""
+        prefix = cfg.checkpoint_text_prefix
+        if prefix and not as_named and name.startswith("model."):
+            name = prefix + name[len("model."):]
         read_names.add(name)
         path = files.get(name)
         if path is None:
@@ -169,6 +176,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     assign(layer)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if cfg.vision is not None:  # the vision tower (models/vision/), in the activations' dtype
+        model.vision = load_vision_tower(cfg.vision, lambda n: read(n, as_named=True), device, torch_dtype)
     if prequantized is not None:
         prequantized.attach(model)  # -- pre-quantized: each such layer's BlockWeight --
     _warn_unused(files, loaded | used_expert_tensors | read_names, tied)

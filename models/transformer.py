@@ -26,6 +26,7 @@ from models.moe import SparseMoeBlock
 from models.quant.linear import quantize_linears
 from models.rope import RotaryEmbedding
 
+MultimodalRows = tuple[torch.Tensor, torch.Tensor]  # (packed token rows [M], their embeddings [M, hidden])
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # one layer's (cos, sin) [T, rotary_dim] each; None: no RoPE
 
 
@@ -82,6 +83,8 @@ class DecoderModel(nn.Module):
             self.score = Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         self.rotary: RotaryEmbedding | None = None  # the model's rope; set by the loader once the device is known
         self.layer_rotary: list[RotaryEmbedding | None] = []  # per layer (Gemma 3's local rope, NoPE layers)
+        self.vision: nn.Module | None = None  # a vision-language model's vision tower (models/vision/; the loader
+        # sets it): pixels -> embedding rows that replace the image placeholder tokens' embeddings (hidden's mm)
         self.weights_version = 0  # bumped whenever weights change in place (quantize): kernels holding raw
         # pointers to the weights (models/decode/native.py) rebuild their descriptors
 
@@ -145,19 +148,24 @@ class DecoderModel(nn.Module):
         return True
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, cache: PagedKvCache,
-                logit_rows: torch.Tensor | None, lora: LoraBatch | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None, lora: LoraBatch | None = None,
+                mm: MultimodalRows | None = None) -> torch.Tensor:
         """input_ids: [T]; logit_rows: [R] indices into the packed tokens whose logits are wanted (None: all,
         R = T). Returns float32 logits [R, vocab]; the LM head runs on those R rows only."""
-        return self.project(self.hidden(input_ids, meta, cache, logit_rows, lora))
+        return self.project(self.hidden(input_ids, meta, cache, logit_rows, lora, mm))
 
     def hidden(self, input_ids: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, cache: PagedKvCache,
-               rows: torch.Tensor | None, lora: LoraBatch | None = None) -> torch.Tensor:
+               rows: torch.Tensor | None, lora: LoraBatch | None = None,
+               mm: MultimodalRows | None = None) -> torch.Tensor:
         """The final (normed) hidden states of the rows asked for: [R, hidden], the LM head's input. A caller
-        that needs many rows' logits (prompt logprobs) projects them in slices (project) instead of at once."""
+        that needs many rows' logits (prompt logprobs) projects them in slices (project) instead of at once.
+        mm: (packed rows [M], embedding rows [M, hidden]) that replace those tokens' embeddings (images)."""
         cfg = self.config
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         if cfg.embed_scale != 1.0:  # Gemma: sqrt(hidden); Granite: embedding_multiplier (in the model's dtype)
             h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
+        if mm is not None:  # image placeholders take the vision tower's rows (transformers' inputs_merger)
+            h[mm[0]] = mm[1].to(h.dtype)
         ropes = {id(r): r.cos_sin(meta.positions, h.dtype) for r in self.layer_rotary if r is not None}
         for layer, rotary in zip(self.model.layers, self.layer_rotary):
             h = layer(h, None if rotary is None else ropes[id(rotary)], cache, meta, lora)

@@ -13,6 +13,7 @@ from scheduler.engine import speculation
 from scheduler.config import SchedulerConfig
 from scheduler.http import limits as http_limits
 from scheduler.pooling import config as pooling_config
+from scheduler.vision import media_policy
 from scheduler.reasoning.registry import CHOICES as REASONING_PARSERS
 from scheduler.tool_parsers.registry import NAMES as TOOL_PARSERS
 from scheduler.server import serve_async
@@ -127,6 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     decode_bursts.add_arguments(ap)
     http_limits.add_arguments(ap)
     pooling_config.add_arguments(ap)
+    media_policy.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                           reasoning_parser=args.reasoning_parser, responses_store_size=args.responses_store_size,
                           speculative=speculation.from_args(args), bursts=decode_bursts.from_args(args),
                           http_limits=http_limits.from_args(args), pooling=pooling_config.from_args(args),
+                          media=media_policy.from_args(args),
                           security=server_security(args), executor_tls_ca=args.executor_tls_ca,
                           executor_tls_cert=args.executor_tls_cert, executor_tls_key=args.executor_tls_key,
                           executor_tls=args.executor_tls, executor_tls_server_name=args.executor_tls_server_name,

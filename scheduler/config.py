@@ -8,6 +8,7 @@ from scheduler.http.limits import HttpLimits
 from scheduler.pooling.config import PoolingConfig
 from scheduler.reasoning.registry import AUTO, CHOICES as REASONING_PARSERS
 from scheduler.tool_parsers.registry import NAMES as TOOL_PARSERS
+from scheduler.vision.media_policy import MediaPolicy
 from tandem.security.config import ServerSecurity
 
 
@@ -117,6 +118,7 @@ class SchedulerConfig:
     bursts: BurstConfig = field(default_factory=BurstConfig)
     # Embeddings and scoring (scheduler/pooling/): --max-embedding-inputs, --rerank-mode, --rerank-tokens, ...
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # image inputs (scheduler/vision/media_policy.py)
     security: ServerSecurity = ServerSecurity()  # this server's TLS, tokens, reflection (gRPC and HTTP alike)
     # The link to the executors: TLS when a CA or a client certificate is given (executor_tls_ca None: the
     # system's roots), mTLS with the certificate; the name their certificates must carry when it is not the
@@ -151,6 +153,7 @@ class SchedulerConfig:
                      "max_message_mb", "max_prompt_chars", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        self.media.validate()
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
             raise ValueError(f"--max-concurrent-rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if not self.stream_stall_timeout_s > 0:

@@ -10,6 +10,7 @@ from tandem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from scheduler.structured.grammar import CompiledConstraint
+    from scheduler.vision.chat_images import PromptImage
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class GenerateRequest:
     # The constraint applies after the output ends with these token ids (a thinking model's answer:
     # scheduler/reasoning/); () = from the first token
     constraint_after: tuple[int, ...] = ()
+    # Images of a chat prompt (scheduler/vision/chat_images.py): pixels and placeholder spans, sent with the
+    # chunks that cover each span
+    images: tuple["PromptImage", ...] = ()
 
     def choices(self, n: int) -> list["GenerateRequest"]:
         """n independent requests of this one (OpenAI's and vLLM's `n`): their own ids (`<id>-<i>`), and seed + i

@@ -28,23 +28,39 @@ def root_hash(adapter: str = "", adapter_digest: str = "", cache_salt: str = "")
     return h.digest()
 
 
-def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """The hash of a full block of token ids whose predecessor has hash parent (root_hash() for the first)."""
+ImageSpan = tuple[int, int, str]  # (offset, length, content hash) of an image's placeholder span
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """The hash of a full block of token ids whose predecessor has hash parent (root_hash() for the first).
+    extra: what else the block's KV depends on (image_extra: the images its positions show), as vLLM's block
+    extra keys hold an image's mm_hash; b"" leaves a text block's hash as it always was."""
     h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
     ids = array("I", token_ids)  # uint32 ids, hashed little-endian on every host
     if sys.byteorder == "big":
         ids.byteswap()
     h.update(ids.tobytes())
+    if extra:
+        h.update(b"\x00images")
+        h.update(extra)
     return h.digest()
 
 
-def chain_hashes(root: bytes, token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
+def image_extra(images: Sequence[ImageSpan], start: int, end: int) -> bytes:
+    """The extra key of the block of positions start .. end - 1: the hashes of the images whose span overlaps
+    it, in span order (b"" when none does: a text block)."""
+    return b"".join(f"{o}:{n}:{h};".encode() for o, n, h in sorted(images) if o < end and o + n > start)
+
+
+def chain_hashes(root: bytes, token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                 images: Sequence[ImageSpan] = ()) -> list[bytes]:
     """Hashes of the full blocks of token_ids (at most max_blocks of them), in order."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
     out, parent = [], root
     for b in range(n):
-        parent = block_hash(parent, token_ids[b * block_size:(b + 1) * block_size])
+        lo, hi = b * block_size, (b + 1) * block_size
+        parent = block_hash(parent, token_ids[lo:hi], image_extra(images, lo, hi) if images else b"")
         out.append(parent)
     return out

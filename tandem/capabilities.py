@@ -40,12 +40,13 @@ CUDA_GRAPHS = "cuda_graphs"  # all-decode steps replay CUDA graphs captured at s
 DRAFT_MODEL = "draft_model"  # --draft-model: UnifiedItem.model_draft_tokens drafted by the executor's draft model
 POOLING = "pooling"  # UnifiedItem.pooling: embeddings, classification head outputs, token logits (not with
 # --deterministic or tensor parallelism)
+VISION = "vision"  # UnifiedItem.images / CreateCacheItem.images: images in, text out (GetInfoResponse.vision)
 
 ALL: frozenset[str] = frozenset({
     PAGED_KV, UNIFIED_DECODE, CHUNKED_PREFILL, MULTI_STEP_DECODE, FORWARD_VERIFY, TRUNCATE_CACHE, LOGITS_OUTPUT,
     TOP_LOGPROBS, SEEDED_SAMPLING, LORA, SESSIONS, ITEM_STATUS, REGISTERED_SAMPLING, CREATE_CACHE, KV_EVENTS,
     SPECULATIVE_DRAFTS, TOKEN_MASKS, RELEASE_WITH_STEP, PROMPT_LOGPROBS, MULTI_STEP_DRAFTS, KV_TRANSFER,
-    PREFIX_CACHING, COMPILED_DECODE, NATIVE_DECODE, DETERMINISTIC, CUDA_GRAPHS, POOLING, DRAFT_MODEL,
+    PREFIX_CACHING, COMPILED_DECODE, NATIVE_DECODE, DETERMINISTIC, CUDA_GRAPHS, POOLING, DRAFT_MODEL, VISION,
 })
 
 # What a scheduler relies on without checking: the first contract's features, listed by every executor since

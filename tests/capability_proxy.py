@@ -54,6 +54,8 @@ FIELD_GATES: dict[tuple[str, str], tuple[str, Callable[[object], bool]]] = {
     ("UnifiedItem", "prompt_logprobs"): (caps.PROMPT_LOGPROBS, lambda _: True),
     ("UnifiedItem", "pooling"): (caps.POOLING, lambda _: True),
     ("UnifiedItem", "model_draft_tokens"): (caps.DRAFT_MODEL, bool),
+    ("UnifiedItem", "images"): (caps.VISION, bool),
+    ("CreateCacheItem", "images"): (caps.VISION, bool),
     ("DecodeItem", "draft_token_ids"): (caps.SPECULATIVE_DRAFTS, bool),
     ("DecodeItem", "ngram_drafts"): (caps.MULTI_STEP_DRAFTS, lambda _: True),
     ("DecodeItem", "max_tokens"): (caps.MULTI_STEP_DRAFTS, bool),

@@ -53,6 +53,9 @@ class CacheState:
     # positions 0 .. pool_rows - 1, while every item since position 0 asked for it; None otherwise.
     pool_sum: torch.Tensor | None = None
     pool_rows: int = 0
+    # Vision: the spans of the images it shows (offset, length, content hash), as items brought them; they key
+    # the blocks they overlap in the prefix cache.
+    images: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -62,13 +65,14 @@ class CacheState:
         """What a call may change, to put back if it fails after changing it."""
         return CacheSnapshot(self, self.table.length, len(self.tokens), self.prompt_len, self.sampling,
                              self.table.blocks[-1] if self.table.blocks else None, self.plp_hidden, self.plp_trail,
-                             self.pool_sum, self.pool_rows)
+                             self.pool_sum, self.pool_rows, tuple(self.images))
 
     def truncate(self, new_len: int) -> None:
         if new_len < len(self.tokens):  # the kept hidden state, trail and pooled sum are of positions now gone
             self.plp_hidden = self.plp_trail = self.pool_sum = None
             self.pool_rows = 0
         del self.tokens[new_len:]
+        self.images = [s for s in self.images if s[0] < new_len]  # (an image cut short still keys its blocks)
         if self.prompt_len is not None and self.prompt_len > new_len:
             self.prompt_len = new_len
 
@@ -85,6 +89,7 @@ class CacheSnapshot:
     plp_trail: PromptLogprobTrail | None = None
     pool_sum: torch.Tensor | None = None
     pool_rows: int = 0
+    images: tuple[tuple[int, int, str], ...] = ()
 
     def restore(self, kv: PagedKvCache) -> None:
         """Puts the cache back as it was: blocks past the old length freed (and the last block itself if the
@@ -96,6 +101,7 @@ class CacheSnapshot:
         self.state.sampling = self.sampling
         self.state.plp_hidden, self.state.plp_trail = self.plp_hidden, self.plp_trail
         self.state.pool_sum, self.state.pool_rows = self.pool_sum, self.pool_rows
+        self.state.images = list(self.images)
 
 
 class CacheStore:

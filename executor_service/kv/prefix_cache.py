@@ -15,7 +15,7 @@ from executor_service.kv.events.hub import BlocksRemoved, BlocksStored, KvEvent,
 from executor_service.kv.tiers.link import TierLink
 from executor_service.kv.prompt_logprob_store import PromptLogprobStore
 from models.kv.paged_cache import BlockTable, PagedKvCache
-from tandem.block_hash import block_hash, chain_hashes, root_hash
+from tandem.block_hash import ImageSpan, block_hash, chain_hashes, image_extra, root_hash
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class PrefixCache:
         return root_hash(adapter, adapter_digest, cache_salt)
 
     def match(self, table: BlockTable, token_ids: Sequence[int], root: bytes,
-              prompt_logprobs: int | None = None) -> int:
+              prompt_logprobs: int | None = None, images: Sequence[ImageSpan] = ()) -> int:
         """Fills the empty table with the longest indexed prefix of token_ids, in whole blocks, leaving at
         least one token to compute; the blocks are pinned at once. Returns the tokens reused. prompt_logprobs:
         only blocks whose prompt logprobs are stored with that many alternatives (executor_service/kv/prompt_logprob_store.py).
@@ -65,7 +65,7 @@ class PrefixCache:
         bs = self.kv.block_size
         whole = prompt_logprobs is None and len(token_ids) % bs == 0  # the last block may be reused too
         hashes = chain_hashes(root, token_ids, bs, max_blocks=len(token_ids) // bs if whole
-                              else (len(token_ids) - 1) // bs)
+                              else (len(token_ids) - 1) // bs, images=images)
         blocks = self.kv.allocator.lookup(hashes)
         if self.tiers is not None and prompt_logprobs is None and len(blocks) < len(hashes):
             blocks = self._load_from_tiers(hashes, blocks)
@@ -81,9 +81,11 @@ class PrefixCache:
         self.hit_tokens += reused
         return reused
 
-    def seal(self, table: BlockTable, tokens: Sequence[int], root: bytes, adapter: str) -> None:
+    def seal(self, table: BlockTable, tokens: Sequence[int], root: bytes, adapter: str,
+             images: Sequence[ImageSpan] = ()) -> None:
         """Hashes and registers the blocks of table that became full since the last call. tokens: every
-        token the table holds (tokens[i] is at position i)."""
+        token the table holds (tokens[i] is at position i); images: the spans of the images it shows (a block
+        that overlaps one is keyed by its hash too)."""
         if not self.enabled:
             return
         bs = self.kv.block_size
@@ -91,7 +93,7 @@ class PrefixCache:
         for i in range(len(table.hashes), table.length // bs):
             parent = table.hashes[i - 1] if i else root
             ids = tokens[i * bs:(i + 1) * bs]
-            h = block_hash(parent, ids)
+            h = block_hash(parent, ids, image_extra(images, i * bs, (i + 1) * bs) if images else b"")
             table.hashes.append(h)
             entries.append((table.blocks[i], h, b"" if i == 0 else parent, array("I", ids).tobytes()))
         self._index(entries, adapter)

@@ -10,9 +10,11 @@ import torch
 from executor_service.kv.events.hub import BlocksStored, KvEvent
 from executor_service.metrics.op_stats import LatencySummary, MetricsSnapshot
 from executor_service.kv.prefix_cache import PrefixCacheStats
+from executor_service.vision.embedding_cache import VisionStats
 from executor_service.request_validation import check_release_with_step, name_item, renumber_item
 from executor_service.step.ngram_drafts import NgramDrafts
 from executor_service.rpc.pooling_codec import pooled_to_pb, pooling_from_pb, pooling_info_to_pb
+from executor_service.rpc.vision_codec import images_from_pb, vision_info_to_pb, vision_stats_to_pb
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, KvPoolSizing, OutputMode, OutputOptions, SequenceOutput,
                                     SessionLease, SessionListing, StepResults, TokenOutput, UnifiedItem,
@@ -178,7 +180,8 @@ def unified_item_from_pb(m: pb.UnifiedItem) -> tuple[UnifiedItem, int]:
                        m.prompt_len if m.HasField("prompt_len") else None, tuple(m.draft_token_ids),
                        allowed_tokens=m.allowed_tokens or None,
                        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-                       pooling=pooling_from_pb(m), model_draft_tokens=m.model_draft_tokens), dtype
+                       pooling=pooling_from_pb(m), model_draft_tokens=m.model_draft_tokens,
+                       images=images_from_pb(m.images)), dtype
 
 
 def unified_response_to_pb(results: StepResults[UnifiedResult], logits_dtypes: list[int],
@@ -239,6 +242,8 @@ def info_to_pb(info: ExecutorInfo) -> pb.GetInfoResponse:
         msg.bos_token_id = info.bos_token_id
     if info.pooling is not None:
         msg.pooling.CopyFrom(pooling_info_to_pb(info.pooling))
+    if info.vision is not None:
+        msg.vision.CopyFrom(vision_info_to_pb(info.vision))
     if info.kv_pool is not None:
         msg.kv_pool.CopyFrom(_kv_pool_to_pb(info.kv_pool))
     if info.draft_model is not None:
@@ -262,14 +267,17 @@ def latency_to_pb(s: LatencySummary) -> pb.LatencySummary:
 
 def metrics_to_pb(m: MetricsSnapshot, kv: KvUsage, rpcs: dict[str, LatencySummary],
                   adapters: list[AdapterInfo], expert_load: dict[int, list[int]],
-                  prefix: PrefixCacheStats) -> pb.GetMetricsResponse:
-    return pb.GetMetricsResponse(
+                  prefix: PrefixCacheStats, vision: VisionStats | None = None) -> pb.GetMetricsResponse:
+    msg = pb.GetMetricsResponse(
         operations={k: latency_to_pb(v) for k, v in m.ops.items()}, lock_wait=latency_to_pb(m.lock_wait),
         kv=kv_usage_to_pb(kv), forward_passes=m.forward_passes, tokens_processed=m.tokens_processed,
         tokens_sampled=m.tokens_sampled, caches_created=m.caches_created, caches_released=m.caches_released,
         rpcs={k: latency_to_pb(v) for k, v in rpcs.items()}, adapters=[adapter_to_pb(a) for a in adapters],
         expert_load=[pb.ExpertLoad(layer=layer, tokens=t) for layer, t in sorted(expert_load.items())],
         prefix_cache=prefix_stats_to_pb(prefix), resident_memory_bytes=m.resident_memory_bytes)
+    if vision is not None:
+        msg.vision.CopyFrom(vision_stats_to_pb(vision))
+    return msg
 
 
 def prefix_stats_to_pb(p: PrefixCacheStats) -> pb.PrefixCacheStats:
@@ -280,7 +288,8 @@ def prefix_stats_to_pb(p: PrefixCacheStats) -> pb.PrefixCacheStats:
 
 def create_cache_items_from_pb(items) -> list[CreateCacheItem]:
     return [CreateCacheItem(tuple(it.token_ids), it.adapter, it.cache_salt,
-                            it.prompt_logprobs if it.HasField("prompt_logprobs") else None) for it in items]
+                            it.prompt_logprobs if it.HasField("prompt_logprobs") else None,
+                            images_from_pb(it.images)) for it in items]
 
 
 def create_cache_response_to_pb(results: list[CreateCacheResult], kv: KvUsage) -> pb.CreateCacheResponse:

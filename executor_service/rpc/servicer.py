@@ -135,7 +135,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def GetMetrics(self, request, context):
         ex = self.ex
         return codec.metrics_to_pb(ex.metrics_snapshot(), ex.kv_usage(), self._rpc_metrics.snapshot(),
-                                   ex.list_adapters(), ex.expert_load(), ex.prefix_stats())
+                                   ex.list_adapters(), ex.expert_load(), ex.prefix_stats(), ex.vision_stats())
 
     def CreateCache(self, request, context):  # no tensor math: hashing and block accounting only
         ex = self.ex

@@ -23,6 +23,8 @@ from models.decode.step import DecodeStep
 from executor_service.prompt_logprobs import LogprobRows, extend_trail, score
 from executor_service.step.pooling import kept_rows, pool
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
+from executor_service.vision.embedding_cache import ImageEmbeddings
+from executor_service.vision.merge_rows import merge_rows
 from models.attention.paged import AttentionMetadata, ItemLayout
 from models.kv.paged_cache import PagedKvCache
 from models.lora.weights import LoraWeights
@@ -60,6 +62,9 @@ class BatchRunner:
         self.max_attention_elements = max_attention_elements  # see models/attention/paged.py (None: no split)
         # Builds a batch's attention metadata (models/attention/backend.py); None: the gathered path.
         self.attention = attention
+        # A vision-language model's image embeddings (executor_service/vision/; the executor sets it): items
+        # with images merge their rows into the prompt's embeddings. None: a text-only model.
+        self.images: ImageEmbeddings | None = None
 
     def run(self, batch: list[PlannedItem], all_positions: bool = False,
             adapters: Callable[[], dict[str, LoraWeights]] | None = None
@@ -110,6 +115,9 @@ class BatchRunner:
                 b.state.prompt_len = b.state.table.length if given is None else given
             b.state.table.length += len(b.item.draft_token_ids)
             b.state.tokens.extend(b.item.draft_token_ids)
+            known = {s[0] for s in b.state.images}
+            b.state.images.extend((im.offset, im.length, im.content_hash) for im in b.item.images
+                                  if im.offset not in known)
 
     @torch.inference_mode()
     def _score(self, b: PlannedItem, hidden: torch.Tensor | None) -> LogprobRows | None:
@@ -143,7 +151,7 @@ class BatchRunner:
         step = self.decode_step
         if step is not None and not scoring and all(
                 len(b.item.token_ids) == 1 and (step.takes_drafts or not b.item.draft_token_ids)
-                and b.item.is_final_chunk and not b.item.adapter for b in batch):
+                and b.item.is_final_chunk and not b.item.adapter and not b.item.images for b in batch):
             # One row per token: an item's drafts are rows of its sequence after its token (every row sampled).
             ids, tables, pasts, rows_per_item = [], [], [], []
             for b in batch:
@@ -157,8 +165,11 @@ class BatchRunner:
         hidden_rows: list[int] = []  # (scoring) every packed row whose hidden state is kept
         spans: list[tuple[int, int] | None] = []  # (scoring) per item, its rows among hidden_rows
         adapter_spans: dict[str, list[tuple[int, int]]] = {}  # adapter -> its items' token ranges in the batch
+        imaged = []  # (packed start row, cache tokens, chunk tokens, images) of the items with images
         start = 0
         for b in batch:
+            if b.item.images:
+                imaged.append((start, b.state.tokens, b.item.token_ids, b.item.images))
             drafts = len(b.item.draft_token_ids)  # (validated: final chunks only)
             n = len(b.item.token_ids) + drafts
             if b.item.adapter:
@@ -186,15 +197,19 @@ class BatchRunner:
             layouts, self.kv.block_size, self.group, self.device, self.kv.k.dtype, self.max_attention_elements)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         lora = LoraBatch.build(adapter_spans, adapters, len(ids), self.device, self.lora_stacks)
+        mm = (merge_rows(imaged, self.images, self.model.config.vision.image_token_id, self.device)
+              if imaged and self.images is not None else None)
+        # (passed only when there are images: a tensor-parallel leader, which never has a vision tower, takes none)
+        mm_kw = {"mm": mm} if mm is not None else {}
         if not scoring:
             rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-            return self.model(input_ids, meta, self.kv, rows, lora), rows_per_item, spans  # logits: [R, vocab]
+            return self.model(input_ids, meta, self.kv, rows, lora, **mm_kw), rows_per_item, spans  # [R, vocab]
         # The rows to sample are among the kept ones or added after them: one forward gives both.
         kept = set(hidden_rows)
         hidden_rows.extend(r for r in logit_rows if r not in kept)
         where = {r: i for i, r in enumerate(hidden_rows)}
         h = self.model.hidden(input_ids, meta, self.kv, torch.tensor(hidden_rows, dtype=torch.int64,
-                                                                     device=self.device), lora)  # [H, hidden]
+                                                                     device=self.device), lora, **mm_kw)  # [H, hidden]
         pick = torch.tensor([where[r] for r in logit_rows], dtype=torch.int64, device=self.device)
         return (self.model.project(h[pick]), rows_per_item,  # logits: [R, vocab]
                 [None if s is None else h[s[0]:s[1]] for s in spans])

@@ -114,7 +114,7 @@ class BatchStep:
         """After a successful forward: counters, and the blocks it filled join the prefix cache."""
         for b in batch:
             sealed = len(b.state.table.hashes)
-            self.prefix.seal(b.state.table, b.state.tokens, b.state.root, b.state.adapter)
+            self.prefix.seal(b.state.table, b.state.tokens, b.state.root, b.state.adapter, b.state.images)
             self._store_logprobs(b.state, sealed)
         self.metrics.forward_passes += 1
         self.metrics.tokens_sampled += sum(len(o.tokens) for outs in outputs if outs for o in outs)

@@ -15,7 +15,7 @@ from scheduler.engine.step_answer import ItemResult
 from scheduler.sequence import Sequence
 from scheduler.executor.info import ExecutorInfo, PoolingFacts
 from scheduler.request import GenerateRequest, PoolingSpec, TokenLogprob
-from tandem.capabilities import POOLING, PROMPT_LOGPROBS, TOKEN_MASKS
+from tandem.capabilities import POOLING, PROMPT_LOGPROBS, TOKEN_MASKS, VISION
 from tandem.codec import kv_usage_from_pb, sampling_to_pb
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.errors import RemoteError
@@ -32,7 +32,8 @@ def capabilities_needed(request: GenerateRequest) -> frozenset[str]:
     token_masks would drop allowed_tokens as an unknown field and sample unconstrained)."""
     return frozenset(({TOKEN_MASKS} if request.constraint is not None else set())
                      | ({PROMPT_LOGPROBS} if request.prompt_logprobs is not None else set())
-                     | ({POOLING} if request.pooling is not None else set()))
+                     | ({POOLING} if request.pooling is not None else set())
+                     | ({VISION} if request.images else set()))
 
 
 def executor_sampling(request: GenerateRequest, eos_token_ids) -> tuple[SamplingParams, SamplingParams]:
@@ -94,7 +95,17 @@ def _item_to_pb(item: StepItem, registered_sampling: bool) -> epb.UnifiedItem:
                            model_draft_tokens=item.model_drafts,
                            prompt_logprobs=seq.prompt_logprobs_wanted,
                            # (every chunk: mean pooling sums each chunk's positions)
-                           pooling=_pooling_pb(req.pooling) if req.pooling is not None else None)
+                           pooling=_pooling_pb(req.pooling) if req.pooling is not None else None,
+                           # the images whose placeholder span this chunk covers (each chunk of a span)
+                           images=_images_pb(req.images, item.start, item.start + item.count) if req.images else None)
+
+
+def _images_pb(images, start: int, end: int, pixels: bool = True) -> list[epb.ImageInput]:
+    """The images whose span overlaps positions [start, end), pixels and all (pixels: False for CreateCache,
+    which reads the hash and span only)."""
+    return [epb.ImageInput(content_hash=im.content_hash, dtype="float32", shape=im.shape,
+                           pixel_values=im.pixels if pixels else b"", offset=im.offset, length=im.length)
+            for im in images if im.offset < end and im.offset + im.length > start]
 
 
 _POOLING_TASKS = {"embed": epb.POOLING_TASK_EMBED, "classify": epb.POOLING_TASK_CLASSIFY,
@@ -116,7 +127,8 @@ def _sampling_to_send(seq, registered: bool) -> cpb.SamplingParams | None:
 def create_cache_items(seqs) -> list[epb.CreateCacheItem]:
     """CreateCache items looking up each sequence's tokens in the executor's prefix cache."""
     return [epb.CreateCacheItem(token_ids=s.token_slice(0, s.num_tokens), adapter=s.request.adapter,
-                                cache_salt=s.request.cache_salt, prompt_logprobs=s.prompt_logprobs_wanted)
+                                cache_salt=s.request.cache_salt, prompt_logprobs=s.prompt_logprobs_wanted,
+                                images=_images_pb(s.request.images, 0, s.num_tokens, pixels=False))
             for s in seqs]
 
 

@@ -37,6 +37,7 @@ from scheduler.fleet.router import Candidate, PrefixIndex, choose, prompt_hashes
 from scheduler.sequence import Sequence
 from scheduler.engine.token_masks import MaskWorker
 from tandem.capabilities import DETERMINISTIC
+from scheduler.vision.chat_images import ChatImages
 from tandem.errors import AdapterNotFound, Unsupported
 
 log = logging.getLogger("tandem.scheduler")
@@ -64,6 +65,9 @@ class Fleet:
         # and the one thread every engine's token masks are computed in
         self.grammars = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids)
         self.mask_worker = MaskWorker(info.vocab_size)
+        # Images in chat prompts (scheduler/vision/): the model's image processor under the media policy; None
+        # for a model that takes none
+        self.images = ChatImages.load(tokenizer.model_dir, cfg.media) if hasattr(tokenizer, "model_dir") else None
         # Requests that move with their KV: off draining executors, prefill -> decode (scheduler/fleet/kv_migration.py)
         self.migration = KvMigration(lambda: self.engines, self._target, self._owner.__setitem__, events)
 

@@ -108,7 +108,7 @@ class _Front:
         info = fleet.info
         done = await asyncio.gather(*(self.off_loop(codec.request_from_pb, m, fleet.tokenizer, info,
                                                     fleet.cfg.default_max_new_tokens, fleet.grammars,
-                                                    template_variables)
+                                                    template_variables, fleet.images, convert.IMAGE_FIELD)
                                       for m in messages))
         return [choice for r in done for choice in r.choices(n)]
 

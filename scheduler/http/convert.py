@@ -85,21 +85,54 @@ def _common(body: SamplingFields, adapter: str, top_logprobs: int, max_tokens: i
                 constraint=constraint(body), cache_salt=body.cache_salt or "")
 
 
-def _content(i: int, m: ChatMessageIn) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
+IMAGE_FIELD = "content[{j}].image_url"  # how an error about an image part names it (as the request wrote it)
+
+
+def _text(i: int, m: ChatMessageIn) -> str:
     texts = []
     for j, part in enumerate(m.content):
         if part.type != "text" or part.text is None:
             raise BadParameter(f"messages.{i}.content.{j}", f"content parts of type {part.type!r:.40} are not "
-                               "supported: this server takes text only")
+                               "supported: this server takes text and image_url parts")
         texts.append(part.text)
     return "\n".join(texts)  # as vLLM joins text parts
 
 
+def _parts(i: int, m: ChatMessageIn) -> list[pb.ContentPart]:
+    """A content list with images, part for part (the template places each image among the text)."""
+    out = []
+    for j, part in enumerate(m.content):
+        if part.type == "text" and part.text is not None:
+            out.append(pb.ContentPart(text=part.text))
+        elif part.type == "image_url":
+            spec = part.image_url if isinstance(part.image_url, dict) else {"url": part.image_url}
+            unknown = sorted(set(spec) - {"url", "detail"})
+            if unknown:
+                raise BadParameter(f"messages.{i}.content.{j}", f"messages[{i}].content[{j}].image_url: unknown field "
+                                   f"{unknown[0][:40]!r} (image_url takes url and detail)")
+            if spec.get("detail") not in (None, "auto", "low", "high"):
+                raise BadParameter(f"messages.{i}.content.{j}", f"messages[{i}].content[{j}].image_url.detail must be "
+                                   "auto, low or high (the model's processor decides the tiles whatever it says)")
+            url = spec.get("url")
+            if not isinstance(url, str) or not url:
+                raise BadParameter(f"messages.{i}.content.{j}", f"messages[{i}].content[{j}].image_url: an image_url "
+                                   "part needs image_url.url (a data: URL, or a file:// or http(s) URL the server "
+                                   "is allowed to read)")
+            out.append(pb.ContentPart(image=pb.ImageSource(url=url)))
+        else:
+            raise BadParameter(f"messages.{i}.content.{j}", f"content parts of type {part.type!r:.40} are not "
+                               "supported: this server takes text and image_url parts")
+    return out
+
+
 def _message(i: int, m: ChatMessageIn) -> pb.ChatMessage:
     calls = [pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or []]
-    return pb.ChatMessage(role=m.role, content=_content(i, m), tool_calls=calls, tool_call_id=m.tool_call_id or "")
+    msg = pb.ChatMessage(role=m.role, tool_calls=calls, tool_call_id=m.tool_call_id or "")
+    if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
+        msg.parts.extend(_parts(i, m))
+    else:
+        msg.content = _text(i, m) if isinstance(m.content, list) else (m.content or "")
+    return msg
 
 
 def chat_messages(messages: list[ChatMessageIn], tools: list[pb.Tool] | None = None) -> pb.ChatMessages:

@@ -9,7 +9,8 @@ from typing import Any, Mapping
 from scheduler.executor.info import ExecutorInfo, ExecutorStats
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.structured.grammar import CompiledConstraint, ConstraintKind, ConstraintSpec, GrammarCompiler
-from scheduler.text.chat_input import chat_chars, messages_from_pb, tools_from_pb
+from scheduler.text.chat_input import chat_chars, image_sources, messages_from_pb, tools_from_pb
+from scheduler.vision.chat_images import ChatImages, PromptImage
 from scheduler.text.tokenizer import ModelTokenizer
 from tandem.capabilities import TOKEN_MASKS
 from tandem.codec import sampling_from_pb, token_logprob_to_pb
@@ -61,11 +62,44 @@ def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTok
     else:
         if not m.messages.messages:
             raise InvalidRequest("input messages is empty: give at least one {role, content}")
+        if image_sources(m.messages.messages):
+            raise InvalidRequest("this call takes no images (only GenerateRequest's messages do)")
         ids = tok.encode_chat(messages_from_pb(m.messages.messages), tools_from_pb(m.messages.tools),
                               template_variables)
     if not ids:
         raise InvalidRequest(f"input {kind} is empty (it tokenizes to no tokens)")
     return ids
+
+
+def prompt_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, vocab_size: int,
+                   template_variables: Mapping[str, Any] | None = None, images: ChatImages | None = None,
+                   image_field: str = "parts[{j}].image") -> tuple[list[int], tuple[PromptImage, ...]]:
+    """The prompt's ids and its images (chat messages with image parts: loaded, processed and placed here; run
+    off the event loop). images: the model's image handling (None: a text-only model, images refused)."""
+    sources = image_sources(m.messages.messages, image_field) if m.WhichOneof("input") == "messages" else []
+    if not sources:
+        return prompt_ids_from_pb(m, tok, vocab_size, template_variables), ()
+    loaded = []
+    for where, param, src in sources:
+        try:
+            if images is None:
+                raise InvalidRequest(f"{where}: this model takes no images (it is not a vision-language model served "
+                                     "here: docs/models.md)")
+            if len(sources) > images.policy.max_images:
+                raise InvalidRequest(f"{where}: {len(sources)} images in one request; at most "
+                                     f"{images.policy.max_images} (--max-images-per-request)")
+            kind = src.WhichOneof("source")
+            if kind is None:
+                raise InvalidRequest(f"{where}: set one of data, path or url")
+            loaded.append(images.load_image(where, **{kind: getattr(src, kind)}))
+        except InvalidRequest as exc:
+            exc.param = param  # (the HTTP front's error body names it)
+            raise
+    ids, placed = images.encode_chat(tok, messages_from_pb(m.messages.messages), loaded,
+                                     tools_from_pb(m.messages.tools), template_variables)
+    return ids, placed
+
+
 
 
 def sampling_params_from_pb(m: cpb.SamplingParams, vocab_size: int) -> SamplingParams:
@@ -127,7 +161,8 @@ def compile_constraint(m: pb.GenerateRequest, info: ExecutorInfo,
 
 def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorInfo,
                     default_max_new: int, grammars: GrammarCompiler | None = None,
-                    template_variables: Mapping[str, Any] | None = None) -> GenerateRequest:
+                    template_variables: Mapping[str, Any] | None = None, images: ChatImages | None = None,
+                    image_field: str = "parts[{j}].image") -> GenerateRequest:
     """The validated, tokenized request (run off the event loop: tokenizing and compiling a constraint take
     time). grammars: the fleet's (None: a constraint is refused). template_variables: see prompt_ids_from_pb."""
     if len(m.cache_salt) > MAX_CACHE_SALT_CHARS:
@@ -141,11 +176,12 @@ def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorIn
     if m.adapter and m.adapter not in info.adapters:
         raise AdapterNotFound(f"unknown adapter {m.adapter!r}; loaded: {sorted(info.adapters) or 'none'}")
     sampling = sampling_params_from_pb(m.sampling, info.vocab_size)
-    prompt = prompt_ids_from_pb(m, tok, info.vocab_size, template_variables)
+    prompt, prompt_images = prompt_from_pb(m, tok, info.vocab_size, template_variables, images, image_field)
     stopping = stopping_from_pb(m.stopping, len(prompt), info.max_seq_len, default_max_new, info.vocab_size)
     return GenerateRequest(m.request_id or uuid.uuid4().hex, tuple(prompt), stopping, sampling, m.adapter,
                            m.top_logprobs, m.keep_special_tokens, compile_constraint(m, info, grammars),
-                           m.prompt_logprobs if m.HasField("prompt_logprobs") else None, cache_salt=m.cache_salt)
+                           m.prompt_logprobs if m.HasField("prompt_logprobs") else None, cache_salt=m.cache_salt,
+                           images=prompt_images)
 
 
 def delta_to_pb(request_id: str, d: Delta) -> pb.GenerateResponse:

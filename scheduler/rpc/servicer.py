@@ -37,7 +37,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             if request.adapter and request.adapter not in fleet.info.adapters:
                 await fleet.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
             req = await self._off_loop(codec.request_from_pb, request, fleet.tokenizer, fleet.info,
-                                       fleet.cfg.default_max_new_tokens, fleet.grammars)
+                                       fleet.cfg.default_max_new_tokens, fleet.grammars, None, fleet.images)
             lease.charge(cost([req]))
             seq, stream = fleet.submit(req)
             try:

@@ -20,7 +20,8 @@ MAX_CALL_ID_CHARS = 256
 
 def chat_chars(chat: pb.ChatMessages) -> int:
     """The characters of a chat input (messages, their tool calls, the tools), for --max-prompt-chars."""
-    chars = sum(len(m.role) + len(m.content) + len(m.tool_call_id) for m in chat.messages)
+    chars = sum(len(m.role) + len(m.content) + len(m.tool_call_id) + sum(len(p.text) for p in m.parts)
+                for m in chat.messages)
     chars += sum(len(c.id) + len(c.name) + len(c.arguments) for m in chat.messages for c in m.tool_calls)
     return chars + sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
 
@@ -68,6 +69,30 @@ def messages_from_pb(messages: Sequence[pb.ChatMessage]) -> list[ChatMessage]:
         if len(m.tool_call_id) > MAX_CALL_ID_CHARS:
             raise InvalidRequest(f"messages[{i}].tool_call_id has {len(m.tool_call_id)} characters; at most "
                                  f"{MAX_CALL_ID_CHARS}")
-        out.append(ChatMessage(m.role, m.content, tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
-                               m.tool_call_id))
+        out.append(ChatMessage(m.role, _content(i, m), tuple(ToolCall(c.id, c.name, c.arguments)
+                                                              for c in m.tool_calls), m.tool_call_id))
     return out
+
+
+def _content(i: int, m: pb.ChatMessage) -> str | tuple[dict[str, str], ...]:
+    """The content as the template reads it: the text, or the parts ({"type": "text"|"image", ...}) in order."""
+    if not m.parts:
+        return m.content
+    if m.content:
+        raise InvalidRequest(f"messages[{i}] sets both content and parts: give the text as a part")
+    parts = []
+    for j, part in enumerate(m.parts):
+        kind = part.WhichOneof("part")
+        if kind is None:
+            raise InvalidRequest(f"messages[{i}].parts[{j}] is empty: set text or image")
+        parts.append({"type": "text", "text": part.text} if kind == "text" else {"type": "image"})
+    return tuple(parts)
+
+
+def image_sources(messages: Sequence[pb.ChatMessage], field: str = "parts[{j}].image"
+                  ) -> list[tuple[str, str, pb.ImageSource]]:
+    """Every image part of the messages in order: (the name an error about it gives, the HTTP front's `param` for
+    it, the source). field: the part's name within a message, {j} its index (the HTTP front names its own
+    content[{j}].image_url)."""
+    return [(f"messages[{i}].{field.format(j=j)}", f"messages.{i}.content.{j}", part.image)
+            for i, m in enumerate(messages) for j, part in enumerate(m.parts) if part.WhichOneof("part") == "image"]

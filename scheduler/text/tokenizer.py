@@ -36,7 +36,7 @@ class Tool:
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str | tuple[dict[str, str], ...]  # text, or parts ({"type": "text", "text": ...} / {"type": "image"})
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str = ""  # a "tool" turn: the call it answers
 
@@ -44,7 +44,8 @@ class ChatMessage:
 def _template_message(m: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it (transformers' / OpenAI's shape); arguments as an object when they
     parse as one (as vLLM passes them: templates write them with tojson)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    out: dict[str, Any] = {"role": m.role, "content": m.content if isinstance(m.content, str)
+                           else [dict(p) for p in m.content]}
     if m.tool_calls:
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
@@ -180,6 +181,11 @@ class ModelTokenizer:
         (as `apply_chat_template(tokenize=True)` does)."""
         return self._tok.encode_batch([self.render_chat(messages, tools, variables)],
                                       add_special_tokens=False)[0].ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of a rendered prompt (no special tokens added) and each token's character span in it."""
+        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        return enc.ids, enc.offsets
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of text without the special tokens the post-processor adds (a marker's ids)."""

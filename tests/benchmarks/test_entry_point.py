@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import ROOT
 
 NAMES = ["decode", "device", "disagg", "executor", "fleet", "forward", "kv_restart", "lora", "prefix", "quantized",
-         "serving", "spec", "startup", "structured", "tp"]
+         "serving", "spec", "startup", "structured", "tp", "vision"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

@@ -167,3 +167,16 @@ def test_one_validator_refuses_lone_surrogates_in_any_field_however_deep():
     assert convert.prompts(CompletionRequest.model_validate({"prompt": ["a"] * 3}), max_prompts=3) == ["a"] * 3
     with pytest.raises(BadParameter, match="--max-prompts-per-request"):
         convert.prompts(CompletionRequest.model_validate({"prompt": ["a"] * 4}), max_prompts=3)
+
+
+def test_image_url_parts_become_image_parts_in_order():
+    content = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:x", "detail": "low"}},
+               {"type": "text", "text": "b"}]
+    m = convert.chat_request(chat(messages=[{"role": "user", "content": content}]), "").messages.messages[0]
+    assert not m.content and [p.WhichOneof("part") for p in m.parts] == ["text", "image", "text"]
+    assert m.parts[1].image.url == "data:x"
+    for bad in ({"url": "data:x", "size": 3}, {"url": "data:x", "detail": "huge"}, {"detail": "auto"}):
+        with pytest.raises(BadParameter) as info:
+            convert.chat_request(chat(messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": bad}]}]), "")
+        assert info.value.param == "messages.0.content.0" and "messages[0].content[0].image_url" in str(info.value)

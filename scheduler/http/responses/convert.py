@@ -3,7 +3,7 @@
 
 - messages: `instructions` as a system message (never carried over to the next response, as OpenAI says),
   then the conversation of previous_response_id (its input and output, store.py), then `input`:
-  text as a user message; message items by role ("developer" is the template's "system"); function_call items
+  text as a user message; message items by role (input_image parts become image_url parts) ("developer" is the template's "system"); function_call items
   as the assistant's tool_calls (consecutive ones are one turn); function_call_output items as "tool" messages;
   reasoning items are dropped (templates drop earlier turns' thinking).
 - tools (the flat {"type": "function", "name", ...} shape) and tool_choice ("required" and a named function:
@@ -20,11 +20,11 @@ from __future__ import annotations
 import re
 
 from scheduler.http.errors import BadParameter
-from scheduler.http.request_schemas import (ChatCompletionRequest, ChatMessageIn, FunctionCallIn, FunctionIn,
-                                             FunctionName, JsonSchemaFormat, NamedToolChoice, ResponseFormat,
-                                             ToolCallIn, ToolIn)
-from scheduler.http.responses.schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem,
-                                              ResponsesRequest)
+from scheduler.http.request_schemas import (ChatCompletionRequest, ChatMessageIn, ContentPart, FunctionCallIn,
+                                             FunctionIn, FunctionName, JsonSchemaFormat, NamedToolChoice,
+                                             ResponseFormat, ToolCallIn, ToolIn)
+from scheduler.http.responses.schemas import (FunctionCallItem, FunctionCallOutputItem, InputImage, MessageItem,
+                                              ReasoningItem, ResponsesRequest)
 
 _ROLE = {"developer": "system"}
 _RENAMED = [(re.compile(r"^response_format"), "text.format"), (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
@@ -57,8 +57,7 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessageIn]:
     out: list[ChatMessageIn] = []
     for item in body.input:
         if isinstance(item, MessageItem):
-            content = item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
-            out.append(ChatMessageIn(role=_ROLE.get(item.role, item.role), content=content))
+            out.append(ChatMessageIn(role=_ROLE.get(item.role, item.role), content=_content(item)))
         elif isinstance(item, FunctionCallItem):
             call = ToolCallIn(id=item.call_id, function=FunctionCallIn(name=item.name, arguments=item.arguments))
             last = out[-1] if out else None
@@ -71,6 +70,23 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessageIn]:
         else:
             assert isinstance(item, ReasoningItem)  # (not shown to the template)
     return out
+
+
+def _content(item: MessageItem) -> str | list[ContentPart]:
+    """The text, or (with input_image parts) the parts in order, as a chat message's content."""
+    if isinstance(item.content, str):
+        return item.content
+    if not any(isinstance(p, InputImage) for p in item.content):
+        return "\n".join(p.text for p in item.content)
+    parts = []
+    for p in item.content:
+        if isinstance(p, InputImage):
+            if p.image_url is None:
+                raise BadParameter("input", "an input_image part needs image_url (file_id is not served)")
+            parts.append(ContentPart(type="image_url", image_url={"url": p.image_url}))
+        else:
+            parts.append(ContentPart(type="text", text=p.text))
+    return parts
 
 
 def _tool_choice(body: ResponsesRequest) -> str | NamedToolChoice | None:

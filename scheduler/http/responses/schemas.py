@@ -29,10 +29,20 @@ class OutputText(_Body):
     logprobs: list[Any] | None = None
 
 
+class InputImage(_Body):
+    """An image part (a vision-language model): image_url is a data: URL (or a file:// / http(s) URL the server
+    may read: docs/models.md#vision-language-models-images-in-text-out). file_id is not served; detail only
+    "auto" (the model's processor decides the tiles)."""
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto"] | None = None
+
+
 class MessageItem(_Body):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText | OutputText]
+    content: str | list[InputText | OutputText | InputImage]
     id: str | None = None  # (a response's own output item, sent back)
     status: str | None = None
 

@@ -105,7 +105,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint", "deterministic", "tensor_parallel_size", "kv_dtype", "attention_backend", "pooling", "draft_model")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len", "dtype", "device", "eos_token_ids", "kv", "capabilities", "adapters", "model_dir", "max_batch_tokens", "bos_token_id", "num_experts", "num_experts_per_tok", "moe_layers", "instance_id", "max_adapters_on_device", "session_ttl_ms", "kv_pool", "resident_memory_bytes", "quantization", "role", "kv_fingerprint", "deterministic", "tensor_parallel_size", "kv_dtype", "attention_backend", "pooling", "draft_model", "vision")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class GetInfoResponse(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -176,7 +177,8 @@ class GetInfoResponse(_message.Message):
     attention_backend: str
     pooling: PoolingInfo
     draft_model: DraftModelInfo
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., deterministic: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ..., draft_model: _Optional[_Union[DraftModelInfo, _Mapping]] = ...) -> None: ...
+    vision: VisionInfo
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., capabilities: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[str]] = ..., model_dir: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_adapters_on_device: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolSizing, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., deterministic: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ..., draft_model: _Optional[_Union[DraftModelInfo, _Mapping]] = ..., vision: _Optional[_Union[VisionInfo, _Mapping]] = ...) -> None: ...
 
 class KvPoolSizing(_message.Message):
     __slots__ = ("blocks", "tokens", "bytes", "reason")
@@ -321,7 +323,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class UnifiedItem(_message.Message):
-    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens", "prompt_logprobs", "pooling", "model_draft_tokens")
+    __slots__ = ("cache_id", "token_ids", "pos_offset", "is_final_chunk", "sampling", "output", "adapter", "prompt_len", "draft_token_ids", "allowed_tokens", "prompt_logprobs", "pooling", "model_draft_tokens", "images")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +337,7 @@ class UnifiedItem(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
@@ -348,7 +351,56 @@ class UnifiedItem(_message.Message):
     prompt_logprobs: int
     pooling: PoolingOptions
     model_draft_tokens: int
-    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[_Union[PoolingOptions, _Mapping]] = ..., model_draft_tokens: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, cache_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., adapter: _Optional[str] = ..., prompt_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., allowed_tokens: _Optional[bytes] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[_Union[PoolingOptions, _Mapping]] = ..., model_draft_tokens: _Optional[int] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("content_hash", "dtype", "shape", "pixel_values", "offset", "length")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    content_hash: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    pixel_values: bytes
+    offset: int
+    length: int
+    def __init__(self, content_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., pixel_values: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class VisionInfo(_message.Message):
+    __slots__ = ("family", "image_token_id", "tile_size", "tokens_per_tile", "max_tiles", "max_images_per_item", "max_pixel_bytes", "embedding_cache_images")
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_TILE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TILES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_PER_ITEM_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_CACHE_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    family: str
+    image_token_id: int
+    tile_size: int
+    tokens_per_tile: int
+    max_tiles: int
+    max_images_per_item: int
+    max_pixel_bytes: int
+    embedding_cache_images: int
+    def __init__(self, family: _Optional[str] = ..., image_token_id: _Optional[int] = ..., tile_size: _Optional[int] = ..., tokens_per_tile: _Optional[int] = ..., max_tiles: _Optional[int] = ..., max_images_per_item: _Optional[int] = ..., max_pixel_bytes: _Optional[int] = ..., embedding_cache_images: _Optional[int] = ...) -> None: ...
+
+class VisionStats(_message.Message):
+    __slots__ = ("images_encoded", "embedding_cache_hits", "encode_seconds", "cached_images")
+    IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images_encoded: int
+    embedding_cache_hits: int
+    encode_seconds: float
+    cached_images: int
+    def __init__(self, images_encoded: _Optional[int] = ..., embedding_cache_hits: _Optional[int] = ..., encode_seconds: _Optional[float] = ..., cached_images: _Optional[int] = ...) -> None: ...
 
 class PoolingOptions(_message.Message):
     __slots__ = ("task", "type", "normalize", "token_ids")
@@ -501,7 +553,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
 class GetMetricsResponse(_message.Message):
-    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs", "adapters", "expert_load", "prefix_cache", "resident_memory_bytes")
+    __slots__ = ("operations", "lock_wait", "kv", "forward_passes", "tokens_processed", "tokens_sampled", "caches_created", "caches_released", "rpcs", "adapters", "expert_load", "prefix_cache", "resident_memory_bytes", "vision")
     class OperationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -529,6 +581,7 @@ class GetMetricsResponse(_message.Message):
     EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     operations: _containers.MessageMap[str, LatencySummary]
     lock_wait: LatencySummary
     kv: KvUsage
@@ -542,7 +595,8 @@ class GetMetricsResponse(_message.Message):
     expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
     prefix_cache: PrefixCacheStats
     resident_memory_bytes: int
-    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ...) -> None: ...
+    vision: VisionStats
+    def __init__(self, operations: _Optional[_Mapping[str, LatencySummary]] = ..., lock_wait: _Optional[_Union[LatencySummary, _Mapping]] = ..., kv: _Optional[_Union[KvUsage, _Mapping]] = ..., forward_passes: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., caches_created: _Optional[int] = ..., caches_released: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, LatencySummary]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., resident_memory_bytes: _Optional[int] = ..., vision: _Optional[_Union[VisionStats, _Mapping]] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("enabled", "query_tokens", "hit_tokens", "stored_blocks", "evicted_blocks", "indexed_blocks", "copied_blocks")
@@ -721,16 +775,18 @@ class CacheInfo(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., adapter: _Optional[str] = ..., age_ms: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class CreateCacheItem(_message.Message):
-    __slots__ = ("token_ids", "adapter", "cache_salt", "prompt_logprobs")
+    __slots__ = ("token_ids", "adapter", "cache_salt", "prompt_logprobs", "images")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter: str
     cache_salt: str
     prompt_logprobs: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
 
 class CreateCacheRequest(_message.Message):
     __slots__ = ("items", "session_id")

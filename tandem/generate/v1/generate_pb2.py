@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.common.v1 import common_pb2 as tandem_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!tandem/generate/v1/generate.proto\x12\x12tandem.generate.v1\x1a\x1dtandem/common/v1/common.proto\"z\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06inputs\x18\x02 \x03(\x0b\x32\x1e.tandem.generate.v1.EmbedInput\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_dimensions\"X\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x31\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1c.tandem.generate.v1.TokenIdsH\x00\x42\x07\n\x05input\"m\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\nembeddings\x18\x02 \x03(\x0b\x32\x1d.tandem.generate.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"2\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"t\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x30\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1c.tandem.generate.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"j\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.tandem.generate.v1.ChatMessage\x12\'\n\x05tools\x18\x02 \x03(\x0b\x32\x18.tandem.generate.v1.Tool\"\xa0\x01\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\"\xd1\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x31\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1c.tandem.generate.v1.TokenIdsH\x00\x12\x34\n\x08messages\x18\x04 \x01(\x0b\x32 .tandem.generate.v1.ChatMessagesH\x00\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .tandem.common.v1.SamplingParams\x12\x36\n\x08stopping\x18\x06 \x01(\x0b\x32$.tandem.generate.v1.StoppingCriteria\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x1b\n\x13keep_special_tokens\x18\t \x01(\x08\x12\x32\n\nconstraint\x18\n \x01(\x0b\x32\x1e.tandem.generate.v1.Constraint\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\tB\x07\n\x05inputB\x12\n\x10_prompt_logprobs\"\xf3\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12@\n\x0bjson_object\x18\x02 \x01(\x0b\x32).tandem.generate.v1.Constraint.JsonObjectH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x04 \x01(\x0b\x32%.tandem.generate.v1.Constraint.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x0c\n\nJsonObject\x1a\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\x96\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0bpreemptions\x18\x04 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\"\xaa\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.common.v1.TokenLogprob\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .tandem.generate.v1.FinishReason\x12(\n\x05usage\x18\x06 \x01(\x0b\x32\x19.tandem.generate.v1.Usage\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x37\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1e.tandem.common.v1.TokenLogprob\"`\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x34\n\x08messages\x18\x02 \x01(\x0b\x32 .tandem.generate.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xa9\x03\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x10\n\x08\x61\x64\x61pters\x18\x06 \x03(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x18\n\x10max_batch_tokens\x18\n \x01(\r\x12\x13\n\x0bmax_running\x18\x0b \x01(\r\x12\x15\n\rprefill_chunk\x18\x0c \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\r \x01(\r\x12\x15\n\rkv_block_size\x18\x0e \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x0f \x01(\r\x12\x10\n\x08\x65xecutor\x18\x10 \x01(\t\x12\x35\n\texecutors\x18\x11 \x03(\x0b\x32\".tandem.generate.v1.ExecutorStatus\"\xd9\x02\n\x0e\x45xecutorStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x37\n\x05state\x18\x02 \x01(\x0e\x32(.tandem.generate.v1.ExecutorStatus.State\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10kv_cached_blocks\x18\x07 \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\"[\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_SERVING\x10\x01\x12\x15\n\x11STATE_UNREACHABLE\x10\x02\x12\x11\n\rSTATE_REFUSED\x10\x03*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xf2\x02\n\x0fGenerateService\x12W\n\x08Generate\x12#.tandem.generate.v1.GenerateRequest\x1a$.tandem.generate.v1.GenerateResponse0\x01\x12U\n\x08Tokenize\x12#.tandem.generate.v1.TokenizeRequest\x1a$.tandem.generate.v1.TokenizeResponse\x12\x61\n\x0cGetModelInfo\x12\'.tandem.generate.v1.GetModelInfoRequest\x1a(.tandem.generate.v1.GetModelInfoResponse\x12L\n\x05\x45mbed\x12 .tandem.generate.v1.EmbedRequest\x1a!.tandem.generate.v1.EmbedResponseB\xb3\x01\n\x16\x64\x65v.tandem.generate.v1B\rGenerateProtoP\x01ZAgithub.com/tandem-llm/tandem/gen/go/tandem/generate/v1;generatev1\xa2\x02\x03TGN\xaa\x02\x12Tandem.Generate.V1\xca\x02\x12Tandem\\Generate\\V1\xea\x02\x14Tandem::Generate::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!tandem/generate/v1/generate.proto\x12\x12tandem.generate.v1\x1a\x1dtandem/common/v1/common.proto\"z\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06inputs\x18\x02 \x03(\x0b\x32\x1e.tandem.generate.v1.EmbedInput\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_dimensions\"X\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x31\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1c.tandem.generate.v1.TokenIdsH\x00\x42\x07\n\x05input\"m\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\nembeddings\x18\x02 \x03(\x0b\x32\x1d.tandem.generate.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"2\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa4\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x30\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1c.tandem.generate.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12.\n\x05parts\x18\x18 \x03(\x0b\x32\x1f.tandem.generate.v1.ContentPart\"W\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x30\n\x05image\x18\x02 \x01(\x0b\x32\x1f.tandem.generate.v1.ImageSourceH\x00\x42\x06\n\x04part\"F\n\x0bImageSource\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\r\n\x03url\x18\x03 \x01(\tH\x00\x42\x08\n\x06source\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"j\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.tandem.generate.v1.ChatMessage\x12\'\n\x05tools\x18\x02 \x03(\x0b\x32\x18.tandem.generate.v1.Tool\"\xa0\x01\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\"\xd1\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x31\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1c.tandem.generate.v1.TokenIdsH\x00\x12\x34\n\x08messages\x18\x04 \x01(\x0b\x32 .tandem.generate.v1.ChatMessagesH\x00\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .tandem.common.v1.SamplingParams\x12\x36\n\x08stopping\x18\x06 \x01(\x0b\x32$.tandem.generate.v1.StoppingCriteria\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x1b\n\x13keep_special_tokens\x18\t \x01(\x08\x12\x32\n\nconstraint\x18\n \x01(\x0b\x32\x1e.tandem.generate.v1.Constraint\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\tB\x07\n\x05inputB\x12\n\x10_prompt_logprobs\"\xf3\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12@\n\x0bjson_object\x18\x02 \x01(\x0b\x32).tandem.generate.v1.Constraint.JsonObjectH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x04 \x01(\x0b\x32%.tandem.generate.v1.Constraint.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x0c\n\nJsonObject\x1a\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\x96\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0bpreemptions\x18\x04 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\"\xaa\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.common.v1.TokenLogprob\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .tandem.generate.v1.FinishReason\x12(\n\x05usage\x18\x06 \x01(\x0b\x32\x19.tandem.generate.v1.Usage\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x37\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1e.tandem.common.v1.TokenLogprob\"`\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x34\n\x08messages\x18\x02 \x01(\x0b\x32 .tandem.generate.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xa9\x03\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x10\n\x08\x61\x64\x61pters\x18\x06 \x03(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x18\n\x10max_batch_tokens\x18\n \x01(\r\x12\x13\n\x0bmax_running\x18\x0b \x01(\r\x12\x15\n\rprefill_chunk\x18\x0c \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\r \x01(\r\x12\x15\n\rkv_block_size\x18\x0e \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x0f \x01(\r\x12\x10\n\x08\x65xecutor\x18\x10 \x01(\t\x12\x35\n\texecutors\x18\x11 \x03(\x0b\x32\".tandem.generate.v1.ExecutorStatus\"\xd9\x02\n\x0e\x45xecutorStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x37\n\x05state\x18\x02 \x01(\x0e\x32(.tandem.generate.v1.ExecutorStatus.State\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10kv_cached_blocks\x18\x07 \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\"[\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_SERVING\x10\x01\x12\x15\n\x11STATE_UNREACHABLE\x10\x02\x12\x11\n\rSTATE_REFUSED\x10\x03*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xf2\x02\n\x0fGenerateService\x12W\n\x08Generate\x12#.tandem.generate.v1.GenerateRequest\x1a$.tandem.generate.v1.GenerateResponse0\x01\x12U\n\x08Tokenize\x12#.tandem.generate.v1.TokenizeRequest\x1a$.tandem.generate.v1.TokenizeResponse\x12\x61\n\x0cGetModelInfo\x12\'.tandem.generate.v1.GetModelInfoRequest\x1a(.tandem.generate.v1.GetModelInfoResponse\x12L\n\x05\x45mbed\x12 .tandem.generate.v1.EmbedRequest\x1a!.tandem.generate.v1.EmbedResponseB\xb3\x01\n\x16\x64\x65v.tandem.generate.v1B\rGenerateProtoP\x01ZAgithub.com/tandem-llm/tandem/gen/go/tandem/generate/v1;generatev1\xa2\x02\x03TGN\xaa\x02\x12Tandem.Generate.V1\xca\x02\x12Tandem\\Generate\\V1\xea\x02\x14Tandem::Generate::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.generate.v1.generate
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\026dev.tandem.generate.v1B\rGenerateProtoP\001ZAgithub.com/tandem-llm/tandem/gen/go/tandem/generate/v1;generatev1\242\002\003TGN\252\002\022Tandem.Generate.V1\312\002\022Tandem\\Generate\\V1\352\002\024Tandem::Generate::V1'
-  _globals['_FINISHREASON']._serialized_start=3120
-  _globals['_FINISHREASON']._serialized_end=3275
+  _globals['_FINISHREASON']._serialized_start=3330
+  _globals['_FINISHREASON']._serialized_end=3485
   _globals['_EMBEDREQUEST']._serialized_start=88
   _globals['_EMBEDREQUEST']._serialized_end=210
   _globals['_EMBEDINPUT']._serialized_start=212
@@ -45,40 +45,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDDING']._serialized_end=463
   _globals['_TOKENIDS']._serialized_start=465
   _globals['_TOKENIDS']._serialized_end=488
-  _globals['_CHATMESSAGE']._serialized_start=490
-  _globals['_CHATMESSAGE']._serialized_end=606
-  _globals['_TOOLCALL']._serialized_start=608
-  _globals['_TOOLCALL']._serialized_end=663
-  _globals['_TOOL']._serialized_start=665
-  _globals['_TOOL']._serialized_end=726
-  _globals['_CHATMESSAGES']._serialized_start=728
-  _globals['_CHATMESSAGES']._serialized_end=834
-  _globals['_STOPPINGCRITERIA']._serialized_start=837
-  _globals['_STOPPINGCRITERIA']._serialized_end=997
-  _globals['_GENERATEREQUEST']._serialized_start=1000
-  _globals['_GENERATEREQUEST']._serialized_end=1465
-  _globals['_CONSTRAINT']._serialized_start=1468
-  _globals['_CONSTRAINT']._serialized_end=1711
-  _globals['_CONSTRAINT_JSONOBJECT']._serialized_start=1664
-  _globals['_CONSTRAINT_JSONOBJECT']._serialized_end=1676
-  _globals['_CONSTRAINT_CHOICE']._serialized_start=1678
-  _globals['_CONSTRAINT_CHOICE']._serialized_end=1703
-  _globals['_USAGE']._serialized_start=1714
-  _globals['_USAGE']._serialized_end=1864
-  _globals['_GENERATERESPONSE']._serialized_start=1867
-  _globals['_GENERATERESPONSE']._serialized_end=2165
-  _globals['_TOKENIZEREQUEST']._serialized_start=2167
-  _globals['_TOKENIZEREQUEST']._serialized_end=2263
-  _globals['_TOKENIZERESPONSE']._serialized_start=2265
-  _globals['_TOKENIZERESPONSE']._serialized_end=2318
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2320
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2341
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2344
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2769
-  _globals['_EXECUTORSTATUS']._serialized_start=2772
-  _globals['_EXECUTORSTATUS']._serialized_end=3117
-  _globals['_EXECUTORSTATUS_STATE']._serialized_start=3026
-  _globals['_EXECUTORSTATUS_STATE']._serialized_end=3117
-  _globals['_GENERATESERVICE']._serialized_start=3278
-  _globals['_GENERATESERVICE']._serialized_end=3648
+  _globals['_CHATMESSAGE']._serialized_start=491
+  _globals['_CHATMESSAGE']._serialized_end=655
+  _globals['_CONTENTPART']._serialized_start=657
+  _globals['_CONTENTPART']._serialized_end=744
+  _globals['_IMAGESOURCE']._serialized_start=746
+  _globals['_IMAGESOURCE']._serialized_end=816
+  _globals['_TOOLCALL']._serialized_start=818
+  _globals['_TOOLCALL']._serialized_end=873
+  _globals['_TOOL']._serialized_start=875
+  _globals['_TOOL']._serialized_end=936
+  _globals['_CHATMESSAGES']._serialized_start=938
+  _globals['_CHATMESSAGES']._serialized_end=1044
+  _globals['_STOPPINGCRITERIA']._serialized_start=1047
+  _globals['_STOPPINGCRITERIA']._serialized_end=1207
+  _globals['_GENERATEREQUEST']._serialized_start=1210
+  _globals['_GENERATEREQUEST']._serialized_end=1675
+  _globals['_CONSTRAINT']._serialized_start=1678
+  _globals['_CONSTRAINT']._serialized_end=1921
+  _globals['_CONSTRAINT_JSONOBJECT']._serialized_start=1874
+  _globals['_CONSTRAINT_JSONOBJECT']._serialized_end=1886
+  _globals['_CONSTRAINT_CHOICE']._serialized_start=1888
+  _globals['_CONSTRAINT_CHOICE']._serialized_end=1913
+  _globals['_USAGE']._serialized_start=1924
+  _globals['_USAGE']._serialized_end=2074
+  _globals['_GENERATERESPONSE']._serialized_start=2077
+  _globals['_GENERATERESPONSE']._serialized_end=2375
+  _globals['_TOKENIZEREQUEST']._serialized_start=2377
+  _globals['_TOKENIZEREQUEST']._serialized_end=2473
+  _globals['_TOKENIZERESPONSE']._serialized_start=2475
+  _globals['_TOKENIZERESPONSE']._serialized_end=2528
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2530
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2551
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2554
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2979
+  _globals['_EXECUTORSTATUS']._serialized_start=2982
+  _globals['_EXECUTORSTATUS']._serialized_end=3327
+  _globals['_EXECUTORSTATUS_STATE']._serialized_start=3236
+  _globals['_EXECUTORSTATUS_STATE']._serialized_end=3327
+  _globals['_GENERATESERVICE']._serialized_start=3488
+  _globals['_GENERATESERVICE']._serialized_end=3858
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,30 @@
+"""VisionConfig: what the vision tower of a vision-language checkpoint needs, read from its config.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    family: str  # "idefics3" (Idefics3 / SmolVLM: SigLIP-style encoder + pixel-shuffle connector)
+    hidden_size: int  # the encoder's width
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_channels: int
+    image_size: int  # side of one (square) tile the encoder reads, in pixels
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str  # gelu_tanh
+    scale_factor: int  # the connector's pixel shuffle: scale_factor^2 patches -> one embedding row
+    image_token_id: int  # the placeholder token whose positions take embedding rows
+    text_hidden_size: int  # the language model's width (the connector's output)
+
+    @property
+    def patches_per_tile(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Embedding rows one tile gives after the pixel shuffle."""
+        return self.patches_per_tile // (self.scale_factor ** 2)

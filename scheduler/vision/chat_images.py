@@ -1,0 +1,93 @@
+"""A chat prompt with images -> token ids and the images' pixels with their placeholder spans.
+
+The chat template writes a marker (`<image>`) where each image part sits; each marker is replaced by the
+model's placeholder text for that image (its tiles, as its processor split it), the whole is tokenized, and
+each image's span is the tokens of its placeholder text. The executor puts the image's embedding rows at the
+span's image-token positions (UnifiedItem.images). Loading and processing run in the scheduler's worker threads
+(codec.request_from_pb runs there), never on the event loop.
+
+Which models: those whose config.json names a vision family served here (Idefics3 / SmolVLM), with a
+preprocessor_config.json beside; ChatImages.load returns None for any other model, and a request with images
+for it is refused."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from scheduler.text.tokenizer import ChatMessage, ModelTokenizer, Tool
+from scheduler.vision.idefics3_processor import IMAGE_MARKER, Idefics3ImageProcessor, ProcessedImage
+from scheduler.vision.media import load_image
+from scheduler.vision.media_policy import MediaPolicy
+from tandem.errors import CheckpointError, InvalidRequest
+from tandem.image_hash import image_hash
+
+FAMILIES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt as the executor takes it (the contract's ImageInput)."""
+
+    offset: int  # first token of its placeholder span
+    length: int  # tokens in the span
+    content_hash: str  # tandem/image_hash.py
+    shape: tuple[int, ...]  # [tiles, 3, tile, tile]
+    pixels: bytes  # float32 little-endian, row-major
+
+
+class ChatImages:
+    def __init__(self, processor: Idefics3ImageProcessor, policy: MediaPolicy) -> None:
+        self.processor = processor
+        self.policy = policy
+
+    @classmethod
+    def load(cls, model_dir: Path, policy: MediaPolicy) -> "ChatImages | None":
+        """The model's image handling, or None when it is not a vision-language model served here."""
+        config_path, pre_path = model_dir / "config.json", model_dir / "preprocessor_config.json"
+        if not config_path.is_file():
+            return None
+        cfg = _json(config_path)
+        if not any(a in FAMILIES for a in cfg.get("architectures") or ()):
+            return None
+        if not pre_path.is_file():
+            raise CheckpointError(f"{model_dir.name}: a vision-language model needs its preprocessor_config.json "
+                                  "(the image processor's settings) beside the tokenizer")
+        v = cfg.get("vision_config") or {}
+        side = int(v.get("image_size", 224)) // int(v.get("patch_size", 32))
+        tokens = side * side // int(cfg.get("scale_factor", 2)) ** 2
+        return cls(Idefics3ImageProcessor(_json(pre_path), tokens, pre_path.name), policy)
+
+    def load_image(self, where: str, **source) -> ProcessedImage:
+        return self.processor.process(load_image(self.policy, where, **source))
+
+    def encode_chat(self, tok: ModelTokenizer, messages: Sequence[ChatMessage], images: Sequence[ProcessedImage],
+                    tools: Sequence[Tool] = (), variables: Mapping[str, Any] | None = None
+                    ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        text = tok.render_chat(messages, tools, variables)
+        pieces = text.split(IMAGE_MARKER)
+        if len(pieces) - 1 != len(images):
+            raise InvalidRequest(f"the rendered prompt holds {len(pieces) - 1} image markers ({IMAGE_MARKER!r}) for "
+                                 f"{len(images)} images: the text must not contain {IMAGE_MARKER!r} itself, and the "
+                                 "chat template must write one per image part")
+        full, spans = pieces[0], []
+        for im, piece in zip(images, pieces[1:]):
+            placeholder = self.processor.placeholder(im.rows, im.cols)
+            spans.append((len(full), len(full) + len(placeholder)))
+            full += placeholder + piece
+        ids, offsets = tok.encode_with_offsets(full)
+        out = []
+        for im, (lo, hi) in zip(images, spans):
+            inside = [i for i, (a, b) in enumerate(offsets) if a >= lo and b <= hi and b > a]
+            pixels = im.pixels.astype("<f4").tobytes()
+            out.append(PromptImage(inside[0], inside[-1] - inside[0] + 1,
+                                   image_hash("float32", im.pixels.shape, pixels), tuple(im.pixels.shape), pixels))
+        return ids, tuple(out)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path.name}: cannot read it as JSON: {exc}") from exc
