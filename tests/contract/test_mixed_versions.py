@@ -203,6 +203,8 @@ READ_BY_EVERY_EXECUTOR = frozenset({
     "ExportKvRequest.max_chunk_bytes", "ExportKvRequest.session_id",
     "OpenSessionRequest.client_name", "KeepAliveRequest.session_id", "CloseSessionRequest.session_id",  # (sessions)
     "SubscribeKvEventsRequest.summary_interval_ms",  # (kv_events)
+    "ImageInput.content_hash", "ImageInput.dtype", "ImageInput.shape", "ImageInput.pixel_values",  # (vision)
+    "ImageInput.offset", "ImageInput.length",
 })
 # What a scheduler calls (and ExportKv, which an executor calls on its peer for ImportKv).
 SENT = ("GetInfo", "UnifiedDecode", "Decode", "ReleaseCache", "CreateCache", "ImportKv", "ExportKv", "OpenSession",
