@@ -6,9 +6,16 @@ A request's outcome is its last attempt's (earlier ones ended UNAVAILABLE and we
   disconnected       the client hung up on the HTTP request
   adapter-not-found  NOT_FOUND / 404 for a request naming an adapter (unloaded meanwhile)
   refused            RESOURCE_EXHAUSTED / 429 (a full queue, no admission in time)
+  slow-stopped       a slow reader (--all) whose stream the scheduler stopped (RESOURCE_EXHAUSTED, the stall timeout)
+  slow-completed     a slow reader whose whole answer fitted in the transport's buffers (OK, every token came)
 and otherwise the request is LOST: a wrong answer, UNAVAILABLE still after the retry budget, or any other
 status (DEADLINE_EXCEEDED is a hang; CANCELLED the client did not ask for; NOT_FOUND without an adapter).
-Failures besides: any attempt answered 500 (or another 5xx but 503/504), UNKNOWN or INTERNAL.
+Failures besides: any attempt answered 500 (or another 5xx but 503/504), UNKNOWN or INTERNAL — except, for a
+request through a router (--all), a 5xx within an outage of a process (its start to its end + OUTAGE_SLACK_S):
+the router's way of saying the scheduler it picked went away; that attempt is re-sent, like UNAVAILABLE, and
+counted apart (routed_5xx_in_outages).
+Text through a router is compared without trailing U+FFFD (a stream that ends inside a UTF-8 sequence: Tandem
+flushes U+FFFD, smg holds the bytes back).
 
 The longest stall is the longest time a streaming request went without a token (start, tokens, end; across
 its retries), as measured, and outside the outages (a gap minus its overlap with any SIGKILL -> READY window).
@@ -21,7 +28,10 @@ from dataclasses import dataclass, field
 from tests.soak.clients import Record
 from tests.soak.cluster import Outage
 
-EXPECTED = ("completed", "cancelled", "disconnected", "adapter-not-found", "refused")
+EXPECTED = ("completed", "cancelled", "disconnected", "adapter-not-found", "refused", "slow-stopped",
+            "slow-completed")
+OUTAGE_SLACK_S = 5.0  # a router's 5xx this long after an outage's end is still the outage's (its health probes)
+ROUTES = ("smg", "vr")
 FAILURE_STATUSES = {"UNKNOWN", "INTERNAL", "DATA_LOSS"}
 UNAVAILABLE_SLACK_S = 3.0  # an UNAVAILABLE within this long of a scheduler outage's end is the outage's
 
@@ -29,10 +39,20 @@ UNAVAILABLE_SLACK_S = 3.0  # an UNAVAILABLE within this long of a scheduler outa
 def outcome(record: Record, references: dict) -> str:
     spec, last = record.spec, record.attempts[-1]
     if last.client_cancelled:
-        return "disconnected" if spec.kind != "grpc" else "cancelled"
+        return "disconnected" if spec.protocol != "grpc" else "cancelled"
+    if spec.slow:
+        if last.status == "RESOURCE_EXHAUSTED":
+            return "slow-stopped"
+        if last.status == "OK":
+            return "slow-completed" if spec.protocol != "grpc" or len(last.tokens or ()) == last.max_tokens \
+                else "wrong-answer"
     if last.status == "OK":
-        got = last.tokens if spec.kind == "grpc" else last.text
-        return "completed" if got == references.get(spec.key) else "wrong-answer"
+        if spec.protocol == "grpc":
+            return "completed" if last.tokens == references.get(spec.key) else "wrong-answer"
+        want = references.get(spec.key)
+        if spec.route in ROUTES and isinstance(want, str):
+            return "completed" if last.text.rstrip("\ufffd") == want.rstrip("\ufffd") else "wrong-answer"
+        return "completed" if last.text == want else "wrong-answer"
     if last.status == "NOT_FOUND" and spec.adapter:
         return "adapter-not-found"
     if last.status == "RESOURCE_EXHAUSTED":
@@ -71,6 +91,7 @@ class Verdict:
     retries: int = 0
     retried_requests: int = 0
     unavailable_outside_outages: list[dict] = field(default_factory=list)
+    routed_5xx_in_outages: collections.Counter = field(default_factory=collections.Counter)
     stall: Stall = field(default_factory=Stall)
     stall_outside: Stall = field(default_factory=Stall)
     leaked_blocks: int = 0
@@ -87,7 +108,8 @@ def judge(records: list[Record], references: dict, outages: list[Outage], t0: fl
     v = Verdict()
     windows = [(o.start, o.end or float("inf")) for o in outages]
     scheduler_windows = [(o.start, (o.end or float("inf")) + UNAVAILABLE_SLACK_S) for o in outages
-                         if o.what == "scheduler"]
+                         if o.what.startswith(("scheduler", "smg", "vllm-router"))]
+    any_windows = [(o.start, (o.end or float("inf")) + OUTAGE_SLACK_S) for o in outages]
     for rec in records:
         spec = rec.spec
         result = outcome(rec, references)
@@ -106,7 +128,11 @@ def judge(records: list[Record], references: dict, outages: list[Outage], t0: fl
         for att in rec.attempts:
             if not att.client_cancelled and att.status != "OK":
                 v.errors[att.label] += 1
-                if is_failure(att.label, att.status):
+                routed_in_outage = spec.route in ROUTES and att.label.startswith("http 5") \
+                    and _overlap(att.started, att.ended, any_windows) > 0
+                if routed_in_outage:
+                    v.routed_5xx_in_outages[att.label] += 1
+                elif is_failure(att.label, att.status):
                     v.failures.append({"request": spec.n, "kind": spec.label, "status": att.label,
                                        "detail": att.detail, "at_s": round(att.started - t0, 3)})
                 if att.status == "UNAVAILABLE" and _overlap(att.started, att.ended, scheduler_windows) == 0:
@@ -116,7 +142,7 @@ def judge(records: list[Record], references: dict, outages: list[Outage], t0: fl
             if att.stream and prev_end is not None:
                 gaps.append((prev_end, att.started))  # the pause before a retry is part of the stall
             prev_end = att.ended
-            for a, b in gaps if att.stream else ():
+            for a, b in gaps if att.stream and not spec.slow else ():  # (a slow reader's pause is its own)
                 _note(v.stall, b - a, spec, a - t0)
                 _note(v.stall_outside, (b - a) - _overlap(a, b, windows), spec, a - t0)
     return v
