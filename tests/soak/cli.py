@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = (args.log_dir or Path(tempfile.mkdtemp(prefix="tandem-soak-"))).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        model_dir = resolve_model(args.model, log_dir, 2048 if args.all else None)
+        model_dir = resolve_model(args.model, log_dir, 4096 if args.all else None)
         adapters = make_adapters(model_dir, log_dir / "adapters", args.adapters)
     except Exception as exc:
         print(f"scripts/soak: could not prepare the model or adapters: {exc}", file=sys.stderr)
@@ -294,7 +294,8 @@ def _unclean_exits(cluster: Cluster) -> list[str]:
     if not isinstance(cluster, Fleet):
         return []
     out = [f"{name} exited {code} after a chaos SIGTERM" for name, code in cluster.term_exits.items() if code != 0]
-    return out + [f"tp rank 0 exited {code} after its worker's SIGKILL (not 3)" for code in cluster.tp_exits if code != 3]
+    return out + [f"tp rank 0 exited {code} after its worker's SIGKILL (not 3)"
+                  for code in cluster.tp_exits if code != 3]
 
 
 def _load(args: argparse.Namespace, cluster: Cluster, clients: Clients, chaos: Chaos, t0: float) -> list[str]:

@@ -268,7 +268,8 @@ class Cluster:
                 kv = self.executor_stub(i).GetInfo(epb.GetInfoRequest(), timeout=10).kv
                 waited = time.monotonic() - start
                 if (kv.free_blocks == kv.total_blocks and kv.active_caches == 0) or waited > timeout:
-                    states.append(KvState(self.kv_names()[i], kv.free_blocks, kv.total_blocks, kv.active_caches, waited))
+                    states.append(KvState(self.kv_names()[i], kv.free_blocks, kv.total_blocks, kv.active_caches,
+                                          waited))
                     break
                 time.sleep(0.2)
         return states

@@ -250,7 +250,8 @@ class Fleet(Cluster):
         outage.end = time.monotonic()
         note = "" if code == TP_EXIT_GROUP_DOWN else f" (rank 0 exited {code}, not {TP_EXIT_GROUP_DOWN}: see its log)"
         self.tp_exits.append(code)
-        return f"tp rank 1 (pid {children}) SIGKILLed, rank 0 exit {code}{note}, back in {outage.end - outage.start:.1f}s"
+        return (f"tp rank 1 (pid {children}) SIGKILLed, rank 0 exit {code}{note}, "
+                f"back in {outage.end - outage.start:.1f}s")
 
     def corrupt_disk_block(self, rng: random.Random) -> str:
         """Overwrite 64 bytes in the middle of a random block file of a random executor's disk tier (the CRC
