@@ -68,6 +68,10 @@ def _sampling(spec: Spec) -> cpb.SamplingParams:
     return cpb.SamplingParams(temperature=SEEDED_TEMPERATURE, seed=SEED) if spec.seeded else cpb.SamplingParams()
 
 
+# A stream the scheduler ended as ABORTED (its --grace ran out after a SIGTERM: OK, with a finish reason saying the
+# answer is cut short): the client re-sends it, like UNAVAILABLE (clients.py).
+SHUTDOWN_ABORT = "SHUTDOWN_ABORT"
+_ABORTED_DETAIL = "the stream ended with finish reason abort (the scheduler shut down before the request finished)"
 SLOW_TOP_LOGPROBS = 20  # a slow reader's messages are large (the stall is meant to show in the server's buffers)
 
 
@@ -99,6 +103,8 @@ async def grpc_attempt(channel: grpc.aio.Channel, spec: Spec, prompt: str, max_t
             if spec.cancel_after and att.messages >= spec.cancel_after and not msg.finish_reason:
                 cancel()
                 return att.end("CANCELLED", "client cancel")
+            if msg.finish_reason == pb.FINISH_REASON_ABORTED:
+                return att.end(SHUTDOWN_ABORT, "grpc finish ABORTED", _ABORTED_DETAIL)
         return att.end()
     except grpc.aio.AioRpcError as exc:
         code = exc.code().name
@@ -183,6 +189,8 @@ async def _http_exchange(client: httpx.AsyncClient, url: str, spec: Spec, body: 
             return
         att.text = _piece(spec.protocol, payload["choices"][0], stream=False)
         att.tick()
+        if payload["choices"][0].get("finish_reason") == "abort":
+            att.end(SHUTDOWN_ABORT, "http finish abort", _ABORTED_DETAIL)
         return
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
@@ -202,6 +210,8 @@ async def _http_exchange(client: httpx.AsyncClient, url: str, spec: Spec, body: 
                 status, detail = _error_status(0, event)
                 att.end(status, f"http sse {status.lower()}", detail)
                 return
+            if any(c.get("finish_reason") == "abort" for c in event.get("choices", [])):
+                att.end(SHUTDOWN_ABORT, "http finish abort", _ABORTED_DETAIL)
             piece = "".join(_piece(spec.protocol, c, stream=True) for c in event.get("choices", []))
             if piece:
                 att.tick()

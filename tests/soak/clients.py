@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 
-from tests.soak.attempts import Attempt, grpc_attempt, http_attempt
+from tests.soak.attempts import SHUTDOWN_ABORT, Attempt, grpc_attempt, http_attempt
 from tests.soak.workload import Mix, Spec, choose, reference_specs
 
 # A channel to a restarted process (same port, --all) tries again within a second, not after gRPC's 2-minute backoff.
@@ -172,9 +172,9 @@ class Clients:
             pause = min(2.0, pause * 2)
 
     def _retriable(self, spec: Spec, att: Attempt) -> bool:
-        """UNAVAILABLE (a process restarting) is sent again; so is a router's 5xx, whose verdict comes later
-        (verdict.py: a failure unless an outage explains it)."""
-        if att.status == "UNAVAILABLE":
+        """UNAVAILABLE (a process restarting) and a stream a shutting-down scheduler ended as aborted are sent
+        again; so is a router's 5xx, whose verdict comes later (verdict.py: a failure unless an outage explains it)."""
+        if att.status in ("UNAVAILABLE", SHUTDOWN_ABORT):
             return True
         return self.cfg.retry_routed and spec.route in ("smg", "vr") and att.label.startswith("http 5")
 

@@ -17,6 +17,7 @@ outside them). Started from the main thread only (a server gets SIGTERM when the
 """
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tests.soak import routers
+from tests.soak import counters, routers
 from tests.soak.clients import Target
 from tests.soak.cluster import Cluster, ClusterConfig, Instance, Outage, free_port
 
@@ -41,6 +42,7 @@ class ExecutorSpec:
     port: int = field(default_factory=free_port)
     pub: int = field(default_factory=free_port)
     rep: int = field(default_factory=free_port)
+    metrics: int = field(default_factory=free_port)
 
     @property
     def lora(self) -> bool:
@@ -84,6 +86,7 @@ class Fleet(Cluster):
             self.routers["smg"] = None
         if fleet.vllm_router:
             self.routers["vllm-router"] = None
+        self.counters: collections.Counter = collections.Counter()  # tests/soak/counters.py, over every instance
         self.tp_exits: list[int] = []  # rank 0's exit codes after its worker was SIGKILLed (3: the group is down)
         self.term_exits: dict[str, int] = {}  # instance -> exit code after a chaos SIGTERM (0: drained cleanly)
         for k, (g, h) in enumerate(self.sched_ports):
@@ -107,7 +110,7 @@ class Fleet(Cluster):
         args = ["--model", str(self.cfg.model_dir), "--port", str(s.port), "--kv-blocks", str(self.cfg.kv_blocks),
                 "--session-ttl", str(self.cfg.session_ttl_s), "--role", s.role,
                 "--kv-events-endpoint", f"tcp://127.0.0.1:{s.pub}",
-                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{s.rep}"]
+                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{s.rep}", "--metrics-port", str(s.metrics)]
         if "--threads" not in self.cfg.executor_args:
             args += ["--threads", "1"]
         if s.lora:
@@ -235,6 +238,7 @@ class Fleet(Cluster):
         inst = self.executors[i]
         outage = Outage("tp", time.monotonic())
         self.outages.append(outage)
+        self._count(inst)
         inst.sample_rss()
         self._end_tp_worker(inst, "SIGKILL")
         children = _children(inst.server.proc.pid)
@@ -274,8 +278,20 @@ class Fleet(Cluster):
             if worker.ended_at is None and worker.ready_at == rank0.ready_at:
                 worker.ended_at, worker.ended_how = time.monotonic(), how
 
+    def _count(self, inst: Instance | None) -> None:
+        """Adds the counters of a process instance about to be signalled (tests/soak/counters.py)."""
+        if inst is None or inst.ended_at is not None:
+            return
+        for i, s in enumerate(self.specs):
+            if inst is self.executors[i]:
+                self.counters.update(counters.scrape(f"http://127.0.0.1:{s.metrics}/metrics", counters.EXECUTOR))
+        for k, (_, http) in enumerate(self.sched_ports):
+            if inst is self.schedulers[k]:
+                self.counters.update(counters.scrape(f"http://127.0.0.1:{http}/metrics", counters.SCHEDULER))
+
     def _end(self, inst: Instance, sig: int) -> str:
         """SIGKILL (reaped at once) or SIGTERM (waits for the drain, up to drain_timeout_s); what happened."""
+        self._count(inst)
         inst.sample_rss()
         for worker in self.tp_workers.values():
             worker.sample_rss()
@@ -306,6 +322,8 @@ class Fleet(Cluster):
             inst.sample_rss()
 
     def stop(self) -> dict[str, int]:
+        for inst in self.live():
+            self._count(inst)
         codes = super().stop()
         for worker in self.tp_workers.values():
             if worker.ended_at is None:

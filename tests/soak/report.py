@@ -72,6 +72,7 @@ def build(v: Verdict, cluster: Cluster, kv: list[KvState], chaos: collections.Co
         "crashed": v.crashed,
         "chaos_sigterm_exit_codes": getattr(cluster, "term_exits", {}),
         "tp_rank0_exit_codes_after_rank1_kill": getattr(cluster, "tp_exits", []),
+        "fleet_counters": dict(getattr(cluster, "counters", {})),
         "exit_codes_after_sigterm": exit_codes,
         "tracebacks_in_logs": cluster.tracebacks(),
         "log_dir": str(cluster.cfg.log_dir),
@@ -129,6 +130,9 @@ def table(r: dict) -> str:
     add(f"  exit codes after SIGTERM: {r['exit_codes_after_sigterm']}")
     if r["chaos_sigterm_exit_codes"]:
         add(f"  exit codes after chaos SIGTERMs: {r['chaos_sigterm_exit_codes']}")
+    if r["fleet_counters"]:
+        add("  the fleet's counters (summed over instances): "
+            + ", ".join(f"{k} {v:g}" for k, v in sorted(r["fleet_counters"].items())))
     if r["tp_rank0_exit_codes_after_rank1_kill"]:
         add(f"  TP rank 0 exit codes after its rank 1 was SIGKILLed: {r['tp_rank0_exit_codes_after_rank1_kill']}")
     if r["tracebacks_in_logs"]:

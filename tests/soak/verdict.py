@@ -8,6 +8,8 @@ A request's outcome is its last attempt's (earlier ones ended UNAVAILABLE and we
   refused            RESOURCE_EXHAUSTED / 429 (a full queue, no admission in time)
   slow-stopped       a slow reader (--all) whose stream the scheduler stopped (RESOURCE_EXHAUSTED, the stall timeout)
   slow-completed     a slow reader whose whole answer fitted in the transport's buffers (OK, every token came)
+A stream a shutting-down scheduler ended with finish reason abort (its --grace ran out) is re-sent like UNAVAILABLE
+(SHUTDOWN_ABORT; counted in errors by status and, outside a scheduler's outage, with the unexpected UNAVAILABLEs),
 and otherwise the request is LOST: a wrong answer, UNAVAILABLE still after the retry budget, or any other
 status (DEADLINE_EXCEEDED is a hang; CANCELLED the client did not ask for; NOT_FOUND without an adapter).
 Failures besides: any attempt answered 500 (or another 5xx but 503/504), UNKNOWN or INTERNAL — except, for a
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from tests.soak.attempts import SHUTDOWN_ABORT
 from tests.soak.clients import Record
 from tests.soak.cluster import Outage
 
@@ -59,6 +62,8 @@ def outcome(record: Record, references: dict) -> str:
         return "refused"
     if last.status == "UNAVAILABLE":
         return "gave-up-unavailable"
+    if last.status == SHUTDOWN_ABORT:
+        return "gave-up-aborted"
     return f"status-{last.status}"
 
 
@@ -120,7 +125,9 @@ def judge(records: list[Record], references: dict, outages: list[Outage], t0: fl
             v.retried_requests += 1
         if result not in EXPECTED:
             last = rec.attempts[-1]
-            v.lost.append({"request": spec.n, "kind": spec.label, "adapter": spec.adapter, "seeded": spec.seeded,
+            v.lost.append({"request": spec.n, "kind": spec.label, "route": spec.route, "adapter": spec.adapter,
+                           "seeded": spec.seeded, "tokens": None if last.tokens is None else len(last.tokens),
+                           "max_tokens": last.max_tokens,
                            "prompt": spec.prompt, "outcome": result, "status": last.label, "detail": last.detail,
                            "attempts": len(rec.attempts), "at_s": round(last.started - t0, 3),
                            "ended_at_s": round(last.ended - t0, 3)})
@@ -135,7 +142,8 @@ def judge(records: list[Record], references: dict, outages: list[Outage], t0: fl
                 elif is_failure(att.label, att.status):
                     v.failures.append({"request": spec.n, "kind": spec.label, "status": att.label,
                                        "detail": att.detail, "at_s": round(att.started - t0, 3)})
-                if att.status == "UNAVAILABLE" and _overlap(att.started, att.ended, scheduler_windows) == 0:
+                if att.status in ("UNAVAILABLE", SHUTDOWN_ABORT) \
+                        and _overlap(att.started, att.ended, scheduler_windows) == 0:
                     v.unavailable_outside_outages.append({"request": spec.n, "kind": spec.label, "status": att.label,
                                                           "detail": att.detail, "at_s": round(att.started - t0, 3)})
             gaps = list(att.gaps)
