@@ -36,8 +36,13 @@ def test_a_routers_5xx_is_a_failure_only_outside_an_outage():
     outside = Record(spec, [_attempt("INTERNAL", "http 502", at=200.0), _attempt(text="hello", at=202.0)])
     v = judge([during, outside], refs, [Outage("scheduler-0", 99.0, 101.0)], t0=0.0)
     assert v.outcomes["completed"] == 2 and not v.lost
-    assert dict(v.routed_5xx_in_outages) == {"http 502": 1}
+    assert dict(v.routed_errors_in_outages) == {"http 502": 1}
     assert [f["at_s"] for f in v.failures] == [200.0]  # the one no outage explains
+    # smg's error event when the scheduler under a stream is SIGKILLed: the same rule
+    sse = [Record(spec, [_attempt("HTTP_0", "http sse http_0", at=at), _attempt(text="hello", at=at + 2)])
+           for at in (100.0, 200.0)]
+    v = judge(sse, refs, [Outage("scheduler-1", 99.0, 101.0)], t0=0.0)
+    assert dict(v.routed_errors_in_outages) == {"http sse http_0": 1} and len(v.failures) == 1
     direct = Record(Spec(n=2, kind="completion", stream=False, prompt=0, adapter="", seeded=False, route="s0"),
                     [_attempt("INTERNAL", "http 500", at=100.0)])
     assert judge([direct], {}, [Outage("scheduler-0", 99.0, 101.0)], t0=0.0).failures  # a scheduler's own 500

@@ -44,6 +44,7 @@ class Attempt:
     messages: int = 0
     client_cancelled: bool = False
     max_tokens: int = 0  # what the request asked for
+    route: str = ""  # --all: where this attempt went (a re-sent direct request goes to the other scheduler)
     gaps: list[tuple[float, float]] = field(default_factory=list)
     _last: float = 0.0
 

@@ -9,6 +9,7 @@ where the scheduler is now through Target; the clients only read it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 import socket
@@ -22,6 +23,7 @@ import httpx
 from tests.soak.attempts import SHUTDOWN_ABORT, Attempt, grpc_attempt, http_attempt
 from tests.soak.workload import Mix, Spec, choose, reference_specs
 
+OTHER = {"s0": "s1", "s1": "s0"}  # --all: where a direct request goes when re-sent
 # A channel to a restarted process (same port, --all) tries again within a second, not after gRPC's 2-minute backoff.
 RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 
@@ -163,20 +165,25 @@ class Clients:
         record = Record(spec)
         give_up = time.monotonic() + self.cfg.retry_s
         pause = 0.1
+        sent = spec
         while True:
-            att = await self._attempt(spec)
+            att = await self._attempt(sent)
+            att.route = sent.route
             record.attempts.append(att)
-            if not self._retriable(spec, att) or att.client_cancelled or time.monotonic() > give_up:
+            if not self._retriable(sent, att) or att.client_cancelled or time.monotonic() > give_up:
                 return record
+            if sent.route in OTHER:  # (--all) a client that knows two schedulers tries the other one next
+                sent = dataclasses.replace(sent, route=OTHER[sent.route])
             await asyncio.sleep(pause)  # the scheduler is restarting: try the one serving next
             pause = min(2.0, pause * 2)
 
     def _retriable(self, spec: Spec, att: Attempt) -> bool:
         """UNAVAILABLE (a process restarting) and a stream a shutting-down scheduler ended as aborted are sent
-        again; so is a router's 5xx, whose verdict comes later (verdict.py: a failure unless an outage explains it)."""
+        again; so is a router's 5xx or error event in its stream, whose verdict comes later (verdict.py: a failure
+        unless an outage explains it)."""
         if att.status in ("UNAVAILABLE", SHUTDOWN_ABORT):
             return True
-        return self.cfg.retry_routed and spec.route in ("smg", "vr") and att.label.startswith("http 5")
+        return self.cfg.retry_routed and spec.route in ("smg", "vr") and att.label.startswith(("http 5", "http sse"))
 
     async def _attempt(self, spec: Spec) -> Attempt:
         prompt = self.cfg.prompts[spec.prompt]

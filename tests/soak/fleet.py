@@ -258,9 +258,12 @@ class Fleet(Cluster):
                 f"back in {outage.end - outage.start:.1f}s")
 
     def corrupt_disk_block(self, rng: random.Random) -> str:
-        """Overwrite 64 bytes in the middle of a random block file of a random executor's disk tier (the CRC
-        must catch it: the block is ignored, counted and deleted, the prompt recomputed)."""
-        files = [(i, f) for i in range(len(self.specs)) for f in self.disk_dir(i).glob("*/*.kvb")]
+        """Overwrite 64 bytes in the middle of a random block file of the disk tier of an executor that runs
+        prompts (a decode executor's tier holds blocks no prompt looks up), else of any (the CRC must catch it
+        when the block is read back: ignored, counted, deleted, the prompt recomputed)."""
+        prompts = [i for i, s in enumerate(self.specs) if s.role in ("prefill", "both")]
+        files = [(i, f) for i in prompts for f in self.disk_dir(i).glob("*/*.kvb")]
+        files = files or [(i, f) for i in range(len(self.specs)) for f in self.disk_dir(i).glob("*/*.kvb")]
         if not files:
             return "no disk-tier block file yet: nothing corrupted"
         i, path = rng.choice(files)

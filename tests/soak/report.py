@@ -51,7 +51,7 @@ def build(v: Verdict, cluster: Cluster, kv: list[KvState], chaos: collections.Co
                        "equal": v.outcomes["completed"] + v.outcomes["refused"] + v.outcomes["adapter-not-found"]
                        == total - cancelled - slow},
         "slow_readers": {"stopped": v.outcomes["slow-stopped"], "completed": v.outcomes["slow-completed"]},
-        "routed_5xx_in_outages": dict(v.routed_5xx_in_outages),
+        "routed_errors_in_outages": dict(v.routed_errors_in_outages),
         "lost": len(v.lost), "lost_requests": v.lost[:50],
         "leaked": {"blocks": v.leaked_blocks, "caches": v.leaked_caches,
                    "per_executor": [vars(k) for k in kv]},
@@ -115,8 +115,8 @@ def table(r: dict) -> str:
         f"({stall['outside_request']} at +{stall['outside_at_s']:.0f} s)")
     add(f"  UNAVAILABLE outside scheduler outages: {r['unavailable_outside_scheduler_outages']} attempts")
     add("")
-    if r["routed_5xx_in_outages"]:
-        add(f"  router 5xx within an outage (re-sent, not failures): {r['routed_5xx_in_outages']}")
+    if r["routed_errors_in_outages"]:
+        add(f"  router 5xx / stream errors within an outage (re-sent, not failures): {r['routed_errors_in_outages']}")
     add("")
     add(f"  {'RSS (MB)':<18}{'lived s':>9}{'start':>9}{'mid':>9}{'end':>9}{'peak':>9}{'growth':>9}  ended")
     for row in [*r["rss"]["scheduler"], *r["rss"]["executors"], *r["rss"]["routers"]]:

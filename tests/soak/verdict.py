@@ -13,9 +13,10 @@ A stream a shutting-down scheduler ended with finish reason abort (its --grace r
 and otherwise the request is LOST: a wrong answer, UNAVAILABLE still after the retry budget, or any other
 status (DEADLINE_EXCEEDED is a hang; CANCELLED the client did not ask for; NOT_FOUND without an adapter).
 Failures besides: any attempt answered 500 (or another 5xx but 503/504), UNKNOWN or INTERNAL — except, for a
-request through a router (--all), a 5xx within an outage of a process (its start to its end + OUTAGE_SLACK_S):
-the router's way of saying the scheduler it picked went away; that attempt is re-sent, like UNAVAILABLE, and
-counted apart (routed_5xx_in_outages).
+request through a router (--all), a 5xx or an error event in the stream within an outage of a process (its start
+to its end + OUTAGE_SLACK_S): the router's way of saying the scheduler it picked went away (smg: "Stream error: h2
+protocol error" when a scheduler is SIGKILLed mid-stream); that attempt is re-sent, like UNAVAILABLE, and counted
+apart (routed_errors_in_outages). Outside an outage such an error event is a failure.
 Text through a router is compared without trailing U+FFFD (a stream that ends inside a UTF-8 sequence: Tandem
 flushes U+FFFD, smg holds the bytes back).
 
@@ -33,6 +34,7 @@ from tests.soak.cluster import Outage
 
 EXPECTED = ("completed", "cancelled", "disconnected", "adapter-not-found", "refused", "slow-stopped",
             "slow-completed")
+EXPECTED_STATUSES = {"NOT_FOUND", "RESOURCE_EXHAUSTED", "CANCELLED"}  # an error event these name is an answer
 OUTAGE_SLACK_S = 5.0  # a router's 5xx this long after an outage's end is still the outage's (its health probes)
 ROUTES = ("smg", "vr")
 FAILURE_STATUSES = {"UNKNOWN", "INTERNAL", "DATA_LOSS"}
@@ -96,7 +98,7 @@ class Verdict:
     retries: int = 0
     retried_requests: int = 0
     unavailable_outside_outages: list[dict] = field(default_factory=list)
-    routed_5xx_in_outages: collections.Counter = field(default_factory=collections.Counter)
+    routed_errors_in_outages: collections.Counter = field(default_factory=collections.Counter)
     stall: Stall = field(default_factory=Stall)
     stall_outside: Stall = field(default_factory=Stall)
     leaked_blocks: int = 0
@@ -135,11 +137,12 @@ def judge(records: list[Record], references: dict, outages: list[Outage], t0: fl
         for att in rec.attempts:
             if not att.client_cancelled and att.status != "OK":
                 v.errors[att.label] += 1
-                routed_in_outage = spec.route in ROUTES and att.label.startswith("http 5") \
+                routed_in_outage = spec.route in ROUTES and att.label.startswith(("http 5", "http sse")) \
                     and _overlap(att.started, att.ended, any_windows) > 0
                 if routed_in_outage:
-                    v.routed_5xx_in_outages[att.label] += 1
-                elif is_failure(att.label, att.status):
+                    v.routed_errors_in_outages[att.label] += 1
+                elif is_failure(att.label, att.status) or (spec.route in ROUTES and att.label.startswith("http sse")
+                                                           and att.status not in EXPECTED_STATUSES):
                     v.failures.append({"request": spec.n, "kind": spec.label, "status": att.label,
                                        "detail": att.detail, "at_s": round(att.started - t0, 3)})
                 if att.status in ("UNAVAILABLE", SHUTDOWN_ABORT) \
