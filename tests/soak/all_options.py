@@ -14,7 +14,7 @@ from tests.soak.fleet import FleetConfig
 # --mix can add it (to see that 400).
 ALL_MIX = "grpc:3,chat:2,completion:2,smg-chat:1,smg-completion:1,vr-completion:2"
 # --all's own defaults for flags the plain soak has (a flag given on the command line wins)
-ALL_DEFAULTS = {"prompts": 8, "kv_blocks": 320, "retry_s": 120.0}
+ALL_DEFAULTS = {"prompts": 8, "kv_blocks": 320, "retry_s": 120.0, "request_timeout": 300.0}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="--all: share of requests that are slow readers (a gRPC or SSE chat stream with top-20 "
                         "logprobs that reads one message, then nothing for 2x --stall-timeout-s + 2 s): each must "
                         "end stopped by the scheduler (RESOURCE_EXHAUSTED) or whole, and free its KV")
-    g.add_argument("--slow-tokens", type=int, default=1800,
+    g.add_argument("--slow-tokens", type=int, default=512,
                    help="--all: a slow reader's max tokens (--all's tiny model takes 4096 positions)")
     g.add_argument("--stall-timeout-s", type=float, default=5.0,
                    help="--all: the schedulers' --stream-stall-timeout-s")

@@ -163,7 +163,7 @@ class Clients:
 
     async def _request(self, spec: Spec) -> Record:
         record = Record(spec)
-        give_up = time.monotonic() + self.cfg.retry_s
+        give_up = float("inf")  # retry_s from the first attempt that is re-sent (a long request may run for minutes)
         pause = 0.1
         sent = spec
         while True:
@@ -172,6 +172,7 @@ class Clients:
             record.attempts.append(att)
             if not self._retriable(sent, att) or att.client_cancelled or time.monotonic() > give_up:
                 return record
+            give_up = min(give_up, time.monotonic() + self.cfg.retry_s)
             if sent.route in OTHER:  # (--all) a client that knows two schedulers tries the other one next
                 sent = dataclasses.replace(sent, route=OTHER[sent.route])
             await asyncio.sleep(pause)  # the scheduler is restarting: try the one serving next
