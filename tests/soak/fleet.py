@@ -21,6 +21,7 @@ import collections
 import os
 import random
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,23 @@ from typing import Callable
 
 from tests.soak import counters, routers
 from tests.soak.clients import Target
-from tests.soak.cluster import Cluster, ClusterConfig, Instance, Outage, free_port
+from tests.soak.cluster import Cluster, ClusterConfig, Instance, Outage
+
+_PORTS = random.SystemRandom()
+
+
+def fixed_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999): a process restarted on it must not find it taken
+    by one of the many outgoing connections the soak makes meanwhile (which take ephemeral ports)."""
+    while True:
+        port = _PORTS.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
 
 MODEL_NAME = "tiny"  # the schedulers' --served-model-name: what the routers route by
 TP_EXIT_GROUP_DOWN = 3  # rank 0's exit code when a rank is lost (executor_service/tp)
@@ -39,10 +56,10 @@ class ExecutorSpec:
     name: str
     role: str
     tp: int = 1
-    port: int = field(default_factory=free_port)
-    pub: int = field(default_factory=free_port)
-    rep: int = field(default_factory=free_port)
-    metrics: int = field(default_factory=free_port)
+    port: int = field(default_factory=fixed_port)
+    pub: int = field(default_factory=fixed_port)
+    rep: int = field(default_factory=fixed_port)
+    metrics: int = field(default_factory=fixed_port)
 
     @property
     def lora(self) -> bool:
@@ -77,9 +94,9 @@ class Fleet(Cluster):
         self.ports = [s.port for s in specs]
         self.loaded = [set(cfg.adapters) if s.lora else set() for s in specs]
         self.threads = 1  # 1 OpenMP thread per process: a 2-core machine runs 5 torch processes here
-        self.sched_ports = [(free_port(), free_port()) for _ in range(2)]  # (gRPC, HTTP) per scheduler
+        self.sched_ports = [(fixed_port(), fixed_port()) for _ in range(2)]  # (gRPC, HTTP) per scheduler
         self.schedulers: list[Instance | None] = [None, None]
-        self.router_ports = {"smg": (free_port(), free_port()), "vllm-router": (free_port(), free_port())}
+        self.router_ports = {"smg": (fixed_port(), fixed_port()), "vllm-router": (fixed_port(), fixed_port())}
         self.routers: dict[str, Instance | None] = {}
         self.tp_workers: dict[int, Instance] = {}  # executor index -> its TP worker rank (RSS only)
         if fleet.smg:
