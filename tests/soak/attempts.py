@@ -43,6 +43,8 @@ class Attempt:
     text: str = ""
     messages: int = 0
     client_cancelled: bool = False
+    max_tokens: int = 0  # what the request asked for
+    route: str = ""  # --all: where this attempt went (a re-sent direct request goes to the other scheduler)
     gaps: list[tuple[float, float]] = field(default_factory=list)
     _last: float = 0.0
 
@@ -67,13 +69,21 @@ def _sampling(spec: Spec) -> cpb.SamplingParams:
     return cpb.SamplingParams(temperature=SEEDED_TEMPERATURE, seed=SEED) if spec.seeded else cpb.SamplingParams()
 
 
+# A stream the scheduler ended as ABORTED (its --grace ran out after a SIGTERM: OK, with a finish reason saying the
+# answer is cut short): the client re-sends it, like UNAVAILABLE (clients.py).
+SHUTDOWN_ABORT = "SHUTDOWN_ABORT"
+_ABORTED_DETAIL = "the stream ended with finish reason abort (the scheduler shut down before the request finished)"
+SLOW_TOP_LOGPROBS = 20  # a slow reader's messages are large (the stall is meant to show in the server's buffers)
+
+
 async def grpc_attempt(channel: grpc.aio.Channel, spec: Spec, prompt: str, max_tokens: int,
-                       timeout: float) -> Attempt:
-    """Generate(text) streamed to its end, or cancelled as the spec plans."""
+                       timeout: float, slow_pause_s: float = 0.0) -> Attempt:
+    """Generate(text) streamed to its end, or cancelled as the spec plans. A slow reader (spec.slow) reads the
+    first message, then nothing for slow_pause_s, then the rest."""
     req = pb.GenerateRequest(request_id=f"soak-{spec.n}", text=prompt, adapter=spec.adapter,
-                             sampling=_sampling(spec),
+                             sampling=_sampling(spec), top_logprobs=SLOW_TOP_LOGPROBS if spec.slow else 0,
                              stopping=pb.StoppingCriteria(max_new_tokens=max_tokens, ignore_eos=True))
-    att = Attempt(started=time.monotonic(), stream=True, tokens=[])
+    att = Attempt(started=time.monotonic(), stream=True, tokens=[], max_tokens=max_tokens)
     call = pb_grpc.GenerateServiceStub(channel).Generate(req, timeout=timeout)
     timer = None
 
@@ -89,9 +99,13 @@ async def grpc_attempt(channel: grpc.aio.Channel, spec: Spec, prompt: str, max_t
                 att.tick()
             att.tokens += msg.token_ids
             att.text += msg.text
+            if spec.slow and att.messages == 1:
+                await asyncio.sleep(slow_pause_s)  # the client stops reading; the server must not wait on it
             if spec.cancel_after and att.messages >= spec.cancel_after and not msg.finish_reason:
                 cancel()
                 return att.end("CANCELLED", "client cancel")
+            if msg.finish_reason == pb.FINISH_REASON_ABORTED:
+                return att.end(SHUTDOWN_ABORT, "grpc finish ABORTED", _ABORTED_DETAIL)
         return att.end()
     except grpc.aio.AioRpcError as exc:
         code = exc.code().name
@@ -108,14 +122,16 @@ async def grpc_attempt(channel: grpc.aio.Channel, spec: Spec, prompt: str, max_t
             timer.cancel()
 
 
-def _http_body(spec: Spec, prompt: str, max_tokens: int) -> tuple[str, dict]:
+def _http_body(spec: Spec, prompt: str, max_tokens: int, model: str) -> tuple[str, dict]:
     body: dict = {"max_tokens": max_tokens, "ignore_eos": True, "stream": spec.stream,
                   "temperature": SEEDED_TEMPERATURE if spec.seeded else 0.0}
     if spec.seeded:
         body["seed"] = SEED
-    if spec.adapter:
-        body["model"] = spec.adapter
-    if spec.kind == "chat":
+    if spec.adapter or model:  # (a router routes by the model's name)
+        body["model"] = spec.adapter or model
+    if spec.slow:
+        body.update(logprobs=True, top_logprobs=SLOW_TOP_LOGPROBS)
+    if spec.protocol == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
         return "/v1/chat/completions", body
     body["prompt"] = prompt
@@ -141,21 +157,21 @@ def _piece(kind: str, choice: dict, stream: bool) -> str:
 
 
 async def http_attempt(client: httpx.AsyncClient, base_url: str, spec: Spec, prompt: str,
-                       max_tokens: int) -> Attempt:
+                       max_tokens: int, model: str = "", slow_pause_s: float = 0.0) -> Attempt:
     """POST the chat completion or completion; a planned hang-up closes the connection (a stream after k
-    chunks, or anything after a delay)."""
-    path, body = _http_body(spec, prompt, max_tokens)
-    att = Attempt(started=time.monotonic(), stream=spec.stream)
+    chunks, or anything after a delay); a slow reader reads one chunk, then nothing for slow_pause_s."""
+    path, body = _http_body(spec, prompt, max_tokens, model)
+    att = Attempt(started=time.monotonic(), stream=spec.stream, max_tokens=max_tokens)
     try:
         if spec.cancel_after == 0:
             try:
                 async with asyncio.timeout(spec.cancel_delay_s):
-                    await _http_exchange(client, base_url + path, spec, body, att)
+                    await _http_exchange(client, base_url + path, spec, body, att, slow_pause_s)
             except TimeoutError:
                 att.client_cancelled = True
                 return att.end("CANCELLED", "client hang-up")
         else:
-            await _http_exchange(client, base_url + path, spec, body, att)
+            await _http_exchange(client, base_url + path, spec, body, att, slow_pause_s)
         return att.end()
     except httpx.TimeoutException as exc:
         return att.end("DEADLINE_EXCEEDED", f"http transport {type(exc).__name__}", str(exc))
@@ -163,7 +179,8 @@ async def http_attempt(client: httpx.AsyncClient, base_url: str, spec: Spec, pro
         return att.end("UNAVAILABLE", f"http transport {type(exc).__name__}", str(exc))
 
 
-async def _http_exchange(client: httpx.AsyncClient, url: str, spec: Spec, body: dict, att: Attempt) -> None:
+async def _http_exchange(client: httpx.AsyncClient, url: str, spec: Spec, body: dict, att: Attempt,
+                         slow_pause_s: float = 0.0) -> None:
     if not spec.stream:
         resp = await client.post(url, json=body)
         payload = _json_or_text(resp.content)
@@ -171,8 +188,10 @@ async def _http_exchange(client: httpx.AsyncClient, url: str, spec: Spec, body: 
             status, detail = _error_status(resp.status_code, payload)
             att.end(status, f"http {resp.status_code}", detail)
             return
-        att.text = _piece(spec.kind, payload["choices"][0], stream=False)
+        att.text = _piece(spec.protocol, payload["choices"][0], stream=False)
         att.tick()
+        if payload["choices"][0].get("finish_reason") == "abort":
+            att.end(SHUTDOWN_ABORT, "http finish abort", _ABORTED_DETAIL)
         return
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
@@ -192,10 +211,14 @@ async def _http_exchange(client: httpx.AsyncClient, url: str, spec: Spec, body: 
                 status, detail = _error_status(0, event)
                 att.end(status, f"http sse {status.lower()}", detail)
                 return
-            piece = "".join(_piece(spec.kind, c, stream=True) for c in event.get("choices", []))
+            if any(c.get("finish_reason") == "abort" for c in event.get("choices", [])):
+                att.end(SHUTDOWN_ABORT, "http finish abort", _ABORTED_DETAIL)
+            piece = "".join(_piece(spec.protocol, c, stream=True) for c in event.get("choices", []))
             if piece:
                 att.tick()
                 att.text += piece
+                if spec.slow and att.messages == 1:
+                    await asyncio.sleep(slow_pause_s)  # the client stops reading (the connection stays open)
                 if spec.cancel_after and att.messages >= spec.cancel_after:
                     att.client_cancelled = True  # leaving the block closes the connection mid-body
                     att.end("CANCELLED", "client hang-up")

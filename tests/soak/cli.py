@@ -16,11 +16,12 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.soak import report
+from tests.soak import all_options, fleet_chaos, report
 from tests.soak.clients import Clients, LoadConfig, Target
 from tests.soak.cluster import Cluster, ClusterConfig
+from tests.soak.fleet import Fleet
 from tests.soak.verdict import EXPECTED, judge, outcome
-from tests.soak.workload import Mix, make_prompts, parse_kinds
+from tests.soak.workload import DIRECT_ROUTES, ROUTED_KINDS, Mix, make_prompts, parse_kinds
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAOS_ACTIONS = ("kill-executor", "kill-scheduler", "adapter")
@@ -86,14 +87,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                         "e.g. '--max-waiting 8 --decode-burst-ms 0'")
     p.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts, the request mix and the chaos")
+    all_options.add_flags(p)
     args = p.parse_args(argv)
     if args.executors < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.prompts < 1:
         p.error("--executors, --concurrency, --max-tokens and --prompts must be >= 1")
     try:
+        if args.all:
+            all_options.apply_defaults(args, sys.argv[1:] if argv is None else list(argv))
         args.kinds = parse_kinds(args.mix)
         args.chaos_weights = _parse_chaos(args.chaos)
     except ValueError as exc:
         p.error(str(exc))
+    if not args.all and any(k in ROUTED_KINDS for k, w in args.kinds if w > 0):
+        p.error(f"the request kinds {', '.join(ROUTED_KINDS)} go through the routers of --all")
     return args
 
 
@@ -121,10 +127,12 @@ def _script(name: str):
     return module
 
 
-def resolve_model(model: str, log_dir: Path) -> Path:
+def resolve_model(model: str, log_dir: Path, max_positions: int | None = None) -> Path:
     if model == "tiny":
         say("building the tiny random Llama checkpoint")
-        return Path(_script("make_tiny_checkpoint").make_tiny_checkpoint("llama", log_dir / "tiny-llama"))
+        overrides = {"max_position_embeddings": max_positions} if max_positions else None
+        return Path(_script("make_tiny_checkpoint").make_tiny_checkpoint("llama", log_dir / "tiny-llama",
+                                                                          config_overrides=overrides))
     if model == "smollm2":
         say("preparing SmolLM2 (converted once into ~/.cache/tandem)")
         return Path(_script("prepare_default_model").prepare())
@@ -149,9 +157,11 @@ class Chaos:
     def __init__(self, cluster: Cluster, clients: Clients, args: argparse.Namespace, t0: float) -> None:
         self.cluster, self.clients, self.t0 = cluster, clients, t0
         self.every = args.chaos_every
-        self.weights = args.chaos_weights
+        self.fleet = cluster if isinstance(cluster, Fleet) else None
+        self.weights = fleet_chaos.possible(args.chaos_all_weights, self.fleet) if self.fleet else args.chaos_weights
         self.adapters = sorted(cluster.cfg.adapters)
         self.rng = random.Random(args.seed + 7)
+        self.targets = fleet_chaos.Targets(random.Random(args.seed + 11))
         self.counts: collections.Counter = collections.Counter()
         self.log: list[str] = []
         self._bag: list[str] = []
@@ -180,7 +190,9 @@ class Chaos:
             self.next_at = float("inf")
             return
         in_flight = self.clients.in_flight
-        if what == "kill-executor":
+        if self.fleet is not None:
+            what, done = fleet_chaos.act(what, self.fleet, self.rng, self.targets)
+        elif what == "kill-executor":
             done = self.cluster.kill_executor(self.rng.randrange(self.cluster.cfg.executors))
         elif what == "kill-scheduler":
             done = self.cluster.kill_scheduler()
@@ -188,6 +200,7 @@ class Chaos:
             done = self.cluster.toggle_adapter(self.rng.choice(self.adapters))
             what = "unload-adapter" if "unloaded" in done else "load-adapter"
         self.counts[what] += 1
+        self.cluster.sample_rss()
         line = f"+{time.monotonic() - self.t0:.0f}s {done} ({in_flight} requests in flight)"
         self.log.append(line)
         say(f"chaos: {line}")
@@ -212,19 +225,28 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = (args.log_dir or Path(tempfile.mkdtemp(prefix="tandem-soak-"))).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        model_dir = resolve_model(args.model, log_dir)
+        model_dir = resolve_model(args.model, log_dir, 4096 if args.all else None)
         adapters = make_adapters(model_dir, log_dir / "adapters", args.adapters)
     except Exception as exc:
         print(f"scripts/soak: could not prepare the model or adapters: {exc}", file=sys.stderr)
         return 2
     target = Target()
-    cluster = Cluster(ClusterConfig(model_dir, args.executors, log_dir / "adapters", adapters, args.session_ttl,
-                                    args.kv_blocks, shlex.split(args.executor_args), shlex.split(args.scheduler_args),
-                                    log_dir, args.retry_s), target, say)
+    cluster_cfg = ClusterConfig(model_dir, args.executors, log_dir / "adapters", adapters, args.session_ttl,
+                                args.kv_blocks, shlex.split(args.executor_args), shlex.split(args.scheduler_args),
+                                log_dir, args.retry_s)
+    if args.all:
+        cluster: Cluster = Fleet(cluster_cfg, all_options.fleet_config(args), target, say)
+    else:
+        cluster = Cluster(cluster_cfg, target, say)
     mix = Mix(kinds=args.kinds, stream_share=args.stream_share, cancel_share=args.cancel_share,
-              adapter_share=args.adapter_share, seeded_share=args.seeded_share)
-    clients = Clients(LoadConfig(make_prompts(args.prompts, args.seed), tuple(sorted(adapters)), mix, args.concurrency,
-                                 args.max_tokens, args.request_timeout, args.retry_s, args.seed, args.requests), target)
+              adapter_share=args.adapter_share, seeded_share=args.seeded_share,
+              slow_share=args.slow_share if args.all else 0.0, routes=DIRECT_ROUTES if args.all else ())
+    load = LoadConfig(make_prompts(args.prompts, args.seed), tuple(sorted(adapters)), mix, args.concurrency,
+                      args.max_tokens, args.request_timeout, args.retry_s, args.seed, args.requests)
+    if args.all:
+        load.model, load.slow_tokens, load.slow_pause_s = "tiny", args.slow_tokens, all_options.slow_pause_s(args)
+        load.retry_routed, load.reference_concurrency = True, 4
+    clients = Clients(load, target)
     exit_codes: dict[str, int] = {}
     try:
         cluster.start()
@@ -253,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     verdict = judge(clients.records, clients.references, cluster.outages, t0)
     verdict.leaked_blocks = sum(k.leaked_blocks for k in kv)
     verdict.leaked_caches = sum(k.active_caches for k in kv)
-    verdict.crashed = crashed
+    verdict.crashed = crashed + _unclean_exits(cluster)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k not in ("kinds", "chaos_weights")}
+              if k not in ("kinds", "chaos_weights", "chaos_all_weights")}
     config["model_dir"] = str(model_dir)
     result = report.build(verdict, cluster, kv, chaos.counts, chaos.log, exit_codes, config, load_s,
                           len(clients.references), time.monotonic())
@@ -264,6 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(result, args.json)
         say(f"report written to {args.json}")
     return 0 if result["passed"] else 1
+
+
+def _unclean_exits(cluster: Cluster) -> list[str]:
+    """--all: a process the chaos SIGTERMed must drain and exit 0; a TP rank 0 whose worker was SIGKILLed must
+    take the group down with exit 3 (anything else: it hung, or died another way)."""
+    if not isinstance(cluster, Fleet):
+        return []
+    out = [f"{name} exited {code} after a chaos SIGTERM" for name, code in cluster.term_exits.items() if code != 0]
+    return out + [f"tp rank 0 exited {code} after its worker's SIGKILL (not 3)"
+                  for code in cluster.tp_exits if code != 3]
 
 
 def _load(args: argparse.Namespace, cluster: Cluster, clients: Clients, chaos: Chaos, t0: float) -> list[str]:

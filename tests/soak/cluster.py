@@ -210,10 +210,10 @@ class Cluster:
     def toggle_adapter(self, name: str, busy_wait_s: float = 20.0) -> str:
         """Unloads `name` from every executor holding it (retrying while caches use it, FAILED_PRECONDITION),
         or, if none holds it, loads it on all. Returns what happened."""
-        holders = [i for i in range(self.cfg.executors) if name in self.loaded[i]]
+        holders = [i for i in self.lora_executors() if name in self.loaded[i]]
         done = []
         if not holders:
-            for i in range(self.cfg.executors):
+            for i in self.lora_executors():
                 self.executor_stub(i).LoadAdapter(epb.LoadAdapterRequest(name=name, path=str(self.cfg.adapters[name])),
                                                   timeout=60)
                 self.loaded[i].add(name)
@@ -238,6 +238,13 @@ class Cluster:
                     time.sleep(0.05)
         return f"adapter {name} unloaded from executor(s) {done}" + (f", still in use on {busy}" if busy else "")
 
+    def lora_executors(self) -> list[int]:
+        """The executors that take adapters (every one here)."""
+        return list(range(self.cfg.executors))
+
+    def kv_names(self) -> list[str]:
+        return [f"executor-{i}" for i in range(self.cfg.executors)]
+
     # --- observing
     def sample_rss(self) -> None:
         for inst in self.live():
@@ -261,7 +268,8 @@ class Cluster:
                 kv = self.executor_stub(i).GetInfo(epb.GetInfoRequest(), timeout=10).kv
                 waited = time.monotonic() - start
                 if (kv.free_blocks == kv.total_blocks and kv.active_caches == 0) or waited > timeout:
-                    states.append(KvState(f"executor-{i}", kv.free_blocks, kv.total_blocks, kv.active_caches, waited))
+                    states.append(KvState(self.kv_names()[i], kv.free_blocks, kv.total_blocks, kv.active_caches,
+                                          waited))
                     break
                 time.sleep(0.2)
         return states

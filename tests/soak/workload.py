@@ -10,6 +10,9 @@ import random
 from dataclasses import dataclass
 
 KINDS = ("grpc", "chat", "completion")
+# scripts/soak --all: the same HTTP requests through a router in front of the schedulers (no adapters there)
+ROUTED_KINDS = ("smg-chat", "smg-completion", "vr-chat", "vr-completion")
+DIRECT_ROUTES = ("s0", "s1")  # --all: a direct request goes to either scheduler
 SEED = 1234  # the sampling seed of seeded requests (the same for every one: the reference is per key)
 _WORDS = ("the quick brown fox jumps over lazy dog serving stack reads prompt splits tokens model step "
           "town sea morning fishermen boats evening baskets silver fish children beach weather baker bread "
@@ -24,6 +27,8 @@ class Mix:
     cancel_share: float = 0.15  # client cancels (gRPC) / disconnects (HTTP)
     adapter_share: float = 0.2
     seeded_share: float = 0.1
+    slow_share: float = 0.0  # slow readers (--all): a stream read once, then left unread past the stall timeout
+    routes: tuple[str, ...] = ()  # the schedulers a direct request may go to (--all: DIRECT_ROUTES)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,13 @@ class Spec:
     seeded: bool
     cancel_after: int | None = None
     cancel_delay_s: float = 0.0
+    route: str = ""  # --all: "s0"/"s1" (a scheduler, directly), "smg" or "vr" (vllm-router); "" = the one
+    slow: bool = False  # a slow reader: reads one message, then nothing for a while (--all)
+
+    @property
+    def protocol(self) -> str:
+        """grpc, chat or completion (a routed kind's protocol is its last word)."""
+        return self.kind.rsplit("-", 1)[-1]
 
     @property
     def key(self) -> tuple[str, int, str, bool]:
@@ -46,6 +58,8 @@ class Spec:
 
     @property
     def label(self) -> str:
+        if self.slow:
+            return f"{self.kind}-slow-reader"
         stream = "" if self.kind == "grpc" else ("-stream" if self.stream else "-whole")
         return f"{self.kind}{stream}"
 
@@ -71,8 +85,8 @@ def parse_kinds(text: str) -> tuple[tuple[str, float], ...]:
     for part in text.split(","):
         name, _, weight = part.partition(":")
         name = name.strip()
-        if name not in KINDS:
-            raise ValueError(f"unknown request kind {name!r} (known: {', '.join(KINDS)})")
+        if name not in KINDS + ROUTED_KINDS:
+            raise ValueError(f"unknown request kind {name!r} (known: {', '.join(KINDS + ROUTED_KINDS)})")
         out.append((name, float(weight or 1)))
     if sum(w for _, w in out) <= 0:
         raise ValueError("the request mix has no positive weight")
@@ -82,22 +96,29 @@ def parse_kinds(text: str) -> tuple[tuple[str, float], ...]:
 def choose(n: int, rng: random.Random, mix: Mix, prompts: int, adapters: tuple[str, ...],
            max_tokens: int) -> Spec:
     """Request n of the mix, drawn from rng."""
+    if mix.slow_share and rng.random() < mix.slow_share:  # greedy, the base model, never cancelled
+        return Spec(n=n, kind=rng.choice(("grpc", "chat")), stream=True, prompt=rng.randrange(prompts), adapter="",
+                    seeded=False, route=rng.choice(mix.routes) if mix.routes else "", slow=True)
     kind = rng.choices([k for k, _ in mix.kinds], [w for _, w in mix.kinds])[0]
     stream = kind == "grpc" or rng.random() < mix.stream_share
-    adapter = rng.choice(adapters) if adapters and rng.random() < mix.adapter_share else ""
+    routed = kind in ROUTED_KINDS
+    adapter = rng.choice(adapters) if adapters and not routed and rng.random() < mix.adapter_share else ""
     seeded = rng.random() < mix.seeded_share
     cancel_after, delay = None, 0.0
     if rng.random() < mix.cancel_share:
         # A non-streaming HTTP request can only be hung up on after a delay; a stream also after k messages.
         cancel_after = rng.randrange(0, max_tokens) if stream else 0
         delay = rng.uniform(0.0, 0.5) if cancel_after == 0 else 0.0
+    route = kind.split("-")[0] if routed else (rng.choice(mix.routes) if mix.routes else "")
     return Spec(n=n, kind=kind, stream=stream, prompt=rng.randrange(prompts), adapter=adapter, seeded=seeded,
-                cancel_after=cancel_after, cancel_delay_s=delay)
+                cancel_after=cancel_after, cancel_delay_s=delay, route=route)
 
 
 def reference_specs(prompts: int, adapters: tuple[str, ...], mix: Mix) -> list[Spec]:
     """One plain request per reference key the mix can draw (kinds with weight, seeded only if drawn)."""
     kinds = [k for k, w in mix.kinds if w > 0]
     seeded = (False, True) if mix.seeded_share > 0 else (False,)
-    return [Spec(n=-1, kind=k, stream=False, prompt=p, adapter=a, seeded=s)
-            for k in kinds for p in range(prompts) for a in ("", *adapters) for s in seeded]
+    return [Spec(n=-1, kind=k, stream=False, prompt=p, adapter=a, seeded=s,
+                 route=k.split("-")[0] if k in ROUTED_KINDS else (mix.routes[0] if mix.routes else ""))
+            for k in kinds for p in range(prompts) for a in (("",) if k in ROUTED_KINDS else ("", *adapters))
+            for s in seeded]
