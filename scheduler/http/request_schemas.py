@@ -232,6 +232,11 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     structural_tag: str | None = None
+    # SGLang's, sent by vllm-router 0.1.17 on every chat request (scheduler/http/vllm_extras.py)
+    no_stop_trim: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    return_hidden_states: bool | None = None
 
 
 class CompletionRequest(SamplingFields):

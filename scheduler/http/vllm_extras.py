@@ -8,6 +8,8 @@ accepted at the value that changes nothing (vLLM's default) and otherwise refuse
 why it cannot apply — never as an unknown field.
 
 chat_template_kwargs, reasoning_effort and include_reasoning are the reasoning fields' (scheduler/reasoning/).
+SGLang's no_stop_trim, separate_reasoning, stream_reasoning and return_hidden_states are accepted the same way: a
+router in front (vllm-router 0.1.17) adds them to every chat request at SGLang's defaults.
 """
 from __future__ import annotations
 
@@ -59,6 +61,13 @@ _CHAT: dict[str, tuple[Callable[[Any, SamplingFields], bool], str]] = {
     "mm_processor_kwargs": (lambda v, b: not v, "this server serves text only"),
     "structural_tag": (lambda v, b: False, "structural tags are not served: use guided_json, guided_regex, "
                        "guided_grammar or response_format"),
+    # SGLang's chat fields, which vllm-router 0.1.17 adds to every chat request it forwards (at SGLang's defaults)
+    "no_stop_trim": (lambda v, b: v is False, "a stop string is trimmed from the text unless "
+                     "include_stop_str_in_output is true: send that instead"),
+    "separate_reasoning": (lambda v, b: v is True, "the reasoning is always split from the answer when the "
+                           "scheduler runs a --reasoning-parser; include_reasoning: false leaves it out"),
+    "stream_reasoning": (lambda v, b: v is True, "reasoning is streamed as it is written (delta.reasoning_content)"),
+    "return_hidden_states": (lambda v, b: v is False, "hidden states are not returned by this server"),
 }
 _COMPLETION: dict[str, tuple[Callable[[Any, SamplingFields], bool], str]] = {
     "add_special_tokens": (lambda v, b: v is True, "text prompts are encoded with the tokenizer's special tokens "

@@ -239,3 +239,18 @@ def test_router_follows_an_executor_restart(setup, model_dir):
     got = route(router, pods, [prefix("gamma") + " after restart", prefix("alpha") + " still there"])
     assert [p for p, _ in got] == [1, 0], got
     assert router.proc.poll() is None
+
+
+def test_chat_goes_through_the_router(setup):
+    """vllm-router 0.1.17 adds SGLang's chat fields (no_stop_trim, separate_reasoning, stream_reasoning,
+    return_hidden_states, ...) to every chat request it forwards: served at their defaults, not refused."""
+    _, router, _ = setup
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{router.url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"HTTP {exc.code}: {exc.read()[:500]!r}") from None
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] == 2, answer
