@@ -61,6 +61,19 @@ class KvCapacityExceeded(CapacityExceeded):
         self.total_blocks = total_blocks
 
 
+class Overloaded(CapacityExceeded):
+    """More work than the server can start in time: its queue is full, the wait it measures for a new request is
+    past the queue-time bound, a queued request reached that bound before its first step, or the calls it
+    serves at once are at their limit. Nothing of the request ran. retry_after_s: when a retry is likely to be
+    taken (whole seconds, >= 1; from the measured drain rate where there is one); reason: a short label
+    (the refusals counter's, e.g. "queue_full")."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, reason: str = "overloaded") -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1, int(retry_after_s))
+        self.reason = reason
+
+
 class QueueFull(CapacityExceeded):
     """Too many calls are already waiting for the model; nothing was done. Retry later."""
 
@@ -136,9 +149,12 @@ class DeadlineExceeded(TandemError):
     """The caller's deadline had passed before the call could run; it was not run (nothing changed)."""
 
 
-class TooManyCalls(CapacityExceeded):
+class TooManyCalls(Overloaded):
     """The server is already serving as many calls as its limit allows (--max-concurrent-rpcs); the call was
     refused on arrival, before any work. Retry later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, retry_after_s, "rpc_limit")
 
 
 class DataLoss(TandemError):

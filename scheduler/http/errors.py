@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tandem.errors import AdapterNotFound, InvalidRequest, TandemError
+from tandem.errors import AdapterNotFound, InvalidRequest, Overloaded, TandemError
 from tandem.loggable import loggable
 from tandem.status_map import status_for
 
@@ -99,6 +99,12 @@ def of_exception(exc: Exception) -> tuple[int, dict[str, Any]]:
     return status, body(status, str(exc), getattr(exc, "param", None), name)
 
 
+def retry_headers(exc: Exception) -> dict[str, str]:
+    """`Retry-After` (whole seconds, RFC 9110) for a refusal for overload: when a retry is likely to be taken,
+    from the measured drain rate (tandem.errors.Overloaded.retry_after_s)."""
+    return {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else {}
+
+
 def validation_param(loc: tuple[Any, ...]) -> str | None:
     """`messages.0.content.1.text` from pydantic's ('body', 'messages', 0, 'content', 'list[ContentPart]', 1,
     'text'): the field path, without the union-member tags pydantic adds ('str', 'list[constrained-int]',
@@ -156,7 +162,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(TandemError)
     async def _domain(request: Request, exc: TandemError) -> JSONResponse:
         status, content = of_exception(exc)
-        return JSONResponse(content, status_code=status)
+        return JSONResponse(content, status_code=status, headers=retry_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
