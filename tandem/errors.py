@@ -7,7 +7,21 @@ from __future__ import annotations
 
 
 class TandemError(Exception):
-    """Base class of every error a caller can provoke (bad input, wrong state, no capacity)."""
+    """Base class of every error a caller can provoke (bad input, wrong state, no capacity).
+
+    field: the request field at fault, as a proto field path (`sampling.top_p`, `stopping.stop[2]`,
+    `messages.messages[1].content`), or None. The message may write it as `{field}`: str() fills in the path
+    (what a gRPC client reads), in_terms() another name (the HTTP front's OpenAI parameter,
+    scheduler/http/errors.py); a message that does not write it is prefixed with it."""
+
+    def __init__(self, message: str = "", field: str | None = None) -> None:
+        self.field = field
+        self.template = message if field is None or "{field}" in message else "{field}: " + message
+        super().__init__(self.in_terms(field) if field is not None else message)
+
+    def in_terms(self, name: str) -> str:
+        """The message with the field called `name`."""
+        return self.template.replace("{field}", name)
 
 
 class InvalidRequest(TandemError):

@@ -205,6 +205,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        errors.named_as(convert.param_names(body))
         n = body.n or 1
         opts = body.stream_options
 
@@ -230,6 +231,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        errors.named_as(convert.param_names(body))
         n = body.n or 1
         opts = body.stream_options
 

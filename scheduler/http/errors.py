@@ -8,8 +8,10 @@ body that does not parse, a timeout reading it) carry the name of the gRPC statu
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
+import re
 from typing import Any
 
 import grpc
@@ -96,7 +98,41 @@ def of_exception(exc: Exception) -> tuple[int, dict[str, Any]]:
     status = HTTP_STATUS_OF.get(code, 500)
     log.info("HTTP -> %d %s: %s", status, code.name, loggable(str(exc)))
     name = "model_not_found" if isinstance(exc, AdapterNotFound) else code.name.lower()
-    return status, body(status, str(exc), getattr(exc, "param", None), name)
+    param = getattr(exc, "param", None)
+    if param is None and exc.field is not None:  # a check of the generate codec: named as the client sent it
+        param = openai_param(exc.field)
+    message = exc.in_terms(param) if exc.field is not None and param is not None else str(exc)
+    return status, body(status, message, param, name)
+
+
+# tandem.generate.v1 field paths -> the OpenAI parameter they come from (scheduler/http/convert.py), by prefix;
+# what follows the prefix is kept, indexes written as the schema errors write them (`messages.2.content`).
+# A route whose names differ (max_completion_tokens, completions' logprobs) says so with named_as().
+_OPENAI_PARAMS: dict[str, str] = {
+    "stopping.max_new_tokens": "max_tokens", "stopping.min_new_tokens": "min_tokens", "stopping.stop_token_ids":
+    "stop_token_ids", "stopping.stop": "stop", "sampling.": "", "messages.messages": "messages",
+    "messages.tools": "tools", "text": "prompt", "token_ids": "prompt", "input": "prompt", "constraint": "response_format",
+    "top_logprobs": "top_logprobs", "prompt_logprobs": "prompt_logprobs", "cache_salt": "cache_salt",
+    "request_id": "request_id",
+}
+_ROUTE_NAMES: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("openai_param_names", default={})
+
+
+def named_as(names: dict[str, str]) -> None:
+    """The current request's own names for some fields (`{"stopping.max_new_tokens": "max_completion_tokens"}`):
+    set by a route, before the checks run, for its errors."""
+    _ROUTE_NAMES.set(names)
+
+
+def openai_param(field: str) -> str:
+    """The OpenAI parameter of a proto field path: `sampling.top_p` -> `top_p`, `stopping.stop[2]` -> `stop.2`,
+    `messages.messages[1].content` -> `messages.1.content`."""
+    names = {**_OPENAI_PARAMS, **_ROUTE_NAMES.get()}
+    prefix = max((p for p in names if field == p or field.startswith(p if p.endswith(".") else (p + "."))
+                  or field.startswith(p + "[")), key=len, default="")
+    rest = field[len(prefix):] if prefix else field
+    name = (names[prefix] + rest) if prefix else rest
+    return re.sub(r"\[(\d+)\]", r".\1", name).strip(".")
 
 
 def retry_headers(exc: Exception) -> dict[str, str]:
