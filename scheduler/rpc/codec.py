@@ -31,7 +31,8 @@ def check_input_size(m: pb.GenerateRequest | pb.TokenizeRequest, max_chars: int)
     """The size limits of a text or chat input, checked before it is tokenized (cheap: lengths only)."""
     kind = m.WhichOneof("input")
     if kind == "text" and len(m.text) > max_chars:
-        raise InvalidRequest(f"{{field}} has {len(m.text)} characters; this server takes at most {max_chars}", "text")
+        raise InvalidRequest(f"{{field}} has {len(m.text)} characters; this scheduler takes at most {max_chars} "
+                             "(--max-prompt-chars)", "text")
     if kind == "messages":
         messages = m.messages.messages
         if len(messages) > MAX_CHAT_MESSAGES:
@@ -39,8 +40,8 @@ def check_input_size(m: pb.GenerateRequest | pb.TokenizeRequest, max_chars: int)
                                  "messages.messages")
         chars = chat_chars(m.messages)
         if chars > max_chars:
-            raise InvalidRequest(f"{{field}} have {chars} characters in all; this server takes at most {max_chars}",
-                                 "messages.messages")
+            raise InvalidRequest(f"{{field}} have {chars} characters in all; this scheduler takes at most "
+                                 f"{max_chars} (--max-prompt-chars)", "messages.messages")
 
 
 def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTokenizer, vocab_size: int,

@@ -301,7 +301,7 @@ def logit_bias_token_at_vocab(c):
     return sampled_prefill(c.stub, logit_bias={VOCAB: 1.0})
 
 
-@case(Code.INVALID_ARGUMENT, r"logit_bias\[7\] must be in \[-100, 100\]")
+@case(Code.INVALID_ARGUMENT, r"sampling.logit_bias of token 7 must be in \[-100, 100\]")
 def logit_bias_1000(c):
     return sampled_prefill(c.stub, logit_bias={7: 1000.0})
 
