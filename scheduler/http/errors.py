@@ -12,7 +12,7 @@ import contextvars
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 from fastapi import FastAPI, Request
@@ -115,24 +115,34 @@ _OPENAI_PARAMS: dict[str, str] = {
     "top_logprobs": "top_logprobs", "prompt_logprobs": "prompt_logprobs", "cache_salt": "cache_salt",
     "request_id": "request_id",
 }
-_ROUTE_NAMES: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("openai_param_names", default={})
+# OpenAI nests a function's fields under `function` (the proto does not): tools.0.name -> tools.0.function.name
+_FUNCTION_FIELDS = ((re.compile(r"^tools\.(\d+)\.(name|description|parameters)"), r"tools.\1.function.\2"),
+                    (re.compile(r"^messages\.(\d+)\.tool_calls\.(\d+)\.(name|arguments)"),
+                     r"messages.\1.tool_calls.\2.function.\3"))
+_ROUTE_NAMES: contextvars.ContextVar[tuple[dict[str, str], Callable[[str], str] | None]] = \
+    contextvars.ContextVar("openai_param_names", default=({}, None))
 
 
-def named_as(names: dict[str, str]) -> None:
-    """The current request's own names for some fields (`{"stopping.max_new_tokens": "max_completion_tokens"}`):
-    set by a route, before the checks run, for its errors."""
-    _ROUTE_NAMES.set(names)
+def named_as(names: dict[str, str], rename: Callable[[str], str | None] | None = None) -> None:
+    """The current request's own names for some fields (`{"stopping.max_new_tokens": "max_completion_tokens"}`),
+    and a last renaming of the chat parameter a field maps to, for a route whose body is not a chat request's
+    (/v1/responses: `max_completion_tokens` -> `max_output_tokens`): set by a route, before the checks run, for
+    its errors."""
+    _ROUTE_NAMES.set((names, rename))
 
 
 def openai_param(field: str) -> str:
     """The OpenAI parameter of a proto field path: `sampling.top_p` -> `top_p`, `stopping.stop[2]` -> `stop.2`,
     `messages.messages[1].content` -> `messages.1.content`."""
-    names = {**_OPENAI_PARAMS, **_ROUTE_NAMES.get()}
+    route_names, rename = _ROUTE_NAMES.get()
+    names = {**_OPENAI_PARAMS, **route_names}
     prefix = max((p for p in names if field == p or field.startswith(p if p.endswith(".") else (p + "."))
                   or field.startswith(p + "[")), key=len, default="")
     rest = field[len(prefix):] if prefix else field
-    name = (names[prefix] + rest) if prefix else rest
-    return re.sub(r"\[(\d+)\]", r".\1", name).strip(".")
+    name = re.sub(r"\[(\d+)\]", r".\1", (names[prefix] + rest) if prefix else rest).strip(".")
+    for pattern, nested in _FUNCTION_FIELDS:
+        name = pattern.sub(nested, name, count=1)
+    return (rename(name) or name) if rename is not None else name
 
 
 def retry_headers(exc: Exception) -> dict[str, str]:

@@ -5,7 +5,13 @@ name (`sampling.`, `max_new_tokens`) nor a host path; over gRPC INVALID_ARGUMENT
 the model's) whose message names the tandem.generate.v1 field path. The cases walk the checks of
 scheduler/rpc/codec.py, tandem/sampling_params.py, tandem/codec.py, scheduler/text/chat_input.py and
 scheduler/structured/grammar.py that a generate request reaches (the HTTP front's own checks name their
-`param` where they are raised: scheduler/http/convert.py, the request schemas)."""
+`param` where they are raised: scheduler/http/convert.py, the request schemas).
+
+The executor's checks (executor_service/request_validation.py and the item conversions of its codec) are walked
+over gRPC against the executor directly: an item's own error is its ItemStatus, INVALID_ARGUMENT (NOT_FOUND,
+OUT_OF_RANGE where that is the status) with a message naming the item's field as the request's path
+(`items[3].draft_token_ids`), the items beside it answering; a call's own error is the call's status, naming
+its field (`release_cache_ids`)."""
 from __future__ import annotations
 
 import grpc
@@ -13,6 +19,7 @@ import httpx
 import pytest
 
 from tandem.common.v1 import common_pb2 as cpb
+from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.grpc_harness import start_for, start_scheduler_for
 
@@ -49,10 +56,23 @@ HTTP_CASES = [
     ("chat", {"messages": CHAT, "guided_json": "{not json"}, "guided_json"),
     ("chat", {"messages": CHAT, "guided_regex": ""}, "guided_regex"),
     ("chat", {"messages": CHAT, "guided_choice": []}, "guided_choice"),
-    ("chat", {"messages": [CHAT[0], BAD_CALL, {"role": "user", "content": "x"}]}, "messages.1.tool_calls.0.name"),
+    ("chat", {"messages": [CHAT[0], BAD_CALL, {"role": "user", "content": "x"}]},
+     "messages.1.tool_calls.0.function.name"),
     ("chat", {"messages": CHAT, "tool_choice": "none",
               "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ("tokenize", {"prompt": ""}, "prompt"),
+    ("tokenize", {"messages": []}, "messages"),
+    ("tokenize", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools.0.function.name"),
+    ("tokenize", {"messages": [CHAT[0], BAD_CALL]}, "messages.1.tool_calls.0.function.name"),
+    ("responses", {"input": "hi", "top_p": 2}, "top_p"),
+    ("responses", {"input": "hi", "temperature": -1}, "temperature"),
+    ("responses", {"input": "hi", "max_output_tokens": 1_000_000}, "max_output_tokens"),
+    ("responses", {"input": "hi", "tool_choice": "none", "tools": [{"type": "function", "name": "bad name"}]},
+     "tools.0.name"),
 ]
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "tokenize": "/tokenize",
+         "responses": "/v1/responses"}
 
 # (GenerateRequest, status, the field path named)
 IDS = pb.TokenIds(ids=[1, 5, 9])
@@ -87,8 +107,12 @@ GRPC_CASES = [
 
 
 @pytest.fixture(scope="module")
-def scheduler(request, tiny_checkpoint):
-    executor = start_for(request, tiny_checkpoint("llama"))
+def executor(request, tiny_checkpoint):
+    return start_for(request, tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def scheduler(request, executor):
     return start_scheduler_for(request, executor.address, "--http-port", "0", "--speculative", "off")
 
 
@@ -99,8 +123,8 @@ def clean(message: str) -> None:
 
 @pytest.mark.parametrize("route,body,param", HTTP_CASES, ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(HTTP_CASES)])
 def test_every_http_400_names_its_param(scheduler, route, body, param):
-    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    r = httpx.post(scheduler.process.http_url + path, json={"model": "", **body}, timeout=30)
+    r = httpx.post(scheduler.process.http_url + PATHS[route], json={"model": "", **body} if route != "tokenize"
+                   else body, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param, error
@@ -118,3 +142,130 @@ def test_every_grpc_invalid_argument_names_its_field(scheduler, message, code, f
     assert field in details, details
     for path in ("/tmp", "/home", "/work", "site-packages"):
         assert path not in details, details
+
+
+# The executor: (item, status, its field within the item) of one UnifiedDecode whose item 0 is good.
+VOCAB = 448  # the tiny checkpoint's
+MASK_BYTES = 4 * ((VOCAB + 31) // 32)
+U = epb.UnifiedItem
+UNIFIED_CASES = [
+    (U(token_ids=[], is_final_chunk=True), "INVALID_ARGUMENT", "token_ids"),
+    (U(token_ids=[3, VOCAB], is_final_chunk=True), "INVALID_ARGUMENT", "token_ids"),
+    (U(token_ids=[3] * 300, is_final_chunk=True), "OUT_OF_RANGE", "token_ids"),  # past the model's 256
+    (U(token_ids=[3], is_final_chunk=True, sampling=cpb.SamplingParams(top_p=2)), "INVALID_ARGUMENT",
+     "sampling.top_p"),
+    (U(token_ids=[3], is_final_chunk=True, sampling=cpb.SamplingParams(temperature=-1)), "INVALID_ARGUMENT",
+     "sampling.temperature"),
+    (U(token_ids=[3], is_final_chunk=True, sampling=cpb.SamplingParams(logit_bias={VOCAB: 1})), "INVALID_ARGUMENT",
+     "sampling.logit_bias"),
+    (U(token_ids=[3], is_final_chunk=True, output=epb.OutputOptions(mode=7)), "INVALID_ARGUMENT", "output.mode"),
+    (U(token_ids=[3], is_final_chunk=True, output=epb.OutputOptions(logits_dtype=9)), "INVALID_ARGUMENT",
+     "output.logits_dtype"),
+    (U(token_ids=[3], is_final_chunk=True, output=epb.OutputOptions(top_logprobs=50)), "INVALID_ARGUMENT",
+     "output.top_logprobs"),
+    (U(token_ids=[3], is_final_chunk=True, adapter="nope"), "NOT_FOUND", "adapter"),
+    (U(token_ids=[3], pos_offset=5, is_final_chunk=True), "INVALID_ARGUMENT", "pos_offset"),
+    (U(token_ids=[3], is_final_chunk=True, prompt_len=9), "INVALID_ARGUMENT", "prompt_len"),
+    (U(token_ids=[3], is_final_chunk=True, prompt_logprobs=50), "INVALID_ARGUMENT", "prompt_logprobs"),
+    (U(token_ids=[3], is_final_chunk=True, prompt_logprobs=1, draft_token_ids=[4]), "INVALID_ARGUMENT",
+     "prompt_logprobs"),
+    (U(token_ids=[3], is_final_chunk=False, draft_token_ids=[4]), "INVALID_ARGUMENT", "draft_token_ids"),
+    (U(token_ids=[3], is_final_chunk=True, draft_token_ids=[4] * 33), "INVALID_ARGUMENT", "draft_token_ids"),
+    (U(token_ids=[3], is_final_chunk=True, draft_token_ids=[VOCAB]), "INVALID_ARGUMENT", "draft_token_ids"),
+    (U(token_ids=[3], is_final_chunk=True, draft_token_ids=[4],
+       output=epb.OutputOptions(mode=epb.OUTPUT_MODE_LOGITS)), "INVALID_ARGUMENT", "output.mode"),
+    (U(token_ids=[3], is_final_chunk=False, allowed_tokens=b"\xff" * MASK_BYTES), "INVALID_ARGUMENT",
+     "allowed_tokens"),
+    (U(token_ids=[3], is_final_chunk=True, allowed_tokens=b"\xff" * 3), "INVALID_ARGUMENT", "allowed_tokens"),
+    (U(token_ids=[3], is_final_chunk=True, allowed_tokens=bytes(MASK_BYTES)), "INVALID_ARGUMENT", "allowed_tokens"),
+    (U(token_ids=[3], is_final_chunk=True, pooling=epb.PoolingOptions(task=9)), "INVALID_ARGUMENT", "pooling.task"),
+]
+
+
+def _code(number: int) -> str:
+    return next(c.name for c in grpc.StatusCode if c.value[0] == number)
+
+
+def _clean_executor(message: str) -> None:
+    for path in ("/tmp", "/home", "/work", "site-packages"):
+        assert path not in message, message
+
+
+def test_every_executor_item_error_names_its_field_by_the_items_index(executor):
+    stub = executor.stub
+    first = stub.Prefill(epb.PrefillRequest(token_ids=[5, 6, 7]))
+    cid, n = first.cache.cache_id, first.cache.seq_len
+    items = [U(cache_id=cid, token_ids=[first.output.tokens[0].token_id], pos_offset=n, is_final_chunk=True)]
+    items += [case[0] for case in UNIFIED_CASES]
+    items.append(U(cache_id=cid, token_ids=[3], pos_offset=n + 1, is_final_chunk=True))  # its cache listed twice
+    cases = [(None, "OK", None)] + UNIFIED_CASES + [(None, "INVALID_ARGUMENT", "cache_id")]
+    got = stub.UnifiedDecode(epb.UnifiedDecodeRequest(items=items)).results
+    wrong = []
+    for i, ((_, code, field), result) in enumerate(zip(cases, got)):
+        message = result.status.message
+        if _code(result.status.code) != code or (field and not message.startswith(f"item {i}")) \
+                or (field and f"items[{i}].{field}" not in message):
+            wrong.append((i, code, field, _code(result.status.code), message))
+        _clean_executor(message)
+    assert not wrong, "\n".join(map(str, wrong))
+    made = [r.cache.cache_id for r in got if r.cache.cache_id]
+    stub.ReleaseCache(epb.ReleaseCacheRequest(cache_ids=made))
+
+
+def test_decode_and_create_cache_items_name_their_field(executor):
+    stub = executor.stub
+    first = stub.Prefill(epb.PrefillRequest(token_ids=[5, 6, 7]))
+    ref, token = first.cache, first.output.tokens[0].token_id
+    D = epb.DecodeItem
+    decode = stub.Decode(epb.DecodeRequest(items=[
+        D(cache=ref, token_id=token),  # good
+        D(token_id=token),
+        D(cache=ref, token_id=token, sampling=cpb.SamplingParams(top_p=2)),
+        D(cache=ref, token_id=token, output=epb.OutputOptions(mode=7)),
+        D(cache=ref, token_id=token, ngram_drafts=epb.NgramDrafts(max_draft_tokens=0, ngram_min=1, ngram_max=2)),
+    ])).results
+    created = stub.CreateCache(epb.CreateCacheRequest(items=[
+        epb.CreateCacheItem(token_ids=[5, 6]),  # good
+        epb.CreateCacheItem(token_ids=[5, VOCAB]),
+        epb.CreateCacheItem(token_ids=[5], cache_salt="s" * 300),
+        epb.CreateCacheItem(token_ids=[5], prompt_logprobs=50),
+        epb.CreateCacheItem(token_ids=[5], adapter="nope"),
+    ])).results
+    want = [(decode, ["OK", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT"],
+             [None, "cache.cache_id", "sampling.top_p", "output.mode", "ngram_drafts.max_draft_tokens"]),
+            (created, ["OK", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "NOT_FOUND"],
+             [None, "token_ids", "cache_salt", "prompt_logprobs", "adapter"])]
+    for results, codes, fields in want:
+        for i, (result, code, field) in enumerate(zip(results, codes, fields)):
+            assert _code(result.status.code) == code, (i, result.status)
+            assert field is None or f"items[{i}].{field}" in result.status.message, (i, result.status.message)
+            _clean_executor(result.status.message)
+    stub.ReleaseCache(epb.ReleaseCacheRequest(cache_ids=[ref.cache_id, created[0].cache.cache_id]))
+
+
+def test_every_executor_call_error_names_its_field(executor):
+    stub = executor.stub
+    calls = [
+        (lambda: stub.UnifiedDecode(epb.UnifiedDecodeRequest()), "items"),
+        (lambda: stub.UnifiedDecode(epb.UnifiedDecodeRequest(items=[U(token_ids=[3], is_final_chunk=True)],
+                                                             release_cache_ids=["x"] * 5000)), "release_cache_ids"),
+        (lambda: stub.Decode(epb.DecodeRequest(items=[epb.DecodeItem(cache=epb.CacheRef(cache_id="0" * 32),
+                                                                     token_id=3)], num_steps=999)), "num_steps"),
+        (lambda: stub.CreateCache(epb.CreateCacheRequest()), "items"),
+        (lambda: stub.ForwardVerify(epb.ForwardVerifyRequest(token_ids=[3])), "cache.cache_id"),
+        (lambda: stub.OpenSession(epb.OpenSessionRequest(client_name="c" * 200)), "client_name"),
+        (lambda: stub.CloseSession(epb.CloseSessionRequest()), "session_id"),
+        (lambda: stub.LoadAdapter(epb.LoadAdapterRequest(name="bad name", path="x")), "name"),
+        (lambda: next(iter(stub.SubscribeKvEvents(epb.SubscribeKvEventsRequest(summary_interval_ms=1)))),
+         "summary_interval_ms"),
+    ]
+    wrong = []
+    for call, field in calls:
+        try:
+            call()
+            wrong.append((field, "answered OK"))
+        except grpc.RpcError as failed:
+            if failed.code() != grpc.StatusCode.INVALID_ARGUMENT or field not in failed.details():
+                wrong.append((field, failed.code().name, failed.details()))
+            _clean_executor(failed.details())
+    assert not wrong, wrong
