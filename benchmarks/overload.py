@@ -5,8 +5,11 @@ Capacity is measured first: --max-running clients in a closed loop for --calibra
 second. Then each load sends requests at that rate times the multiplier, evenly spaced, for --seconds, and waits
 for every answer. Per load: requests sent, admitted (200) and refused (429, with its Retry-After), lost (any
 other ending, an admitted stream cut short or without all its tokens: must be 0), admitted requests' TTFT p50 /
-p99, refusal latency p50 / p99 (request sent to 429 read), the Retry-After given, and both processes' RSS after
-the load. The scheduler runs --max-queue-time-s (default 5 here) and --max-running as given. Method:
+p99, refusal latency (request sent to 429 read) p50 / p99 split by reason — refused on arrival (queue full, or a
+wait estimated past the bound: these must be fast), ended in the queue at --max-queue-time-s (these wait the
+bound by design), refused by the connection guard (--http-max-connections-per-client: must not happen, the
+run raises the cap past the load's connections) — the Retry-After given, and both processes' RSS after the
+load. The scheduler runs --max-queue-time-s (default 5 here) and --max-running as given. Method:
 docs/benchmarks.md#overload."""
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ from benchmarks.report import format_table, machine_info, model_json, write_json
 DEFAULTS = {"loads": "2,5,10", "output_len": 32, "seconds": 20, "calibrate_s": 10, "max_running": 8}
 QUICK = {"loads": "2,5", "output_len": 8, "seconds": 4, "calibrate_s": 3, "max_running": 2}
 PROMPT = "Tell me about the sea, the wind and the ships that cross it."
+MAX_CONNECTIONS = 16384  # the scheduler's HTTP connection caps for the run: every request has its own connection
+# A 429's reason, from its message (scheduler/engine/admission.py, scheduler/http/connections.py), first match.
+REASONS = (("HTTP connections open", "connection_cap"), ("not admitted within", "queue_time"),
+           ("queue is full", "arrival"), ("would wait about", "arrival"))
 log = make_log("bench_overload")
 
 
@@ -49,8 +56,9 @@ async def one(http: httpx.AsyncClient, output_len: int) -> dict[str, Any]:
     try:
         async with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code == 429:
-                await r.aread()
+                message = json.loads(await r.aread())["error"]["message"]
                 return {"end": "refused", "latency_s": time.perf_counter() - t0,
+                        "reason": next((reason for text, reason in REASONS if text in message), "other"),
                         "retry_after": int(r.headers.get("retry-after", "0") or 0)}
             if r.status_code != 200:
                 return {"end": f"http {r.status_code}"}
@@ -106,21 +114,29 @@ def row(multiple: int, rate: float, results: list[dict[str, Any]], pids: dict[st
     done = [r for r in results if r["end"] == "done"]
     refused = [r for r in results if r["end"] == "refused"]
     ttft = summarize([r["ttft_s"] for r in done if r.get("ttft_s") is not None], 1e3)
-    refusal = summarize([r["latency_s"] for r in refused], 1e3)
+    by_reason = {reason: [r["latency_s"] for r in refused if r["reason"] == reason]
+                 for reason in ("arrival", "queue_time", "connection_cap", "other")}
+    arrival, expired = summarize(by_reason["arrival"], 1e3), summarize(by_reason["queue_time"], 1e3)
     retry = [r["retry_after"] for r in refused]
     mem = {k: proc_memory(pid)["rss"] for k, pid in pids.items()}
     return {"load": f"{multiple}x", "rate_rps": rate, "sent": len(results), "admitted": len(done),
             "refused": len(refused), "lost": len(results) - len(done) - len(refused),
             "lost_kinds": sorted({r["end"] for r in results} - {"done", "refused"}),
             "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"),
-            "refusal_p50_ms": refusal.get("p50"), "refusal_p99_ms": refusal.get("p99"),
+            "arrival_refused": len(by_reason["arrival"]), "arrival_p50_ms": arrival.get("p50"),
+            "arrival_p99_ms": arrival.get("p99"), "expired": len(by_reason["queue_time"]),
+            "expired_p50_ms": expired.get("p50"), "expired_p99_ms": expired.get("p99"),
+            "connection_cap": len(by_reason["connection_cap"]), "other_refused": len(by_reason["other"]),
             "retry_after_s": f"{min(retry)}-{max(retry)}" if retry else "-",
             "scheduler_rss_mb": (mem["scheduler"] or 0) / 2**20, "executor_rss_mb": (mem["executor"] or 0) / 2**20}
 
 
 COLUMNS = [("load", "load"), ("rate_rps", "req/s"), ("sent", "sent"), ("admitted", "admitted"), ("refused", "refused"),
            ("lost", "lost"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-           ("refusal_p50_ms", "refusal p50 ms"), ("refusal_p99_ms", "refusal p99 ms"),
+           ("arrival_refused", "on arrival"), ("arrival_p50_ms", "arrival p50 ms"),
+           ("arrival_p99_ms", "arrival p99 ms"),
+           ("expired", "queue-time"), ("expired_p50_ms", "queue-time p50 ms"), ("expired_p99_ms", "queue-time p99 ms"),
+           ("connection_cap", "conn cap"), ("other_refused", "other 429"),
            ("retry_after_s", "Retry-After s"), ("scheduler_rss_mb", "sched RSS MB"), ("executor_rss_mb", "exec RSS MB")]
 
 
@@ -128,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads, directory, cfg = serving_setup(args)
     scheduler_flags = ["--max-running", str(args.max_running), "--max-queue-time-s", str(args.max_queue_time_s),
-                       "--max-waiting", "100000", *args.scheduler_args.split()]
+                       "--max-waiting", "100000", "--http-max-connections", str(MAX_CONNECTIONS),
+                       "--http-max-connections-per-client", str(MAX_CONNECTIONS), *args.scheduler_args.split()]
     with stack(directory, ["--threads", str(threads), *args.executor_args.split()], scheduler_flags) as (ex, sch):
         url = sch.http_url
         pids = {"scheduler": sch.proc.pid, "executor": ex.proc.pid}
