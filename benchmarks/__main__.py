@@ -18,6 +18,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "forward": ("forward:main", "Tandem's in-process forward vs transformers' (decode and prefill, GFLOP/s)"),
     "kv_restart": ("kv_restart:main", "TTFT of a long prompt after an executor restart: its disk tier vs cold; the tier's read MB/s"),
     "lora": ("lora:main", "multi-LoRA decode throughput: base vs 1 vs N distinct adapters in a batch"),
+    "overload": ("overload:main", "2x/5x/10x capacity through the OpenAI front: admitted TTFT p99, refusal latency, "
+                 "Retry-After, lost = 0, RSS"),
     "prefix": ("prefix:main", "automatic prefix caching on vs off: shared system prompt and multi-turn chats"),
     "quantized": ("quantized:main", "quantized GGUF files (Q4_K_M, Q4_0, Q8_0) vs llama.cpp on the same files: decode, "
                   "pp512, RSS, 16 streams, quality"),

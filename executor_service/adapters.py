@@ -59,7 +59,7 @@ class AdapterRegistry:
         """Validates and loads an adapter (host memory; it moves to the device when first used). trusted:
         an operator's --adapter flag, allowed without --adapter-root (never a client's request)."""
         if not _NAME.fullmatch(name or ""):
-            raise InvalidRequest(f"adapter name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+            raise InvalidRequest(f"adapter {{field}} {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -", "name")
         if name in self._adapters:
             raise AdapterInUse(f"adapter {name!r} is already loaded (from {self._adapters[name].label!r}); "
                                "unload it first or pick another name")
@@ -73,7 +73,7 @@ class AdapterRegistry:
             if not isinstance(exc, OSError) and "symlink loop" not in str(exc).lower():
                 raise
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "a symbolic link loop"
-            raise InvalidRequest(f"adapter path {label!r} cannot be read: {why}") from exc
+            raise InvalidRequest(f"adapter {{field}} {label!r} cannot be read: {why}", "path") from exc
         with self._guard:
             self._adapters[name] = _Adapter(name, resolved, label, weights, digest)
 
@@ -83,11 +83,13 @@ class AdapterRegistry:
             del self._adapters[name]
         self._lru.pop(name, None)
 
-    def get(self, name: str) -> _Adapter:
+    def get(self, name: str, field: str | None = None) -> _Adapter:
+        """field: the request field that named it, for the error (a proto path, tandem.errors.TandemError)."""
         adapter = self._adapters.get(name)
         if adapter is None:
             loaded = ", ".join(self.names()) or "none"
-            raise AdapterNotFound(f"adapter {name!r} is not loaded (loaded: {loaded}); LoadAdapter it first")
+            what = "{field}" if field else "adapter"
+            raise AdapterNotFound(f"{what} {name!r} is not loaded (loaded: {loaded}); LoadAdapter it first", field)
         return adapter
 
     def digest(self, name: str) -> str:
@@ -159,11 +161,11 @@ def _check_path(path: str) -> None:
     """What no directory can be named by, refused before the file system sees it (a NUL byte made
     Path.resolve() raise ValueError, an INTERNAL)."""
     if "\x00" in path:
-        raise InvalidRequest("adapter path contains a NUL byte (\\x00), which no file name can hold; give a "
-                             "directory inside the adapter root (--adapter-root)")
+        raise InvalidRequest("adapter {field} contains a NUL byte (\\x00), which no file name can hold; give a "
+                             "directory inside the adapter root (--adapter-root)", "path")
     size = len(path.encode("utf-8", "surrogatepass"))
     if size > MAX_PATH_BYTES:
-        raise InvalidRequest(f"adapter path is {size} bytes long; at most {MAX_PATH_BYTES}")
+        raise InvalidRequest(f"adapter {{field}} is {size} bytes long; at most {MAX_PATH_BYTES}", "path")
 
 
 def _files_digest(*files: Path) -> str:

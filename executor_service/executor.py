@@ -41,7 +41,7 @@ from executor_service.step.op_lock import OpLock
 from executor_service.step.pooling import pooling_rules
 from executor_service.kv.prefix_cache import PrefixCache, PrefixCacheStats
 from executor_service.kv.prompt_logprob_store import restore_prompt_logprobs
-from executor_service.request_validation import RequestValidator, check_release_with_step, name_item
+from executor_service.request_validation import RequestValidator, check_release_with_step, name_item, unnamed
 from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
 from executor_service.tp.stack import build_stack
 from executor_service.vision.embedding_cache import ImageEmbeddings, VisionStats
@@ -128,7 +128,7 @@ class Executor:
             item = UnifiedItem(tuple(token_ids), cache_id, pos, True, sampling, output, adapter)
             (result,) = self._run([item])
             if result.error is not None:  # a single-item call: the item's error is the call's
-                raise result.error
+                raise unnamed(result.error)
             state = self._caches[result.cache.cache_id]
             state.prompt_len = result.cache.seq_len  # every Prefill chunk is prompt
             return PrefillResult(result.cache, result.output, state.cached_tokens)
@@ -167,7 +167,8 @@ class Executor:
         accepted prefix."""
         with self._op("forward_verify", session):
             if not cache.cache_id:
-                raise InvalidRequest("forward_verify needs the cache_id of an existing cache (prefill first)")
+                raise InvalidRequest("forward_verify needs {field} of an existing cache (prefill first)",
+                                     "cache.cache_id")
             item = UnifiedItem(tuple(token_ids), cache.cache_id, cache.seq_len, True, None, output, adapter)
             positions = self._step.verify(item, self._caches)
             return VerifyResult(self._caches.ref(cache.cache_id), positions)

@@ -73,7 +73,8 @@ class SessionRegistry:
     # ----------------------------------------------------------------- client calls
     def open(self, client_name: str) -> Session:
         if len(client_name) > MAX_CLIENT_NAME:
-            raise InvalidRequest(f"client_name has {len(client_name)} characters; at most {MAX_CLIENT_NAME}")
+            raise InvalidRequest(f"{{field}} has {len(client_name)} characters; at most {MAX_CLIENT_NAME}",
+                                 "client_name")
         now = self.clock()
         sid = uuid.uuid4().hex
         session = Session(sid, client_name, now, now + self.ttl_s)
@@ -106,8 +107,8 @@ class SessionRegistry:
     def close(self, session_id: str) -> Session | None:
         """Forgets a session and returns it (its caches are the caller's to release); None if unknown."""
         if session_id == ANONYMOUS:
-            raise InvalidRequest("session_id is empty: the anonymous session is shared and cannot be closed; "
-                                 "ReleaseCache its caches instead (they also go when its lease lapses)")
+            raise InvalidRequest("{field} is empty: the anonymous session is shared and cannot be closed; "
+                                 "ReleaseCache its caches instead (they also go when its lease lapses)", "session_id")
         with self._guard:
             session = self._live.pop(session_id, None)
         if session is not None:

@@ -98,9 +98,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "before any work (default --max-running + --max-waiting + 64: "
                          f"{_D.max_running + _D.max_waiting + 64} with the defaults). gRPC core is told to hold "
                          "8x as many calls not yet taken (at least 16384), so that it does not cancel them itself")
-    ap.add_argument("--max-queue-time", type=float, default=_D.max_queue_time_s,
-                    help="seconds a request may wait to be admitted (to get KV blocks on the executor) before it ends "
-                         f"RESOURCE_EXHAUSTED with the reason (default {_D.max_queue_time_s:.0f})")
+    ap.add_argument("--max-queue-time-s", "--max-queue-time", dest="max_queue_time", type=float,
+                    default=_D.max_queue_time_s, metavar="S",
+                    help="seconds a request may wait in the queue for its first step; past it it ends "
+                         "RESOURCE_EXHAUSTED / HTTP 429 with the reason and a Retry-After, nothing of it run (a request "
+                         "that ran once, then was preempted, is never ended so). A new request whose wait, estimated "
+                         "from the measured drain rate, is already past it is refused on arrival, before tokenizing "
+                         f"(docs/operations.md#overload; default {_D.max_queue_time_s:.0f})")
     ap.add_argument("--stream-stall-timeout-s", type=float, default=_D.stream_stall_timeout_s,
                     help="a streaming client (HTTP or gRPC) that leaves a message unread this many seconds has its "
                          "request stopped and its KV freed (RESOURCE_EXHAUSTED, counted in tandem:stream_stalls); the "

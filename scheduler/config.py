@@ -87,7 +87,8 @@ class SchedulerConfig:
     # tokenizing: a larger input is INVALID_ARGUMENT without costing a tokenizer worker any time.
     max_prompt_chars: int = 1_000_000
     tokenizer_threads: int = 2  # workers that tokenize and render chat templates off the event loop
-    # A request not admitted (given KV blocks) within this time ends RESOURCE_EXHAUSTED, naming why.
+    # A request not admitted a first time within this time ends RESOURCE_EXHAUSTED (429), naming why; one whose
+    # estimated wait is already past it is refused on arrival (scheduler/engine/admission.py).
     max_queue_time_s: float = 60.0
     # A streaming client that leaves a message unread this long, or lets more than stream_max_buffered pile up,
     # has its request stopped and its KV freed (scheduler/output/event_queue.py).
@@ -164,7 +165,7 @@ class SchedulerConfig:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
         if not self.max_queue_time_s > 0:  # also rejects NaN
-            raise ValueError(f"--max-queue-time must be > 0 seconds, got {self.max_queue_time_s}")
+            raise ValueError(f"--max-queue-time-s must be > 0 seconds, got {self.max_queue_time_s}")
         if not self.resolve_interval_s > 0:
             raise ValueError(f"--resolve-interval must be > 0 seconds, got {self.resolve_interval_s}")
         for flag, value in (("--executor-retry-s", self.executor_retry_s), ("--grace", self.grace_s)):

@@ -45,6 +45,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 ACCEPTED_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # accepted drafts per verification
+# Why a request was refused for overload: queue full (--max-waiting), the wait estimated past
+# --max-queue-time-s at arrival, that bound reached in the queue, the gRPC calls at --max-concurrent-rpcs.
+REFUSAL_REASONS = ("queue_full", "queue_wait_estimate", "queue_time", "rpc_limit")
 TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))[:-2]  # 1, 2, 5, 10, ... 1e6
 
 
@@ -74,6 +77,9 @@ class SchedulerMetrics:
         self.success = {reason.value: 0 for reason in FinishReason}  # every series exists from the start
         self.failure: dict[str, int] = {}  # by gRPC status name
         self.stream_stalls = 0  # requests stopped because their clients left their streams unread
+        # Overload refusals by reason (tandem.errors.Overloaded); the gRPC call limit's are read from it
+        self.refusals: dict[str, int] = {reason: 0 for reason in REFUSAL_REASONS}
+        self.call_limit: Callable[[], int] = lambda: 0
         self.registry = CollectorRegistry()
         self.registry.register(_RequestCollector(self))
         self.kv_moves = KvMoveCounters()  # KV moved between executors, tokens recomputed where it was not
@@ -129,6 +135,9 @@ class SchedulerMetrics:
 
     def stalled(self) -> None:
         self.stream_stalls += 1
+
+    def refused(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
     def recomputed(self, tokens: int) -> None:
         self.kv_moves.recomputed_tokens += tokens
@@ -198,6 +207,16 @@ class _RequestCollector(Collector):
         yield CounterMetricFamily("tandem:stream_stalls", "Requests stopped (KV freed) because their client left "
                                   "the stream unread past --stream-stall-timeout-s or --stream-max-buffered.",
                                   value=m.stream_stalls)
+        refused = CounterMetricFamily("tandem:requests_refused", "Requests refused for overload before any of "
+                                      "them ran (429 / RESOURCE_EXHAUSTED with Retry-After), by reason: queue_full "
+                                      "(--max-waiting), queue_wait_estimate (the measured drain rate put the wait "
+                                      "past --max-queue-time-s), queue_time (that bound reached in the queue), "
+                                      "rpc_limit (--max-concurrent-rpcs).", labels=["reason"])
+        counts = dict(m.refusals)
+        counts["rpc_limit"] = counts.get("rpc_limit", 0) + m.call_limit()
+        for reason, n in sorted(counts.items()):
+            refused.add_metric([reason], n)
+        yield refused
         success = CounterMetricFamily("tandem:request_success", "Requests that finished, by finish reason.",
                                       labels=["finished_reason"])
         for reason, n in dict(m.success).items():

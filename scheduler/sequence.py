@@ -35,6 +35,9 @@ class Sequence:
         self.drafted_tokens = 0  # speculative decoding: draft tokens sent for verification ...
         self.accepted_tokens = 0  # ... and those the executor accepted
         self.queued_at = 0.0  # when it last entered the waiting queue (the policy's clock)
+        self.admitted_at = 0.0  # when it last entered the running batch (the policy's clock)
+        # It has been admitted once (it may have streamed tokens): the queue-time bound never ends it after.
+        self.started = False
         # The executor's sampling, built once: (normal, before min_new_tokens).
         self.executor_sampling = sampling or (request.sampling, request.sampling)
         # The one of them registered with the current cache (sent on a final item the executor applied).

@@ -145,6 +145,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
     addresses = add_health_reflection_and_ports(server, health_servicer, SERVICE_NAME, cfg.host, cfg.port, cfg.uds,
                                                 guard.grpc_credentials(), cfg.security.reflection, (VLLM_ENGINE,))
     metrics = SchedulerMetrics()
+    metrics.call_limit = lambda: calls.refused
     fleet = Fleet(cfg, tokenizer, info, on_health=lambda up: loop.create_task(set_health(up)),
                   client_name=f"tandem-scheduler {addresses[0]}", events=metrics)
     metrics.watch(fleet.stats, (cfg.served_model_names or (info.model_id,))[0],

@@ -16,9 +16,10 @@ def sampling_from_pb(m: cpb.SamplingParams) -> SamplingParams:
     """Wire checks that the domain type cannot see (an explicit top_p of 0, a NaN penalty); the rest is
     SamplingParams.validate's, which needs the vocabulary size."""
     if m.HasField("top_p") and not (0.0 < m.top_p <= 1.0):
-        raise InvalidRequest(f"sampling.top_p must be in (0, 1] (leave it unset for off), got {m.top_p}")
+        raise InvalidRequest(f"{{field}} must be in (0, 1] (leave it unset for off), got {m.top_p}", "sampling.top_p")
     if not math.isnan(m.repetition_penalty) and m.repetition_penalty < 0:
-        raise InvalidRequest(f"sampling.repetition_penalty must be > 0 (unset = off), got {m.repetition_penalty}")
+        raise InvalidRequest(f"{{field}} must be > 0 (unset = off), got {m.repetition_penalty}",
+                             "sampling.repetition_penalty")
     return SamplingParams(
         temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.HasField("top_p") else 0.0, min_p=m.min_p,
         repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,

@@ -7,7 +7,21 @@ from __future__ import annotations
 
 
 class TandemError(Exception):
-    """Base class of every error a caller can provoke (bad input, wrong state, no capacity)."""
+    """Base class of every error a caller can provoke (bad input, wrong state, no capacity).
+
+    field: the request field at fault, as a proto field path (`sampling.top_p`, `stopping.stop[2]`,
+    `messages.messages[1].content`), or None. The message may write it as `{field}`: str() fills in the path
+    (what a gRPC client reads), in_terms() another name (the HTTP front's OpenAI parameter,
+    scheduler/http/errors.py); a message that does not write it is prefixed with it."""
+
+    def __init__(self, message: str = "", field: str | None = None) -> None:
+        self.field = field
+        self.template = message if field is None or "{field}" in message else "{field}: " + message
+        super().__init__(self.in_terms(field) if field is not None else message)
+
+    def in_terms(self, name: str) -> str:
+        """The message with the field called `name`."""
+        return self.template.replace("{field}", name)
 
 
 class InvalidRequest(TandemError):
@@ -59,6 +73,19 @@ class KvCapacityExceeded(CapacityExceeded):
         self.needed_blocks = needed_blocks
         self.free_blocks = free_blocks
         self.total_blocks = total_blocks
+
+
+class Overloaded(CapacityExceeded):
+    """More work than the server can start in time: its queue is full, the wait it measures for a new request is
+    past the queue-time bound, a queued request reached that bound before its first step, or the calls it
+    serves at once are at their limit. Nothing of the request ran. retry_after_s: when a retry is likely to be
+    taken (whole seconds, >= 1; from the measured drain rate where there is one); reason: a short label
+    (the refusals counter's, e.g. "queue_full")."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, reason: str = "overloaded") -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1, int(retry_after_s))
+        self.reason = reason
 
 
 class QueueFull(CapacityExceeded):
@@ -136,9 +163,12 @@ class DeadlineExceeded(TandemError):
     """The caller's deadline had passed before the call could run; it was not run (nothing changed)."""
 
 
-class TooManyCalls(CapacityExceeded):
+class TooManyCalls(Overloaded):
     """The server is already serving as many calls as its limit allows (--max-concurrent-rpcs); the call was
     refused on arrival, before any work. Retry later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, retry_after_s, "rpc_limit")
 
 
 class DataLoss(TandemError):

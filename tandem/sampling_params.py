@@ -63,32 +63,33 @@ class SamplingParams:
         """Raise InvalidRequest naming the first bad field."""
         def finite(name: str, value: float) -> None:
             if not math.isfinite(value):
-                raise InvalidRequest(f"sampling.{name} must be a finite number, got {value}")
+                raise InvalidRequest(f"{{field}} must be a finite number, got {value}", f"sampling.{name}")
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             finite(name, getattr(self, name))
         if self.temperature < 0:
-            raise InvalidRequest(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise InvalidRequest(f"{{field}} must be >= 0 (0 = greedy), got {self.temperature}", "sampling.temperature")
         if self.top_k < 0:
-            raise InvalidRequest(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise InvalidRequest(f"{{field}} must be >= 0 (0 = off), got {self.top_k}", "sampling.top_k")
         if not 0.0 <= self.top_p <= 1.0:
-            raise InvalidRequest(f"sampling.top_p must be in [0, 1] (0 = off), got {self.top_p}")
+            raise InvalidRequest(f"{{field}} must be in [0, 1] (0 = off), got {self.top_p}", "sampling.top_p")
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequest(f"sampling.min_p must be in [0, 1] (0 = off), got {self.min_p}")
+            raise InvalidRequest(f"{{field}} must be in [0, 1] (0 = off), got {self.min_p}", "sampling.min_p")
         if self.repetition_penalty < 0:
-            raise InvalidRequest(
-                f"sampling.repetition_penalty must be > 0 (0 or 1 = off), got {self.repetition_penalty}")
+            raise InvalidRequest(f"{{field}} must be > 0 (0 or 1 = off), got {self.repetition_penalty}",
+                                 "sampling.repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _PENALTY_RANGE[0] <= value <= _PENALTY_RANGE[1]:
-                raise InvalidRequest(f"sampling.{name} must be in [-2, 2], got {value}")
+                raise InvalidRequest(f"{{field}} must be in [-2, 2], got {value}", f"sampling.{name}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise InvalidRequest(f"sampling.seed must be in [0, 2^64), got {self.seed}")
+            raise InvalidRequest(f"{{field}} must be in [0, 2^64), got {self.seed}", "sampling.seed")
         for token_id, bias in self.logit_bias.items():
             if not 0 <= token_id < vocab_size:
-                raise InvalidRequest(
-                    f"sampling.logit_bias names token {token_id}, outside the vocabulary [0, {vocab_size})")
-            finite(f"logit_bias[{token_id}]", bias)
+                raise InvalidRequest(f"{{field}} names token {token_id}, outside the vocabulary [0, {vocab_size})",
+                                     "sampling.logit_bias")
+            finite("logit_bias", bias)
             if not _BIAS_RANGE[0] <= bias <= _BIAS_RANGE[1]:
-                raise InvalidRequest(f"sampling.logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+                raise InvalidRequest(f"{{field}} of token {token_id} must be in [-100, 100], got {bias}",
+                                     "sampling.logit_bias")

@@ -42,9 +42,9 @@ _LOGITS_DTYPES = {pb.LOGITS_DTYPE_UNSPECIFIED, pb.LOGITS_DTYPE_FLOAT32, pb.LOGIT
 def output_from_pb(m: pb.OutputOptions) -> tuple[OutputOptions, int]:
     """Returns the domain options and the wire dtype for logits."""
     if m.mode not in _MODES:
-        raise InvalidRequest(f"output.mode {m.mode} is not a known OutputMode")
+        raise InvalidRequest(f"{{field}} {m.mode} is not a known OutputMode", "output.mode")
     if m.logits_dtype not in _LOGITS_DTYPES:
-        raise InvalidRequest(f"output.logits_dtype {m.logits_dtype} is not a known LogitsDtype")
+        raise InvalidRequest(f"{{field}} {m.logits_dtype} is not a known LogitsDtype", "output.logits_dtype")
     return OutputOptions(_MODES[m.mode], m.top_logprobs), m.logits_dtype or pb.LOGITS_DTYPE_FLOAT32
 
 
@@ -214,7 +214,7 @@ def release_response_to_pb(released: int, unknown: list[str], kv: KvUsage) -> pb
 
 def decode_item_from_pb(m: pb.DecodeItem) -> tuple[DecodeItem, int]:
     if not m.cache.cache_id:
-        raise InvalidRequest("decode item needs cache.cache_id (run Prefill first)")
+        raise InvalidRequest("a decode item needs {field} (run Prefill first)", "cache.cache_id")
     output, dtype = output_from_pb(m.output)
     drafts = (NgramDrafts(m.ngram_drafts.max_draft_tokens, m.ngram_drafts.ngram_min, m.ngram_drafts.ngram_max)
               if m.HasField("ngram_drafts") else None)

@@ -20,9 +20,9 @@ def pooling_from_pb(m: pb.UnifiedItem) -> PoolingOptions | None:
         return None
     p = m.pooling
     if p.task not in _TASKS:
-        raise InvalidRequest(f"pooling.task {p.task} is not a known PoolingTask")
+        raise InvalidRequest(f"{{field}} {p.task} is not a known PoolingTask", "pooling.task")
     if p.type not in _TYPES:
-        raise InvalidRequest(f"pooling.type {p.type} is not a known PoolingType")
+        raise InvalidRequest(f"{{field}} {p.type} is not a known PoolingType", "pooling.type")
     return PoolingOptions(_TASKS[p.task], _TYPES[p.type], p.normalize, tuple(p.token_ids))
 
 

@@ -113,7 +113,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     @_on_model_thread
     def ForwardVerify(self, request, context):
         if not request.cache.cache_id:
-            raise InvalidRequest("ForwardVerify needs cache.cache_id (run Prefill first)")
+            raise InvalidRequest("ForwardVerify needs {field} (run Prefill first)", "cache.cache_id")
         ex = self.ex
         output, dtype = codec.output_from_pb(request.output)
         res = ex.forward_verify(CacheRef(request.cache.cache_id, request.cache.seq_len),
@@ -145,7 +145,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def SubscribeKvEvents(self, request, context):
         interval_ms = request.summary_interval_ms or DEFAULT_SUMMARY_MS
         if interval_ms < MIN_SUMMARY_MS:
-            raise InvalidRequest(f"summary_interval_ms must be >= {MIN_SUMMARY_MS}, got {interval_ms}")
+            raise InvalidRequest(f"{{field}} must be >= {MIN_SUMMARY_MS}, got {interval_ms}", "summary_interval_ms")
         ex = self.ex
         sub = ex.subscribe_kv_events()
         try:

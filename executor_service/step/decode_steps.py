@@ -40,9 +40,9 @@ def run_decode_steps(items: Sequence[DecodeItem], num_steps: int, caches: CacheT
     """The executor's decode, under its model lock. run: one packed forward over unified items."""
     steps = max(1, num_steps)
     if steps > MAX_DECODE_STEPS:
-        raise InvalidRequest(f"num_steps must be <= {MAX_DECODE_STEPS}, got {num_steps}")
+        raise InvalidRequest(f"{{field}} must be <= {MAX_DECODE_STEPS}, got {num_steps}", "num_steps")
     if not items:
-        raise InvalidRequest("decode needs at least one item")
+        raise InvalidRequest("decode needs at least one item", "items")
     validator.check_call([UnifiedItem((it.token_id,), draft_token_ids=it.draft_token_ids) for it in items])
     errors: list[TandemError | None] = [_item_problem(it, n, steps) for n, it in enumerate(items)]
     # Before the first step: what to put back if a later step fails.
@@ -116,20 +116,23 @@ def run_decode_steps(items: Sequence[DecodeItem], num_steps: int, caches: CacheT
 
 def _item_problem(it: DecodeItem, n: int, steps: int) -> TandemError | None:
     """Why the item fails alone before any step (INVALID_ARGUMENT), or None."""
-    problem = None
+    problem, field = None, None
     if not it.cache.cache_id:  # a Decode extends caches; it never creates one
-        return name_item(InvalidRequest("a decode item needs the cache_id of an existing cache (prefill first)"), n)
+        return name_item(InvalidRequest("a decode item needs {field} of an existing cache (prefill first)",
+                                        "cache.cache_id"), n)
     if steps > 1 and not it.output.wants_tokens:
-        problem = "num_steps > 1 feeds sampled tokens back: output mode must include tokens"
+        problem, field = "num_steps > 1 feeds sampled tokens back: output mode must include tokens", "output.mode"
     elif steps > 1 and it.draft_token_ids:
-        problem = "draft tokens are verified in one step: send them with num_steps 0 or 1 (or use UnifiedDecode)"
+        problem, field = ("{field} are verified in one step: send them with num_steps 0 or 1 (or use "
+                          "UnifiedDecode)", "draft_token_ids")
     elif it.ngram_drafts is not None:
-        problem = it.ngram_drafts.problem()
+        problem, field = it.ngram_drafts.problem() or (None, None)
         if problem is None and it.draft_token_ids:
-            problem = "ngram_drafts and draft_token_ids exclude each other: send one of them"
+            problem, field = "{field} and draft_token_ids exclude each other: send one of them", "ngram_drafts"
         elif problem is None and it.output.wants_logits:
-            problem = "ngram_drafts are verified by sampling them: the output mode must be tokens (no logits)"
-    return None if problem is None else name_item(InvalidRequest(problem), n, it.cache.cache_id)
+            problem, field = ("ngram_drafts are verified by sampling them: the output mode must be tokens (no "
+                              "logits)", "output.mode")
+    return None if problem is None else name_item(InvalidRequest(problem, field), n, it.cache.cache_id)
 
 
 def _drafts(items: Sequence[DecodeItem], active: list[int], drafting: dict[int, _Drafting], caches: CacheTable,

@@ -25,13 +25,16 @@ class NgramDrafts:
     ngram_min: int  # >= 1
     ngram_max: int  # ngram_min..MAX_NGRAM
 
-    def problem(self) -> str | None:
-        """Why these settings are refused (INVALID_ARGUMENT), or None."""
+    def problem(self) -> tuple[str, str] | None:
+        """Why these settings are refused (INVALID_ARGUMENT: a message writing `{field}`, and the field, a path
+        under ngram_drafts), or None."""
         if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
-            return f"ngram_drafts.max_draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {self.max_draft_tokens}"
+            return (f"{{field}} must be in 1..{MAX_DRAFT_TOKENS}, got {self.max_draft_tokens}",
+                    "ngram_drafts.max_draft_tokens")
         if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
-            return (f"ngram_drafts needs 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, got ngram_min "
-                    f"{self.ngram_min}, ngram_max {self.ngram_max}")
+            field = "ngram_drafts.ngram_min" if not 1 <= self.ngram_min <= MAX_NGRAM else "ngram_drafts.ngram_max"
+            return (f"{{field}}: ngram_drafts needs 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, got ngram_min "
+                    f"{self.ngram_min}, ngram_max {self.ngram_max}", field)
         return None
 
 

@@ -49,31 +49,36 @@ class PoolingRules:
         if p is None:
             if not self.lm_head:
                 raise InvalidRequest(f"this model ({self.architecture}) has no LM head: it serves pooled items "
-                                     "only (UnifiedItem.pooling with task classify or embed), nothing is sampled")
+                                     "only ({field} with task classify or embed), nothing is sampled", "pooling")
             return it
         if self.info is None:
-            raise InvalidRequest(f"this executor serves no pooled items: {self.refusal}")
+            raise InvalidRequest(f"{{field}} is set but this executor serves no pooled items: {self.refusal}",
+                                 "pooling")
         if it.draft_token_ids or it.allowed_tokens is not None or it.prompt_logprobs is not None:
             raise InvalidRequest("a pooled item samples nothing: it cannot carry draft_token_ids, allowed_tokens or "
-                                 "prompt_logprobs")
+                                 "prompt_logprobs", "draft_token_ids" if it.draft_token_ids else "allowed_tokens"
+                                 if it.allowed_tokens is not None else "prompt_logprobs")
         if p.task is PoolingTask.CLASSIFY and not self.info.num_labels:
             raise InvalidRequest(f"this model ({self.architecture}) has no sequence-classification head: classify "
-                                 "needs a *ForSequenceClassification checkpoint (embed or token_logits instead)")
+                                 "needs a *ForSequenceClassification checkpoint (embed or token_logits instead)",
+                                 "pooling.task")
         if p.task is PoolingTask.TOKEN_LOGITS:
             if not self.info.lm_head:
                 raise InvalidRequest(f"this model ({self.architecture}) has no LM head, so no token logits: use "
-                                     "task classify")
+                                     "task classify", "pooling.task")
             if not 1 <= len(p.token_ids) <= MAX_SCORED_TOKENS:
-                raise InvalidRequest(f"token_logits needs 1 to {MAX_SCORED_TOKENS} token_ids, got {len(p.token_ids)}")
+                raise InvalidRequest(f"token_logits needs 1 to {MAX_SCORED_TOKENS} {{field}}, got {len(p.token_ids)}",
+                                     "pooling.token_ids")
             bad = next((t for t in p.token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise InvalidRequest(f"pooling token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidRequest(f"{{field}} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                                     "pooling.token_ids")
         if p.task is not PoolingTask.EMBED:
             return it
         kind = p.type or self.info.default_type
         if kind is None:
             raise InvalidRequest(f"the model's pooling configuration is not served ({self.info.source}): name a "
-                                 "pooling type (last or mean), or start the executor with --pooling")
+                                 "pooling type (last or mean), or start the executor with --pooling", "pooling.type")
         if kind is PoolingType.MEAN and it.pos_offset and (state is None or state.pool_sum is None
                                                            or state.pool_rows != it.pos_offset):
             raise CacheStateConflict(

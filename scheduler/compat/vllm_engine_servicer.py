@@ -62,6 +62,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         vcodec.check_supported(request)
         m = vcodec.generate_request_to_pb(request)
         n = vcodec.choices_of(request)
+        fleet.check_overload()  # (before tokenizing: a flood is refused at once)
         with self._limits.enter(CURRENT_PRINCIPAL.get(), n) as lease:
             codec.check_input_size(m, fleet.cfg.max_prompt_chars)
             req = await self._off_loop(codec.request_from_pb, m, fleet.tokenizer, fleet.info,

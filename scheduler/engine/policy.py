@@ -21,8 +21,8 @@ Failure rules (each returns the requests that end, with their error, for the loo
   running sequence is requeued with its cache forgotten (the old executor's caches are gone), outputs kept,
   and recomputed once an executor serves again, exactly as after a preemption. The loop decides when that
   has taken too long (fail_all);
-- a request waits at most max_queue_time_s (from when it entered the queue, or from the executor's return)
-  to be admitted: expire_waiting() ends it RESOURCE_EXHAUSTED with the reason the planner gave for the head.
+- overload is refused at the door (check_overload), and a request not admitted a first time within
+  max_queue_time_s ends (expire_waiting): scheduler/engine/admission.py.
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ import time
 from typing import Callable, Iterator
 
 from scheduler.config import SchedulerConfig
+from scheduler.engine.admission import expired, overload, too_big
+from scheduler.engine.drain_rate import DrainRate
 from scheduler.engine.planner import Planner, StepPlan
 from scheduler.engine.prefix_wait import shared_prefix
 from scheduler.engine.release_ledger import ReleaseLedger
@@ -40,7 +42,7 @@ from scheduler.sequence import Sequence, Status
 from scheduler.engine.speculation import Speculator
 from scheduler.engine.step_answer import ItemResult
 from scheduler.output.step_outcome import Emitted, Failure, Pooled, StepOutcome
-from tandem.errors import AdapterNotFound, CapacityExceeded, RemoteError, TandemError
+from tandem.errors import AdapterNotFound, CapacityExceeded, Overloaded, RemoteError, TandemError
 from tandem.kv_usage import KvUsage
 
 log = logging.getLogger("tandem.scheduler")
@@ -69,6 +71,7 @@ class SchedulingPolicy:
         self._arrivals = arrivals or itertools.count()
         self.releases = ReleaseLedger()  # the caches to release on the executor (scheduler/engine/release_ledger.py)
         self._in_flight: set[Sequence] = set()
+        self.drain = DrainRate(clock)  # how fast the batch frees places: estimated waits, Retry-After
 
     def _budget(self, executor_max_batch_tokens: int) -> int:
         return min(self.cfg.max_batch_tokens, executor_max_batch_tokens or self.cfg.max_batch_tokens)
@@ -83,17 +86,16 @@ class SchedulingPolicy:
     def next_arrival(self) -> int:
         return next(self._arrivals)
 
+    def check_overload(self) -> None:
+        """Raises Overloaded when a new request would be refused for overload (scheduler/engine/admission.py)."""
+        if (refusal := overload(self.cfg, self.drain, len(self.waiting), len(self.running))) is not None:
+            raise refusal
+
     def check_admissible(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raises CapacityExceeded when the queue is full or the request could never fit the KV pool."""
-        if len(self.waiting) >= self.cfg.max_waiting:
-            raise CapacityExceeded(f"the scheduler's queue is full ({self.cfg.max_waiting} requests waiting); "
-                                   "retry later")
-        tokens = prompt_tokens + max_new_tokens
-        if not Planner.fits_alone(tokens, self.kv):
-            raise CapacityExceeded(
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) need "
-                f"{self.kv.blocks_for(tokens)} KV blocks but the executor's whole cache has {self.kv.total_blocks} "
-                f"(x {self.kv.block_size} tokens); shorten the request")
+        """Raises Overloaded, or CapacityExceeded when the request could never fit the KV pool."""
+        self.check_overload()
+        if (refusal := too_big(self.kv, prompt_tokens, max_new_tokens)) is not None:
+            raise refusal
 
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence (check_admissible first), or one moved from another engine."""
@@ -103,7 +105,7 @@ class SchedulingPolicy:
         """Drops a sequence (client cancel, deadline, shutdown); its cache is released now, or when the step
         that holds it returns."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._leave(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq not in self._in_flight and seq.cache_id:
@@ -127,9 +129,11 @@ class SchedulingPolicy:
             self._release(seq)
             seq.drop_cache()
         self.short_of_blocks = bool(plan.preempted or plan.unpinned)
+        now = self.clock()
         for seq in plan.admitted:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
+            seq.admitted_at, seq.started = now, True
             _insort(self.running, seq)
         if plan.head_needs_blocks:  # the reused prefixes pinned behind the head would keep blocks from it
             for seq in self.waiting[1:]:
@@ -174,7 +178,7 @@ class SchedulingPolicy:
                     break
                 out.emitted.append(Emitted(seq, token, finish))
                 if finish is not None:
-                    self.running.remove(seq)
+                    self._leave(seq)
                     self._release(seq)
                     self._forget(seq)
                     break
@@ -191,7 +195,7 @@ class SchedulingPolicy:
             self._end(seq)
             return
         out.pooled.append(Pooled(seq, values))
-        self.running.remove(seq)
+        self._leave(seq)
         self._release(seq)
         self._forget(seq)
         seq.status = Status.FINISHED
@@ -246,17 +250,12 @@ class SchedulingPolicy:
             f"({self.kv.total_blocks} blocks of {self.kv.block_size} tokens)"))
 
     def expire_waiting(self) -> list[Failure]:
-        """Requests that have waited max_queue_time_s to be admitted end RESOURCE_EXHAUSTED, saying why."""
-        limit = self.cfg.max_queue_time_s
-        now = self.clock()
-        expired = [(i, s) for i, s in enumerate(self.waiting) if now - s.queued_at >= limit]
-        failed = []
-        for ahead, seq in expired:
-            why = self.wait_reason or "the executor had no room for it"
-            if ahead:
-                why = f"{ahead} requests ahead of it in the queue; the first of them waits because {why}"
-            failed.append(Failure(seq, CapacityExceeded(f"not admitted within {limit:g} s: {why}")))
-            self._end(seq)
+        """Requests that have waited max_queue_time_s for their first admission end RESOURCE_EXHAUSTED
+        (Overloaded), saying why; nothing of them ran (scheduler/engine/admission.py)."""
+        failed = [Failure(seq, error) for seq, error in expired(self.cfg, self.waiting, self.clock(), self.wait_reason,
+                                                                  self.drain, len(self.running))]
+        for f in failed:
+            self._end(f.seq)
         return failed
 
     # ----------------------------------------------------------------- prefix caching
@@ -363,10 +362,15 @@ class SchedulingPolicy:
             self.releases.add(seq.cache_id)
             seq.cache_id = ""
 
+    def _leave(self, seq: Sequence) -> None:
+        """seq leaves the running batch for good (done, failed, aborted): its place is free (the drain rate)."""
+        self.running.remove(seq)
+        self.drain.finished(self.clock() - seq.admitted_at)
+
     def _end(self, seq: Sequence) -> None:
         """Removes seq from the queues and releases its cache: it is over."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._leave(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)

@@ -38,7 +38,7 @@ from scheduler.sequence import Sequence
 from scheduler.engine.token_masks import MaskWorker
 from tandem.capabilities import DETERMINISTIC
 from scheduler.vision.chat_images import ChatImages
-from tandem.errors import AdapterNotFound, Unsupported
+from tandem.errors import AdapterNotFound, Overloaded, Unsupported
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -128,9 +128,31 @@ class Fleet:
         await asyncio.gather(*(e.refresh_info() for e in self.engines if e.up))
 
     # ----------------------------------------------------------------- requests
+    def check_overload(self) -> None:
+        """Before any work on a new request (tokenizing): raises Overloaded when every serving executor's queue
+        would refuse it (full, or a wait estimated past --max-queue-time-s), with the soonest Retry-After."""
+        refusals = []
+        for e in self.engines:
+            if e.up:
+                try:
+                    e.policy.check_overload()
+                    return
+                except Overloaded as exc:
+                    refusals.append(exc)
+        if refusals:
+            self._refused(min(refusals, key=lambda r: r.retry_after_s))
+
+    def _refused(self, refusal: Overloaded) -> None:
+        if self.events is not None:
+            self.events.refused(refusal.reason)
+        raise refusal
+
     def submit(self, request: GenerateRequest) -> tuple[Sequence, RequestStream]:
         engine, hashes = self._route(request)
-        seq, stream = engine.submit(request)
+        try:
+            seq, stream = engine.submit(request)
+        except Overloaded as exc:
+            self._refused(exc)
         self._owner[seq] = engine
         self.indexes[engine].routed(hashes)
         return seq, stream

@@ -118,6 +118,7 @@ class _Front:
         """One completion request of `choices` choices (prompts x n) under the caller's token share: counted
         before tokenizing, charged its tokens after; the share is held until the generation ends
         (Generation.close releases it)."""
+        self.fleet.check_overload()  # (before tokenizing: a flood is refused at once, 429 with Retry-After)
         lease = self.limits.enter(CURRENT_PRINCIPAL.get(), choices)
         try:
             requests = await make_requests()
@@ -131,6 +132,10 @@ class _Front:
                       request: Request, stream: bool, lease: Lease | None = None) -> Response:
         generation = Generation(self.fleet, requests, request.receive, lease)  # refusals (429, ...) raise here
         if stream:
+            try:
+                await generation.started()  # refused in the queue: 429 (raised), not a 200 and an error event
+            except ClientGone:
+                return Response(status_code=499)
             return StreamingResponse(_stream(generation, renderer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
@@ -200,6 +205,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        errors.named_as(convert.param_names(body))
         n = body.n or 1
         opts = body.stream_options
 
@@ -225,6 +231,7 @@ def build_app(fleet: Fleet, workers: Executor | None, healthy: Callable[[], bool
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        errors.named_as(convert.param_names(body))
         n = body.n or 1
         opts = body.stream_options
 

@@ -13,9 +13,10 @@ h11's view of the client:
 A deadline is set when a phase begins, never pushed back by bytes that arrive. Past it the connection gets a
 408 with the OpenAI error body if a response can still be sent (some bytes came and no response has begun)
 and is closed; the app sees a disconnect. Connections past --http-max-connections (503) or from an address
-that holds --http-max-connections-per-client (429) get that error, once their request is read, and are
-closed; they are not counted, so they never hold a place. Garbage that is not HTTP gets uvicorn's 400 with the
-OpenAI error body instead of plain text.
+that holds --http-max-connections-per-client (429) get that error with `Retry-After: 1` (a place opens when
+one of the client's own connections ends, which no rate predicts: soon is the honest answer), once their
+request is read, and are closed; they are not counted, so they never hold a place. Garbage that is not HTTP
+gets uvicorn's 400 with the OpenAI error body instead of plain text.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from scheduler.http import errors
 from scheduler.http.limits import HttpLimits
 
 log = logging.getLogger("tandem.scheduler")
+RETRY_AFTER_S = 1  # a refused connection's Retry-After (whole seconds)
 
 
 class ConnectionGuard:
@@ -71,6 +73,7 @@ def _refusal(status: int, message: str):
             pass
         response = errors.response(status, message)
         response.headers["connection"] = "close"
+        response.headers["retry-after"] = str(RETRY_AFTER_S)  # (RFC 9110: on a 429 or a 503)
         await response(scope, receive, send)
 
     return app

@@ -79,6 +79,24 @@ def constraint(body: SamplingFields) -> pb.Constraint | None:
     return given[0][1] if given else None
 
 
+_CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def param_names(body: SamplingFields) -> dict[str, str]:
+    """This request's own names for the proto fields its errors may name, where they are not the usual ones
+    (scheduler/http/errors.py): max_completion_tokens when sent, completions' `logprobs`, the guided_* field
+    that carries the constraint."""
+    names: dict[str, str] = {}
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        names["stopping.max_new_tokens"] = "max_completion_tokens"
+    if isinstance(body, CompletionRequest):
+        names["top_logprobs"] = "logprobs"
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(body, name, None) is not None:
+            names.update({"constraint": name, **{f"constraint.{k}": name for k in _CONSTRAINT_FIELDS}})
+    return names
+
+
 def _common(body: SamplingFields, adapter: str, top_logprobs: int, max_tokens: int | None) -> dict:
     return dict(sampling=sampling(body), stopping=stopping(body, max_tokens), adapter=adapter,
                 top_logprobs=top_logprobs, keep_special_tokens=body.skip_special_tokens is False,

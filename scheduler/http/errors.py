@@ -8,9 +8,11 @@ body that does not parse, a timeout reading it) carry the name of the gRPC statu
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
-from typing import Any
+import re
+from typing import Any, Callable
 
 import grpc
 from fastapi import FastAPI, Request
@@ -18,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tandem.errors import AdapterNotFound, InvalidRequest, TandemError
+from tandem.errors import AdapterNotFound, InvalidRequest, Overloaded, TandemError
 from tandem.loggable import loggable
 from tandem.status_map import status_for
 
@@ -96,7 +98,57 @@ def of_exception(exc: Exception) -> tuple[int, dict[str, Any]]:
     status = HTTP_STATUS_OF.get(code, 500)
     log.info("HTTP -> %d %s: %s", status, code.name, loggable(str(exc)))
     name = "model_not_found" if isinstance(exc, AdapterNotFound) else code.name.lower()
-    return status, body(status, str(exc), getattr(exc, "param", None), name)
+    param = getattr(exc, "param", None)
+    if param is None and exc.field is not None:  # a check of the generate codec: named as the client sent it
+        param = openai_param(exc.field)
+    message = exc.in_terms(param) if exc.field is not None and param is not None else str(exc)
+    return status, body(status, message, param, name)
+
+
+# tandem.generate.v1 field paths -> the OpenAI parameter they come from (scheduler/http/convert.py), by prefix;
+# what follows the prefix is kept, indexes written as the schema errors write them (`messages.2.content`).
+# A route whose names differ (max_completion_tokens, completions' logprobs) says so with named_as().
+_OPENAI_PARAMS: dict[str, str] = {
+    "stopping.max_new_tokens": "max_tokens", "stopping.min_new_tokens": "min_tokens", "stopping.stop_token_ids":
+    "stop_token_ids", "stopping.stop": "stop", "sampling.": "", "messages.messages": "messages",
+    "messages.tools": "tools", "text": "prompt", "token_ids": "prompt", "input": "prompt", "constraint": "response_format",
+    "top_logprobs": "top_logprobs", "prompt_logprobs": "prompt_logprobs", "cache_salt": "cache_salt",
+    "request_id": "request_id",
+}
+# OpenAI nests a function's fields under `function` (the proto does not): tools.0.name -> tools.0.function.name
+_FUNCTION_FIELDS = ((re.compile(r"^tools\.(\d+)\.(name|description|parameters)"), r"tools.\1.function.\2"),
+                    (re.compile(r"^messages\.(\d+)\.tool_calls\.(\d+)\.(name|arguments)"),
+                     r"messages.\1.tool_calls.\2.function.\3"))
+_ROUTE_NAMES: contextvars.ContextVar[tuple[dict[str, str], Callable[[str], str] | None]] = \
+    contextvars.ContextVar("openai_param_names", default=({}, None))
+
+
+def named_as(names: dict[str, str], rename: Callable[[str], str | None] | None = None) -> None:
+    """The current request's own names for some fields (`{"stopping.max_new_tokens": "max_completion_tokens"}`),
+    and a last renaming of the chat parameter a field maps to, for a route whose body is not a chat request's
+    (/v1/responses: `max_completion_tokens` -> `max_output_tokens`): set by a route, before the checks run, for
+    its errors."""
+    _ROUTE_NAMES.set((names, rename))
+
+
+def openai_param(field: str) -> str:
+    """The OpenAI parameter of a proto field path: `sampling.top_p` -> `top_p`, `stopping.stop[2]` -> `stop.2`,
+    `messages.messages[1].content` -> `messages.1.content`."""
+    route_names, rename = _ROUTE_NAMES.get()
+    names = {**_OPENAI_PARAMS, **route_names}
+    prefix = max((p for p in names if field == p or field.startswith(p if p.endswith(".") else (p + "."))
+                  or field.startswith(p + "[")), key=len, default="")
+    rest = field[len(prefix):] if prefix else field
+    name = re.sub(r"\[(\d+)\]", r".\1", (names[prefix] + rest) if prefix else rest).strip(".")
+    for pattern, nested in _FUNCTION_FIELDS:
+        name = pattern.sub(nested, name, count=1)
+    return (rename(name) or name) if rename is not None else name
+
+
+def retry_headers(exc: Exception) -> dict[str, str]:
+    """`Retry-After` (whole seconds, RFC 9110) for a refusal for overload: when a retry is likely to be taken,
+    from the measured drain rate (tandem.errors.Overloaded.retry_after_s)."""
+    return {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else {}
 
 
 def validation_param(loc: tuple[Any, ...]) -> str | None:
@@ -156,7 +208,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(TandemError)
     async def _domain(request: Request, exc: TandemError) -> JSONResponse:
         status, content = of_exception(exc)
-        return JSONResponse(content, status_code=status)
+        return JSONResponse(content, status_code=status, headers=retry_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

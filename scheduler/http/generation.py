@@ -67,6 +67,18 @@ class Generation:
         except asyncio.QueueFull:  # the reader finds `disconnected` set at its next message
             pass
 
+    async def started(self) -> None:
+        """Waits until every choice was admitted into a batch or ended; raises the first that was refused before
+        its first step (every choice aborted), or ClientGone. A stream's status line goes after this: a request
+        refused in the queue (--max-queue-time-s) is a 429 with Retry-After, never an error event after a 200."""
+        for _, stream in self._runs:
+            await stream.started.wait()  # (a disconnect cancels every choice: each is set then)
+            if self.disconnected:
+                raise ClientGone()
+            if stream.refusal is not None:
+                self.close()
+                raise stream.refusal
+
     async def events(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) until every choice has finished. Raises the first choice's error (the others
         are aborted), or ClientGone."""

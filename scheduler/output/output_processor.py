@@ -11,7 +11,7 @@ from scheduler.output.request_events import RequestEvents
 from scheduler.output.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.output.step_outcome import Failure, StepOutcome
-from tandem.errors import StreamStalled
+from tandem.errors import Overloaded, StreamStalled
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -82,6 +82,8 @@ class OutputProcessor:
         for f in failures:
             stream = self.streams.get(f.seq)
             if stream is not None:
+                if isinstance(f.error, Overloaded) and self.events is not None:  # (the queue-time bound)
+                    self.events.refused(f.error.reason)
                 stream.fail(f.error)
 
     def stalled(self, timeout_s: float, max_buffered: int) -> list[Sequence]:

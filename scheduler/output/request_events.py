@@ -25,6 +25,9 @@ class RequestEvents(Protocol):
     def speculated(self, verified: list[Verified], seconds: float) -> None:
         """A step of `seconds` verified these drafts (one entry per sequence, or per burst)."""
 
+    def refused(self, reason: str) -> None:
+        """A request was refused for overload before any of it ran (tandem.errors.Overloaded's reason)."""
+
     def stalled(self) -> None:
         """A request was stopped because its client left its stream unread (--stream-stall-timeout-s)."""
 

@@ -10,6 +10,7 @@ It also keeps the request's timeline (queued, admitted, each token, end) and rep
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable
 
@@ -41,12 +42,17 @@ class RequestStream:
         self._queued_at = clock()
         self._last_token_at: float | None = None
         self._admitted = False
+        # Set once the request was admitted or ended (refused, cancelled): the HTTP front sends a stream's status
+        # line after it, so that a refusal in the queue is a 429, not an error event after a 200.
+        self.started = asyncio.Event()
+        self.refusal: TandemError | None = None  # the error that ended it before its first admission
 
     def admitted(self) -> None:
         """The engine admitted the request into its batch; the first time ends its queue time (a preempted or
         moved request is admitted again later: that counts once)."""
         if not self._admitted:
             self._admitted = True
+            self.started.set()
             if self._metrics is not None:
                 self._metrics.admitted(self._clock() - self._queued_at)
 
@@ -96,6 +102,9 @@ class RequestStream:
         """Ends the stream with an error status."""
         if not self.finished:
             self.finished = True
+            if not self._admitted:
+                self.refusal = error
+            self.started.set()
             self.events.put_nowait(error)
             if self._metrics is not None:
                 self._metrics.failed(status_for(error).name)
@@ -104,6 +113,7 @@ class RequestStream:
         """The client went away before the end (cancel, deadline): counted, nothing more is sent."""
         if not self.finished:
             self.finished = True
+            self.started.set()
             if self._metrics is not None:
                 self._metrics.failed("CANCELLED")
 
@@ -142,6 +152,7 @@ class RequestStream:
 
     def _finish(self, finish: Finish, preemptions: int) -> Finish:
         self.finished = True
+        self.started.set()
         if self._metrics is not None:
             self._metrics.finished(finish.reason, self._clock() - self._queued_at, len(self.request.prompt_ids),
                                    self._completion_tokens)

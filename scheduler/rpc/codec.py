@@ -32,16 +32,17 @@ def check_input_size(m: pb.GenerateRequest | pb.TokenizeRequest, max_chars: int)
     """The size limits of a text or chat input, checked before it is tokenized (cheap: lengths only)."""
     kind = m.WhichOneof("input")
     if kind == "text" and len(m.text) > max_chars:
-        raise InvalidRequest(f"input text has {len(m.text)} characters; this scheduler takes at most {max_chars} "
-                             "(--max-prompt-chars)")
+        raise InvalidRequest(f"{{field}} has {len(m.text)} characters; this scheduler takes at most {max_chars} "
+                             "(--max-prompt-chars)", "text")
     if kind == "messages":
         messages = m.messages.messages
         if len(messages) > MAX_CHAT_MESSAGES:
-            raise InvalidRequest(f"input has {len(messages)} chat messages; at most {MAX_CHAT_MESSAGES}")
+            raise InvalidRequest(f"{{field}} holds {len(messages)} chat messages; at most {MAX_CHAT_MESSAGES}",
+                                 "messages.messages")
         chars = chat_chars(m.messages)
         if chars > max_chars:
-            raise InvalidRequest(f"input messages have {chars} characters in all; this scheduler takes at most "
-                                 f"{max_chars} (--max-prompt-chars)")
+            raise InvalidRequest(f"{{field}} have {chars} characters in all; this scheduler takes at most "
+                                 f"{max_chars} (--max-prompt-chars)", "messages.messages")
 
 
 def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTokenizer, vocab_size: int,
@@ -49,25 +50,29 @@ def prompt_ids_from_pb(m: pb.GenerateRequest | pb.TokenizeRequest, tok: ModelTok
     """template_variables: more variables for the chat template (the HTTP front's chat_template_kwargs)."""
     kind = m.WhichOneof("input")
     if kind is None:
-        raise InvalidRequest("the request has no input: set one of text, token_ids or messages")
+        raise InvalidRequest("the request has no input: set one of text, token_ids or messages", "input")
     if kind == "text":
         if not m.text:
-            raise InvalidRequest("input text is empty")
+            raise InvalidRequest("{field} is empty", "text")
         ids = tok.encode(m.text)
     elif kind == "token_ids":
         ids = list(m.token_ids.ids)
         bad = next((i for i in ids if i >= vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has {vocab_size} tokens")
+            raise InvalidRequest(f"{{field}} holds token id {bad}, out of range: the vocabulary has {vocab_size} "
+                                 "tokens", "token_ids")
     else:
         if not m.messages.messages:
-            raise InvalidRequest("input messages is empty: give at least one {role, content}")
+            raise InvalidRequest("{field} is empty: give at least one message with a role and content",
+                                 "messages.messages")
         if image_sources(m.messages.messages):
-            raise InvalidRequest("this call takes no images (only GenerateRequest's messages do)")
+            raise InvalidRequest("{field}: this call takes no images (only GenerateRequest's messages do)",
+                                 "messages.messages")
         ids = tok.encode_chat(messages_from_pb(m.messages.messages), tools_from_pb(m.messages.tools),
                               template_variables)
     if not ids:
-        raise InvalidRequest(f"input {kind} is empty (it tokenizes to no tokens)")
+        raise InvalidRequest("{field} is empty (it tokenizes to no tokens)", "messages.messages" if kind == "messages"
+                             else kind)
     return ids
 
 
@@ -112,25 +117,29 @@ def stopping_from_pb(m: pb.StoppingCriteria, prompt_len: int, max_seq_len: int, 
                      vocab_size: int) -> StoppingCriteria:
     if prompt_len >= max_seq_len:
         raise SequenceTooLong(f"the prompt has {prompt_len} tokens; the model accepts at most {max_seq_len} in "
-                              "all (prompt + output), so nothing can be generated")
+                              "all (prompt + output), so nothing can be generated: shorten {field}", "input")
     room = max_seq_len - prompt_len
     if m.max_new_tokens:
         if m.max_new_tokens > room:
-            raise SequenceTooLong(f"prompt ({prompt_len} tokens) + max_new_tokens ({m.max_new_tokens}) exceeds the "
-                                  f"model's maximum length {max_seq_len}; lower max_new_tokens to <= {room}")
+            raise SequenceTooLong(f"prompt ({prompt_len} tokens) + {{field}} ({m.max_new_tokens}) exceeds the "
+                                  f"model's maximum length {max_seq_len}; lower {{field}} to <= {room}",
+                                  "stopping.max_new_tokens")
         max_new = m.max_new_tokens
     else:
         max_new = min(default_max_new, room)
     if m.min_new_tokens > max_new:
-        raise InvalidRequest(f"stopping.min_new_tokens ({m.min_new_tokens}) exceeds max_new_tokens ({max_new})")
+        raise InvalidRequest(f"{{field}} ({m.min_new_tokens}) exceeds the most tokens the request may generate "
+                             f"({max_new})", "stopping.min_new_tokens")
     if len(m.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(m.stop)}")
-    for s in m.stop:
+        raise InvalidRequest(f"{{field}} holds {len(m.stop)} strings; at most {MAX_STOP_STRINGS}", "stopping.stop")
+    for i, s in enumerate(m.stop):
         if not s or len(s) > MAX_STOP_CHARS:
-            raise InvalidRequest(f"stop strings must have 1..{MAX_STOP_CHARS} characters, got {s!r:.80}")
+            raise InvalidRequest(f"{{field}} has {len(s)} characters; stop strings have 1..{MAX_STOP_CHARS}",
+                                 f"stopping.stop[{i}]")
     bad = next((t for t in m.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"stop token id {bad} is out of range: the vocabulary has {vocab_size} tokens")
+        raise InvalidRequest(f"{{field}} holds token id {bad}, out of range: the vocabulary has {vocab_size} "
+                             "tokens", "stopping.stop_token_ids")
     return StoppingCriteria(max_new, m.min_new_tokens, tuple(m.stop), frozenset(m.stop_token_ids), m.ignore_eos,
                             m.include_stop_str_in_output)
 
@@ -138,8 +147,8 @@ def stopping_from_pb(m: pb.StoppingCriteria, prompt_len: int, max_seq_len: int, 
 def constraint_from_pb(m: pb.Constraint) -> ConstraintSpec:
     kind = m.WhichOneof("kind")
     if kind is None:
-        raise InvalidRequest("constraint is set but empty: set one of json_schema, json_object, regex, choice or "
-                             "grammar")
+        raise InvalidRequest("{field} is set but empty: set one of json_schema, json_object, regex, choice or "
+                             "grammar", "constraint")
     if kind == "choice":
         return ConstraintSpec(ConstraintKind.CHOICE, choices=tuple(m.choice.choices))
     if kind == "json_object":
@@ -166,13 +175,15 @@ def request_from_pb(m: pb.GenerateRequest, tok: ModelTokenizer, info: ExecutorIn
     """The validated, tokenized request (run off the event loop: tokenizing and compiling a constraint take
     time). grammars: the fleet's (None: a constraint is refused). template_variables: see prompt_ids_from_pb."""
     if len(m.cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidRequest(f"cache_salt has {len(m.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+        raise InvalidRequest(f"{{field}} has {len(m.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}",
+                             "cache_salt")
     if len(m.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequest(f"request_id has {len(m.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        raise InvalidRequest(f"{{field}} has {len(m.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}",
+                             "request_id")
     if m.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {m.top_logprobs}")
+        raise InvalidRequest(f"{{field}} must be 0..{MAX_TOP_LOGPROBS}, got {m.top_logprobs}", "top_logprobs")
     if m.HasField("prompt_logprobs") and m.prompt_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"prompt_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {m.prompt_logprobs}")
+        raise InvalidRequest(f"{{field}} must be 0..{MAX_TOP_LOGPROBS}, got {m.prompt_logprobs}", "prompt_logprobs")
     if m.adapter and m.adapter not in info.adapters:
         raise AdapterNotFound(f"unknown adapter {m.adapter!r}; loaded: {sorted(info.adapters) or 'none'}")
     sampling = sampling_params_from_pb(m.sampling, info.vocab_size)

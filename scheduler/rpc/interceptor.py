@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from tandem.call_limit import CallLimit
-from tandem.errors import TandemError
+from tandem.errors import Overloaded, TandemError
 from tandem.loggable import loggable
 from tandem.request_decoding import UndecodableNotes, decoding_aio
 from tandem.status_map import status_for
@@ -74,5 +74,14 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the scheduler log")
     code = status_for(exc)
     log.info("%s -> %s: %s", method, code.name, loggable(str(exc)))
-    await context.abort(code, str(exc))
+    await context.abort(code, str(exc), retry_metadata(exc))
+
+
+def retry_metadata(exc: Exception) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a refusal for overload: when to retry, as gRPC's own retry reads it
+    (`grpc-retry-pushback-ms`, gRFC A6: a client whose retry policy covers RESOURCE_EXHAUSTED waits that long) and
+    as HTTP proxies and routers read it (`retry-after`, whole seconds)."""
+    if not isinstance(exc, Overloaded):
+        return ()
+    return (("grpc-retry-pushback-ms", str(exc.retry_after_s * 1000)), ("retry-after", str(exc.retry_after_s)))
 

@@ -32,6 +32,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         fleet = self.fleet
+        fleet.check_overload()  # (before tokenizing: a flood is refused at once)
         with self._limits.enter(CURRENT_PRINCIPAL.get()) as lease:
             codec.check_input_size(request, fleet.cfg.max_prompt_chars)
             if request.adapter and request.adapter not in fleet.info.adapters:

@@ -122,25 +122,26 @@ def _grammar(spec: ConstraintSpec) -> str:
         try:
             schema = json.loads(spec.text)
         except (ValueError, RecursionError) as exc:  # (llguidance would quote the position in its own wrapper)
-            raise InvalidRequest(f"constraint.json_schema is not valid JSON: {exc}") from exc
+            raise InvalidRequest(f"{{field}} is not valid JSON: {exc}", "constraint.json_schema") from exc
         if not isinstance(schema, (dict, bool)):
-            raise InvalidRequest("constraint.json_schema must be a JSON object (or true / false)")
+            raise InvalidRequest("{field} must be a JSON object (or true / false)", "constraint.json_schema")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         except (ValueError, RecursionError) as exc:  # e.g. nested past llguidance's recursion limit
-            raise InvalidRequest(f"constraint.json_schema cannot be compiled: {exc}") from exc
+            raise InvalidRequest(f"{{field}} cannot be compiled: {exc}", "constraint.json_schema") from exc
     if kind is ConstraintKind.REGEX:
         if not spec.text:
-            raise InvalidRequest("constraint.regex is empty")
+            raise InvalidRequest("{field} is empty", "constraint.regex")
         return llguidance.LLMatcher.grammar_from_regex(spec.text)
     if kind is ConstraintKind.CHOICE:
         if not spec.choices or len(spec.choices) > MAX_CHOICES:
-            raise InvalidRequest(f"constraint.choice needs 1 to {MAX_CHOICES} strings, got {len(spec.choices)}")
+            raise InvalidRequest(f"{{field}} needs 1 to {MAX_CHOICES} strings, got {len(spec.choices)}",
+                                 "constraint.choice")
         if any(not c for c in spec.choices):
-            raise InvalidRequest("constraint.choice strings must not be empty")
+            raise InvalidRequest("{field} strings must not be empty", "constraint.choice")
         return llguidance.grammar_from("choice", list(spec.choices))
     if not spec.text:
-        raise InvalidRequest("constraint.grammar is empty")
+        raise InvalidRequest("{field} is empty", "constraint.grammar")
     try:
         return llguidance.grammar_from("grammar", spec.text)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
@@ -151,4 +152,4 @@ def _invalid(kind: ConstraintKind, message: str) -> InvalidRequest:
     text = message.strip()
     if len(text) > MAX_ERROR_CHARS:
         text = text[:MAX_ERROR_CHARS] + "..."
-    return InvalidRequest(f"constraint.{kind.value} is invalid: {text}")
+    return InvalidRequest(f"{{field}} is invalid: {text}", f"constraint.{kind.value}")

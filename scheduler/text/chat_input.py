@@ -28,18 +28,20 @@ def chat_chars(chat: pb.ChatMessages) -> int:
 
 def check_function_name(name: str, field: str) -> None:
     if not FUNCTION_NAME.fullmatch(name):
-        raise InvalidRequest(f"{field} {name[:70]!r} is not a function name: 1..64 of a-z, A-Z, 0-9, _ and -")
+        raise InvalidRequest(f"{{field}} {name[:70]!r} is not a function name: 1..64 of a-z, A-Z, 0-9, _ and -",
+                             field)
 
 
 def tools_from_pb(tools: Sequence[pb.Tool]) -> tuple[Tool, ...]:
     if len(tools) > MAX_TOOLS:
-        raise InvalidRequest(f"{len(tools)} tools; at most {MAX_TOOLS}")
+        raise InvalidRequest(f"{{field}} holds {len(tools)} tools; at most {MAX_TOOLS}", "messages.tools")
     out: list[Tool] = []
     for i, t in enumerate(tools):
-        check_function_name(t.name, f"tools[{i}].name")
+        check_function_name(t.name, f"messages.tools[{i}].name")
         if any(t.name == o.name for o in out):
-            raise InvalidRequest(f"tools[{i}].name {t.name!r} names an earlier tool too: names must be distinct")
-        out.append(Tool(t.name, t.description, parameters_schema(t.parameters, f"tools[{i}].parameters")))
+            raise InvalidRequest(f"{{field}} {t.name[:70]!r} names an earlier tool too: names must be distinct",
+                                 f"messages.tools[{i}].name")
+        out.append(Tool(t.name, t.description, parameters_schema(t.parameters, f"messages.tools[{i}].parameters")))
     return tuple(out)
 
 
@@ -50,9 +52,9 @@ def parameters_schema(text: str, field: str) -> dict | None:
     try:
         schema = json.loads(text)
     except ValueError as exc:
-        raise InvalidRequest(f"{field} is not JSON: {exc}") from None
+        raise InvalidRequest(f"{{field}} is not JSON: {exc}", field) from None
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"{field} must be a JSON object (a JSON Schema), got {type(schema).__name__}")
+        raise InvalidRequest(f"{{field}} must be a JSON object (a JSON Schema), got {type(schema).__name__}", field)
     return schema
 
 
@@ -60,15 +62,16 @@ def messages_from_pb(messages: Sequence[pb.ChatMessage]) -> list[ChatMessage]:
     out = []
     for i, m in enumerate(messages):
         if len(m.tool_calls) > MAX_TOOL_CALLS:
-            raise InvalidRequest(f"messages[{i}] has {len(m.tool_calls)} tool calls; at most {MAX_TOOL_CALLS}")
+            raise InvalidRequest(f"{{field}} holds {len(m.tool_calls)} tool calls; at most {MAX_TOOL_CALLS}",
+                                 f"messages.messages[{i}].tool_calls")
         for j, c in enumerate(m.tool_calls):
-            check_function_name(c.name, f"messages[{i}].tool_calls[{j}].name")
+            check_function_name(c.name, f"messages.messages[{i}].tool_calls[{j}].name")
             if len(c.id) > MAX_CALL_ID_CHARS:
-                raise InvalidRequest(f"messages[{i}].tool_calls[{j}].id has {len(c.id)} characters; at most "
-                                     f"{MAX_CALL_ID_CHARS}")
+                raise InvalidRequest(f"{{field}} has {len(c.id)} characters; at most {MAX_CALL_ID_CHARS}",
+                                     f"messages.messages[{i}].tool_calls[{j}].id")
         if len(m.tool_call_id) > MAX_CALL_ID_CHARS:
-            raise InvalidRequest(f"messages[{i}].tool_call_id has {len(m.tool_call_id)} characters; at most "
-                                 f"{MAX_CALL_ID_CHARS}")
+            raise InvalidRequest(f"{{field}} has {len(m.tool_call_id)} characters; at most {MAX_CALL_ID_CHARS}",
+                                 f"messages.messages[{i}].tool_call_id")
         out.append(ChatMessage(m.role, _content(i, m), tuple(ToolCall(c.id, c.name, c.arguments)
                                                               for c in m.tool_calls), m.tool_call_id))
     return out

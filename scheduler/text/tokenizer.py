@@ -171,9 +171,9 @@ class ModelTokenizer:
                                           "tools": [_template_tool(t) for t in tools] or None,
                                           "add_generation_prompt": True})
         except _TemplateError as exc:
-            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+            raise InvalidRequest(f"the chat template rejected {{field}}: {exc}", "messages.messages") from exc
         except jinja2.TemplateError as exc:
-            raise InvalidRequest(f"the chat template failed on these messages: {exc}") from exc
+            raise InvalidRequest(f"the chat template failed on {{field}}: {exc}", "messages.messages") from exc
 
     def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = (),
                     variables: Mapping[str, Any] | None = None) -> list[int]:

@@ -300,6 +300,7 @@ def test_connections_past_the_caps_are_refused_and_the_open_ones_go_on(guarded, 
             assert read_response(sock).status == 200
         over = exchange(guarded, request_bytes("GET", "/health"))
         assert over.status == 429 and over.headers.get("connection") == "close"
+        assert over.headers.get("retry-after") == "1"  # whole seconds: when one of its connections may have closed
         assert "--http-max-connections-per-client" in openai_error(429, over.body)["message"]
         other = [connect(guarded, "127.0.0.2") for _ in range(MAX_CONNECTIONS - PER_CLIENT)]
         try:
@@ -307,7 +308,7 @@ def test_connections_past_the_caps_are_refused_and_the_open_ones_go_on(guarded, 
                 sock.sendall(request_bytes("GET", "/health"))
                 assert read_response(sock).status == 200
             full = exchange(guarded, request_bytes("GET", "/health"), source="127.0.0.3")
-            assert full.status == 503
+            assert full.status == 503 and full.headers.get("retry-after") == "1"
             assert openai_error(503, full.body)["code"] == "unavailable"
             held[0].sendall(request_bytes("GET", "/health"))  # the open ones go on
             assert read_response(held[0]).status == 200

@@ -295,9 +295,12 @@ def test_errors_have_the_openai_body_and_the_grpc_status(url, client):
            "invalid_argument", "tool_choice")  # "auto", the default with tools
     _error(post("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "invalid_argument", "messages.0.content.0")
-    assert "top_p" in _error(post("/v1/completions", {"prompt": "x", "top_p": 0}), 400, "invalid_argument")
-    assert "255" in _error(post("/v1/completions", {"prompt": "x", "max_tokens": 1000}), 400, "out_of_range")
-    assert "vocabulary" in _error(post("/v1/completions", {"prompt": [1, 10**6]}), 400, "invalid_argument")
+    # the scheduler's own checks name the parameter as the client sent it (docs/serving.md#errors)
+    assert _error(post("/v1/completions", {"prompt": "x", "top_p": 0}), 400, "invalid_argument",
+                  "top_p").startswith("top_p must be in (0, 1]")
+    assert "255" in _error(post("/v1/completions", {"prompt": "x", "max_tokens": 1000}), 400, "out_of_range",
+                           "max_tokens")
+    assert "vocabulary" in _error(post("/v1/completions", {"prompt": [1, 10**6]}), 400, "invalid_argument", "prompt")
     _error(httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
            400, "invalid_argument")
     assert "nope" in _error(post("/v1/chat/completions", {**chat, "model": "nope"}), 404, "model_not_found")
@@ -336,25 +339,42 @@ def _wait_idle(scheduler, timeout: float = 15.0) -> None:
 
 
 def test_a_full_queue_is_429(stack):
+    """1 running + 1 queued fill the small scheduler: a third request is 429 with Retry-After, before any work. A
+    streamed request gets its status line only once admitted (docs/operations.md#overload), so the queued one is
+    sent without waiting for its headers, and the test waits until the scheduler reports it queued."""
     executor, _, small = stack
     url = small.process.http_url  # 1 running + 1 waiting at most
-    long = {"prompt": "hello", "max_tokens": LONG, "ignore_eos": True, "stream": True}
-    third = None
-    with httpx.Client(base_url=url, timeout=60) as http:
-        for _ in range(3):  # the running request must outlive the next two: try again if it did not
-            _wait_idle(small)
-            with http.stream("POST", "/v1/completions", json=long) as running:
-                assert running.status_code == 200
-                lines = running.iter_lines()  # kept: an iterator dropped half-way closes the connection
-                next(lines)  # a first chunk: it runs
-                with http.stream("POST", "/v1/completions", json=long) as waiting:
-                    assert waiting.status_code == 200  # queued (a stream's headers come once it is submitted)
-                    if _load(small) != (1, 1):
-                        continue
-                    third = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1})
-                    break
-        assert third is not None, "the running request always ended too soon"
-        assert "queue is full" in _error(third, 429, "resource_exhausted")
+    # min_tokens: one decode step per call until then, so the running request outlives what the test does
+    long = {"prompt": "hello", "max_tokens": LONG, "min_tokens": LONG, "ignore_eos": True, "stream": True}
+
+    async def full() -> httpx.Response | None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            for _ in range(3):  # the running request must outlive the next two: try again if it did not
+                await asyncio.to_thread(_wait_idle, small)
+                async with http.stream("POST", "/v1/completions", json=long) as running:
+                    assert running.status_code == 200
+                    lines = running.aiter_lines()  # kept: an iterator dropped half-way closes the connection
+                    await anext(lines)  # a first chunk: it runs
+                    queued = asyncio.create_task(http.send(http.build_request("POST", "/v1/completions", json=long),
+                                                           stream=True))
+                    try:
+                        while (load := await asyncio.to_thread(_load, small)) == (1, 0) and not queued.done():
+                            await asyncio.sleep(0.01)
+                        if load != (1, 1):
+                            continue
+                        assert not queued.done(), "a queued stream got its status line before its admission"
+                        return await http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1})
+                    finally:
+                        queued.cancel()  # closes its connection: aborted in the queue
+                        got = (await asyncio.gather(queued, return_exceptions=True))[0]
+                        if isinstance(got, httpx.Response):
+                            await got.aclose()
+        return None
+
+    third = asyncio.run(full())
+    assert third is not None, "the running request always ended too soon"
+    assert "queue is full" in _error(third, 429, "resource_exhausted")
+    assert third.headers["retry-after"].isdigit() and int(third.headers["retry-after"]) >= 1  # whole seconds
     wait_kv_free(executor.stub)  # the two streams were closed mid-way: both aborted
 
 

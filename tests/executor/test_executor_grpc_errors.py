@@ -148,7 +148,7 @@ def prefill_unknown_adapter(c):
     return lambda: c.stub.Prefill(pb.PrefillRequest(token_ids=[5, 6], adapter="nope"))
 
 
-@case(Code.NOT_FOUND, "item 0: adapter 'nope' is not loaded")
+@case(Code.NOT_FOUND, r"item 0: items\[0\]\.adapter 'nope' is not loaded")
 def unified_unknown_adapter(c):
     return lambda: c.stub.UnifiedDecode(pb.UnifiedDecodeRequest(items=[
         pb.UnifiedItem(token_ids=[5, 6], is_final_chunk=True, adapter="nope")]))
@@ -194,7 +194,7 @@ def prefill_continues_decoding_cache(c):
 
 
 # ----------------------------------------------------------------------------------- INVALID_ARGUMENT
-@case(Code.INVALID_ARGUMENT, r"token id 448 is outside the vocabulary \[0, 448\)")
+@case(Code.INVALID_ARGUMENT, r"^token_ids holds token id 448, outside the vocabulary \[0, 448\)")
 def prefill_token_id_at_vocab(c):
     return lambda: c.stub.Prefill(pb.PrefillRequest(token_ids=[5, VOCAB]))
 
@@ -210,7 +210,7 @@ def prefill_empty_token_ids(c):
     return lambda: c.stub.Prefill(pb.PrefillRequest())
 
 
-@case(Code.INVALID_ARGUMENT, "item 0: token_ids is empty")
+@case(Code.INVALID_ARGUMENT, r"item 0: items\[0\]\.token_ids is empty")
 def unified_item_empty_token_ids(c):
     return lambda: c.stub.UnifiedDecode(pb.UnifiedDecodeRequest(items=[pb.UnifiedItem(is_final_chunk=True)]))
 
@@ -301,7 +301,7 @@ def logit_bias_token_at_vocab(c):
     return sampled_prefill(c.stub, logit_bias={VOCAB: 1.0})
 
 
-@case(Code.INVALID_ARGUMENT, r"logit_bias\[7\] must be in \[-100, 100\]")
+@case(Code.INVALID_ARGUMENT, r"sampling.logit_bias of token 7 must be in \[-100, 100\]")
 def logit_bias_1000(c):
     return sampled_prefill(c.stub, logit_bias={7: 1000.0})
 
@@ -359,7 +359,7 @@ def logits_dtype_unknown_enum(c):
         mode=pb.OUTPUT_MODE_LOGITS, logits_dtype=9)))
 
 
-@case(Code.INVALID_ARGUMENT, "item 0: output.mode 7")
+@case(Code.INVALID_ARGUMENT, r"item 0: items\[0\]\.output\.mode 7")
 def unified_output_mode_unknown_enum(c):
     return lambda: c.stub.UnifiedDecode(pb.UnifiedDecodeRequest(items=[
         pb.UnifiedItem(token_ids=[5, 6], is_final_chunk=True, output=pb.OutputOptions(mode=7))]))

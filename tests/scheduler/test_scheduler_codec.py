@@ -238,17 +238,19 @@ def test_min_new_tokens_above_max_new(parse):
 def test_stop_strings_limits(parse):
     parse(stopping=pb.StoppingCriteria(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]))
     parse(stopping=pb.StoppingCriteria(stop=["x" * MAX_STOP_CHARS]))
-    with pytest.raises(InvalidRequest, match="stop strings"):
+    with pytest.raises(InvalidRequest, match=r"^stopping.stop holds 17 strings") as e:
         parse(stopping=pb.StoppingCriteria(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]))
-    with pytest.raises(InvalidRequest, match="stop strings"):
+    assert e.value.field == "stopping.stop"
+    with pytest.raises(InvalidRequest, match=r"^stopping.stop\[0\] has .* stop strings have 1\.\.") as e:
         parse(stopping=pb.StoppingCriteria(stop=["x" * (MAX_STOP_CHARS + 1)]))
-    with pytest.raises(InvalidRequest, match="stop strings"):
+    assert e.value.in_terms("stop.0").startswith("stop.0 has")  # the HTTP front's name for it
+    with pytest.raises(InvalidRequest, match=r"^stopping.stop\[1\] has 0 characters"):
         parse(stopping=pb.StoppingCriteria(stop=["ok", ""]))
 
 
 def test_stop_token_id_out_of_vocab(parse, tok):
     parse(stopping=pb.StoppingCriteria(stop_token_ids=[tok.vocab_size - 1]))
-    with pytest.raises(InvalidRequest, match="stop token id"):
+    with pytest.raises(InvalidRequest, match="stopping.stop_token_ids holds token id"):
         parse(stopping=pb.StoppingCriteria(stop_token_ids=[2, tok.vocab_size]))
 
 

@@ -15,7 +15,7 @@ from scheduler.engine.policy import Failure, SchedulingPolicy
 from scheduler.request import GenerateRequest, StoppingCriteria
 from scheduler.sequence import Sequence, Status
 from tandem.codec import kv_usage_from_pb
-from tandem.errors import CapacityExceeded, RemoteError
+from tandem.errors import Overloaded, CapacityExceeded, RemoteError
 from tests.executor_driver import greedy_run, make_executor
 from tests.faulty_executor_client import Fault, FaultyExecutorClient
 
@@ -195,27 +195,32 @@ def test_a_request_not_admitted_in_time_ends_resource_exhausted_saying_why(clien
     clock.now += 0.1
     expired = policy.expire_waiting()
     assert [f.seq for f in expired] == [a, b] and all(isinstance(f.error, CapacityExceeded) for f in expired)
-    assert str(expired[0].error).startswith("not admitted within 60 s: it needs 1 KV blocks but only 0 can be "
+    assert str(expired[0].error).startswith("not admitted within 60 s (--max-queue-time-s): it needs 1 KV blocks but only 0 can be "
                                             f"given to it: of the executor's {total} blocks 1 are free")
-    assert str(expired[1].error).startswith("not admitted within 60 s: 1 requests ahead of it in the queue; the "
+    assert str(expired[1].error).startswith("not admitted within 60 s (--max-queue-time-s): 1 requests ahead of it in the queue; the "
                                             "first of them waits because it needs 1 KV blocks")
     assert a.finished and b.finished and not policy.has_work and not policy.releases.has_pending
 
 
-def test_queue_time_restarts_after_a_preemption_and_after_the_executor_returns(client):
+def test_queue_time_ends_only_requests_never_admitted_and_restarts_after_the_executor_returns(client):
+    """A request admitted once (then requeued: the executor lost, or preempted) may have streamed tokens: the
+    queue-time bound never ends it. One never admitted waits the bound, not counting the executor's outage."""
     clock = Clock()
     policy, info = new_policy(client, clock, max_queue_time_s=10)
     a = submit(policy, info, request("a"))
     step(policy, client)  # admitted
     clock.now += 30
-    policy.executor_lost()  # requeued at now: a fresh wait
-    assert policy.waiting == [a] and policy.expire_waiting() == []
+    policy.executor_lost()  # requeued
+    b = submit(policy, info, request("b"))
+    assert policy.waiting == [a, b] and policy.expire_waiting() == []
     clock.now += 9
     policy.restart_queue_clocks()  # the executor is back: the outage does not count
     clock.now += 9
     assert policy.expire_waiting() == []
-    clock.now += 1
-    assert [f.seq for f in policy.expire_waiting()] == [a]
+    clock.now += 100
+    expired = policy.expire_waiting()
+    assert [f.seq for f in expired] == [b] and policy.waiting == [a]  # a, admitted before, is never ended so
+    assert isinstance(expired[0].error, Overloaded) and expired[0].error.reason == "queue_time"
     client.release_now(policy.releases.take_stale())
 
 

@@ -87,7 +87,9 @@ def install(app: FastAPI, front: Front, store: ResponseStore) -> None:
         owner = CURRENT_PRINCIPAL.get()
         history = store.conversation(body.previous_response_id, owner) if body.previous_response_id else []
         chat, conversation = _renamed(responses_convert.chat_body, body, history)
+        errors.named_as(convert.param_names(chat), responses_convert.param_of)  # the shared checks' errors
         mode = _renamed(tool_calls.tool_mode, chat, front.auto_tools)
+        front.fleet.check_overload()  # (before tokenizing: a flood is refused at once, 429 with Retry-After)
         lease = front.limits.enter(owner, 1)
         try:
             adapter = await front.adapter_for(body.model)
@@ -111,6 +113,10 @@ def install(app: FastAPI, front: Front, store: ResponseStore) -> None:
                 store.put(renderer.id, conversation + renderer.conversation_turn(), owner)
 
         if body.stream:
+            try:
+                await generation.started()  # refused in the queue: 429 (raised), not a 200 and an error event
+            except ClientGone:
+                return Response(status_code=499)
             return StreamingResponse(_events(generation, renderer, keep), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
