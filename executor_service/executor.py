@@ -167,8 +167,7 @@ class Executor:
         accepted prefix."""
         with self._op("forward_verify", session):
             if not cache.cache_id:
-                raise InvalidRequest("forward_verify needs {field} of an existing cache (prefill first)",
-                                     "cache.cache_id")
+                raise InvalidRequest("forward_verify needs {field} of an existing cache (prefill)", "cache.cache_id")
             item = UnifiedItem(tuple(token_ids), cache.cache_id, cache.seq_len, True, None, output, adapter)
             positions = self._step.verify(item, self._caches)
             return VerifyResult(self._caches.ref(cache.cache_id), positions)
