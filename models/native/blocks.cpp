@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "blocks_repack.h"
 #include "gemm.h"
 
 namespace {
@@ -54,7 +55,8 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> q(M * K);
   std::vector<float> dx(M * K / 32), dxs(M * K / 32);
-  const blocks::Q8 q8{q.data(), dx.data(), dxs.data()};
+  std::vector<int32_t> o16(M * K / 16);
+  const blocks::Q8 q8{q.data(), dx.data(), dxs.data(), o16.data()};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
@@ -67,9 +69,9 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
     blocks::quantize_q8(xp, q8, b0, b1);
 #pragma omp barrier
     int64_t n0, n1;
-    share(N, 4, tid, nt, n0, n1);
+    share(N, 8, tid, nt, n0, n1);  // (whole groups of repacked rows)
     if (n0 < n1)
-      blocks::gemm_blocks(k, wp, 0, K, q8, M, n0, n1, BlockOut{yp, N, nullptr, b, false});
+      blocks::gemm_blocks(k, wp, 0, N, K, q8, M, n0, n1, BlockOut{yp, N, nullptr, b, false});
   }
   return y;
 }
@@ -78,7 +80,7 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
 // fault per 4 KiB of it), else a new tensor.
 Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns, const std::optional<Tensor>& out_) {
   check_blocks(w, kind, columns);
-  const int64_t N = w.size(0), rb = w.size(1);
+  const int64_t N = w.size(0);
   Tensor out = out_.has_value() ? *out_ : at::empty({N, columns}, w.options().dtype(at::kFloat));
   TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
                         out.size(0) == N && out.size(1) == columns && out.is_contiguous(),
@@ -87,7 +89,31 @@ Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns, const std::
   float* op = out.data_ptr<float>();
   const int32_t k = static_cast<int32_t>(kind);
 #pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
-  for (int64_t r = 0; r < N; ++r) blocks::row_to_float(k, wp + r * rb, columns, op + r * columns);
+  for (int64_t r = 0; r < N; ++r) blocks::matrix_row_to_float(k, wp, r, N, columns, op + r * columns);
+  return out;
+}
+
+// The kind of a format's rows repacked 8 by 8 (blocks_x8.h), or 0 where it has none.
+int64_t block_repacked_kind(int64_t kind) {
+  return kind == blocks::Q4_0 || kind == blocks::Q4_K || kind == blocks::Q6_K ? kind + 100 : 0;
+}
+
+// blocks [rows, row bytes] of a plain kind that has a repacked layout -> a new tensor of the same shape in it.
+Tensor block_repack(const Tensor& w, int64_t kind, int64_t columns) {
+  check_blocks(w, kind, columns);
+  TORCH_CHECK_VALUE(block_repacked_kind(kind) != 0, "kind ", kind, " has no repacked layout");
+  Tensor out = at::empty(w.sizes(), w.options());
+  const int64_t groups = w.size(0) / 8;
+  const auto* src = static_cast<const uint8_t*>(w.data_ptr());
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int32_t k = static_cast<int32_t>(kind);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    int64_t g0, g1;
+    share(groups, 1, omp_get_thread_num(), omp_get_num_threads(), g0, g1);
+    if (g0 < g1 || (g1 == groups && omp_get_thread_num() == 0 && groups == 0))
+      blocks::repack_groups(k, src, w.size(0), columns, dst, g0, g1);
+  }
   return out;
 }
 
@@ -113,14 +139,18 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("set_block_isa(str isa) -> ()");
   m.def("block_linear(Tensor x, Tensor blocks, int kind, int columns, Tensor? bias=None) -> Tensor");
   m.def("block_dequant(Tensor blocks, int kind, int columns, Tensor(a!)? out=None) -> Tensor");
+  m.def("block_repacked_kind(int kind) -> int");
+  m.def("block_repack(Tensor blocks, int kind, int columns) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("block_linear", &block_linear);
   m.impl("block_dequant", &block_dequant);
+  m.impl("block_repack", &block_repack);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CatchAll, m) {  // (no tensor arguments: no dispatch key to pick a kernel by)
   m.impl("block_isa", &block_isa);
   m.impl("set_block_isa", &set_block_isa);
+  m.impl("block_repacked_kind", &block_repacked_kind);
 }
