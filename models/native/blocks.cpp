@@ -2,6 +2,8 @@
 //
 //   y = torch.ops.tandem.block_linear(x, blocks, kind, columns, bias)  # x [M, columns] float32 -> [M, rows]
 //   w = torch.ops.tandem.block_dequant(blocks, kind, columns, out=None)  # -> float32 [rows, columns]
+//   r = torch.ops.tandem.block_rows(blocks, kind, columns, ids)  # rows ids [n] -> float32 [n, columns]
+//   p = torch.ops.tandem.block_repack(blocks, kind, columns)  # the rows repacked 8 by 8 (kind + 100)
 //
 // blocks: [rows, row bytes] uint8 in ggml's layout of `kind` (100 + ggml's type id). block_linear quantizes each
 // row of x to int8 per block of 32 (as the decode step does) and multiplies in integers: the kernel of small
@@ -93,6 +95,23 @@ Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns, const std::
   return out;
 }
 
+// Rows `ids` [n] (int64) of the weight as float32 [n, columns]: an embedding lookup (either layout).
+Tensor block_rows(const Tensor& w, int64_t kind, int64_t columns, const Tensor& ids) {
+  check_blocks(w, kind, columns);
+  TORCH_CHECK_VALUE(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+                    "ids must be a contiguous int64 CPU tensor [n]");
+  const int64_t N = w.size(0), n = ids.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < N, "row ", id[i], " of ", N, " rows");
+  Tensor out = at::empty({n, columns}, w.options().dtype(at::kFloat));
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int32_t k = static_cast<int32_t>(kind);
+#pragma omp parallel for num_threads(at::get_num_threads()) schedule(static) if (n > 16)
+  for (int64_t i = 0; i < n; ++i) blocks::matrix_row_to_float(k, wp, id[i], N, columns, op + i * columns);
+  return out;
+}
+
 // The kind of a format's rows repacked 8 by 8 (blocks_x8.h), or 0 where it has none.
 int64_t block_repacked_kind(int64_t kind) {
   return kind == blocks::Q4_0 || kind == blocks::Q4_K || kind == blocks::Q6_K ? kind + 100 : 0;
@@ -140,6 +159,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("block_linear(Tensor x, Tensor blocks, int kind, int columns, Tensor? bias=None) -> Tensor");
   m.def("block_dequant(Tensor blocks, int kind, int columns, Tensor(a!)? out=None) -> Tensor");
   m.def("block_repacked_kind(int kind) -> int");
+  m.def("block_rows(Tensor blocks, int kind, int columns, Tensor ids) -> Tensor");
   m.def("block_repack(Tensor blocks, int kind, int columns) -> Tensor");
 }
 
@@ -147,6 +167,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("block_linear", &block_linear);
   m.impl("block_dequant", &block_dequant);
   m.impl("block_repack", &block_repack);
+  m.impl("block_rows", &block_rows);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CatchAll, m) {  // (no tensor arguments: no dispatch key to pick a kernel by)

@@ -44,71 +44,81 @@ inline void unpack_scales_x8(const uint8_t* p, uint8_t* out) {
                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib, 4), f), _mm256_slli_epi16(h1, 4)));
 }
 
-// The 8 rows' products with one activation row (xq: its int8 values from the group's first column, dx / dxs:
-// its blocks of 32, o16: its Q6_K offsets per 16), over nb blocks of the group starting at g.
-template <int32_t K>
-inline __m256 group_dot(const uint8_t* g, int64_t nb, const int8_t* xq, const float* dx, const float* dxs,
-                        const int32_t* o16) {
+// The 8 rows' products with R activation rows m0 .. m0 + R - 1 of x (k columns), over the nb blocks of the
+// group at g: out[r] holds row m0 + r's 8 results. Each weight register is unpacked once for the R rows.
+template <int32_t K, int R>
+inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int64_t k, __m256* out) {
   const __m256i f = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  const int8_t* xq[R];
+  const float* dx[R];
+  const float* dxs[R];
+  const int32_t* o16[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = x.q + (m0 + r) * k, dx[r] = x.dx + (m0 + r) * (k / 32), dxs[r] = x.dxs + (m0 + r) * (k / 32);
+    o16[r] = x.o16 + (m0 + r) * (k / 16);
+    acc[r] = _mm256_setzero_ps();
+  }
   if constexpr (K == Q4_0x8) {  // 8 maddubs per int16 lane: |sum| <= 8 * 2 * 15 * 127 = 30480
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = g + b * 144;
-      const int8_t* x = xq + 32 * b;
-      __m256i s = _mm256_setzero_si256();
+      __m256i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i v = load256(p + 16 + 32 * j);
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(v, f), bcast4(x + 4 * j)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), f),
-                                                     bcast4(x + 16 + 4 * j)));
+        const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
+        for (int r = 0; r < R; ++r) {
+          s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, bcast4(xq[r] + 32 * b + 4 * j)));
+          s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, bcast4(xq[r] + 32 * b + 16 + 4 * j)));
+        }
       }
-      const __m256 d = half8(p);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones)),
-                            _mm256_mul_ps(d, _mm256_broadcast_ss(dx + b)), acc);
-      off = _mm256_fmadd_ps(d, _mm256_broadcast_ss(dxs + b), off);
+      const __m256 d = half8(p), d8 = _mm256_mul_ps(d, _mm256_set1_ps(8.f));  // w = d q - 8 d
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)),
+                                 _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(d8, _mm256_broadcast_ss(dxs[r] + b), acc[r]);
+      }
     }
-    return _mm256_fnmadd_ps(_mm256_set1_ps(8.f), off, acc);  // w = d q - 8 d
-  } else if constexpr (K == Q4_Kx8) {
+  } else if constexpr (K == Q4_Kx8) {  // w = d sc q - dmin m
     alignas(32) uint8_t sc[64], mn[64];
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = g + b * 1152;
-      const int8_t* x = xq + 256 * b;
-      const float* bdx = dx + 8 * b;
-      const float* bdxs = dxs + 8 * b;
       unpack_scales_x8(p + 32, sc);
       unpack_scales_x8(p + 80, mn);
-      __m256 ab = _mm256_setzero_ps(), mb = _mm256_setzero_ps();
+      const __m256 d = half8(p), dmin = half8(p + 16);
       for (int q = 0; q < 4; ++q) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+        __m256i s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
           const __m256i v = load256(p + 128 + 32 * (8 * q + c));
-          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v, f), bcast4(x + 64 * q + 4 * c)));
-          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), f),
-                                                         bcast4(x + 64 * q + 32 + 4 * c)));
+          const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xq[r] + 256 * b + 64 * q + 4 * c;
+            s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(lo, bcast4(xr)));
+            s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(hi, bcast4(xr + 32)));
+          }
         }
         for (int e = 0; e < 2; ++e) {
           const int j = 2 * q + e;
-          const __m256 scj = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * j))));
-          ab = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(e ? s1 : s0, ones)),
-                               _mm256_mul_ps(scj, _mm256_broadcast_ss(bdx + j)), ab);
-          const __m256 mnj = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 8 * j))));
-          mb = _mm256_fmadd_ps(mnj, _mm256_broadcast_ss(bdxs + j), mb);
+          const __m256 scj = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * j)))));
+          const __m256 mnj = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 8 * j)))));
+          for (int r = 0; r < R; ++r) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(e ? s1[r] : s0[r], ones)),
+                                     _mm256_mul_ps(scj, _mm256_broadcast_ss(dx[r] + 8 * b + j)), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(mnj, _mm256_broadcast_ss(dxs[r] + 8 * b + j), acc[r]);
+          }
         }
       }
-      acc = _mm256_fmadd_ps(half8(p), ab, acc);
-      off = _mm256_fmadd_ps(half8(p + 16), mb, off);
     }
-    return _mm256_sub_ps(acc, off);  // w = d sc q - dmin m
   } else {  // Q6_Kx8: per group of 16 weights, the lanes' int16 sums wrap but their true values,
             // sum (u - 32) x over 8 products, fit: |.| <= 8 * 32 * 127 = 32512
     const __m256i m30 = _mm256_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = g + b * 1680;
-      const int8_t* x = xq + 256 * b;
-      const int32_t* o = o16 + 16 * b;
-      __m256 ab = _mm256_setzero_ps();
+      const __m256 d = half8(p);
       for (int q = 0; q < 8; ++q) {  // groups q (chunks 4q .. 4q + 3) and 8 + q (chunks 32 + 4q ..)
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+        __m256i s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
         for (int e2 = 0; e2 < 2; ++e2) {
           const __m256i hb = load256(p + 1168 + 32 * (2 * q + e2));
           for (int e = 0; e < 2; ++e) {
@@ -118,42 +128,58 @@ inline __m256 group_dot(const uint8_t* g, int64_t nb, const int8_t* xq, const fl
             const __m256i hh = e ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);
             const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, f), _mm256_and_si256(hl, m30));
             const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), f), _mm256_and_si256(hh, m30));
-            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(lo, bcast4(x + 4 * t)));
-            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(hi, bcast4(x + 128 + 4 * t)));
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xr = xq[r] + 256 * b + 4 * t;
+              s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(lo, bcast4(xr)));
+              s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(hi, bcast4(xr + 128)));
+            }
           }
         }
-        s0 = _mm256_sub_epi16(s0, _mm256_set1_epi32(o[q]));
-        s1 = _mm256_sub_epi16(s1, _mm256_set1_epi32(o[8 + q]));
-        const __m256 sc0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 + 8 * q))));
-        const __m256 sc1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 + 8 * (8 + q)))));
-        ab = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones)),
-                             _mm256_mul_ps(sc0, _mm256_broadcast_ss(dx + 8 * b + q / 2)), ab);
-        ab = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones)),
-                             _mm256_mul_ps(sc1, _mm256_broadcast_ss(dx + 8 * b + 4 + q / 2)), ab);
+        const __m256 sc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 + 8 * q)))));
+        const __m256 sc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 80 + 8 * q)))));
+        for (int r = 0; r < R; ++r) {
+          const __m256i t0 = _mm256_sub_epi16(s0[r], _mm256_set1_epi32(o16[r][16 * b + q]));
+          const __m256i t1 = _mm256_sub_epi16(s1[r], _mm256_set1_epi32(o16[r][16 * b + 8 + q]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t0, ones)),
+                                   _mm256_mul_ps(sc0, _mm256_broadcast_ss(dx[r] + 8 * b + q / 2)), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t1, ones)),
+                                   _mm256_mul_ps(sc1, _mm256_broadcast_ss(dx[r] + 8 * b + 4 + q / 2)), acc[r]);
+        }
       }
-      acc = _mm256_fmadd_ps(half8(p), ab, acc);
     }
-    return acc;
   }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 // y[m, n] for rows [n0, n1) of a repacked part of `rows` rows (starting at row0) and all M activation rows.
 // Every group that meets [n0, n1) is computed whole, and only its rows in range are written (a group cut by a
 // split is computed by both threads: the same bits, each writes its own rows); the plain tail as before.
+// Activation rows go 4 at a time (each weight register unpacked once for the 4), every row's sums in the same
+// order whatever M: a row's results do not depend on the others.
 template <int32_t K>
 void gemm_x8_k(const uint8_t* w, int64_t row0, int64_t rows, int64_t k, const Q8& x, int64_t M, int64_t n0,
                int64_t n1, const BlockOut& out) {
   constexpr int32_t P = K - 100;
-  const int64_t qk = block_weights(P), nb = k / qk, rb = row_bytes(P, k), xb = k / 32, groups = rows / kGroup;
+  const int64_t nb = k / block_weights(P), rb = row_bytes(P, k), groups = rows / kGroup;
   const int64_t a = n0 - row0, e = n1 - row0;
-  alignas(32) float v[kGroup];
+  __m256 v[4];
+  alignas(32) float vals[kGroup];
   for (int64_t g = a / kGroup; g < std::min(groups, (e + kGroup - 1) / kGroup); ++g) {
     const uint8_t* gp = w + g * kGroup * rb;
-    for (int64_t m = 0; m < M; ++m) {
-      _mm256_store_ps(v, group_dot<K>(gp, nb, x.q + m * k, x.dx + m * xb, x.dxs + m * xb, x.o16 + m * (k / 16)));
-      for (int r = 0; r < kGroup; ++r) {
-        const int64_t n = g * kGroup + r;
-        if (n >= a && n < e) put(out, m, row0 + n, v[r]);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t R = std::min<int64_t>(4, M - m0);
+      switch (R) {
+        case 4: group_dot<K, 4>(gp, nb, x, m0, k, v); break;
+        case 3: group_dot<K, 3>(gp, nb, x, m0, k, v); break;
+        case 2: group_dot<K, 2>(gp, nb, x, m0, k, v); break;
+        default: group_dot<K, 1>(gp, nb, x, m0, k, v); break;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        _mm256_store_ps(vals, v[r]);
+        for (int i = 0; i < kGroup; ++i) {
+          const int64_t n = g * kGroup + i;
+          if (n >= a && n < e) put(out, m0 + r, row0 + n, vals[i]);
+        }
       }
     }
   }

@@ -73,12 +73,16 @@ def test_linear_equals_the_reference_product(name):
             assert np.abs(got - exact).max() < 0.03 * np.abs(exact).max()
 
 
-def test_a_row_does_not_depend_on_the_others():
-    fmt, rng = FORMATS["Q4_K"], np.random.default_rng(3)
-    w = torch.from_numpy(random_blocks(fmt, 12, 512, rng))
+@pytest.mark.parametrize("name, repacked", [("Q4_K", False), ("Q4_0", True), ("Q4_K", True), ("Q6_K", True)])
+def test_a_row_does_not_depend_on_the_others(name, repacked):
+    fmt, rng = FORMATS[name], np.random.default_rng(3)
+    w = torch.from_numpy(random_blocks(fmt, 20, 512, rng))
+    kind = fmt.kind
+    if repacked:  # (4 activation rows at a time there: 9 rows are passes of 4, 4 and 1)
+        w, kind = torch.ops.tandem.block_repack(w, fmt.kind, 512), fmt.kind + 100
     x = torch.randn(9, 512)
-    alone = torch.cat([torch.ops.tandem.block_linear(x[i:i + 1], w, fmt.kind, 512) for i in range(9)])
-    assert torch.equal(torch.ops.tandem.block_linear(x, w, fmt.kind, 512), alone)
+    alone = torch.cat([torch.ops.tandem.block_linear(x[i:i + 1], w, kind, 512) for i in range(9)])
+    assert torch.equal(torch.ops.tandem.block_linear(x, w, kind, 512), alone)
 
 
 def test_bad_inputs_are_refused_naming_them():
