@@ -10,8 +10,8 @@
 
 namespace blocks {
 
-// One row's block as values: q (Q4: 0..15, Q6_K: 0..63, ggml's order), the 6-bit scales / mins of Q4_K, the
-// int8 scales of Q6_K, the fp16 bytes of d (and dmin).
+// One row's block as values: q (Q4_0 / Q4_K: the file's qs bytes, nibble pairs; Q6_K: the values 0..63 in
+// ggml's order), the 6-bit scales / mins of Q4_K, the int8 scales of Q6_K, the fp16 bytes of d (and dmin).
 struct PlainBlock {
   uint8_t q[256];
   uint8_t sc[16], mn[8];
@@ -19,10 +19,10 @@ struct PlainBlock {
 };
 
 inline void decode_plain(int32_t kind, const uint8_t* p, PlainBlock& o) {
-  if (kind == Q4_0) {
+  if (kind == Q4_0) {  // (q: the qs bytes as they are, nibble pairs)
     std::memcpy(o.d, p, 2);
-    for (int i = 0; i < 16; ++i) o.q[i] = p[2 + i] & 0x0F, o.q[16 + i] = p[2 + i] >> 4;
-  } else if (kind == Q4_K) {
+    std::memcpy(o.q, p + 2, 16);
+  } else if (kind == Q4_K) {  // (q: the qs bytes as they are)
     std::memcpy(o.d, p, 2);
     std::memcpy(o.dmin, p + 2, 2);
     const uint8_t* s = p + 4;  // ggml's get_scale_min_k4
@@ -34,15 +34,20 @@ inline void decode_plain(int32_t kind, const uint8_t* p, PlainBlock& o) {
         o.mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
       }
     }
-    for (int pp = 0; pp < 4; ++pp)
-      for (int l = 0; l < 32; ++l) o.q[64 * pp + l] = p[16 + 32 * pp + l] & 0x0F, o.q[64 * pp + 32 + l] = p[16 + 32 * pp + l] >> 4;
-  } else {  // Q6_K: ql[128], qh[64], scales[16], d
+    std::memcpy(o.q, p + 16, 128);
+  } else {  // Q6_K: ql[128], qh[64], scales[16], d (ggml's dequantize_row_q6_K's order)
     std::memcpy(o.d, p + 208, 2);
     std::memcpy(o.sc, p + 192, 16);
-    for (int w = 0; w < 256; ++w) {
-      const int n = w / 128, s = (w % 128) / 32, l = w % 32;
-      const uint8_t ql = p[64 * n + l + (s & 1) * 32];
-      o.q[w] = static_cast<uint8_t>((s < 2 ? ql & 0x0F : ql >> 4) | (((p[128 + 32 * n + l] >> (2 * s)) & 3) << 4));
+    for (int n = 0; n < 2; ++n) {
+      const uint8_t* ql = p + 64 * n;
+      const uint8_t* qh = p + 128 + 32 * n;
+      uint8_t* q = o.q + 128 * n;
+      for (int l = 0; l < 32; ++l) {
+        q[l] = static_cast<uint8_t>((ql[l] & 0x0F) | ((qh[l] & 3) << 4));
+        q[l + 32] = static_cast<uint8_t>((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4));
+        q[l + 64] = static_cast<uint8_t>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+        q[l + 96] = static_cast<uint8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+      }
     }
   }
 }
@@ -60,11 +65,9 @@ inline void pack_scales_x8(const uint8_t* v, uint8_t* out) {
 // The 8 rows' blocks b (o[r]) as one group-block of kind `kind` (plain) at out.
 inline void encode_x8(int32_t kind, const PlainBlock* o, uint8_t* out) {
   for (int r = 0; r < 8; ++r) std::memcpy(out + 2 * r, o[r].d, 2);
-  if (kind == Q4_0) {
+  if (kind == Q4_0) {  // byte 4j + i of qs holds weights 4j + i and 16 + 4j + i: the bytes move 4 at a time
     for (int j = 0; j < 4; ++j)
-      for (int r = 0; r < 8; ++r)
-        for (int i = 0; i < 4; ++i)
-          out[16 + 32 * j + 4 * r + i] = static_cast<uint8_t>(o[r].q[4 * j + i] | (o[r].q[16 + 4 * j + i] << 4));
+      for (int r = 0; r < 8; ++r) std::memcpy(out + 16 + 32 * j + 4 * r, o[r].q + 4 * j, 4);
   } else if (kind == Q4_K) {
     uint8_t sc[64], mn[64];
     for (int r = 0; r < 8; ++r) {
@@ -73,12 +76,9 @@ inline void encode_x8(int32_t kind, const PlainBlock* o, uint8_t* out) {
     }
     pack_scales_x8(sc, out + 32);
     pack_scales_x8(mn, out + 80);
-    for (int pp = 0; pp < 4; ++pp)
+    for (int pp = 0; pp < 4; ++pp)  // qs byte 32 pp + l: weights 64 pp + l and 64 pp + 32 + l
       for (int c = 0; c < 8; ++c)
-        for (int r = 0; r < 8; ++r)
-          for (int i = 0; i < 4; ++i)
-            out[128 + 32 * (8 * pp + c) + 4 * r + i] =
-                static_cast<uint8_t>(o[r].q[64 * pp + 4 * c + i] | (o[r].q[64 * pp + 32 + 4 * c + i] << 4));
+        for (int r = 0; r < 8; ++r) std::memcpy(out + 128 + 32 * (8 * pp + c) + 4 * r, o[r].q + 32 * pp + 4 * c, 4);
   } else {  // Q6_K
     for (int g = 0; g < 16; ++g)
       for (int r = 0; r < 8; ++r) out[16 + 8 * g + r] = o[r].sc[g];

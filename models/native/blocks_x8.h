@@ -73,10 +73,11 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
         }
       }
       const __m256 d = half8(p), d8 = _mm256_mul_ps(d, _mm256_set1_ps(8.f));  // w = d q - 8 d
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)),
-                                 _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(d8, _mm256_broadcast_ss(dxs[r] + b), acc[r]);
+      for (int r = 0; r < R; ++r) {  // (the block's sum apart: one add per block on acc's dependency chain)
+        const __m256 blk = _mm256_fnmadd_ps(d8, _mm256_broadcast_ss(dxs[r] + b),
+                                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)),
+                                                          _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b))));
+        acc[r] = _mm256_add_ps(acc[r], blk);
       }
     }
   } else if constexpr (K == Q4_Kx8) {  // w = d sc q - dmin m
@@ -86,6 +87,8 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
       unpack_scales_x8(p + 32, sc);
       unpack_scales_x8(p + 80, mn);
       const __m256 d = half8(p), dmin = half8(p + 16);
+      __m256 ab[R][2];  // the block's sums, two chains (sub-blocks 2q, 2q + 1): short dependency chains
+      for (int r = 0; r < R; ++r) ab[r][0] = ab[r][1] = _mm256_setzero_ps();
       for (int q = 0; q < 4; ++q) {
         __m256i s0[R], s1[R];
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
@@ -103,12 +106,13 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
           const __m256 scj = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * j)))));
           const __m256 mnj = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 8 * j)))));
           for (int r = 0; r < R; ++r) {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(e ? s1[r] : s0[r], ones)),
-                                     _mm256_mul_ps(scj, _mm256_broadcast_ss(dx[r] + 8 * b + j)), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(mnj, _mm256_broadcast_ss(dxs[r] + 8 * b + j), acc[r]);
+            ab[r][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(e ? s1[r] : s0[r], ones)),
+                                       _mm256_mul_ps(scj, _mm256_broadcast_ss(dx[r] + 8 * b + j)), ab[r][e]);
+            ab[r][e] = _mm256_fnmadd_ps(mnj, _mm256_broadcast_ss(dxs[r] + 8 * b + j), ab[r][e]);
           }
         }
       }
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(ab[r][0], ab[r][1]));
     }
   } else {  // Q6_Kx8: per group of 16 weights, the lanes' int16 sums wrap but their true values,
             // sum (u - 32) x over 8 products, fit: |.| <= 8 * 32 * 127 = 32512
@@ -116,6 +120,8 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = g + b * 1680;
       const __m256 d = half8(p);
+      __m256 ab[R][2];  // the block's sums, two chains (groups q, 8 + q)
+      for (int r = 0; r < R; ++r) ab[r][0] = ab[r][1] = _mm256_setzero_ps();
       for (int q = 0; q < 8; ++q) {  // groups q (chunks 4q .. 4q + 3) and 8 + q (chunks 32 + 4q ..)
         __m256i s0[R], s1[R];
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
@@ -140,12 +146,13 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
         for (int r = 0; r < R; ++r) {
           const __m256i t0 = _mm256_sub_epi16(s0[r], _mm256_set1_epi32(o16[r][16 * b + q]));
           const __m256i t1 = _mm256_sub_epi16(s1[r], _mm256_set1_epi32(o16[r][16 * b + 8 + q]));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t0, ones)),
-                                   _mm256_mul_ps(sc0, _mm256_broadcast_ss(dx[r] + 8 * b + q / 2)), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t1, ones)),
-                                   _mm256_mul_ps(sc1, _mm256_broadcast_ss(dx[r] + 8 * b + 4 + q / 2)), acc[r]);
+          ab[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t0, ones)),
+                                     _mm256_mul_ps(sc0, _mm256_broadcast_ss(dx[r] + 8 * b + q / 2)), ab[r][0]);
+          ab[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t1, ones)),
+                                     _mm256_mul_ps(sc1, _mm256_broadcast_ss(dx[r] + 8 * b + 4 + q / 2)), ab[r][1]);
         }
       }
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(ab[r][0], ab[r][1]));
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
