@@ -7,6 +7,8 @@ import sys
 
 # NAME -> (module:function, one line). Modules are imported only when their benchmark runs: most import torch.
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "block_kernels": ("block_kernels:main", "a GGUF file's block weights on the native kernels: one token's matrix "
+                      "products, file layout vs repacked rows (decode and prompt sizes)"),
     "decode": ("decode:main", "decode speed per weight mode (stream, steps, llama.cpp peer)"),
     "device": ("device_figures:main", "one device's figures in process: decode batch 1/64 with CUDA graphs on/off, "
                "prefill 512/4k, capture time, memory, attention backend (scripts/gpu_check)"),

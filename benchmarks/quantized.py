@@ -127,7 +127,7 @@ def llama_single(args, binary: str | None, path: Path, threads: int) -> dict[str
     if not pp and not gen:
         return {}
     out = llama_bench(binary, path, pp, gen, threads, args.repeats)
-    done = [f"pp{pp} {out['pp_tok_s']:.1f} tok/s"] * bool(pp) + [f"tg{gen} {out['tg_tok_s']:.2f} tok/s"] * bool(gen)
+    done = ([f"pp{pp} {out['pp_tok_s']:.1f} tok/s"] if pp else []) + ([f"tg{gen} {out['tg_tok_s']:.2f} tok/s"] if gen else [])
     log(f"llama.cpp {path.name}: {', '.join(done)}")
     return {"prefill_tok_s": out["pp_tok_s"], "decode_tok_s": out["tg_tok_s"], "llama_bench": out["llama_bench"]}
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from executor_service.step.batch import BatchRunner
 from executor_service.config import ExecutorConfig
 from executor_service.kv.sizing import build_kv_pool
-from executor_service.model_stack import ModelStack, build_model_stack, prepare_block_weights
+from executor_service.model_stack import ModelStack, build_model_stack, prepare_block_weights, repack_for_kernels
 from executor_service.step.decode_choice import flag_refusal, model_flag_refusal
 from executor_service.tp.launch import TpGroup, current
 from executor_service.tp.leader import CopyLog, LeaderModel
@@ -76,6 +76,7 @@ def build_tp_stack(config: ExecutorConfig, group: TpGroup) -> ModelStack:
     if device.type == "cpu":
         move_parameters_to_huge_pages(model, config.huge_pages)
         move_blocks_to_huge_pages(model, config.huge_pages)
+    repack_for_kernels(model)  # (after the arena: rewritten in place there)
     model.upcast_cpu_half_linears()
     cfg, dtype = model.config, model.lm_head.weight.dtype
     size = group.shard.size

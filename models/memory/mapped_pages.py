@@ -38,7 +38,7 @@ def _c_library() -> ctypes.CDLL | None:
     return _libc
 
 
-def _file_mappings() -> list[tuple[int, int]]:
+def file_mappings() -> list[tuple[int, int]]:
     """(start, end) of this process's mappings of regular files (/proc/self/maps; [] where there is none)."""
     spans = []
     try:
@@ -53,6 +53,13 @@ def _file_mappings() -> list[tuple[int, int]]:
     return spans
 
 
+def in_mappings(t: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
+    """Whether CPU tensor t lies inside one of the spans (file_mappings(): read-only file pages, not to write)."""
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
+    return any(s <= begin and end <= e for s, e in spans)
+
+
 def release_file_pages(tensors: Iterable[torch.Tensor]) -> int:
     """Drops from this process the whole pages inside each CPU tensor that lies in a file mapping (the caller
     will not read it again: it made a copy). Returns the bytes released (0 off Linux)."""
@@ -61,7 +68,7 @@ def release_file_pages(tensors: Iterable[torch.Tensor]) -> int:
     todo = [t for t in tensors if t.device.type == "cpu" and t.numel() > 0 and t.is_contiguous()]
     if libc is None or advice is None or not todo:
         return 0
-    spans = _file_mappings()
+    spans = file_mappings()
     released = 0
     for t in todo:
         begin = t.data_ptr()

@@ -2,6 +2,8 @@
 //
 //   y = torch.ops.tandem.block_linear(x, blocks, kind, columns, bias)  # x [M, columns] float32 -> [M, rows]
 //   w = torch.ops.tandem.block_dequant(blocks, kind, columns, out=None)  # -> float32 [rows, columns]
+//   r = torch.ops.tandem.block_rows(blocks, kind, columns, ids)  # rows ids [n] -> float32 [n, columns]
+//   p = torch.ops.tandem.block_repack(blocks, kind, columns)  # the rows repacked 8 by 8 (kind + 100)
 //
 // blocks: [rows, row bytes] uint8 in ggml's layout of `kind` (100 + ggml's type id). block_linear quantizes each
 // row of x to int8 per block of 32 (as the decode step does) and multiplies in integers: the kernel of small
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "blocks_repack.h"
 #include "gemm.h"
 
 namespace {
@@ -54,7 +57,8 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> q(M * K);
   std::vector<float> dx(M * K / 32), dxs(M * K / 32);
-  const blocks::Q8 q8{q.data(), dx.data(), dxs.data()};
+  std::vector<int32_t> o16(M * K / 16);
+  const blocks::Q8 q8{q.data(), dx.data(), dxs.data(), o16.data()};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
@@ -67,9 +71,9 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
     blocks::quantize_q8(xp, q8, b0, b1);
 #pragma omp barrier
     int64_t n0, n1;
-    share(N, 4, tid, nt, n0, n1);
+    share(N, 8, tid, nt, n0, n1);  // (whole groups of repacked rows)
     if (n0 < n1)
-      blocks::gemm_blocks(k, wp, 0, K, q8, M, n0, n1, BlockOut{yp, N, nullptr, b, false});
+      blocks::gemm_blocks(k, wp, 0, N, K, q8, M, n0, n1, BlockOut{yp, N, nullptr, b, false});
   }
   return y;
 }
@@ -78,7 +82,7 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
 // fault per 4 KiB of it), else a new tensor.
 Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns, const std::optional<Tensor>& out_) {
   check_blocks(w, kind, columns);
-  const int64_t N = w.size(0), rb = w.size(1);
+  const int64_t N = w.size(0);
   Tensor out = out_.has_value() ? *out_ : at::empty({N, columns}, w.options().dtype(at::kFloat));
   TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
                         out.size(0) == N && out.size(1) == columns && out.is_contiguous(),
@@ -87,7 +91,48 @@ Tensor block_dequant(const Tensor& w, int64_t kind, int64_t columns, const std::
   float* op = out.data_ptr<float>();
   const int32_t k = static_cast<int32_t>(kind);
 #pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
-  for (int64_t r = 0; r < N; ++r) blocks::row_to_float(k, wp + r * rb, columns, op + r * columns);
+  for (int64_t r = 0; r < N; ++r) blocks::matrix_row_to_float(k, wp, r, N, columns, op + r * columns);
+  return out;
+}
+
+// Rows `ids` [n] (int64) of the weight as float32 [n, columns]: an embedding lookup (either layout).
+Tensor block_rows(const Tensor& w, int64_t kind, int64_t columns, const Tensor& ids) {
+  check_blocks(w, kind, columns);
+  TORCH_CHECK_VALUE(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+                    "ids must be a contiguous int64 CPU tensor [n]");
+  const int64_t N = w.size(0), n = ids.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < N, "row ", id[i], " of ", N, " rows");
+  Tensor out = at::empty({n, columns}, w.options().dtype(at::kFloat));
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int32_t k = static_cast<int32_t>(kind);
+#pragma omp parallel for num_threads(at::get_num_threads()) schedule(static) if (n > 16)
+  for (int64_t i = 0; i < n; ++i) blocks::matrix_row_to_float(k, wp, id[i], N, columns, op + i * columns);
+  return out;
+}
+
+// The kind of a format's rows repacked 8 by 8 (blocks_x8.h), or 0 where it has none.
+int64_t block_repacked_kind(int64_t kind) {
+  return kind == blocks::Q4_0 || kind == blocks::Q4_K || kind == blocks::Q6_K ? kind + 100 : 0;
+}
+
+// blocks [rows, row bytes] of a plain kind that has a repacked layout -> a new tensor of the same shape in it.
+Tensor block_repack(const Tensor& w, int64_t kind, int64_t columns) {
+  check_blocks(w, kind, columns);
+  TORCH_CHECK_VALUE(block_repacked_kind(kind) != 0, "kind ", kind, " has no repacked layout");
+  Tensor out = at::empty(w.sizes(), w.options());
+  const int64_t groups = w.size(0) / 8;
+  const auto* src = static_cast<const uint8_t*>(w.data_ptr());
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int32_t k = static_cast<int32_t>(kind);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    int64_t g0, g1;
+    share(groups, 1, omp_get_thread_num(), omp_get_num_threads(), g0, g1);
+    if (g0 < g1 || (g1 == groups && omp_get_thread_num() == 0 && groups == 0))
+      blocks::repack_groups(k, src, w.size(0), columns, dst, g0, g1);
+  }
   return out;
 }
 
@@ -113,14 +158,20 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("set_block_isa(str isa) -> ()");
   m.def("block_linear(Tensor x, Tensor blocks, int kind, int columns, Tensor? bias=None) -> Tensor");
   m.def("block_dequant(Tensor blocks, int kind, int columns, Tensor(a!)? out=None) -> Tensor");
+  m.def("block_repacked_kind(int kind) -> int");
+  m.def("block_rows(Tensor blocks, int kind, int columns, Tensor ids) -> Tensor");
+  m.def("block_repack(Tensor blocks, int kind, int columns) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("block_linear", &block_linear);
   m.impl("block_dequant", &block_dequant);
+  m.impl("block_repack", &block_repack);
+  m.impl("block_rows", &block_rows);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CatchAll, m) {  // (no tensor arguments: no dispatch key to pick a kernel by)
   m.impl("block_isa", &block_isa);
   m.impl("set_block_isa", &set_block_isa);
+  m.impl("block_repacked_kind", &block_repacked_kind);
 }

@@ -19,11 +19,14 @@
 #include <cstring>
 
 // One activation row (or M rows, row-major) quantized for the block formats: q [K] int8, dx [K / 32] the
-// scale of each block of 32, dxs [K / 32] = dx * the block's sum of q.
+// scale of each block of 32, dxs [K / 32] = dx * the block's sum of q, o16 [K / 16]: per 16 values, two int16
+// 32 * (q[4c] + q[4c + 1]) and 32 * (q[4c + 2] + q[4c + 3]) summed over its 4 chunks c of 4 (Q6_Kx8's offset,
+// blocks_x8.h; null: not made).
 struct BlockQ8 {
   int8_t* q;
   float* dx;
   float* dxs;
+  int32_t* o16;
 };
 
 // Where a product's results go: y[m * ldy + n] = v * scale[n] + bias[n] (each if set), or += with accumulate.
@@ -39,8 +42,8 @@ struct BlockOut {
 // The AVX-512 VNNI build of these kernels (blocks_vnni.cpp: the same code, one instruction per sub-block's
 // integer products) and which one runs: tandem_block_isa 1 where the CPU has it, else 0 (the AVX2 code).
 extern int tandem_block_isa;
-void tandem_vnni_gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const BlockQ8& x, int64_t M,
-                             int64_t n0, int64_t n1, const BlockOut& out);
+void tandem_vnni_gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t rows, int64_t k, const BlockQ8& x,
+                             int64_t M, int64_t n0, int64_t n1, const BlockOut& out);
 
 #ifndef TANDEM_BLOCKS_NS
 #define TANDEM_BLOCKS_NS blocks
@@ -49,17 +52,22 @@ void tandem_vnni_gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64
 namespace TANDEM_BLOCKS_NS {
 
 // The TdLinear kinds of the formats: 100 + ggml's type id (models/quant/block_formats.py).
-enum Kind : int32_t { Q4_0 = 102, Q4_1 = 103, Q5_0 = 106, Q5_1 = 107, Q8_0 = 108, Q4_K = 112, Q5_K = 113, Q6_K = 114 };
+// 200 + ggml's type id: the same format's rows repacked 8 by 8 (blocks_x8.h).
+enum Kind : int32_t { Q4_0 = 102, Q4_1 = 103, Q5_0 = 106, Q5_1 = 107, Q8_0 = 108, Q4_K = 112, Q5_K = 113, Q6_K = 114,
+                      Q4_0x8 = 202, Q4_Kx8 = 212, Q6_Kx8 = 214 };
+
+inline bool is_x8(int32_t kind) { return kind == Q4_0x8 || kind == Q4_Kx8 || kind == Q6_Kx8; }
+inline int32_t plain_kind(int32_t kind) { return is_x8(kind) ? kind - 100 : kind; }
 
 inline bool is_block_kind(int32_t kind) {
-  switch (kind) {
+  switch (plain_kind(kind)) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
     default: return false;
   }
 }
-inline int64_t block_weights(int32_t kind) { return kind >= Q4_K ? 256 : 32; }
+inline int64_t block_weights(int32_t kind) { return plain_kind(kind) >= Q4_K ? 256 : 32; }
 inline int64_t block_bytes(int32_t kind) {
-  switch (kind) {
+  switch (plain_kind(kind)) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q5_0: return 22;
@@ -114,6 +122,18 @@ inline void quantize_q8(const float* x, const Q8& out, int64_t b0, int64_t b1) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q + blk * 32), p8);
     out.dx[blk] = d;
     out.dxs[blk] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+    if (out.o16) {
+      const int8_t* q = out.q + blk * 32;
+      for (int h = 0; h < 2; ++h) {
+        int32_t even = 0, odd = 0;
+        for (int c = 0; c < 4; ++c) {
+          even += q[16 * h + 4 * c] + q[16 * h + 4 * c + 1];
+          odd += q[16 * h + 4 * c + 2] + q[16 * h + 4 * c + 3];
+        }  // |32 * sum of 8| <= 32512: int16
+        out.o16[2 * blk + h] = static_cast<int32_t>(static_cast<uint16_t>(32 * even) |
+                                                    (static_cast<uint32_t>(static_cast<uint16_t>(32 * odd)) << 16));
+      }
+    }
   }
 }
 
@@ -415,11 +435,16 @@ void gemm_blocks_k(const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64
   }
 }
 
-// y = x @ W^T for weight rows [n0, n1) of a block-format weight (rows `w + (n - row0) * row bytes`), all M rows
-// of x, on this build's instructions.
-inline void gemm_blocks_isa(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64_t M,
-                            int64_t n0, int64_t n1, const BlockOut& put) {
+#include "blocks_x8.h"
+
+// y = x @ W^T for weight rows [n0, n1) of a block-format weight of `rows` rows from row0 (rows
+// `w + (n - row0) * row bytes`; repacked kinds: blocks_x8.h), all M rows of x, on this build's instructions.
+inline void gemm_blocks_isa(int32_t kind, const uint8_t* w, int64_t row0, int64_t rows, int64_t k, const Q8& x,
+                            int64_t M, int64_t n0, int64_t n1, const BlockOut& put) {
   switch (kind) {
+    case Q4_0x8: gemm_x8_k<Q4_0x8>(w, row0, rows, k, x, M, n0, n1, put); break;
+    case Q4_Kx8: gemm_x8_k<Q4_Kx8>(w, row0, rows, k, x, M, n0, n1, put); break;
+    case Q6_Kx8: gemm_x8_k<Q6_Kx8>(w, row0, rows, k, x, M, n0, n1, put); break;
     case Q4_0: gemm_blocks_k<Q4_0>(w, row0, k, x, M, n0, n1, put); break;
     case Q4_1: gemm_blocks_k<Q4_1>(w, row0, k, x, M, n0, n1, put); break;
     case Q5_0: gemm_blocks_k<Q5_0>(w, row0, k, x, M, n0, n1, put); break;
@@ -433,10 +458,10 @@ inline void gemm_blocks_isa(int32_t kind, const uint8_t* w, int64_t row0, int64_
 
 #ifndef TANDEM_BLOCKS_VNNI
 // The same on the best instructions of this CPU (tandem_block_isa).
-inline void gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const Q8& x, int64_t M, int64_t n0,
-                        int64_t n1, const BlockOut& out) {
-  if (tandem_block_isa == 1) tandem_vnni_gemm_blocks(kind, w, row0, k, x, M, n0, n1, out);
-  else gemm_blocks_isa(kind, w, row0, k, x, M, n0, n1, out);
+inline void gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t rows, int64_t k, const Q8& x,
+                        int64_t M, int64_t n0, int64_t n1, const BlockOut& out) {
+  if (tandem_block_isa == 1) tandem_vnni_gemm_blocks(kind, w, row0, rows, k, x, M, n0, n1, out);
+  else gemm_blocks_isa(kind, w, row0, rows, k, x, M, n0, n1, out);
 }
 #endif
 

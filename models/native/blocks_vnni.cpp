@@ -20,7 +20,7 @@ bool cpu_has_vnni() {
 
 int tandem_block_isa = cpu_has_vnni() ? 1 : 0;
 
-void tandem_vnni_gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t k, const BlockQ8& x, int64_t M,
-                             int64_t n0, int64_t n1, const BlockOut& out) {
-  blocks_vnni::gemm_blocks_isa(kind, w, row0, k, x, M, n0, n1, out);
+void tandem_vnni_gemm_blocks(int32_t kind, const uint8_t* w, int64_t row0, int64_t rows, int64_t k, const BlockQ8& x,
+                             int64_t M, int64_t n0, int64_t n1, const BlockOut& out) {
+  blocks_vnni::gemm_blocks_isa(kind, w, row0, rows, k, x, M, n0, n1, out);
 }

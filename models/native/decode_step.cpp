@@ -215,6 +215,7 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
   for (int64_t b = 1; b < B && !rows_share; ++b) rows_share = tables[b * width] == tables[(b - 1) * width];
   const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
   std::vector<float> x, xn, qkv, att, gate, up, qd, q8dx, q8dxs;
+  std::vector<int32_t> q8o16;
   std::vector<int8_t> qhi, qlo, q8;
   try {
     qhi.resize(B * max_k);
@@ -223,6 +224,7 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
     q8.resize(B * max_k);
     q8dx.resize(B * max_k / 32 + 1);
     q8dxs.resize(B * max_k / 32 + 1);
+    q8o16.resize(B * max_k / 16 + 1);
     x.resize(B * H);
     xn.resize(B * H);
     qkv.resize(B * QKV);
@@ -232,13 +234,13 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
   } catch (const std::bad_alloc&) {
     return 1;
   }
-  const blocks::Q8 xq8{q8.data(), q8dx.data(), q8dxs.data()};
+  const blocks::Q8 xq8{q8.data(), q8dx.data(), q8dxs.data(), q8o16.data()};
   // The inputs of the linear layers: x, with the scratch of its quantized forms.
   auto input = [&](const float* rows) { return Input{rows, qhi.data(), qlo.data(), qd.data(), xq8}; };
   for (int64_t b = 0; b < B; ++b) {
     if (m.embed_kind != 0) {  // a block-format table: the row dequantized
-      const int64_t rb = blocks::row_bytes(m.embed_kind, H);
-      blocks::row_to_float(m.embed_kind, static_cast<const uint8_t*>(m.embed) + ids[b] * rb, H, x.data() + b * H);
+      blocks::matrix_row_to_float(m.embed_kind, static_cast<const uint8_t*>(m.embed), ids[b], m.vocab, H,
+                                  x.data() + b * H);
     } else if (m.bf16) {
       const bf16_t* row = static_cast<const bf16_t*>(m.embed) + ids[b] * H;
       for (int64_t i = 0; i < H; ++i) x[b * H + i] = to_float(row[i]);
@@ -298,7 +300,8 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
         if (L.gate.kind == 3 || L.up.kind == 3) quantize_rows(xin, B, H, tid, nt);  // once for both
         if (L.gate.kind == kBlockKind || L.up.kind == kBlockKind) quantize_rows_q8(xin, B, H, tid, nt);
         int64_t n0, n1;
-        share(I, 4, tid, nt, n0, n1);  // gate, up and SiLU(gate) * up on this thread's columns: no barrier between
+        share(I, L.gate.kind == kBlockKind ? 8 : 4, tid, nt, n0, n1);  // gate, up and SiLU(gate) * up on this
+        // thread's columns: no barrier between (whole groups of repacked rows)
         if (n0 < n1) {
           gemm_part(L.gate, xin, B, gate.data(), I, n0, n1, false, wide.data());
           gemm_part(L.up, xin, B, up.data(), I, n0, n1, false, wide.data());

@@ -256,7 +256,7 @@ void gemm_part(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t 
       const TdPart& part = L.parts[p];
       const int64_t a = std::max(n0, row0), b = std::min(n1, row0 + part.rows);
       if (a < b)
-        blocks::gemm_blocks(part.kind, static_cast<const uint8_t*>(part.w), row0, L.k, in.q8, M, a, b,
+        blocks::gemm_blocks(part.kind, static_cast<const uint8_t*>(part.w), row0, part.rows, L.k, in.q8, M, a, b,
                             BlockOut{y, ldy, L.scale, L.bias, accumulate});
       row0 += part.rows;
     }
@@ -278,7 +278,7 @@ void gemm(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, 
   if (L.kind == 3) quantize_rows(in, M, L.k, tid, nt);
   if (L.kind == kBlockKind) quantize_rows_q8(in, M, L.k, tid, nt);
   int64_t n0, n1;
-  share(L.n, 4, tid, nt, n0, n1);
+  share(L.n, L.kind == kBlockKind ? 8 : 4, tid, nt, n0, n1);  // (whole groups of repacked rows)
   if (n0 < n1) gemm_part(L, in, M, y, ldy, n0, n1, accumulate, wide);
 #pragma omp barrier
 }

@@ -13,7 +13,7 @@ from executor_service.types import UnifiedItem
 from models.decode.native import NativeDecode
 from models.loader import load_model
 from models.parallel.shard import Shard, shard_model
-from models.quant.blocks import BlockWeight
+from models.quant.blocks import BlockWeight, block_weights
 from tests.executor.test_deterministic_kernels import GREEDY, run as det_run
 from tests.executor.test_executor_parity import prompt_of
 from tests.executor.test_speculative_verify import assert_pool_whole, plain_run, spec_run
@@ -160,3 +160,29 @@ def test_tensor_parallelism_refuses_cutting_inside_blocks(tiny_checkpoint, tmp_p
     path, _ = write_gguf(tiny_checkpoint("llama", config_overrides=WIDE), tmp_path / "k.gguf", "Q4_K")
     with pytest.raises(ValueError, match="would cut blocks; pass --gguf-dequantize"):
         shard_model(load_model(path, progress=False), Shard(rank=0, size=2))
+
+
+@pytest.fixture(scope="module")
+def gguf_q4(model_dir, tmp_path_factory):
+    path, _ = write_gguf(model_dir, tmp_path_factory.mktemp("gguf-q4") / "tiny-Q4_0.gguf", "Q4_0")
+    return path
+
+
+def test_repacked_rows_in_the_native_step_the_eager_forward_and_deterministic(gguf_q4):
+    """Q4_0 rows are repacked 8 by 8 at load (models/native/blocks_x8.h): the native step decodes what the eager
+    forward decodes over them, and --deterministic stays the same bits however batched or chunked (a group of 8
+    rows is computed whole whichever thread's rows it meets, each activation row on its own)."""
+    ex = make_executor(gguf_q4, kv_blocks=64)
+    formats = [fmt for w in block_weights(ex.model) for fmt, _ in w.parts]
+    assert formats and all(fmt.interleave == 8 for fmt in formats if fmt.name == "Q4_0")
+    assert isinstance(ex.decode_step, NativeDecode)
+    eager = make_executor(gguf_q4, kv_blocks=64, decode_kernel="torch")
+    prompt = prompt_of(25, seed=6)
+    _, tokens, logits = greedy_run(ex, prompt, 12)
+    _, want_tokens, want_logits = greedy_run(eager, prompt, 12)
+    assert tokens == want_tokens and logits_error(logits, want_logits) < SAME_EXECUTOR_TOL
+    det = make_executor(gguf_q4, kv_blocks=128, deterministic=True)
+    prompt = prompt_of(23, seed=7)
+    want = det_run(det, prompt, GREEDY)
+    assert det_run(det, prompt, GREEDY, chunk=3) == want
+    assert det_run(det, prompt, GREEDY, others=2) == want

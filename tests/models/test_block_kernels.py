@@ -73,12 +73,16 @@ def test_linear_equals_the_reference_product(name):
             assert np.abs(got - exact).max() < 0.03 * np.abs(exact).max()
 
 
-def test_a_row_does_not_depend_on_the_others():
-    fmt, rng = FORMATS["Q4_K"], np.random.default_rng(3)
-    w = torch.from_numpy(random_blocks(fmt, 12, 512, rng))
+@pytest.mark.parametrize("name, repacked", [("Q4_K", False), ("Q4_0", True), ("Q4_K", True), ("Q6_K", True)])
+def test_a_row_does_not_depend_on_the_others(name, repacked):
+    fmt, rng = FORMATS[name], np.random.default_rng(3)
+    w = torch.from_numpy(random_blocks(fmt, 20, 512, rng))
+    kind = fmt.kind
+    if repacked:  # (4 activation rows at a time there: 9 rows are passes of 4, 4 and 1)
+        w, kind = torch.ops.tandem.block_repack(w, fmt.kind, 512), fmt.kind + 100
     x = torch.randn(9, 512)
-    alone = torch.cat([torch.ops.tandem.block_linear(x[i:i + 1], w, fmt.kind, 512) for i in range(9)])
-    assert torch.equal(torch.ops.tandem.block_linear(x, w, fmt.kind, 512), alone)
+    alone = torch.cat([torch.ops.tandem.block_linear(x[i:i + 1], w, kind, 512) for i in range(9)])
+    assert torch.equal(torch.ops.tandem.block_linear(x, w, kind, 512), alone)
 
 
 def test_bad_inputs_are_refused_naming_them():
@@ -137,3 +141,69 @@ def test_vnni_build_gives_the_avx2_bits(name):
     finally:
         torch.ops.tandem.set_block_isa("avx512vnni")
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+REPACKED = ("Q4_0", "Q4_K", "Q6_K")  # the formats whose rows are repacked 8 by 8 at load (blocks_x8.h)
+
+
+def repack(w: np.ndarray, fmt: BlockFormat, columns: int) -> tuple[torch.Tensor, int]:
+    kind = torch.ops.tandem.block_repacked_kind(fmt.kind)
+    assert kind == fmt.kind + 100
+    return torch.ops.tandem.block_repack(torch.from_numpy(w), fmt.kind, columns), kind
+
+
+@pytest.mark.parametrize("name", REPACKED)
+def test_repacked_dequant_is_the_reference_bit_for_bit(name):
+    fmt, rng = FORMATS[name], np.random.default_rng(6)
+    for rows, blocks_per_row in ((1, 1), (7, 2), (8, 1), (13, 3), (24, 2), (35, 1)):  # groups of 8 and tails
+        columns = blocks_per_row * fmt.block_weights
+        w = random_blocks(fmt, rows, columns, rng)
+        packed, kind = repack(w, fmt, columns)
+        assert packed.shape == w.shape and (rows < 8 or not np.array_equal(packed.numpy(), w))
+        got = torch.ops.tandem.block_dequant(packed, kind, columns).numpy()
+        np.testing.assert_array_equal(got, dequantize_reference(w, fmt, columns))
+
+
+@pytest.mark.parametrize("name", REPACKED)
+def test_repacked_linear_equals_the_reference_product(name):
+    fmt, rng = FORMATS[name], np.random.default_rng(7)
+    for rows, blocks_per_row in ((5, 1), (8, 2), (19, 3), (40, 1), (67, 2)):  # tails of the groups of 8
+        columns = blocks_per_row * fmt.block_weights
+        w = random_blocks(fmt, rows, columns, rng)
+        packed, kind = repack(w, fmt, columns)
+        ref = dequantize_reference(w, fmt, columns).astype(np.float64)
+        bias = rng.standard_normal(rows).astype(np.float32)
+        for m in (1, 3, 8, 11):
+            x = rng.standard_normal((m, columns)).astype(np.float32)
+            x[0, :32] = 0
+            x[-1, -16:] *= 50  # a block whose int8 values reach +-127 (the int16 sums' bound)
+            got = torch.ops.tandem.block_linear(torch.from_numpy(x), packed, kind, columns,
+                                                torch.from_numpy(bias)).numpy()
+            want = q8_activations(x) @ ref.T + bias
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+            plain = torch.ops.tandem.block_linear(torch.from_numpy(x), torch.from_numpy(w), fmt.kind, columns,
+                                                  torch.from_numpy(bias)).numpy()
+            np.testing.assert_allclose(got, plain, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_extreme_values_stay_exact_in_the_repacked_kernels():
+    """Every weight and activation at the end of its range: the int16 sums of the kernels at their bound."""
+    for name in REPACKED:
+        fmt = FORMATS[name]
+        columns = 2 * fmt.block_weights
+        for byte in (0x00, 0xFF):
+            w = random_blocks(fmt, 16, columns, np.random.default_rng(8))
+            scale_offsets = {o for o, _, _ in _HALVES[name]} | {o + 1 for o, _, _ in _HALVES[name]}
+            blk = w.reshape(16, -1, fmt.block_bytes)
+            keep = sorted(scale_offsets | (set(range(192, 208)) if name == "Q6_K" else set()) |
+                          (set(range(4, 16)) if name == "Q4_K" else set()))
+            saved = blk[:, :, keep].copy()
+            blk[:, :, :] = byte
+            blk[:, :, keep] = saved
+            packed, kind = repack(w, fmt, columns)
+            ref = dequantize_reference(w, fmt, columns).astype(np.float64)
+            for sign in (1.0, -1.0):
+                x = np.full((2, columns), sign, dtype=np.float32)
+                got = torch.ops.tandem.block_linear(torch.from_numpy(x), packed, kind, columns).numpy()
+                want = q8_activations(x) @ ref.T
+                np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() + 1e-6)

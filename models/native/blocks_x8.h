@@ -1,0 +1,267 @@
+// Q4_0, Q4_K and Q6_K rows repacked at load 8 by 8 (llama.cpp's ggml-cpu/repack.cpp idea, block_q4_0x8 /
+// block_q4_Kx8, in a layout of our own): the blocks b of rows 8g .. 8g + 7 are stored together, byte for byte
+// as many as the 8 plain blocks, so that one register holds 4 weights of each of the 8 rows and one broadcast
+// of 4 activation bytes feeds all 8 rows (maddubs then gives each row's products in its own lanes: no
+// horizontal sums, one float fma per 8 rows per 32 weights instead of one per row). Included by blocks.h.
+//
+// A repacked weight keeps the shape [rows, row_bytes]: group g (rows 8g .. 8g + 7) is the 8 * row_bytes bytes at
+// row 8g, holding its blocks b in order (8 * block_bytes each); the rows past the last whole group (rows % 8)
+// stay plain, where they were. Layout of one group-block (r: row in the group, j: sub-block of 32, offsets in
+// bytes; nibble pair (lo, hi) of a byte: weights of two sub-blocks; "chunk" c: weights 4c .. 4c + 3):
+// - Q4_0x8 (144): d[8] fp16 | qs[4 regs of 32]: reg j byte 4r + i = q_r[4j + i] | q_r[16 + 4j + i] << 4.
+// - Q4_Kx8 (1152): d[8] | dmin[8] fp16 | scales (48) | mins (48) | qs[32 regs]: reg 8p + c byte 4r + i =
+//   q_r[64p + 4c + i] | q_r[64p + 32 + 4c + i] << 4 (sub-blocks 2p, 2p + 1 of ggml's order). The 64 6-bit
+//   scales v = 8j + r: bytes 0..31 low nibble = low 4 bits of v[t], high nibble = of v[t + 32]; bytes 32..47:
+//   bits 2s, 2s + 1 of byte t = the top 2 bits of v[t + 16 s].
+// - Q6_Kx8 (1680): d[8] fp16 | scales int8 [16 groups of 16 weights][8 rows] | ql[32 regs]: reg t byte 4r + i
+//   = low 4 bits of u_r[4t + i] (chunk t) | of u_r[128 + 4t + i] << 4 (chunk t + 32) | qh[16 regs]: reg h byte
+//   4r + i, bits 2s, 2s + 1: the top 2 bits of, s = 0: chunk 2h, 1: chunk 2h + 32, 2: chunk 2h + 1,
+//   3: chunk 2h + 33 (u = q + 32 in 0..63, unsigned: maddubs takes it as is; the -32 is subtracted per 16
+//   weights with the activations' sums, BlockQ8::o16).
+#pragma once
+
+// The groups of 8 rows and the 8 results of one activation row as one vector.
+constexpr int kGroup = 8;
+
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
+
+// Q4_Kx8: 48 bytes of packed 6-bit values -> 64 bytes v[0..63].
+inline void unpack_scales_x8(const uint8_t* p, uint8_t* out) {
+  const __m256i nib = load256(p), f = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const __m256i h = _mm256_broadcastsi128_si256(load128(p + 32));
+  const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), three);
+  const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), three);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_or_si256(_mm256_and_si256(nib, f), _mm256_slli_epi16(h0, 4)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32),
+                      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib, 4), f), _mm256_slli_epi16(h1, 4)));
+}
+
+// The 8 rows' products with R activation rows m0 .. m0 + R - 1 of x (k columns), over the nb blocks of the
+// group at g: out[r] holds row m0 + r's 8 results. Each weight register is unpacked once for the R rows.
+template <int32_t K, int R>
+inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int64_t k, __m256* out) {
+  const __m256i f = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* xq[R];
+  const float* dx[R];
+  const float* dxs[R];
+  const int32_t* o16[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = x.q + (m0 + r) * k, dx[r] = x.dx + (m0 + r) * (k / 32), dxs[r] = x.dxs + (m0 + r) * (k / 32);
+    o16[r] = x.o16 + (m0 + r) * (k / 16);
+    acc[r] = _mm256_setzero_ps();
+  }
+  if constexpr (K == Q4_0x8) {  // 8 maddubs per int16 lane: |sum| <= 8 * 2 * 15 * 127 = 30480
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = g + b * 144;
+      __m256i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = load256(p + 16 + 32 * j);
+        const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
+        for (int r = 0; r < R; ++r) {
+          s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, bcast4(xq[r] + 32 * b + 4 * j)));
+          s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, bcast4(xq[r] + 32 * b + 16 + 4 * j)));
+        }
+      }
+      const __m256 d = half8(p), d8 = _mm256_mul_ps(d, _mm256_set1_ps(8.f));  // w = d q - 8 d
+      for (int r = 0; r < R; ++r) {  // (the block's sum apart: one add per block on acc's dependency chain)
+        const __m256 blk = _mm256_fnmadd_ps(d8, _mm256_broadcast_ss(dxs[r] + b),
+                                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)),
+                                                          _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b))));
+        acc[r] = _mm256_add_ps(acc[r], blk);
+      }
+    }
+  } else if constexpr (K == Q4_Kx8) {  // w = d sc q - dmin m
+    alignas(32) uint8_t sc[64], mn[64];
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = g + b * 1152;
+      unpack_scales_x8(p + 32, sc);
+      unpack_scales_x8(p + 80, mn);
+      const __m256 d = half8(p), dmin = half8(p + 16);
+      __m256 ab[R][2];  // the block's sums, two chains (sub-blocks 2q, 2q + 1): short dependency chains
+      for (int r = 0; r < R; ++r) ab[r][0] = ab[r][1] = _mm256_setzero_ps();
+      for (int q = 0; q < 4; ++q) {
+        __m256i s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = load256(p + 128 + 32 * (8 * q + c));
+          const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xq[r] + 256 * b + 64 * q + 4 * c;
+            s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(lo, bcast4(xr)));
+            s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(hi, bcast4(xr + 32)));
+          }
+        }
+        for (int e = 0; e < 2; ++e) {
+          const int j = 2 * q + e;
+          const __m256 scj = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * j)))));
+          const __m256 mnj = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 8 * j)))));
+          for (int r = 0; r < R; ++r) {
+            ab[r][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(e ? s1[r] : s0[r], ones)),
+                                       _mm256_mul_ps(scj, _mm256_broadcast_ss(dx[r] + 8 * b + j)), ab[r][e]);
+            ab[r][e] = _mm256_fnmadd_ps(mnj, _mm256_broadcast_ss(dxs[r] + 8 * b + j), ab[r][e]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(ab[r][0], ab[r][1]));
+    }
+  } else {  // Q6_Kx8: per group of 16 weights, the lanes' int16 sums wrap but their true values,
+            // sum (u - 32) x over 8 products, fit: |.| <= 8 * 32 * 127 = 32512
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = g + b * 1680;
+      const __m256 d = half8(p);
+      __m256 ab[R][2];  // the block's sums, two chains (groups q, 8 + q)
+      for (int r = 0; r < R; ++r) ab[r][0] = ab[r][1] = _mm256_setzero_ps();
+      for (int q = 0; q < 8; ++q) {  // groups q (chunks 4q .. 4q + 3) and 8 + q (chunks 32 + 4q ..)
+        __m256i s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const __m256i hb = load256(p + 1168 + 32 * (2 * q + e2));
+          for (int e = 0; e < 2; ++e) {
+            const int t = 4 * q + 2 * e2 + e;
+            const __m256i v = load256(p + 144 + 32 * t);
+            const __m256i hl = e ? hb : _mm256_slli_epi16(hb, 4);
+            const __m256i hh = e ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, f), _mm256_and_si256(hl, m30));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), f), _mm256_and_si256(hh, m30));
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xr = xq[r] + 256 * b + 4 * t;
+              s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(lo, bcast4(xr)));
+              s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(hi, bcast4(xr + 128)));
+            }
+          }
+        }
+        const __m256 sc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 + 8 * q)))));
+        const __m256 sc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 80 + 8 * q)))));
+        for (int r = 0; r < R; ++r) {
+          const __m256i t0 = _mm256_sub_epi16(s0[r], _mm256_set1_epi32(o16[r][16 * b + q]));
+          const __m256i t1 = _mm256_sub_epi16(s1[r], _mm256_set1_epi32(o16[r][16 * b + 8 + q]));
+          ab[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t0, ones)),
+                                     _mm256_mul_ps(sc0, _mm256_broadcast_ss(dx[r] + 8 * b + q / 2)), ab[r][0]);
+          ab[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t1, ones)),
+                                     _mm256_mul_ps(sc1, _mm256_broadcast_ss(dx[r] + 8 * b + 4 + q / 2)), ab[r][1]);
+        }
+      }
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(ab[r][0], ab[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// y[m, n] for rows [n0, n1) of a repacked part of `rows` rows (starting at row0) and all M activation rows.
+// Every group that meets [n0, n1) is computed whole, and only its rows in range are written (a group cut by a
+// split is computed by both threads: the same bits, each writes its own rows); the plain tail as before.
+// Activation rows go 4 at a time (each weight register unpacked once for the 4), every row's sums in the same
+// order whatever M: a row's results do not depend on the others.
+template <int32_t K>
+void gemm_x8_k(const uint8_t* w, int64_t row0, int64_t rows, int64_t k, const Q8& x, int64_t M, int64_t n0,
+               int64_t n1, const BlockOut& out) {
+  constexpr int32_t P = K - 100;
+  const int64_t nb = k / block_weights(P), rb = row_bytes(P, k), groups = rows / kGroup;
+  const int64_t a = n0 - row0, e = n1 - row0;
+  __m256 v[4];
+  alignas(32) float vals[kGroup];
+  for (int64_t g = a / kGroup; g < std::min(groups, (e + kGroup - 1) / kGroup); ++g) {
+    const uint8_t* gp = w + g * kGroup * rb;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t R = std::min<int64_t>(4, M - m0);
+      switch (R) {
+        case 4: group_dot<K, 4>(gp, nb, x, m0, k, v); break;
+        case 3: group_dot<K, 3>(gp, nb, x, m0, k, v); break;
+        case 2: group_dot<K, 2>(gp, nb, x, m0, k, v); break;
+        default: group_dot<K, 1>(gp, nb, x, m0, k, v); break;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        _mm256_store_ps(vals, v[r]);
+        for (int i = 0; i < kGroup; ++i) {
+          const int64_t n = g * kGroup + i;
+          if (n >= a && n < e) put(out, m0 + r, row0 + n, vals[i]);
+        }
+      }
+    }
+  }
+  const int64_t t0 = std::max(a, groups * kGroup);
+  if (t0 < e) gemm_blocks_k<P>(w, row0, k, x, M, row0 + t0, n1, out);  // the plain rows past the groups
+}
+
+// Row r of a repacked group-block (at p) unpacked as unpack<plain kind> unpacks its plain block.
+template <int32_t K>
+inline void unpack_x8(const uint8_t* p, int r, Unpacked& u) {
+  alignas(32) uint8_t t[32];
+  if constexpr (K == Q4_0x8) {
+    for (int j = 0; j < 4; ++j) std::memcpy(t + 4 * j, p + 16 + 32 * j + 4 * r, 4);
+    u.n = 1, u.is_signed = false;
+    const float d = half(p + 2 * r);
+    set_sub(u, 0, nibbles16(t), d, -8.f * d);
+  } else if constexpr (K == Q4_Kx8) {
+    alignas(32) uint8_t sc[64], mn[64];
+    unpack_scales_x8(p + 32, sc);
+    unpack_scales_x8(p + 80, mn);
+    uint8_t s8[16];
+    for (int j = 0; j < 8; ++j) s8[j] = sc[8 * j + r], s8[8 + j] = mn[8 * j + r];
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s8));
+    u.n = 8, u.is_signed = false;
+    u.av = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_set1_ps(half(p + 2 * r)));
+    u.bv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
+                         _mm256_set1_ps(-half(p + 16 + 2 * r)));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int q = 0; q < 4; ++q) {
+      for (int c = 0; c < 8; ++c) std::memcpy(t + 4 * c, p + 128 + 32 * (8 * q + c) + 4 * r, 4);
+      const __m256i w = load256(t);
+      u.q[2 * q] = _mm256_and_si256(w, low);
+      u.q[2 * q + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    }
+  } else {  // Q6_Kx8
+    int8_t s16[16];
+    for (int g = 0; g < 16; ++g) s16[g] = static_cast<int8_t>(p[16 + 8 * g + r]);
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16));
+    const __m256 d = _mm256_set1_ps(half(p + 2 * r));
+    u.n = 8, u.is_signed = true;
+    u.av = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+    u.bv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+    for (int j = 0; j < 8; ++j) {
+      for (int c = 0; c < 8; ++c) {
+        const int chunk = 8 * j + c, hi = chunk >= 32, reg = chunk % 32, s = 2 * (reg % 2) + hi;
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t l = p[144 + 32 * reg + 4 * r + i], h = p[1168 + 32 * (reg / 2) + 4 * r + i];
+          const int val = (hi ? l >> 4 : l & 0x0F) | (((h >> (2 * s)) & 3) << 4);
+          t[4 * c + i] = static_cast<uint8_t>(val - 32);
+        }
+      }
+      u.q[j] = load256(t);
+    }
+  }
+}
+
+// Row `row` of a matrix of `rows` rows of kind `kind` (plain or repacked) as float32 (k values).
+template <int32_t K>
+inline void x8_row_to_float(const uint8_t* w, int64_t row, int64_t k, float* out) {
+  constexpr int32_t P = K - 100;
+  const int64_t qk = block_weights(P), rb = row_bytes(P, k), gb = kGroup * block_bytes(P);
+  const uint8_t* g = w + (row / kGroup) * kGroup * rb;
+  Unpacked u;
+  for (int64_t b = 0; b < k / qk; ++b) {
+    unpack_x8<K>(g + b * gb, static_cast<int>(row % kGroup), u);
+    block_to_float<P>(u, out + b * qk);
+  }
+}
+
+inline void matrix_row_to_float(int32_t kind, const uint8_t* w, int64_t row, int64_t rows, int64_t k, float* out) {
+  const int32_t p = plain_kind(kind);
+  if (!is_x8(kind) || row >= rows / kGroup * kGroup) return row_to_float(p, w + row * row_bytes(p, k), k, out);
+  switch (kind) {
+    case Q4_0x8: x8_row_to_float<Q4_0x8>(w, row, k, out); break;
+    case Q4_Kx8: x8_row_to_float<Q4_Kx8>(w, row, k, out); break;
+    default: x8_row_to_float<Q6_Kx8>(w, row, k, out); break;
+  }
+}
