@@ -86,6 +86,10 @@ class Engine:
                              self.info.max_adapters_on_device, kv.block_size)
 
     # ----------------------------------------------------------------- requests (called by the fleet)
+    def check_overload(self) -> None:
+        """As Fleet.check_overload, for a servicer driving one engine: Overloaded when its queue would refuse."""
+        self.policy.check_overload()
+
     def submit(self, request: GenerateRequest) -> tuple[Sequence, RequestStream]:
         """Queues a request. While the executor is away (within the retry window) it is queued too, and runs
         when it is back; once the window has passed, or the executor came back unfit, it fails at once."""

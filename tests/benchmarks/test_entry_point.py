@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-NAMES = ["decode", "device", "disagg", "executor", "fleet", "forward", "kv_restart", "lora", "prefix", "quantized",
-         "serving", "spec", "startup", "structured", "tp", "vision"]
+NAMES = ["block_kernels", "decode", "device", "disagg", "draft", "executor", "fleet", "forward", "kv_restart", "lora",
+         "overload", "prefix", "quantized", "serving", "spec", "startup", "structured", "tp", "vision"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

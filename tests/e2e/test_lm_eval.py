@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,13 @@ def test_local_completions_scores_equal_hf(request, model_dir, tasks, tmp_path):
     executor = start_for(request, model_dir, "--kv-blocks", "256")
     scheduler = start_scheduler_for(request, executor.address, "--http-port", "0")
     url = f"{scheduler.process.http_url}/v1/completions"
-    ours = run_lm_eval("local-completions", f"model={Path(model_dir).name},base_url={url},tokenizer={model_dir},"
-                       "tokenized_requests=True,num_concurrent=1,max_retries=1", tasks, tmp_path / "ours")
-    ref = run_lm_eval("hf", f"pretrained={model_dir},dtype=float32", tasks, tmp_path / "hf")
+    # the two lm_eval processes side by side (each mostly waits on its imports and its model: the test's wall halves)
+    with ThreadPoolExecutor(2) as pool:
+        ours_run = pool.submit(run_lm_eval, "local-completions",
+                               f"model={Path(model_dir).name},base_url={url},tokenizer={model_dir},"
+                               "tokenized_requests=True,num_concurrent=1,max_retries=1", tasks, tmp_path / "ours")
+        ref_run = pool.submit(run_lm_eval, "hf", f"pretrained={model_dir},dtype=float32", tasks, tmp_path / "hf")
+        ours, ref = ours_run.result(), ref_run.result()
     for a, b in zip(ours["tandem_mc"], ref["tandem_mc"], strict=True):
         got = [float(r[0][0]) for r in a["resps"]]  # per choice: (loglikelihood, is_greedy)
         want = [float(r[0][0]) for r in b["resps"]]

@@ -59,6 +59,7 @@ def test_a_large_prompt_is_tokenized_while_another_stream_gets_tokens(model_dir,
         client = FaultyExecutorClient(InProcessExecutorClient(make_executor(model_dir, kv_blocks=64)))
         engine = Engine(SchedulerConfig("faulty", max_prompt_chars=BIG), client, counting, executor_info_from_pb(client.info_now()))
         engine.grammars = None  # (the servicer's fleet compiles constraints; a bare engine has none)
+        engine.images = None  # (nor reads images)
         servicer = GenerateServicer(engine, ThreadPoolExecutor(1))
         loop_task = asyncio.create_task(engine.run())
         try:

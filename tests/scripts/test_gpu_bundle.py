@@ -8,12 +8,15 @@ wheelhouse (downloaded once per pyproject.toml and gpu_bundle) and the bare venv
 ~/.cache/tandem/, so only the first run downloads (minutes); the install and the checks run every time."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -43,9 +46,24 @@ def offline_prefix() -> tuple[list[str], dict[str, str], str]:
                 "ALL_PROXY": dead, "PIP_NO_INDEX": "1"}, "a dead proxy and PIP_NO_INDEX"
 
 
+@contextmanager
+def built_alone(name: str) -> Iterator[None]:
+    """Holds an exclusive lock while a cached artefact is checked or built: the suite's workers each run this
+    module's fixtures, and two building one directory at once remove each other's files."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="module")
 def bare_python() -> Path:
     """A venv with torch (this machine's CPU wheel, from its local wheel directory) and only what torch needs."""
+    with built_alone("bare-torch"):
+        return _bare_python()
+
+
+def _bare_python() -> Path:
     venv = CACHE / f"bare-torch-{TORCH}-{PYTHON}"
     stamp = venv / ".bare-torch"
     if not stamp.is_file():
@@ -65,6 +83,11 @@ def bare_python() -> Path:
 @pytest.fixture(scope="module")
 def bundle() -> Path:
     """scripts/gpu_bundle for this Python and machine, LZMA-repacked; built once per pyproject.toml and script."""
+    with built_alone("gpu_bundle"):
+        return _bundle()
+
+
+def _bundle() -> Path:
     out = CACHE / "gpu_bundle" / f"{PYTHON}-{KEY}"
     for stale in out.parent.glob(f"{PYTHON}-*"):  # bundles of an earlier pyproject.toml or script
         if stale != out:
