@@ -17,7 +17,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine.policy import SchedulingPolicy
 from scheduler.request import Delta, FinishReason, GenerateRequest, StoppingCriteria
 from scheduler.sequence import Sequence
-from scheduler.config import SpeculativeConfig
+from scheduler.config import BurstConfig, SpeculativeConfig
 from scheduler.text.tokenizer import ModelTokenizer
 from tandem.codec import kv_usage_from_pb
 from tests.executor_driver import greedy_run, make_executor
@@ -192,7 +192,11 @@ def engine_run(client, tokenizer, stopping: StoppingCriteria, proposer: OraclePr
     """One request through a running engine (speculative with the oracle's drafts, or off): its stream's
     events and its sequence."""
     async def run():
-        cfg = dict(speculative=dataclasses.replace(SPEC, num_tokens=8) if proposer else SpeculativeConfig("off"))
+        # Drafts pinned (a fixed --speculative-max-batch: the keep rule's measured costs, which vary with the
+        # machine's load, do not decide) and one step per call (no burst whose length depends on timing), so
+        # which step shows a stop string is the same on every run.
+        cfg = dict(speculative=dataclasses.replace(SPEC, num_tokens=8, max_batch=8) if proposer
+                   else SpeculativeConfig("off"), bursts=BurstConfig(window_ms=0))
         async with Running(client, tokenizer, **cfg) as engine:
             if proposer:
                 engine.policy.speculator.proposer = proposer

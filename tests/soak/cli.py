@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "kill-executor (SIGKILL a random executor, restart it on its port), kill-scheduler (SIGKILL, "
                         "restart on new ports; clients retry there), adapter (unload a random adapter from every "
                         "executor, or load it back)")
+    p.add_argument("--min-chaos", type=int, default=0,
+                   help="the load goes on past --minutes until this many chaos actions have happened (a slow "
+                        "machine restarts processes slowly; at most 3x --minutes more), so a short run still "
+                        "exercises every action asked for")
     p.add_argument("--session-ttl", type=float, default=5.0,
                    help="the executors' --session-ttl: a killed scheduler's caches go after it (the KV check "
                         "at the end waits for it)")
@@ -307,7 +311,9 @@ def _load(args: argparse.Namespace, cluster: Cluster, clients: Clients, chaos: C
     crashed: list[str] = []
     clients.go()
     try:
-        while time.monotonic() < deadline and clients.alive():
+        # (--min-chaos: past the deadline while fewer actions happened, up to 3x the time more)
+        while clients.alive() and (time.monotonic() < deadline or (
+                sum(chaos.counts.values()) < args.min_chaos and time.monotonic() < deadline + 3 * (deadline - t0))):
             now = time.monotonic()
             crashed = cluster.dead_processes()
             if crashed:
