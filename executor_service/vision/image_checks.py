@@ -104,5 +104,6 @@ def _check_span_tokens(name: str, im: ImageInput, v: VisionConfig, start: int, e
 
 def vision_info(v: VisionConfig, cache_images: int) -> VisionInfo:
     """GetInfo's vision facts (VisionInfo in the contract)."""
-    return VisionInfo(v.family, v.image_token_id, v.image_size, v.tokens_per_tile, MAX_TILES, MAX_IMAGES_PER_ITEM,
-                      MAX_PIXEL_BYTES, cache_images)
+    tiled = v.family != "qwen2_5_vl"  # (Qwen2.5-VL: one grid of any size, bounded by MAX_PIXEL_BYTES)
+    return VisionInfo(v.family, v.image_token_id, v.image_size, v.tokens_per_tile, MAX_TILES if tiled else 0,
+                      MAX_IMAGES_PER_ITEM, MAX_PIXEL_BYTES, cache_images)
