@@ -204,3 +204,27 @@ def test_bad_images_fail_their_item(ours, ex):
 def test_decode_steps_without_mrope_are_refused(ckpt, flags, named):
     with pytest.raises(ValueError, match=named):
         make_executor(ckpt, **flags)
+
+
+def test_drafts_after_an_image_verify_at_its_shifted_positions(ours, ex):
+    """Draft tokens (speculative decoding) run in the eager forward at M-RoPE positions: the greedy continuation
+    sent as drafts is accepted whole and the token after it is the one greedy decoding gives."""
+    ids, items = _prompt(ours, [noise_image(50, 70, seed=8)])
+    first, c1 = _logits_run(ex, ids, items)
+    want, _ = _greedy(ex, first, c1, len(ids), 5)
+    second, c2 = _logits_run(ex, ids, items)
+    (d,) = raising(ex.unified_decode([UnifiedItem((want[0],), c2, len(ids), True,
+                                                  draft_token_ids=tuple(want[1:4]))]))
+    assert [t.token_id for t in d.output.tokens] == want[1:5]
+    ex.release_cache([c1, c2])
+
+
+def test_a_cache_with_images_is_not_exported(ours, ex):
+    """ImportKv makes a cache of the tokens alone: an M-RoPE cache's image shifts would be lost, so the export is
+    refused (the scheduler recomputes instead)."""
+    from tandem.errors import Unsupported
+    ids, items = _prompt(ours, [noise_image(20, 24, seed=9)])
+    _, cache_id = _logits_run(ex, ids, items)
+    with pytest.raises(Unsupported, match="M-RoPE"):
+        next(ex.transfer.export(cache_id, (), ""))
+    ex.release_cache([cache_id])
