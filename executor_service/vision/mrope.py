@@ -68,6 +68,9 @@ def item_positions(state: CacheState, pos: int, n: int, chunk: Sequence[int], im
             slots[p - pos] = (first, first + k // cols, first + k % cols)
         if end < pos + n:  # (a run that ended before the item: its shift from the item's first token)
             cuts.append((max(end - pos, 0), _shift(rows_cols)))
+    if not slots and not cuts:  # (text only, as most items are: three equal positions)
+        same = list(range(pos + shift, pos + shift + n))
+        return same, same, same
     cuts.append((n, 0))
     start, extra = 0, shift
     for cut, more in cuts:

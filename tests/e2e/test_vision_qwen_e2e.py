@@ -108,3 +108,18 @@ def test_openai_chat_with_a_data_url_matches_transformers(stack, client, hf):
     assert again.choices[0].message.content == first.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 16
     assert _vision_stats(stack).images_encoded == mid.images_encoded
+
+
+def test_generate_service_and_responses_take_images(stack, client, hf):
+    from tandem.generate.v1 import generate_pb2 as gpb
+    from tests.scheduler_client import collect
+    image = noise_image(64, 64, seed=14)
+    _, _, want, _ = _hf(hf, image, 4)
+    parts = [gpb.ContentPart(image=gpb.ImageSource(data=png_bytes(image))), gpb.ContentPart(text=TEXT)]
+    request = gpb.GenerateRequest(messages=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", parts=parts)]),
+                                  stopping=gpb.StoppingCriteria(max_new_tokens=4, ignore_eos=True))
+    assert collect(stack[1].stub, request).token_ids == want
+    r = client.responses.create(model="m", max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(image)},
+                                     {"type": "input_text", "text": TEXT}]}])
+    assert r.output_text == hf[0].decode(want, skip_special_tokens=True)

@@ -228,3 +228,23 @@ def test_a_cache_with_images_is_not_exported(ours, ex):
     with pytest.raises(Unsupported, match="M-RoPE"):
         next(ex.transfer.export(cache_id, (), ""))
     ex.release_cache([cache_id])
+
+
+def test_the_hubs_flat_config_loads_the_same_model(ckpt, ours, ex, tmp_path):
+    """The Hub's Qwen2.5-VL config.json keeps the text fields at the top level with rope_scaling
+    {"type": "mrope", "mrope_section": ...}; it reads as the same model as transformers 5's text_config."""
+    import json
+    import shutil
+    flat_dir = tmp_path / "flat"
+    shutil.copytree(ckpt, flat_dir)
+    raw = json.loads((ckpt / "config.json").read_text())
+    text = raw.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.update(rope_theta=rope.pop("rope_theta"), rope_scaling={"type": "mrope", **{k: v for k, v in rope.items()
+                                                                                      if k != "rope_type"}})
+    (flat_dir / "config.json").write_text(json.dumps({**raw, **text}))
+    ids, items = _prompt(ours, [noise_image(50, 70, seed=10)])
+    want, c1 = _logits_run(ex, ids, items)
+    got, _ = _logits_run(make_executor(flat_dir), ids, items)
+    assert torch.equal(got.logits[0], want.logits[0])
+    ex.release_cache([c1])
