@@ -248,3 +248,14 @@ def test_the_hubs_flat_config_loads_the_same_model(ckpt, ours, ex, tmp_path):
     got, _ = _logits_run(make_executor(flat_dir), ids, items)
     assert torch.equal(got.logits[0], want.logits[0])
     ex.release_cache([c1])
+
+
+def test_a_recompute_of_prompt_and_output_continues_the_same(ours, ex):
+    """Preemption's recompute: a new cache written with the prompt and the tokens generated so far (in chunks,
+    the image carried again) gives the logits the decode steps gave: the output tokens sit at shifted positions."""
+    ids, items = _prompt(ours, [noise_image(50, 70, seed=12)])
+    first, c1 = _logits_run(ex, ids, items)
+    tokens, logits = _greedy(ex, first, c1, len(ids), 5)
+    again, c2 = _logits_run(ex, ids + tokens[:4], items, cuts=(items[0].offset + 5, len(ids) + 2))
+    assert rel_err(again.logits[0], logits[4]) <= 1e-5
+    ex.release_cache([c1, c2])
