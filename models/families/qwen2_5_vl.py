@@ -46,7 +46,8 @@ def _vision(raw: dict[str, Any], text_hidden: int, source: str) -> VisionConfig:
                               "multiple of 4 (the axial rope's two halves)")
     out = int(v.get("out_hidden_size", text_hidden))
     if out != text_hidden:
-        raise CheckpointError(f"{source}: vision_config.out_hidden_size {out} is not the text hidden_size {text_hidden}")
+        raise CheckpointError(f"{source}: vision_config.out_hidden_size {out} is not the text hidden_size "
+                              f"{text_hidden}")
     depth = int(v.get("depth", 32))
     full = tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31)))
     if any(not 0 <= i < depth for i in full):

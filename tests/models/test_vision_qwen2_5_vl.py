@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor_service.types import CacheRef, CreateCacheItem, DecodeItem, ImageInput, OutputMode, OutputOptions, UnifiedItem
+from executor_service.types import (CacheRef, CreateCacheItem, DecodeItem, ImageInput, OutputMode, OutputOptions,
+                                    UnifiedItem)
 from scheduler.text.tokenizer import ChatMessage, ModelTokenizer
 from scheduler.vision.chat_images import ChatImages
 from scheduler.vision.media_policy import MediaPolicy
