@@ -260,3 +260,11 @@ def test_a_recompute_of_prompt_and_output_continues_the_same(ours, ex):
     again, c2 = _logits_run(ex, ids + tokens[:4], items, cuts=(items[0].offset + 5, len(ids) + 2))
     assert rel_err(again.logits[0], logits[4]) <= 1e-5
     ex.release_cache([c1, c2])
+
+
+def test_an_image_too_thin_is_refused_naming_the_part(ours):
+    """smart_resize's bound (a side over 200 times the other), as transformers refuses it, is a 400 naming the part."""
+    from tandem.errors import InvalidRequest
+    from tests.vision_checkpoints import png_bytes
+    with pytest.raises(InvalidRequest, match=r"messages\[0\]\.content\[1\]\.image_url: .*aspect ratio"):
+        ours[0].load_image("messages[0].content[1].image_url", data=png_bytes(noise_image(402, 2)))
