@@ -46,6 +46,7 @@ from executor_service.sessions import ANONYMOUS, Session, SessionRegistry
 from executor_service.tp.stack import build_stack
 from executor_service.vision.embedding_cache import ImageEmbeddings, VisionStats
 from executor_service.vision.image_checks import vision_info
+from executor_service.vision.mrope import reuse_images
 from executor_service.types import (AdapterInfo, CacheRef, CreateCacheItem, CreateCacheResult, DecodeItem,
                                     DecodeResult, ExecutorInfo, OutputOptions, PrefillResult, SessionLease,
                                     SessionListing, StepResults, UnifiedItem, UnifiedResult, VerifyResult)
@@ -100,9 +101,8 @@ class Executor:
         drafts = self.draft and ModelDrafts(self.draft, self.kv, config.max_batch_tokens, cfg.max_position_embeddings)
         self._validator = RequestValidator(cfg, config.max_batch_tokens, self.adapters, self.pooling,
                                            draft_model=self.draft is not None)
-        # Images (a vision-language model): embeddings computed once per image, by content hash
-        self.runner.images = self.images = (ImageEmbeddings(self.model.vision, self.device, config.vision_cache_images)
-                                            if getattr(self.model, "vision", None) is not None else None)
+        vision = getattr(self.model, "vision", None)  # images: embeddings computed once per image, by content hash
+        self.runner.images = self.images = vision and ImageEmbeddings(vision, self.device, config.vision_cache_images)
         self._step = BatchStep(self.runner, self._validator, self.prefix, self.adapters, self.metrics, drafts)
         self._lock = OpLock()
         self.transfer = KvTransfer(self, fingerprint_of(config, stack))
@@ -206,7 +206,7 @@ class Executor:
                 state.cached_tokens = self.prefix.match(state.table, it.token_ids, state.root, it.prompt_logprobs,
                                                         spans)
                 state.tokens = list(it.token_ids[:state.cached_tokens])
-                state.images = [s for s in spans if s[0] < state.cached_tokens]  # (the reused blocks show them)
+                reuse_images(state, it.images)  # (the reused blocks show them)
                 self.metrics.caches_created += 1
                 results.append(CreateCacheResult(CacheRef(self._caches.add(state), state.cached_tokens),
                                                  state.cached_tokens,

@@ -79,6 +79,9 @@ class ModelConfig:
     # `model.X` is read as `<prefix>X`; "" = as named) and its vision tower (None: a text-only model).
     checkpoint_text_prefix: str = ""
     vision: VisionConfig | None = None
+    # M-RoPE (Qwen2.5-VL): rotary frequencies turned by the temporal, height and width position of each token
+    # (three counts, summing to rotary_dim / 2; executor_service/vision/mrope.py); () = one position per token
+    mrope_section: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
         """transformers' Qwen3MoeDecoderLayer rule: sparse unless listed in mlp_only_layers, every
@@ -118,6 +121,7 @@ class ModelConfig:
             (self.sliding_window is not None and any(self.window_of(i) for i in range(self.num_layers)),
              "sliding-window attention"),
             (self.attn_softcap is not None or self.final_softcap is not None, "soft-capping"),
+            (bool(self.mrope_section), "M-RoPE (three positions per token)"),
             (self.attention_sinks, "attention sinks"),
             (self.attn_scale is not None, "an attention scale other than head_dim ** -0.5"),
             (self.layout != "pre", f"the {self.layout}-norm layer layout"),

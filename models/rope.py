@@ -132,6 +132,17 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
+    def cos_sin_mrope(self, positions: torch.Tensor, section: tuple[int, ...],
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE (Qwen2.5-VL): positions [3, T] int64 (temporal, height, width) -> cos, sin [T, rotary_dim]; the
+        first section[0] frequencies turn by the temporal position, the next section[1] by the height, the rest by
+        the width (transformers' recomposition_frequencies), in float32 like transformers."""
+        freqs = positions.to(torch.float32)[:, :, None] * self.inv_freq  # [3, T, rotary_dim/2]
+        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(section)]).to(freqs.device)
+        freqs = freqs.gather(0, axis.expand(1, freqs.shape[1], -1))[0]  # [T, rotary_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, heads, head_dim]; cos/sin: [T, rotary_dim] (non-interleaved halves, as in HF Llama/Qwen).

@@ -149,24 +149,27 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, cache: PagedKvCache,
                 logit_rows: torch.Tensor | None, lora: LoraBatch | None = None,
-                mm: MultimodalRows | None = None) -> torch.Tensor:
+                mm: MultimodalRows | None = None, mrope: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids: [T]; logit_rows: [R] indices into the packed tokens whose logits are wanted (None: all,
         R = T). Returns float32 logits [R, vocab]; the LM head runs on those R rows only."""
-        return self.project(self.hidden(input_ids, meta, cache, logit_rows, lora, mm))
+        return self.project(self.hidden(input_ids, meta, cache, logit_rows, lora, mm, mrope))
 
     def hidden(self, input_ids: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, cache: PagedKvCache,
                rows: torch.Tensor | None, lora: LoraBatch | None = None,
-               mm: MultimodalRows | None = None) -> torch.Tensor:
+               mm: MultimodalRows | None = None, mrope: torch.Tensor | None = None) -> torch.Tensor:
         """The final (normed) hidden states of the rows asked for: [R, hidden], the LM head's input. A caller
         that needs many rows' logits (prompt logprobs) projects them in slices (project) instead of at once.
-        mm: (packed rows [M], embedding rows [M, hidden]) that replace those tokens' embeddings (images)."""
+        mm: (packed rows [M], embedding rows [M, hidden]) that replace those tokens' embeddings (images).
+        mrope: an M-RoPE model's rotary positions [3, T] (config.mrope_section; meta.positions stay the
+        sequence positions the cache and the mask use)."""
         cfg = self.config
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         if cfg.embed_scale != 1.0:  # Gemma: sqrt(hidden); Granite: embedding_multiplier (in the model's dtype)
             h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         if mm is not None:  # image placeholders take the vision tower's rows (transformers' inputs_merger)
             h[mm[0]] = mm[1].to(h.dtype)
-        ropes = {id(r): r.cos_sin(meta.positions, h.dtype) for r in self.layer_rotary if r is not None}
+        ropes = {id(r): r.cos_sin(meta.positions, h.dtype) if mrope is None else
+                 r.cos_sin_mrope(mrope, cfg.mrope_section, h.dtype) for r in self.layer_rotary if r is not None}
         for layer, rotary in zip(self.model.layers, self.layer_rotary):
             h = layer(h, None if rotary is None else ropes[id(rotary)], cache, meta, lora)
         return self.model.norm(h if rows is None else h[rows])  # [R, hidden]

@@ -56,6 +56,9 @@ class CacheState:
     # Vision: the spans of the images it shows (offset, length, content hash), as items brought them; they key
     # the blocks they overlap in the prefix cache.
     images: list[tuple[int, int, str]] = field(default_factory=list)
+    # M-RoPE (executor_service/vision/mrope.py): each image's merged grid (rows, columns) by span offset, as items
+    # and CreateCache brought them (read only for the spans in `images`)
+    image_grids: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_output_tokens(self) -> int:

@@ -25,6 +25,7 @@ from executor_service.step.pooling import kept_rows, pool
 from executor_service.types import SequenceOutput, TokenOutput, UnifiedItem
 from executor_service.vision.embedding_cache import ImageEmbeddings
 from executor_service.vision.merge_rows import merge_rows
+from executor_service.vision.mrope import batch_positions, item_positions, record_grids
 from models.attention.paged import AttentionMetadata, ItemLayout
 from models.kv.paged_cache import PagedKvCache
 from models.lora.weights import LoraWeights
@@ -83,6 +84,8 @@ class BatchRunner:
             logits, rows_per_item, hiddens = self._forward(batch, all_positions, adapters() if adapters else {})
             scored = [self._score(b, h) for b, h in zip(batch, hiddens)]
             self._commit(batch)  # before sampling: penalties and the RNG key read the new tokens
+            for b in batch:  # (M-RoPE: the images' grids shift the positions after them)
+                record_grids(b.state, b.item.images)
             self._keep_hidden(batch, hiddens, scored)
             pooled = [pool(self.model, b.item, b.state, h) for b, h in zip(batch, hiddens)]
             return (self._outputs(batch, logits, rows_per_item),
@@ -166,8 +169,15 @@ class BatchRunner:
         spans: list[tuple[int, int] | None] = []  # (scoring) per item, its rows among hidden_rows
         adapter_spans: dict[str, list[tuple[int, int]]] = {}  # adapter -> its items' token ranges in the batch
         imaged = []  # (packed start row, cache tokens, chunk tokens, images) of the items with images
+        mrope = self.model.config.mrope_section  # M-RoPE: every token's three positions (vision/mrope.py)
+        vision = self.model.config.vision
+        positions3 = []
         start = 0
         for b in batch:
+            if mrope:
+                chunk = (*b.item.token_ids, *b.item.draft_token_ids)
+                positions3.append(item_positions(b.state, b.state.table.length, len(chunk), chunk, b.item.images,
+                                                 vision.image_token_id))
             if b.item.images:
                 imaged.append((start, b.state.tokens, b.item.token_ids, b.item.images))
             drafts = len(b.item.draft_token_ids)  # (validated: final chunks only)
@@ -201,6 +211,8 @@ class BatchRunner:
               if imaged and self.images is not None else None)
         # (passed only when there are images: a tensor-parallel leader, which never has a vision tower, takes none)
         mm_kw = {"mm": mm} if mm is not None else {}
+        if mrope:
+            mm_kw["mrope"] = batch_positions(positions3, self.device)  # [3, T]
         if not scoring:
             rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
             return self.model(input_ids, meta, self.kv, rows, lora, **mm_kw), rows_per_item, spans  # [R, vocab]

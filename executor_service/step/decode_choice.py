@@ -16,9 +16,10 @@ The choice, in order:
 
 What the flags alone refuse is one table, CONFLICTS, read before the model loads (and by the CLI before any
 tensor-parallel rank starts); what the model and machine refuse is the native step's own table
-(models/decode/native.py `native_refusal`: device, dtype, family features, KV dtype, CPU, compiler), the two
-CUDA-graph rows here (`_graph_refusal`) and BLOCK_CONFLICTS: the flags that do not combine with weights kept
-in GGUF block formats (models/quant/blocks.py), known once the file is loaded (`model_flag_refusal`).
+(models/decode/native.py `native_refusal`: device, dtype, family features (M-RoPE among them), KV dtype, CPU,
+compiler), the compiled step's (models/decode/compiled.py `compile_refusal`), the CUDA-graph rows here
+(`_graph_refusal`) and BLOCK_CONFLICTS: the flags that do not combine with weights kept in GGUF block formats
+(models/quant/blocks.py), known once the file is loaded (`model_flag_refusal`).
 """
 from __future__ import annotations
 
@@ -252,6 +253,8 @@ def _graph_refusal(model: DecoderModel, kv: PagedKvCache) -> str | None:
         return f"the device is {kv.k.device.type}, not CUDA"
     if model.config.num_experts:
         return "a mixture-of-experts model routes tokens data-dependently, which a graph cannot capture"
+    if model.config.mrope_section:
+        return "M-RoPE positions (three per token, from the sequence's images) are computed per call, not captured"
     return None
 
 

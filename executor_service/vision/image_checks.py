@@ -2,6 +2,7 @@
 and the item's tokens: shapes, sizes, hashes, spans. Raise InvalidRequest naming the image."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from executor_service.types import ImageInput, VisionInfo
@@ -46,20 +47,36 @@ def check_images(images: Sequence[ImageInput], vision: VisionConfig | None, star
             _check_span_tokens(name, im, vision, start, end, tokens_before, token_ids)
         elif len(im.content_hash) != 32:
             raise InvalidRequest(f"{name}: content_hash must be 32 hex characters (tandem/image_hash.py)")
+        elif vision.family == "qwen2_5_vl":  # (M-RoPE reads the image's grid from its shape: CreateCache too)
+            _check_shape(name, im, vision)
 
 
-def tiles_of(im: ImageInput) -> int:
-    return im.shape[0]
+def embedding_rows(im: ImageInput, v: VisionConfig) -> int:
+    """The image's embedding rows: tiles x tokens_per_tile (idefics3), rows x columns of the merged grid
+    (qwen2_5_vl)."""
+    if v.family == "qwen2_5_vl":
+        return im.shape[0] * im.shape[1]
+    return im.shape[0] * v.tokens_per_tile
+
+
+def _check_shape(name: str, im: ImageInput, v: VisionConfig) -> None:
+    if v.family == "qwen2_5_vl":
+        m, features = v.scale_factor, v.num_channels * v.temporal_patch_size * v.patch_size ** 2
+        if len(im.shape) != 5 or tuple(im.shape[2:]) != (m, m, features) or min(im.shape[:2]) < 1:
+            raise InvalidRequest(f"{name}: shape {list(im.shape)} is not [rows, columns, {m}, {m}, {features}] (the "
+                                 "model's flattened patches, merge groups of merge x merge, on a rows x columns grid)")
+        return
+    want = (v.num_channels, v.image_size, v.image_size)
+    if len(im.shape) != 4 or tuple(im.shape[1:]) != want or not 1 <= im.shape[0] <= MAX_TILES:
+        raise InvalidRequest(f"{name}: shape {list(im.shape)} is not [tiles (1..{MAX_TILES}), {want[0]}, {want[1]}, "
+                             f"{want[2]}] (the model's tiles)")
 
 
 def _check_pixels(name: str, im: ImageInput, v: VisionConfig) -> None:
     if im.dtype not in DTYPES:
         raise InvalidRequest(f"{name}: dtype {im.dtype!r} is not served; send {', '.join(DTYPES)}")
-    want = (v.num_channels, v.image_size, v.image_size)
-    if len(im.shape) != 4 or tuple(im.shape[1:]) != want or not 1 <= im.shape[0] <= MAX_TILES:
-        raise InvalidRequest(f"{name}: shape {list(im.shape)} is not [tiles (1..{MAX_TILES}), {want[0]}, {want[1]}, "
-                             f"{want[2]}] (the model's tiles)")
-    size = DTYPES[im.dtype] * im.shape[0] * im.shape[1] * im.shape[2] * im.shape[3]
+    _check_shape(name, im, v)
+    size = DTYPES[im.dtype] * math.prod(im.shape)
     if len(im.pixel_values) != size:
         raise InvalidRequest(f"{name}: pixel_values has {len(im.pixel_values)} bytes; shape {list(im.shape)} of "
                              f"{im.dtype} needs {size}")
@@ -71,18 +88,22 @@ def _check_pixels(name: str, im: ImageInput, v: VisionConfig) -> None:
 def _check_span_tokens(name: str, im: ImageInput, v: VisionConfig, start: int, end: int,
                        tokens_before: Sequence[int], token_ids: Sequence[int]) -> None:
     """The image tokens of the span written so far (through this item) are at most its rows, and exactly its
-    rows once the span is whole."""
-    rows = tiles_of(im) * v.tokens_per_tile
+    rows once the span is whole; for M-RoPE (qwen2_5_vl) they are one run (the grid's positions follow it)."""
+    rows = embedding_rows(im, v)
     hi = min(im.offset + im.length, end)
-    seen = sum(1 for p in range(im.offset, hi)
-               if (tokens_before[p] if p < start else token_ids[p - start]) == v.image_token_id)
+    marks = [p for p in range(im.offset, hi)
+             if (tokens_before[p] if p < start else token_ids[p - start]) == v.image_token_id]
+    seen = len(marks)
     whole = im.offset + im.length <= end
     if seen > rows or (whole and seen != rows):
         raise InvalidRequest(f"{name}: its span holds {seen} image tokens (id {v.image_token_id}) "
-                             f"{'' if whole else 'so far '}but {tiles_of(im)} tiles give {rows} embedding rows")
+                             f"{'' if whole else 'so far '}but its pixels give {rows} embedding rows")
+    if v.family == "qwen2_5_vl" and marks and marks[-1] - marks[0] + 1 != seen:
+        raise InvalidRequest(f"{name}: its image tokens (id {v.image_token_id}) must be one unbroken run in its span")
 
 
 def vision_info(v: VisionConfig, cache_images: int) -> VisionInfo:
     """GetInfo's vision facts (VisionInfo in the contract)."""
-    return VisionInfo(v.family, v.image_token_id, v.image_size, v.tokens_per_tile, MAX_TILES, MAX_IMAGES_PER_ITEM,
-                      MAX_PIXEL_BYTES, cache_images)
+    tiled = v.family != "qwen2_5_vl"  # (Qwen2.5-VL: one grid of any size, bounded by MAX_PIXEL_BYTES)
+    return VisionInfo(v.family, v.image_token_id, v.image_size, v.tokens_per_tile, MAX_TILES if tiled else 0,
+                      MAX_IMAGES_PER_ITEM, MAX_PIXEL_BYTES, cache_images)

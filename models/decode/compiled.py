@@ -51,6 +51,9 @@ def compile_refusal(model: DecoderModel) -> str | None:
     """Why this model cannot run the compiled step (None: it can)."""
     if any(getattr(m, "quant", None) is not None for m in model.modules()):
         return "--compile does not combine with --quantization yet (their kernels are eager-only); pick one"
+    if model.config.mrope_section:
+        return ("--compile traces one position per token; this model's M-RoPE (three per token, from its images) "
+                "runs in the eager forward only")
     return None
 
 

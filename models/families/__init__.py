@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from models.families import (base, classifier, gemma2, gemma3, gpt_oss, granite, idefics3, mistral, mixtral, olmo2,
-                             phi3, smollm3)
+                             phi3, qwen2_5_vl, smollm3)
 
 Parse = Callable[[dict[str, Any], str, str], dict[str, Any]]
 
@@ -30,6 +30,8 @@ FAMILIES: dict[str, Parse] = {
     **{arch: classifier.parse for arch in classifier.CAUSAL_OF},
     # vision-language: a vision tower + a Llama text tower (models/vision/)
     **{arch: idefics3.parse for arch in idefics3.ARCHITECTURES},
+    # vision-language: a window-attention ViT + Qwen2's text tower with M-RoPE (models/families/qwen2_5_vl.py)
+    **{arch: qwen2_5_vl.parse for arch in qwen2_5_vl.ARCHITECTURES},
 }
 
 # Families whose checkpoint names differ from ours: architecture -> checkpoint_tensor(name, shape, read, cfg)

@@ -9,9 +9,11 @@ from torch import nn
 
 from models.vision.config import VisionConfig
 from models.vision.idefics3 import Idefics3VisionTower
+from models.vision.qwen2_5_vl import Qwen25VisionTower
 from tandem.errors import CheckpointError
 
-TOWERS = {"idefics3": (Idefics3VisionTower, "model.")}  # family -> (module, checkpoint name prefix)
+# family -> (module, checkpoint name prefix)
+TOWERS = {"idefics3": (Idefics3VisionTower, "model."), "qwen2_5_vl": (Qwen25VisionTower, "visual.")}
 
 
 def load_vision_tower(cfg: VisionConfig, read: Callable[[str], torch.Tensor], device: torch.device,

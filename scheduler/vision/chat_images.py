@@ -6,8 +6,9 @@ each image's span is the tokens of its placeholder text. The executor puts the i
 span's image-token positions (UnifiedItem.images). Loading and processing run in the scheduler's worker threads
 (codec.request_from_pb runs there), never on the event loop.
 
-Which models: those whose config.json names a vision family served here (Idefics3 / SmolVLM), with a
-preprocessor_config.json beside; ChatImages.load returns None for any other model, and a request with images
+Which models: those whose config.json names a vision family served here (Idefics3 / SmolVLM: `<image>`;
+Qwen2.5-VL: `<|image_pad|>`, between the template's own vision_start / vision_end), with a preprocessor_config.json
+beside; ChatImages.load returns None for any other model, and a request with images
 for it is refused."""
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from scheduler.text.tokenizer import ChatMessage, ModelTokenizer, Tool
-from scheduler.vision.idefics3_processor import IMAGE_MARKER, Idefics3ImageProcessor, ProcessedImage
+from scheduler.vision.idefics3_processor import Idefics3ImageProcessor, ProcessedImage
 from scheduler.vision.media import load_image
 from scheduler.vision.media_policy import MediaPolicy
+from scheduler.vision.qwen2_vl_processor import Qwen2VLImageProcessor
 from tandem.errors import CheckpointError, InvalidRequest
 from tandem.image_hash import image_hash
 
-FAMILIES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+FAMILIES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration")
 
 
 @dataclass(frozen=True)
@@ -33,12 +36,12 @@ class PromptImage:
     offset: int  # first token of its placeholder span
     length: int  # tokens in the span
     content_hash: str  # tandem/image_hash.py
-    shape: tuple[int, ...]  # [tiles, 3, tile, tile]
+    shape: tuple[int, ...]  # [tiles, 3, tile, tile] (Qwen2.5-VL: [rows, columns, merge, merge, patch features])
     pixels: bytes  # float32 little-endian, row-major
 
 
 class ChatImages:
-    def __init__(self, processor: Idefics3ImageProcessor, policy: MediaPolicy) -> None:
+    def __init__(self, processor: Idefics3ImageProcessor | Qwen2VLImageProcessor, policy: MediaPolicy) -> None:
         self.processor = processor
         self.policy = policy
 
@@ -49,27 +52,35 @@ class ChatImages:
         if not config_path.is_file():
             return None
         cfg = _json(config_path)
-        if not any(a in FAMILIES for a in cfg.get("architectures") or ()):
+        archs = [a for a in cfg.get("architectures") or () if a in FAMILIES]
+        if not archs:
             return None
         if not pre_path.is_file():
             raise CheckpointError(f"{model_dir.name}: a vision-language model needs its preprocessor_config.json "
                                   "(the image processor's settings) beside the tokenizer")
+        if archs[0] == "Qwen2_5_VLForConditionalGeneration":
+            return cls(Qwen2VLImageProcessor(_json(pre_path), pre_path.name), policy)
         v = cfg.get("vision_config") or {}
         side = int(v.get("image_size", 224)) // int(v.get("patch_size", 32))
         tokens = side * side // int(cfg.get("scale_factor", 2)) ** 2
         return cls(Idefics3ImageProcessor(_json(pre_path), tokens, pre_path.name), policy)
 
     def load_image(self, where: str, **source) -> ProcessedImage:
-        return self.processor.process(load_image(self.policy, where, **source))
+        image = load_image(self.policy, where, **source)
+        try:
+            return self.processor.process(image)
+        except InvalidRequest as exc:  # (the processor's own refusals: the part they are about named here)
+            raise InvalidRequest(f"{where}: {exc}") from exc
 
     def encode_chat(self, tok: ModelTokenizer, messages: Sequence[ChatMessage], images: Sequence[ProcessedImage],
                     tools: Sequence[Tool] = (), variables: Mapping[str, Any] | None = None
                     ) -> tuple[list[int], tuple[PromptImage, ...]]:
         text = tok.render_chat(messages, tools, variables)
-        pieces = text.split(IMAGE_MARKER)
+        marker = self.processor.marker
+        pieces = text.split(marker)
         if len(pieces) - 1 != len(images):
-            raise InvalidRequest(f"the rendered prompt holds {len(pieces) - 1} image markers ({IMAGE_MARKER!r}) for "
-                                 f"{len(images)} images: the text must not contain {IMAGE_MARKER!r} itself, and the "
+            raise InvalidRequest(f"the rendered prompt holds {len(pieces) - 1} image markers ({marker!r}) for "
+                                 f"{len(images)} images: the text must not contain {marker!r} itself, and the "
                                  "chat template must write one per image part")
         full, spans = pieces[0], []
         for im, piece in zip(images, pieces[1:]):

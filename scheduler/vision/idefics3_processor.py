@@ -25,12 +25,15 @@ IMAGE_MARKER = "<image>"  # what the chat template writes for an image part
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    pixels: np.ndarray  # float32 [tiles, 3, tile, tile]
-    rows: int  # the split: rows x cols tiles before the global one (0, 0: one tile, not split)
+    pixels: np.ndarray  # float32 [tiles, 3, tile, tile] (scheduler/vision/qwen2_vl_processor.py: its own shape)
+    rows: int  # the split: rows x cols tiles before the global one (0, 0: one tile, not split); Qwen2.5-VL: the
+    # merged patch grid
     cols: int
 
 
 class Idefics3ImageProcessor:
+    marker = IMAGE_MARKER
+
     def __init__(self, cfg: dict[str, Any], tokens_per_tile: int, source: str) -> None:
         self.longest_edge = int((cfg.get("size") or {}).get("longest_edge", 4 * 364))
         self.tile = int((cfg.get("max_image_size") or {}).get("longest_edge", 364))

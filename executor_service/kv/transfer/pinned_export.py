@@ -161,6 +161,9 @@ class KvTransfer:
             if table.dropped:
                 raise Unsupported(f"cache {cache_id!r} has slid past its first blocks (sliding window): its KV "
                                   "cannot be exported whole")
+            if state.image_grids and state.images:  # (an import makes a cache of the tokens alone)
+                raise Unsupported(f"cache {cache_id!r} shows images whose M-RoPE position shift the export does not "
+                                  "carry: recompute it where it is wanted")
             blocks = list(table.blocks)
             self.ex.kv.allocator.share(blocks)
             n = table.length
