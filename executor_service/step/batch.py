@@ -166,6 +166,8 @@ class BatchRunner:
         spans: list[tuple[int, int] | None] = []  # (scoring) per item, its rows among hidden_rows
         adapter_spans: dict[str, list[tuple[int, int]]] = {}  # adapter -> its items' token ranges in the batch
         imaged = []  # (packed start row, cache tokens, chunk tokens, images) of the items with images
+        vision = self.model.config.vision
+        both_ways = vision is not None and vision.bidirectional_images  # (Gemma 3: each image's span, one block)
         start = 0
         for b in batch:
             if b.item.images:
@@ -174,7 +176,8 @@ class BatchRunner:
             n = len(b.item.token_ids) + drafts
             if b.item.adapter:
                 adapter_spans.setdefault(b.item.adapter, []).append((start, start + n))
-            layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n))
+            layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n, tuple(
+                (im.offset, im.offset + im.length) for im in b.item.images) if both_ways else ()))
             ids.extend(b.item.token_ids)
             ids.extend(b.item.draft_token_ids)
             # (validated: no drafts) prompt logprobs: every position, the last sampled; pooled: kept_rows

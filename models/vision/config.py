@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str  # "idefics3" (Idefics3 / SmolVLM: SigLIP-style encoder + pixel-shuffle connector)
+    # "idefics3" (Idefics3 / SmolVLM: SigLIP-style encoder + pixel-shuffle connector) | "gemma3" (SigLIP +
+    # average pooling + Gemma RMSNorm + a projection matrix)
+    family: str
     hidden_size: int  # the encoder's width
     intermediate_size: int
     num_layers: int
@@ -16,9 +18,15 @@ class VisionConfig:
     patch_size: int
     layer_norm_eps: float
     hidden_act: str  # gelu_tanh
-    scale_factor: int  # the connector's pixel shuffle: scale_factor^2 patches -> one embedding row
+    # The connector: scale_factor x scale_factor patches -> one embedding row (Idefics3's pixel shuffle, Gemma 3's
+    # average pooling kernel)
+    scale_factor: int
     image_token_id: int  # the placeholder token whose positions take embedding rows
     text_hidden_size: int  # the language model's width (the connector's output)
+    # The tokens of one image's span attend to each other both ways during prefill (Gemma 3: transformers'
+    # token_type_ids block mask), so a span is written in one chunk and a span is exactly its image tokens
+    # (executor_service/vision/image_checks.py; models/attention/paged.py applies it).
+    bidirectional_images: bool = False
 
     @property
     def patches_per_tile(self) -> int:
@@ -26,5 +34,5 @@ class VisionConfig:
 
     @property
     def tokens_per_tile(self) -> int:
-        """Embedding rows one tile gives after the pixel shuffle."""
+        """Embedding rows one tile gives after the connector."""
         return self.patches_per_tile // (self.scale_factor ** 2)
