@@ -1,0 +1,177 @@
+"""Gemma 3 with images (Gemma3ForConditionalGeneration) in process: the scheduler's numpy/Pillow image processor
+and placeholder text against transformers' own (PIL) processor, and the executor's SigLIP tower + projector +
+Gemma 3 text tower against transformers on the same image and text — logits and greedy tokens with the image's
+tokens attending to each other both ways (transformers' token_type_ids mask, on a sliding and a global layer),
+chunk boundaries before and after the span, a chunk ending inside it refused, a reused prefix ending inside it,
+prefix-cache keys by image, and the attention backends that cannot apply it refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from executor_service.types import CacheRef, CreateCacheItem, DecodeItem, ImageInput, OutputMode, OutputOptions, UnifiedItem
+from models.attention.backend import choose_backend
+from scheduler.text.tokenizer import ChatMessage, ModelTokenizer
+from scheduler.vision.chat_images import ChatImages
+from scheduler.vision.gemma3_processor import Gemma3ImageProcessor
+from scheduler.vision.media_policy import MediaPolicy
+from tandem.errors import CheckpointError
+from tests.executor_driver import make_executor, raising
+from tests.hf_reference import rel_err
+from tests.vision_checkpoints import GEMMA3_MM_TOKENS, gemma3_checkpoint, noise_image
+
+LOGITS = OutputOptions(OutputMode.TOKENS_AND_LOGITS)
+TEXT = "Describe the fish."
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return gemma3_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_pretrained(ckpt),
+                           tokenizer=transformers.AutoTokenizer.from_pretrained(ckpt), image_seq_length=GEMMA3_MM_TOKENS)
+    return proc, transformers.Gemma3ForConditionalGeneration.from_pretrained(ckpt).eval()
+
+
+@pytest.fixture(scope="module")
+def ours(ckpt):
+    return ChatImages.load(ckpt, MediaPolicy()), ModelTokenizer(ckpt)
+
+
+@pytest.fixture(scope="module")
+def ex(ckpt):
+    return make_executor(ckpt)
+
+
+def _prompt(ours, images, text=TEXT):
+    chat, tok = ours
+    parts = tuple({"type": "image"} for _ in images) + ({"type": "text", "text": text},)
+    ids, placed = chat.encode_chat(tok, [ChatMessage("user", parts)], [chat.processor.process(i) for i in images])
+    assert all(p.one_chunk for p in placed)
+    return ids, tuple(ImageInput(p.content_hash, p.offset, p.length, "float32", p.shape, p.pixels) for p in placed)
+
+
+def _hf_inputs(hf, images, text=TEXT):
+    prompt = "<|im_start|>user\n" + "<start_of_image>" * len(images) + text + "<|im_end|>\n<|im_start|>assistant\n"
+    return hf[0](images=[list(images)], text=prompt, return_tensors="pt")
+
+
+def _run(ex, ids, images, cuts=(), cache_id=None, pos=0):
+    """Writes ids[pos:] in chunks ending at cuts (then the rest), each with the images its span touches."""
+    for end in [*cuts, len(ids)]:
+        touching = tuple(im for im in images if im.offset < end and im.offset + im.length > pos)
+        (res,) = raising(ex.unified_decode([UnifiedItem(tuple(ids[pos:end]), cache_id, pos, end == len(ids),
+                                                        output=LOGITS, images=touching)]))
+        cache_id, pos = res.cache.cache_id, end
+    return res.output, cache_id
+
+
+@pytest.mark.parametrize("size,mode", [((50, 70), "RGB"), ((20, 24), "RGB"), ((90, 40), "RGBA"), ((33, 30), "L")])
+def test_processor_matches_transformers(hf, ours, size, mode):
+    image = noise_image(*size, seed=3, mode=mode)
+    ids, items = _prompt(ours, [image])
+    enc = _hf_inputs(hf, [image])
+    assert ids == enc["input_ids"][0].tolist()  # "\n\n<start_of_image>" + 4 image tokens + "<end_of_image>\n\n"
+    block = [i for i, t in enumerate(enc["token_type_ids"][0].tolist()) if t]  # transformers' bidirectional block
+    assert (items[0].offset, items[0].length) == (block[0], len(block)) and len(block) == GEMMA3_MM_TOKENS
+    got = np.frombuffer(items[0].pixel_values, dtype="<f4").reshape(items[0].shape)
+    assert np.array_equal(got, enc["pixel_values"].numpy())
+
+
+def test_pan_and_scan_is_refused():
+    with pytest.raises(CheckpointError, match="do_pan_and_scan"):
+        Gemma3ImageProcessor({"do_pan_and_scan": True, "size": {"height": 32, "width": 32}}, 4, "preprocessor")
+
+
+def test_logits_and_greedy_match_transformers(hf, ours, ex):
+    images = [noise_image(50, 70, seed=1), noise_image(20, 24, seed=2)]
+    ids, items = _prompt(ours, images)
+    enc = _hf_inputs(hf, images)
+    assert ids == enc["input_ids"][0].tolist()
+    with torch.no_grad():
+        out = hf[1].generate(**enc, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        causal = hf[1](input_ids=enc["input_ids"], pixel_values=enc["pixel_values"]).logits[0, -1]  # no block mask
+    want_tokens = out.sequences[0, len(ids):].tolist()
+    first, cache_id = _run(ex, ids, items)
+    assert rel_err(first.logits[0], out.logits[0][0]) <= 1e-4
+    assert rel_err(first.logits[0], causal) > 1e-3  # (the both-ways attention is what makes them equal)
+    tokens = [first.tokens[0].token_id]
+    for step in range(1, len(want_tokens)):
+        (d,) = ex.decode([DecodeItem(CacheRef(cache_id, len(ids) + step - 1), tokens[-1], output=LOGITS)])
+        assert rel_err(d.output.logits[0], out.logits[step][0]) <= 1e-4
+        tokens.append(d.output.tokens[0].token_id)
+    assert tokens == want_tokens
+    ex.release_cache([cache_id])
+
+
+def test_chunks_around_the_span_change_nothing_and_inside_it_are_refused(ours, ex):
+    ids, items = _prompt(ours, [noise_image(90, 40, seed=4)])
+    lo, hi = items[0].offset, items[0].offset + items[0].length
+    whole, c1 = _run(ex, ids, items)
+    for cuts in ((lo,), (hi,), (3, lo, hi, hi + 2)):
+        chunked, c2 = _run(ex, ids, items, cuts)
+        assert rel_err(chunked.logits[0], whole.logits[0]) <= 1e-5, cuts
+        ex.release_cache([c2])
+    (res,) = ex.unified_decode([UnifiedItem(tuple(ids[:lo + 2]), images=items)])  # a first chunk ending inside
+    ex.release_cache([c1])
+    assert res.error is not None and "inside its span" in str(res.error) and "image 0" in str(res.error)
+
+
+def test_a_span_must_be_its_image_tokens(ours, ex):
+    ids, items = _prompt(ours, [noise_image(20, 24, seed=7)])
+    from dataclasses import replace
+    wider = replace(items[0], offset=items[0].offset - 1, length=items[0].length + 2)  # with <start/end_of_image>
+    (res,) = ex.unified_decode([UnifiedItem(tuple(ids), images=(wider,))])
+    assert res.error is not None and "exactly its 4 image tokens" in str(res.error)
+
+
+def _straddling(ex, ours, seed: int) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """Token ids whose image span [bs - 2, bs + 2) straddles the first block boundary, with the image."""
+    bs = ex.kv.block_size
+    ids, (im,) = _prompt(ours, [noise_image(50, 70, seed=seed)])
+    boi, image, eoi = ids[im.offset - 1], ids[im.offset], ids[im.offset + im.length]
+    ids = [ids[0]] + [100 + i for i in range(bs - 4)] + [boi] + [image] * im.length + [eoi] + [120, 121, 122, 123]
+    return ids, (ImageInput(im.content_hash, bs - 2, im.length, "float32", im.shape, im.pixel_values),)
+
+
+def test_prefix_cache_keys_by_image_and_a_reused_prefix_may_end_inside_the_span(ours, ex):
+    ids, im_a = _straddling(ex, ours, 5)
+    _, im_b = _straddling(ex, ours, 6)
+    bs = ex.kv.block_size
+    whole, cache_a = _run(ex, ids, im_a)
+    ex.release_cache([cache_a])  # its first block (half the image's tokens) stays cached
+
+    def reused(images):
+        spans = tuple(ImageInput(i.content_hash, i.offset, i.length) for i in images)
+        (res,) = raising(ex.create_caches([CreateCacheItem(tuple(ids), images=spans)]))
+        return res.cache.cache_id, res.cached_tokens
+
+    cache_b, got = reused(im_b)
+    ex.release_cache([cache_b])
+    assert got == 0  # another image: the block holding its first tokens is keyed by it
+    cache_a, got = reused(im_a)
+    assert got == bs  # the same image: the block, image tokens and all, ending inside the span
+    # the rest of the prompt from inside the span: its tokens see the whole span, the cached ones included
+    again, cache_a = _run(ex, ids, im_a, cache_id=cache_a, pos=bs)
+    assert rel_err(again.logits[0], whole.logits[0]) <= 1e-5
+    other, cache_b = _run(ex, ids, im_b)
+    assert rel_err(other.logits[0], whole.logits[0]) > 1e-3  # and the image changes the answer
+    ex.release_cache([cache_a, cache_b])
+
+
+def test_only_the_gathered_backend_runs_both_ways_attention(ckpt):
+    cpu = torch.device("cpu")
+    assert choose_backend("auto", cpu, bidirectional_images=True) == "gathered"
+    assert choose_backend("auto", torch.device("cuda"), bidirectional_images=True) == "gathered"
+    for name in ("flex", "flashinfer"):
+        with pytest.raises(ValueError, match="both ways"):
+            choose_backend(name, cpu, bidirectional_images=True)
+    with pytest.raises(ValueError, match="both ways"):
+        make_executor(ckpt, attention_backend="flex")
