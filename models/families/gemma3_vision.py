@@ -23,6 +23,9 @@ TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=921
 
 def parse(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
     text = {**TEXT_DEFAULTS, **(base.need(raw, "text_config", source))}
+    for key in ("torch_dtype", "dtype", "bos_token_id", "eos_token_id"):  # released files set these at the top
+        if raw.get(key) is not None and key not in raw["text_config"]:
+            text[key] = raw[key]
     if text.get("model_type", "gemma3_text") != "gemma3_text":
         raise CheckpointError(f"{source}: text_config.model_type={text.get('model_type')!r} is not supported for "
                               f"{arch} (Tandem serves its Gemma 3 text tower)")
@@ -30,8 +33,12 @@ def parse(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
         raise CheckpointError(f"{source}: tie_word_embeddings false is not supported for {arch} (the LM head is "
                               "the embedding table)")
     fields = gemma3.parse(text, "Gemma3ForCausalLM", source)
+    vision = _vision(raw, int(fields["hidden_size"]), source)
+    if not 0 <= vision.image_token_id < fields["vocab_size"]:
+        raise CheckpointError(f"{source}: image_token_index {vision.image_token_id} is not in the vocabulary "
+                              f"({fields['vocab_size']} tokens)")
     fields.update(checkpoint_architecture=arch, checkpoint_text_prefix=TEXT_PREFIX, final_softcap=None,
-                  tie_word_embeddings=True, vision=_vision(raw, int(fields["hidden_size"]), source))
+                  tie_word_embeddings=True, vision=vision)
     return fields
 
 

@@ -175,3 +175,43 @@ def test_only_the_gathered_backend_runs_both_ways_attention(ckpt):
             choose_backend(name, cpu, bidirectional_images=True)
     with pytest.raises(ValueError, match="both ways"):
         make_executor(ckpt, attention_backend="flex")
+
+
+def test_a_released_config_json_parses():
+    """gemma-3-4b-it's config.json as published (most text fields left to Gemma3TextConfig's defaults, dtype and
+    eos at the top): its shapes, windows, ropes and the projector's pooling."""
+    from models.families import FAMILIES
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "image_token_index": 262144,
+           "mm_tokens_per_image": 256, "model_type": "gemma3", "torch_dtype": "bfloat16",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
+    f = FAMILIES["Gemma3ForConditionalGeneration"](raw, "Gemma3ForConditionalGeneration", "config.json")
+    assert (f["num_layers"], f["num_heads"], f["head_dim"], f["vocab_size"]) == (34, 8, 256, 262208)
+    assert (f["torch_dtype"], f["eos_token_ids"], f["sliding_window"]) == ("bfloat16", (1, 106), 1024)
+    assert f["layer_types"][:6] == ("sliding_attention",) * 5 + ("full_attention",) and f["final_softcap"] is None
+    assert f["rope"].kind == "linear" and f["local_rope"].theta == 10000.0
+    v = f["vision"]
+    assert (v.scale_factor, v.tokens_per_tile, v.image_token_id, v.bidirectional_images) == (4, 256, 262144, True)
+    with pytest.raises(CheckpointError, match="mm_tokens_per_image"):
+        FAMILIES["Gemma3ForConditionalGeneration"]({**raw, "mm_tokens_per_image": 200}, "x", "config.json")
+
+
+def test_the_released_tensor_names_load_too(ckpt, tmp_path):
+    """Released checkpoints nest the encoder as vision_tower.vision_model.*; transformers 5 saves vision_tower.*."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from models.loader import load_model
+    released = shutil.copytree(ckpt, tmp_path / "released")
+    state = load_file(str(released / "model.safetensors"))
+    renamed = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in state.items()}
+    assert renamed != state
+    save_file(renamed, str(released / "model.safetensors"), metadata={"format": "pt"})
+    pixels = torch.randn(2, 3, 32, 32)
+    assert torch.equal(load_model(released, "cpu", "float32").vision(pixels),
+                       load_model(ckpt, "cpu", "float32").vision(pixels))
