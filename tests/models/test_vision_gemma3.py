@@ -124,6 +124,21 @@ def test_chunks_around_the_span_change_nothing_and_inside_it_are_refused(ours, e
     assert res.error is not None and "inside its span" in str(res.error) and "image 0" in str(res.error)
 
 
+def test_image_and_text_items_in_one_forward(ours, ex):
+    """A mixed call (an image prompt, a text prompt, another image prompt at another length) gives each item what
+    it gets alone: each item's overlay is its own."""
+    a_ids, a_im = _prompt(ours, [noise_image(50, 70, seed=31)])
+    b_ids, b_im = _prompt(ours, [noise_image(20, 24, seed=32)], "Another one, please.")
+    text = [5, 6, 7, 8, 9, 10, 11]
+    alone = [_run(ex, a_ids, a_im), _run(ex, text, ()), _run(ex, b_ids, b_im)]
+    together = raising(ex.unified_decode([UnifiedItem(tuple(a_ids), output=LOGITS, images=a_im),
+                                          UnifiedItem(tuple(text), output=LOGITS),
+                                          UnifiedItem(tuple(b_ids), output=LOGITS, images=b_im)]))
+    for (out, cache_id), res in zip(alone, together):
+        assert rel_err(res.output.logits[0], out.logits[0]) <= 1e-5
+        ex.release_cache([cache_id, res.cache.cache_id])
+
+
 def test_a_span_must_be_its_image_tokens(ours, ex):
     ids, items = _prompt(ours, [noise_image(20, 24, seed=7)])
     from dataclasses import replace
