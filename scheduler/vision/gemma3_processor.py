@@ -26,21 +26,21 @@ class Gemma3ImageProcessor:
     one_chunk = True  # scheduler/vision/image_chunks.py
 
     def __init__(self, cfg: dict[str, Any], tokens_per_image: int, source: str) -> None:
-        if cfg.get("do_pan_and_scan"):
+        if _flag(cfg, "do_pan_and_scan", False):
             raise CheckpointError(f"{source}: do_pan_and_scan true is not supported (each image is one "
                                   "resized view; transformers' default leaves it off)")
-        if not cfg.get("do_convert_rgb", True):
+        if not _flag(cfg, "do_convert_rgb", True):
             raise CheckpointError(f"{source}: do_convert_rgb false is not supported (images are made RGB)")
         size = cfg.get("size") or {}
-        if not cfg.get("do_resize", True) or "height" not in size or "width" not in size:
+        if not _flag(cfg, "do_resize", True) or "height" not in size or "width" not in size:
             raise CheckpointError(f"{source}: Gemma 3 needs do_resize with size.height and size.width (the "
                                   "encoder's square)")
         self.height, self.width = int(size["height"]), int(size["width"])
-        self.resample = int(cfg.get("resample", Image.Resampling.BILINEAR))
-        self.rescale = float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None
-        normalize = bool(cfg.get("do_normalize", True))
-        self.mean = np.array(cfg.get("image_mean") or IMAGENET_STANDARD, dtype=np.float32) if normalize else None
-        self.std = np.array(cfg.get("image_std") or IMAGENET_STANDARD, dtype=np.float32) if normalize else None
+        self.resample = int(_value(cfg, "resample", Image.Resampling.BILINEAR))
+        self.rescale = float(_value(cfg, "rescale_factor", 1 / 255)) if _flag(cfg, "do_rescale", True) else None
+        normalize = _flag(cfg, "do_normalize", True)
+        self.mean = np.array(_value(cfg, "image_mean", IMAGENET_STANDARD), dtype=np.float32) if normalize else None
+        self.std = np.array(_value(cfg, "image_std", IMAGENET_STANDARD), dtype=np.float32) if normalize else None
         self.tokens_per_image = tokens_per_image
 
     def process(self, image: Image.Image) -> ProcessedImage:
@@ -50,3 +50,13 @@ class Gemma3ImageProcessor:
     def placeholder(self, im: ProcessedImage) -> tuple[str, str, str]:
         """(text before the span, the span's, after it): transformers' Gemma3Processor.full_image_sequence."""
         return f"\n\n{BOI}", IMAGE_TOKEN * self.tokens_per_image, f"{EOI}\n\n"
+
+
+def _value(cfg: dict[str, Any], key: str, default: Any) -> Any:
+    """A setting, where null means transformers' default (released Gemma 3 files write null for several)."""
+    value = cfg.get(key)
+    return default if value is None else value
+
+
+def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    return bool(_value(cfg, key, default))

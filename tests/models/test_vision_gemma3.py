@@ -85,9 +85,21 @@ def test_processor_matches_transformers(hf, ours, size, mode):
     assert np.array_equal(got, enc["pixel_values"].numpy())
 
 
-def test_pan_and_scan_is_refused():
+def test_pan_and_scan_is_refused_and_nulls_are_defaults():
     with pytest.raises(CheckpointError, match="do_pan_and_scan"):
         Gemma3ImageProcessor({"do_pan_and_scan": True, "size": {"height": 32, "width": 32}}, 4, "preprocessor")
+    # gemma-3-4b-it's preprocessor_config.json writes null for what it leaves at transformers' defaults
+    released = {"do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True,
+                "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
+                "image_seq_length": 256, "image_std": [0.5, 0.5, 0.5], "pan_and_scan_max_num_crops": None,
+                "pan_and_scan_min_crop_size": None, "pan_and_scan_min_ratio_to_activate": None,
+                "processor_class": "Gemma3Processor", "resample": 2, "rescale_factor": 0.00392156862745098,
+                "size": {"height": 896, "width": 896}}
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    image = noise_image(300, 200, seed=8)
+    out = Gemma3ImageProcessor(released, 256, "preprocessor").process(image)
+    want = Gemma3ImageProcessorPil.from_dict(released)(images=[image], return_tensors="np")["pixel_values"]
+    assert out.pixels.shape == (1, 3, 896, 896) and np.array_equal(out.pixels, want)
 
 
 def test_logits_and_greedy_match_transformers(hf, ours, ex):
