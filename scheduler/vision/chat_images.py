@@ -84,19 +84,20 @@ class ChatImages:
             raise InvalidRequest(f"the rendered prompt holds {len(pieces) - 1} image markers ({marker!r}) for "
                                  f"{len(images)} images: the text must not contain {marker!r} itself, and the "
                                  "chat template must write one per image part")
-        full, spans = pieces[0], []
+        full, spans = pieces[0], []  # spans: (first char, end char, the image's tiles it takes)
         for im, piece in zip(images, pieces[1:]):
-            before, span, after = self.processor.placeholder(im)
-            spans.append((len(full) + len(before), len(full) + len(before) + len(span)))
-            full += before + span + after + piece
+            for text_part, tiles in self.processor.placeholder(im):  # (a span's text where tiles is not None)
+                if tiles is not None:
+                    spans.append((len(full), len(full) + len(text_part), im.pixels[tiles]))
+                full += text_part
+            full += piece
         ids, offsets = tok.encode_with_offsets(full)
         out = []
-        for im, (lo, hi) in zip(images, spans):
+        for lo, hi, tiles in spans:
             inside = [i for i, (a, b) in enumerate(offsets) if a >= lo and b <= hi and b > a]
-            pixels = im.pixels.astype("<f4").tobytes()
-            out.append(PromptImage(inside[0], inside[-1] - inside[0] + 1,
-                                   image_hash("float32", im.pixels.shape, pixels), tuple(im.pixels.shape), pixels,
-                                   self.processor.one_chunk))
+            pixels = tiles.astype("<f4").tobytes()
+            out.append(PromptImage(inside[0], inside[-1] - inside[0] + 1, image_hash("float32", tiles.shape, pixels),
+                                   tuple(tiles.shape), pixels, self.processor.one_chunk))
         return ids, tuple(out)
 
 

@@ -61,19 +61,19 @@ class Idefics3ImageProcessor:
         mean, std = (self.mean, self.std) if self.normalize else (None, None)
         return ProcessedImage(np.stack([values(t, self.rescale, mean, std) for t in tiles]), rows, cols)
 
-    def placeholder(self, im: ProcessedImage) -> tuple[str, str, str]:
-        """The text that replaces one `<image>` (transformers' Idefics3Processor.replace_image_token): (text
-        before the span, the span's, after it); the span is all of it."""
+    def placeholder(self, im: ProcessedImage) -> list[tuple[str, slice | None]]:
+        """The text that replaces one `<image>` (transformers' Idefics3Processor.replace_image_token), as pieces
+        (text, the tiles of the span it is; None: no span): one span, all of it, all the tiles."""
         rows, cols = im.rows, im.cols
         image = "<image>" * self.tokens_per_tile
         if rows == 0 and cols == 0:
-            return "", f"<fake_token_around_image><global-img>{image}<fake_token_around_image>", ""
+            return [(f"<fake_token_around_image><global-img>{image}<fake_token_around_image>", slice(None))]
         text = ""
         for r in range(rows):
             for c in range(cols):
                 text += f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image}"
             text += "\n"
-        return "", text + f"\n<fake_token_around_image><global-img>{image}<fake_token_around_image>", ""
+        return [(text + f"\n<fake_token_around_image><global-img>{image}<fake_token_around_image>", slice(None))]
 
     def _resize(self, x: np.ndarray, h: int, w: int) -> np.ndarray:
         return resize(x, h, w, self.resample)

@@ -85,9 +85,55 @@ def test_processor_matches_transformers(hf, ours, size, mode):
     assert np.array_equal(got, enc["pixel_values"].numpy())
 
 
-def test_pan_and_scan_is_refused_and_nulls_are_defaults():
-    with pytest.raises(CheckpointError, match="do_pan_and_scan"):
-        Gemma3ImageProcessor({"do_pan_and_scan": True, "size": {"height": 32, "width": 32}}, 4, "preprocessor")
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "size": {"height": 32, "width": 32}}
+
+
+@pytest.fixture(scope="module")
+def pas(ckpt, hf):
+    """Pan-and-scan on (crops of at least 8 px, for these small images): ours and transformers'."""
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(**PAN_AND_SCAN),
+                           tokenizer=transformers.AutoTokenizer.from_pretrained(ckpt), image_seq_length=GEMMA3_MM_TOKENS)
+    return (ChatImages(Gemma3ImageProcessor(PAN_AND_SCAN, GEMMA3_MM_TOKENS, "preprocessor"), MediaPolicy()),
+            ModelTokenizer(ckpt)), (proc, hf[1])
+
+
+def _pas_inputs(hf, images, text=TEXT):
+    prompt = "<|im_start|>user\n" + "<start_of_image>" * len(images) + text + "<|im_end|>\n<|im_start|>assistant\n"
+    return hf[0](images=[list(images)], text=prompt, return_tensors="pt", do_pan_and_scan=True,
+                 pan_and_scan_min_crop_size=PAN_AND_SCAN["pan_and_scan_min_crop_size"])
+
+
+@pytest.mark.parametrize("size,views", [((90, 40), 3), ((40, 90), 3), ((200, 20), 5), ((50, 45), 1)])
+def test_pan_and_scan_matches_transformers(pas, size, views):
+    """Each view (the whole image, then each crop) is an image of its own, its span its image tokens."""
+    ours, theirs = pas
+    image = noise_image(*size, seed=2)
+    ids, items = _prompt(ours, [image])
+    enc = _pas_inputs(theirs, [image])
+    assert ids == enc["input_ids"][0].tolist() and len(items) == views
+    flags = enc["token_type_ids"][0].tolist()
+    starts = [i for i, t in enumerate(flags) if t and not flags[i - 1]]
+    assert [(im.offset, im.length) for im in items] == [(i, GEMMA3_MM_TOKENS) for i in starts]
+    got = np.concatenate([np.frombuffer(im.pixel_values, dtype="<f4").reshape(im.shape) for im in items])
+    assert np.array_equal(got, enc["pixel_values"].numpy())
+
+
+def test_pan_and_scan_logits_match_transformers(pas, ex):
+    ours, theirs = pas
+    image = noise_image(90, 40, seed=9)
+    ids, items = _prompt(ours, [image])
+    enc = _pas_inputs(theirs, [image])
+    with torch.no_grad():
+        want = theirs[1](**enc).logits[0, -1]
+    out, cache_id = _run(ex, ids, items, cuts=(items[1].offset,))  # (a chunk boundary between two views)
+    assert rel_err(out.logits[0], want) <= 1e-4 and out.tokens[0].token_id == int(want.argmax())
+    ex.release_cache([cache_id])
+
+
+def test_nulls_are_transformers_defaults():
     # gemma-3-4b-it's preprocessor_config.json writes null for what it leaves at transformers' defaults
     released = {"do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True,
                 "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
