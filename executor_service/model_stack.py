@@ -113,8 +113,9 @@ def build_model_stack(config: ExecutorConfig) -> ModelStack:
                  HALF_UPCAST_MIN_ROWS)
     cfg, dtype = model.config, model.lm_head.weight.dtype
     kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # another than the weights': converted (models/kv/dtype.py)
+    both_ways = cfg.vision is not None and cfg.vision.bidirectional_images  # (Gemma 3's images: gathered only)
     backend = choose_backend(config.attention_backend, device, cfg.attention_sinks, kv_dtype != dtype,
-                             config.block_size)  # ValueError
+                             config.block_size, both_ways)  # ValueError
     kv, kv_pool = build_kv_pool(config, device, cfg, kv_dtype)  # sized, logged there
     choice = choose_decode(config, model, kv, AttentionBuilder(  # ValueError: a refused combination
         backend, kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device, config.attention_bound(), dtype=dtype))

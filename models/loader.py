@@ -177,7 +177,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     if cfg.vision is not None:  # the vision tower (models/vision/), in the activations' dtype
-        model.vision = load_vision_tower(cfg.vision, lambda n: read(n, as_named=True), device, torch_dtype)
+        model.vision = load_vision_tower(cfg.vision, lambda n: read(n, as_named=True), device, torch_dtype,
+                                         lambda n: n in files)
     if prequantized is not None:
         prequantized.attach(model)  # -- pre-quantized: each such layer's BlockWeight --
     _warn_unused(files, loaded | used_expert_tensors | read_names, tied)

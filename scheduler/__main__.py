@@ -24,7 +24,8 @@ _LIMITS = (  # (SchedulerConfig field, help with {} for the default)
     ("max_batch_tokens", "tokens per step, decodes and prefill chunks together (default {}; capped by the executor's "
                          "own limit)"),
     ("max_running", "sequences in the batch at once (default {})"),
-    ("prefill_chunk", "most prompt tokens of one sequence per step (default {})"),
+    ("prefill_chunk", "most prompt tokens of one sequence per step (default {}; a chunk runs past it to hold a "
+                      "Gemma 3 image's tokens whole)"),
     ("default_max_new_tokens", "max_new_tokens of requests that leave it unset (default {})"),
     ("max_waiting", "queued requests beyond which Generate is RESOURCE_EXHAUSTED (default {})"),
     ("max_message_mb", "request size limit in MiB (default {})"),

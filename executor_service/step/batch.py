@@ -172,6 +172,7 @@ class BatchRunner:
         mrope = self.model.config.mrope_section  # M-RoPE: every token's three positions (vision/mrope.py)
         vision = self.model.config.vision
         positions3 = []
+        both_ways = vision is not None and vision.bidirectional_images  # (Gemma 3: each image's span, one block)
         start = 0
         for b in batch:
             if mrope:
@@ -184,7 +185,8 @@ class BatchRunner:
             n = len(b.item.token_ids) + drafts
             if b.item.adapter:
                 adapter_spans.setdefault(b.item.adapter, []).append((start, start + n))
-            layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n))
+            layouts.append(ItemLayout(b.state.table.blocks, b.state.table.length, n, tuple(
+                (im.offset, im.offset + im.length) for im in b.item.images) if both_ways else ()))
             ids.extend(b.item.token_ids)
             ids.extend(b.item.draft_token_ids)
             # (validated: no drafts) prompt logprobs: every position, the last sampled; pooled: kept_rows

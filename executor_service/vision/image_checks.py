@@ -90,6 +90,14 @@ def _check_span_tokens(name: str, im: ImageInput, v: VisionConfig, start: int, e
     """The image tokens of the span written so far (through this item) are at most its rows, and exactly its
     rows once the span is whole; for M-RoPE (qwen2_5_vl) they are one run (the grid's positions follow it)."""
     rows = embedding_rows(im, v)
+    if v.bidirectional_images:  # (Gemma 3) the span is one block of image tokens, written in one chunk
+        if im.length != rows:
+            raise InvalidRequest(f"{name}: its span is {im.length} tokens; this model's image tokens attend to each "
+                                 f"other both ways, so the span must be exactly its {rows} image tokens")
+        if im.offset < end < im.offset + im.length:
+            raise InvalidRequest(f"{name}: the item ends at position {end}, inside its span [{im.offset}, "
+                                 f"{im.offset + im.length}); this model's image tokens attend to each other both "
+                                 "ways, so a chunk must end before the span or after it")
     hi = min(im.offset + im.length, end)
     marks = [p for p in range(im.offset, hi)
              if (tokens_before[p] if p < start else token_ids[p - start]) == v.image_token_id]

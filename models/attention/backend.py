@@ -8,6 +8,9 @@ batch's attention metadata for it.
 - flashinfer (models/attention/flashinfer.py): FlashInfer's paged prefill kernel; CUDA with flashinfer
   installed only, untested on this project's machines.
 
+A model whose image tokens attend to each other both ways (Gemma 3: VisionConfig.bidirectional_images) runs
+gathered, the one backend whose masks apply that; auto picks it, the others are refused.
+
 auto: on CUDA, flashinfer where importable (and the model has no sinks), else flex compiled; on CPU, gathered,
 measured faster for prefill than flex (SmolLM2, 512-token prompt, 2 cores: table in docs/cuda.md). On CPU the
 decode step stays the native one (executor_service/step/decode_choice.py) whatever the backend.
@@ -33,11 +36,17 @@ def flashinfer_importable() -> bool:
 
 
 def choose_backend(requested: str, device: torch.device, has_sinks: bool = False, kv_converted: bool = False,
-                   block_size: int = 16) -> str:
+                   block_size: int = 16, bidirectional_images: bool = False) -> str:
     """The backend to run for --attention-backend `requested` on `device` (kv_converted: the KV pool's dtype is
-    not the activations', --kv-dtype). Raises ValueError for one that cannot run there."""
+    not the activations', --kv-dtype; bidirectional_images: an image's tokens see each other both ways, Gemma 3).
+    Raises ValueError for one that cannot run there."""
     if requested not in BACKENDS:
         raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if bidirectional_images:  # only the gathered masks carry ItemLayout.bidirectional (models/attention/paged.py)
+        if requested not in ("auto", "gathered"):
+            raise ValueError(f"--attention-backend {requested} does not let an image's tokens attend to each other "
+                             "both ways, as this model's images need (Gemma 3): use gathered (or auto)")
+        return "gathered"
     cuda = device.type == "cuda"
     # compiled flex on CUDA: Triton's key tile (16 at the least) must divide the KV block (models/attention/flex.py)
     flex_fits = not cuda or block_size % 16 == 0

@@ -47,6 +47,10 @@ class ItemLayout:
     blocks: Sequence[int]
     past: int
     n_new: int
+    # Position ranges [start, end) whose tokens see each other both ways (one image's tokens, Gemma 3): a query
+    # in one also sees the keys after it up to the range's end, which lies within this item's tokens (validated:
+    # executor_service/vision/image_checks.py). Only the gathered backend applies them (models/attention/backend.py).
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 def token_slots(items: Sequence[ItemLayout], block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,7 +75,7 @@ class _Bucket:
     max_q: int
     covers_batch: bool  # the bucket holds every token of the batch, in packed order
     fresh: bool  # every item starts at position 0 with the same length: plain causal attention suffices
-    limit: torch.Tensor  # [B, 1, group * max_q, 1] the position of each query row (its last visible key)
+    limit: torch.Tensor  # [B, 1, group * max_q, 1] the position of each query row (the window's reference)
     windowed: dict[int, torch.Tensor]  # window -> its additive mask (as `mask`), made on first use
 
     def mask_for(self, window: int | None) -> torch.Tensor:
@@ -130,7 +134,7 @@ class AttentionMetadata:
         limit = torch.minimum(t(past)[:, None] + torch.arange(max_q)[None, :], t(ctx)[:, None] - 1)  # [B, max_q]
         # Keys past the longest context are padding in every row: trim them (a view) rather than mask them.
         keys = torch.arange(int(ctx.max()))
-        mask = keys[None, None, :] <= limit[:, :, None]  # [B, max_q, L], L = longest context
+        mask = keys[None, None, :] <= _reach(items, limit)[:, :, None]  # [B, max_q, L], L = longest context
         # Rows are ordered (group, query) to match the folded GQA query layout.
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(items), 1, group * max_q, -1)
         # Additive float form, built once per batch: a boolean mask is converted by every SDPA call,
@@ -139,7 +143,23 @@ class AttentionMetadata:
         rows = limit[:, None].expand(-1, group, -1).reshape(len(items), 1, group * max_q, 1)
         return _Bucket(t(token_index).to(device), t(batch_index).to(device), t(query_index).to(device),
                        t(tables).to(device), additive.to(device), max_q, covers_batch,
-                       bool(max_q > 1 and not past.any() and (n_new == max_q).all()), rows.to(device), {})
+                       bool(max_q > 1 and not past.any() and (n_new == max_q).all()
+                            and not any(it.bidirectional for it in items)), rows.to(device), {})
+
+
+def _reach(items: Sequence[ItemLayout], limit: torch.Tensor) -> torch.Tensor:
+    """Each query row's last visible key: its own position (limit, [B, max_q]), or for a query inside a
+    bidirectional range the range's last position. Causal OR same-range is one bound, as every key between the
+    query and the range's end lies in the range; a sliding window still counts back from the query's own position
+    (transformers' Gemma 3: AND(window, OR(causal, block)))."""
+    if not any(it.bidirectional for it in items):
+        return limit
+    reach = limit.clone()
+    for row, it in enumerate(items):
+        for lo, hi in it.bidirectional:
+            q = torch.arange(max(lo, it.past), min(hi, it.past + it.n_new)) - it.past  # its queries in this chunk
+            reach[row, q] = hi - 1
+    return reach
 
 
 def attention_elements(items: Sequence[ItemLayout]) -> int:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from models.families import (base, classifier, gemma2, gemma3, gpt_oss, granite, idefics3, mistral, mixtral, olmo2,
-                             phi3, qwen2_5_vl, smollm3)
+from models.families import (base, classifier, gemma2, gemma3, gemma3_vision, gpt_oss, granite, idefics3, mistral,
+                             mixtral, olmo2, phi3, qwen2_5_vl, smollm3)
 
 Parse = Callable[[dict[str, Any], str, str], dict[str, Any]]
 
@@ -28,8 +28,9 @@ FAMILIES: dict[str, Parse] = {
     "GptOssForCausalLM": gpt_oss.parse,
     # sequence classifiers: the causal family's decoder + a `score` head (models/families/classifier.py)
     **{arch: classifier.parse for arch in classifier.CAUSAL_OF},
-    # vision-language: a vision tower + a Llama text tower (models/vision/)
+    # vision-language: a vision tower + a text tower (models/vision/): Llama's, Gemma 3's
     **{arch: idefics3.parse for arch in idefics3.ARCHITECTURES},
+    **{arch: gemma3_vision.parse for arch in gemma3_vision.ARCHITECTURES},
     # vision-language: a window-attention ViT + Qwen2's text tower with M-RoPE (models/families/qwen2_5_vl.py)
     **{arch: qwen2_5_vl.parse for arch in qwen2_5_vl.ARCHITECTURES},
 }

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str  # "idefics3" (Idefics3 / SmolVLM: SigLIP-style encoder + pixel-shuffle connector) | "qwen2_5_vl"
-    # (Qwen2.5-VL: a window-attention ViT over pre-flattened patches + a patch merger)
+    # "idefics3" (Idefics3 / SmolVLM: SigLIP-style encoder + pixel-shuffle connector) | "gemma3" (SigLIP +
+    # average pooling + Gemma RMSNorm + a projection matrix) | "qwen2_5_vl" (Qwen2.5-VL: a window-attention ViT
+    # over pre-flattened patches + a patch merger)
+    family: str
     hidden_size: int  # the encoder's width
     intermediate_size: int
     num_layers: int
@@ -17,9 +19,10 @@ class VisionConfig:
     # pixels one embedding row covers)
     patch_size: int
     layer_norm_eps: float
-    hidden_act: str  # gelu_tanh (idefics3) | silu (qwen2_5_vl's SwiGLU)
-    scale_factor: int  # the connector's pixel shuffle (qwen2_5_vl: spatial_merge_size): scale_factor^2 patches
-    # -> one embedding row
+    hidden_act: str  # gelu_tanh (idefics3, gemma3) | silu (qwen2_5_vl's SwiGLU)
+    # The connector: scale_factor x scale_factor patches -> one embedding row (Idefics3's pixel shuffle, Gemma 3's
+    # average pooling kernel, qwen2_5_vl's spatial_merge_size)
+    scale_factor: int
     image_token_id: int  # the placeholder token whose positions take embedding rows
     text_hidden_size: int  # the language model's width (the connector's output)
     # qwen2_5_vl only: frames per patch (an image is repeated to fill them), the side of an attention window in
@@ -28,6 +31,10 @@ class VisionConfig:
     window_size: int = 0
     fullatt_blocks: tuple[int, ...] = ()
     rope_theta: float = 10000.0
+    # The tokens of one image's span attend to each other both ways during prefill (Gemma 3: transformers'
+    # token_type_ids block mask), so a span is written in one chunk and a span is exactly its image tokens
+    # (executor_service/vision/image_checks.py; models/attention/paged.py applies it).
+    bidirectional_images: bool = False
 
     @property
     def patches_per_tile(self) -> int:
@@ -35,5 +42,5 @@ class VisionConfig:
 
     @property
     def tokens_per_tile(self) -> int:
-        """Embedding rows one tile gives after the pixel shuffle."""
+        """Embedding rows one tile gives after the connector."""
         return self.patches_per_tile // (self.scale_factor ** 2)

@@ -1,7 +1,7 @@
-"""The Idefics3 / SmolVLM vision tower: a SigLIP-style encoder (patch convolution + learned positions, pre-norm
-layers of bidirectional attention and a tanh-GELU MLP, a final LayerNorm) and the connector (pixel shuffle:
-each scale_factor x scale_factor group of patches becomes one row, then one linear map to the text width), as
-transformers' modeling_idefics3.py computes them. Parameter names are the checkpoint's under `model.`.
+"""The Idefics3 / SmolVLM vision tower: a SigLIP-style encoder (patch convolution + learned positions, the
+encoder layers of models/vision/siglip.py, a final LayerNorm) and the connector (pixel shuffle: each scale_factor x
+scale_factor group of patches becomes one row, then one linear map to the text width), as transformers'
+modeling_idefics3.py computes them. Parameter names are the checkpoint's under `model.`.
 
 Tiles are whole (the scheduler's image processor makes every tile image_size square), so every patch is real:
 no patch mask, and positions are the patch grid's, bucketed as transformers buckets them.
@@ -9,47 +9,10 @@ no patch mask, and positions are the patch grid's, bucketed as transformers buck
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.vision.config import VisionConfig
-
-
-class _Attention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        d = cfg.hidden_size
-        self.heads = cfg.num_heads
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape  # x: [tiles, patches, hidden]
-        split = lambda t: t.view(b, n, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731  [b, heads, n, hd]
-        out = F.scaled_dot_product_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)))
-        return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
-
-
-class _Mlp(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-class _EncoderLayer(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.self_attn = _Attention(cfg)
-        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = _Mlp(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
+from models.vision.siglip import encoder
 
 
 class _Embeddings(nn.Module):
@@ -78,8 +41,7 @@ class _VisionModel(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.embeddings = _Embeddings(cfg)
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(_EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.encoder = encoder(cfg)
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
 

@@ -55,3 +55,13 @@ def too_big(kv: KvUsage, prompt_tokens: int, max_new_tokens: int) -> CapacityExc
     return CapacityExceeded(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) need "
                             f"{kv.blocks_for(tokens)} KV blocks but the executor's whole cache has {kv.total_blocks} "
                             f"(x {kv.block_size} tokens); shorten the request")
+
+
+def span_too_long(span: int, step_tokens: int) -> CapacityExceeded | None:
+    """The refusal of a request with an image span of `span` tokens that must be written in one chunk (Gemma 3)
+    when a step takes at most `step_tokens`, or None."""
+    if span <= step_tokens:
+        return None
+    return CapacityExceeded(f"an image of this request takes {span} tokens that this model writes in one prefill "
+                            f"chunk, but a step holds at most {step_tokens} tokens (--max-batch-tokens, and the "
+                            "executor's limit): raise it")

@@ -33,6 +33,7 @@ from scheduler.sequence import Sequence
 from scheduler.executor.session import ExecutorSession
 from scheduler.engine.throughput_log import ThroughputLog
 from scheduler.engine.token_masks import MaskWorker, StepMasks
+from scheduler.vision.image_chunks import longest_span
 from tandem.errors import RemoteError, Unavailable
 
 log = logging.getLogger("tandem.scheduler")
@@ -97,7 +98,8 @@ class Engine:
             raise Unavailable("the scheduler is shutting down; retry on another one")
         if not self.up and self.recovery.refusal:
             raise ExecutorUnreachable(self.recovery.refusal)
-        self.policy.check_admissible(len(request.prompt_ids), request.stopping.max_new_tokens)
+        self.policy.check_admissible(len(request.prompt_ids), request.stopping.max_new_tokens,
+                                     longest_span(request.images))
         seq = Sequence(request, self.policy.next_arrival(), self.info.eos_token_ids, self.info.max_seq_len,
                        codec.executor_sampling(request, self.info.eos_token_ids))
         stream = self.streams.open(seq, request)

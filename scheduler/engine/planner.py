@@ -23,6 +23,9 @@ Policy (one step):
 With speculative decoding (scheduler/engine/speculation.py), decoding sequences may also carry draft tokens, from
 the step's token budget and the blocks left after every decode's growth, before any prompt chunk: drafts
 never preempt or hold back anything; they only use room the step has.
+Chunks end outside the image spans a model writes in one chunk (Gemma 3: scheduler/vision/image_chunks.py): before
+the span, or through it past the chunk size; a running prompt whose span does not fit the step keeps the rest of
+the budget for the next step.
 The executor's own accounting stays the authority: a RESOURCE_EXHAUSTED answer still preempts (engine).
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from scheduler.engine.prefix_wait import awaited_prefix
 from scheduler.sequence import Sequence
 from scheduler.engine.speculation import Speculator
+from scheduler.vision.image_chunks import chunk_tokens
 from tandem.ceil_div import ceil_div
 from tandem.kv_usage import KvUsage
 
@@ -134,6 +138,9 @@ class Planner:
                 plan.items.append(StepItem(s, s.num_cached, n))
                 budget -= n
                 free -= grow(s, n)
+            elif budget > 0 and any(im.one_chunk for im in s.request.images):  # its image span waits for a
+                # step with room for all of it:
+                budget = 0  # what is left is not given to younger prompts (no starvation)
         # what running prompts still need after this step: reserved, not available to admissions
         planned = {id(i.seq): i.count for i in plan.items}
         reserved = sum(ceil_div(s.num_tokens + 1, bs) - ceil_div(s.num_cached + planned.get(id(s), 0), bs)
@@ -154,7 +161,12 @@ class Planner:
             if plan.wait_reason:
                 plan.head_needs_blocks = plan.wait_reason.startswith(_NEEDS_BLOCKS)
                 break
-            n = min(s.remaining, self.prefill_chunk, budget)
+            n = chunk_tokens(s.request.images, s.num_cached, min(s.remaining, self.prefill_chunk, budget),
+                             min(s.remaining, budget))
+            if not n:
+                plan.wait_reason = (f"its first chunk would end inside an image whose tokens are written in one "
+                                    f"chunk, and the step has {budget} tokens left")
+                break
             plan.admitted.append(s)
             plan.items.append(StepItem(s, s.num_cached, n))
             n_running += 1
@@ -196,7 +208,9 @@ class Planner:
         """Tokens of s's prompt to write this step: limited by the chunk size, the budget and free blocks."""
         n = min(s.remaining, self.prefill_chunk, budget)
         room = (ceil_div(s.num_cached, bs) + max(free, 0)) * bs - s.num_cached  # tokens the blocks can hold
-        return max(0, min(n, room))
+        n = max(0, min(n, room))
+        # (an image span written in one chunk: the chunk ends before it, or runs through it, within budget and room)
+        return chunk_tokens(s.request.images, s.num_cached, n, min(s.remaining, budget, room)) if n else 0
 
     @staticmethod
     def fits_alone(tokens: int, kv: KvUsage) -> bool:

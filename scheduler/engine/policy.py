@@ -33,7 +33,7 @@ import time
 from typing import Callable, Iterator
 
 from scheduler.config import SchedulerConfig
-from scheduler.engine.admission import expired, overload, too_big
+from scheduler.engine.admission import expired, overload, span_too_long, too_big
 from scheduler.engine.drain_rate import DrainRate
 from scheduler.engine.planner import Planner, StepPlan
 from scheduler.engine.prefix_wait import shared_prefix
@@ -91,10 +91,11 @@ class SchedulingPolicy:
         if (refusal := overload(self.cfg, self.drain, len(self.waiting), len(self.running))) is not None:
             raise refusal
 
-    def check_admissible(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raises Overloaded, or CapacityExceeded when the request could never fit the KV pool."""
+    def check_admissible(self, prompt_tokens: int, max_new_tokens: int, one_chunk_span: int = 0) -> None:
+        """Raises Overloaded, or CapacityExceeded: it never fits the KV pool, or a step (vision/image_chunks.py)."""
         self.check_overload()
-        if (refusal := too_big(self.kv, prompt_tokens, max_new_tokens)) is not None:
+        if refusal := (too_big(self.kv, prompt_tokens, max_new_tokens)
+                       or span_too_long(one_chunk_span, self.planner.max_batch_tokens)):
             raise refusal
 
     def add(self, seq: Sequence) -> None:

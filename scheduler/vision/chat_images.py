@@ -1,12 +1,13 @@
 """A chat prompt with images -> token ids and the images' pixels with their placeholder spans.
 
-The chat template writes a marker (`<image>`) where each image part sits; each marker is replaced by the
-model's placeholder text for that image (its tiles, as its processor split it), the whole is tokenized, and
-each image's span is the tokens of its placeholder text. The executor puts the image's embedding rows at the
-span's image-token positions (UnifiedItem.images). Loading and processing run in the scheduler's worker threads
-(codec.request_from_pb runs there), never on the event loop.
+The chat template writes a marker (`<image>`; Gemma 3: `<start_of_image>`) where each image part sits; each
+marker is replaced by the model's placeholder text for that image (its tiles, as its processor split it), the
+whole is tokenized, and each image's span is the tokens of its placeholder text (Gemma 3: of its image tokens).
+The executor puts the image's embedding rows at the span's image-token positions (UnifiedItem.images). Loading
+and processing run in the scheduler's worker threads (codec.request_from_pb runs there), never on the event
+loop.
 
-Which models: those whose config.json names a vision family served here (Idefics3 / SmolVLM: `<image>`;
+Which models: those whose config.json names a vision family served here (Idefics3 / SmolVLM: `<image>`; Gemma 3;
 Qwen2.5-VL: `<|image_pad|>`, between the template's own vision_start / vision_end), with a preprocessor_config.json
 beside; ChatImages.load returns None for any other model, and a request with images
 for it is refused."""
@@ -18,15 +19,19 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from scheduler.text.tokenizer import ChatMessage, ModelTokenizer, Tool
-from scheduler.vision.idefics3_processor import Idefics3ImageProcessor, ProcessedImage
+from scheduler.vision.gemma3_processor import Gemma3ImageProcessor
+from scheduler.vision.idefics3_processor import Idefics3ImageProcessor
+from scheduler.vision.pixels import ProcessedImage
 from scheduler.vision.media import load_image
 from scheduler.vision.media_policy import MediaPolicy
 from scheduler.vision.qwen2_vl_processor import Qwen2VLImageProcessor
 from tandem.errors import CheckpointError, InvalidRequest
 from tandem.image_hash import image_hash
 
-FAMILIES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
-            "Qwen2_5_VLForConditionalGeneration")
+IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+GEMMA3 = ("Gemma3ForConditionalGeneration",)
+QWEN2_5_VL = ("Qwen2_5_VLForConditionalGeneration",)
+Processor = Idefics3ImageProcessor | Gemma3ImageProcessor | Qwen2VLImageProcessor
 
 
 @dataclass(frozen=True)
@@ -38,10 +43,13 @@ class PromptImage:
     content_hash: str  # tandem/image_hash.py
     shape: tuple[int, ...]  # [tiles, 3, tile, tile] (Qwen2.5-VL: [rows, columns, merge, merge, patch features])
     pixels: bytes  # float32 little-endian, row-major
+    # Its span's tokens attend to each other both ways (Gemma 3): the span is prefilled in one chunk
+    # (scheduler/vision/image_chunks.py)
+    one_chunk: bool = False
 
 
 class ChatImages:
-    def __init__(self, processor: Idefics3ImageProcessor | Qwen2VLImageProcessor, policy: MediaPolicy) -> None:
+    def __init__(self, processor: Processor, policy: MediaPolicy) -> None:
         self.processor = processor
         self.policy = policy
 
@@ -52,15 +60,18 @@ class ChatImages:
         if not config_path.is_file():
             return None
         cfg = _json(config_path)
-        archs = [a for a in cfg.get("architectures") or () if a in FAMILIES]
-        if not archs:
+        arch = next((a for a in cfg.get("architectures") or () if a in IDEFICS3 + GEMMA3 + QWEN2_5_VL), None)
+        if arch is None:
             return None
         if not pre_path.is_file():
             raise CheckpointError(f"{model_dir.name}: a vision-language model needs its preprocessor_config.json "
                                   "(the image processor's settings) beside the tokenizer")
-        if archs[0] == "Qwen2_5_VLForConditionalGeneration":
+        if arch in QWEN2_5_VL:
             return cls(Qwen2VLImageProcessor(_json(pre_path), pre_path.name), policy)
         v = cfg.get("vision_config") or {}
+        if arch in GEMMA3:
+            return cls(Gemma3ImageProcessor(_json(pre_path), int(cfg.get("mm_tokens_per_image", 256)), pre_path.name),
+                       policy)
         side = int(v.get("image_size", 224)) // int(v.get("patch_size", 32))
         tokens = side * side // int(cfg.get("scale_factor", 2)) ** 2
         return cls(Idefics3ImageProcessor(_json(pre_path), tokens, pre_path.name), policy)
@@ -82,18 +93,20 @@ class ChatImages:
             raise InvalidRequest(f"the rendered prompt holds {len(pieces) - 1} image markers ({marker!r}) for "
                                  f"{len(images)} images: the text must not contain {marker!r} itself, and the "
                                  "chat template must write one per image part")
-        full, spans = pieces[0], []
+        full, spans = pieces[0], []  # spans: (first char, end char, the image's tiles it takes)
         for im, piece in zip(images, pieces[1:]):
-            placeholder = self.processor.placeholder(im.rows, im.cols)
-            spans.append((len(full), len(full) + len(placeholder)))
-            full += placeholder + piece
+            for text_part, tiles in self.processor.placeholder(im):  # (a span's text where tiles is not None)
+                if tiles is not None:
+                    spans.append((len(full), len(full) + len(text_part), im.pixels[tiles]))
+                full += text_part
+            full += piece
         ids, offsets = tok.encode_with_offsets(full)
         out = []
-        for im, (lo, hi) in zip(images, spans):
+        for lo, hi, tiles in spans:
             inside = [i for i, (a, b) in enumerate(offsets) if a >= lo and b <= hi and b > a]
-            pixels = im.pixels.astype("<f4").tobytes()
-            out.append(PromptImage(inside[0], inside[-1] - inside[0] + 1,
-                                   image_hash("float32", im.pixels.shape, pixels), tuple(im.pixels.shape), pixels))
+            pixels = tiles.astype("<f4").tobytes()
+            out.append(PromptImage(inside[0], inside[-1] - inside[0] + 1, image_hash("float32", tiles.shape, pixels),
+                                   tuple(tiles.shape), pixels, self.processor.one_chunk))
         return ids, tuple(out)
 
 

@@ -10,29 +10,20 @@ Tests check the pixels against transformers' own class (tests/scheduler/test_vis
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from scheduler.vision.pixels import IMAGENET_STANDARD, ProcessedImage, resize, rgb, values
 from tandem.errors import CheckpointError
 
 MAX_IMAGE_SIZE = 4096  # transformers' absolute bound on the resized image
-IMAGENET_STANDARD = [0.5, 0.5, 0.5]
-IMAGE_MARKER = "<image>"  # what the chat template writes for an image part
-
-
-@dataclass(frozen=True)
-class ProcessedImage:
-    pixels: np.ndarray  # float32 [tiles, 3, tile, tile] (scheduler/vision/qwen2_vl_processor.py: its own shape)
-    rows: int  # the split: rows x cols tiles before the global one (0, 0: one tile, not split); Qwen2.5-VL: the
-    # merged patch grid
-    cols: int
 
 
 class Idefics3ImageProcessor:
-    marker = IMAGE_MARKER
+    marker = "<image>"  # what the chat template writes for an image part
+    one_chunk = False  # a span may run over several prefill chunks
 
     def __init__(self, cfg: dict[str, Any], tokens_per_tile: int, source: str) -> None:
         self.longest_edge = int((cfg.get("size") or {}).get("longest_edge", 4 * 364))
@@ -49,7 +40,7 @@ class Idefics3ImageProcessor:
             raise CheckpointError(f"{source}: do_convert_rgb false is not supported (images are made RGB)")
 
     def process(self, image: Image.Image) -> ProcessedImage:
-        x = _rgb(image)  # uint8 [H, W, 3]
+        x = rgb(image)  # uint8 [H, W, 3]
         if self.do_resize:
             h, w = _rescale_to_max_len(*x.shape[:2], self.longest_edge)
             h, w = _scale_below(h, w, MAX_IMAGE_SIZE)
@@ -67,22 +58,25 @@ class Idefics3ImageProcessor:
                 tiles = [x]
         else:
             tiles = [self._resize(x, self.tile, self.tile)]
-        return ProcessedImage(np.stack([self._values(t) for t in tiles]), rows, cols)
+        mean, std = (self.mean, self.std) if self.normalize else (None, None)
+        return ProcessedImage(np.stack([values(t, self.rescale, mean, std) for t in tiles]), rows, cols)
 
-    def placeholder(self, rows: int, cols: int) -> str:
-        """The text that replaces one `<image>` (transformers' Idefics3Processor.replace_image_token)."""
+    def placeholder(self, im: ProcessedImage) -> list[tuple[str, slice | None]]:
+        """The text that replaces one `<image>` (transformers' Idefics3Processor.replace_image_token), as pieces
+        (text, the tiles of the span it is; None: no span): one span, all of it, all the tiles."""
+        rows, cols = im.rows, im.cols
         image = "<image>" * self.tokens_per_tile
         if rows == 0 and cols == 0:
-            return f"<fake_token_around_image><global-img>{image}<fake_token_around_image>"
+            return [(f"<fake_token_around_image><global-img>{image}<fake_token_around_image>", slice(None))]
         text = ""
         for r in range(rows):
             for c in range(cols):
                 text += f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image}"
             text += "\n"
-        return text + f"\n<fake_token_around_image><global-img>{image}<fake_token_around_image>"
+        return [(text + f"\n<fake_token_around_image><global-img>{image}<fake_token_around_image>", slice(None))]
 
     def _resize(self, x: np.ndarray, h: int, w: int) -> np.ndarray:
-        return np.array(Image.fromarray(x).resize((w, h), resample=self.resample))
+        return resize(x, h, w, self.resample)
 
     def _resize_for_encoder(self, x: np.ndarray) -> np.ndarray:
         h, w = x.shape[:2]
@@ -95,26 +89,6 @@ class Idefics3ImageProcessor:
             h = math.ceil(h / t) * t
             w = math.ceil(int(h * aspect) / t) * t
         return self._resize(x, h, w)
-
-    def _values(self, tile: np.ndarray) -> np.ndarray:
-        """uint8 [H, W, 3] -> float32 [3, H, W], rescaled and normalized as transformers' numpy steps round."""
-        x = np.moveaxis(tile, -1, 0)
-        if self.rescale is not None:
-            x = (x.astype(np.float64) * self.rescale).astype(np.float32)
-        else:
-            x = x.astype(np.float32)
-        if self.normalize:
-            x = ((x.T - self.mean) / self.std).T
-        return np.ascontiguousarray(x, dtype=np.float32)
-
-
-def _rgb(image: Image.Image) -> np.ndarray:
-    """transformers' convert_to_rgb: transparency composited over white."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        image = image.convert("RGBA")
-        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(white, image)
-    return np.array(image.convert("RGB"))
 
 
 def _rescale_to_max_len(height: int, width: int, max_len: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from scheduler.vision.idefics3_processor import ProcessedImage, _rgb
+from scheduler.vision.pixels import ProcessedImage, rgb
 from tandem.errors import CheckpointError, InvalidRequest
 
 IMAGE_PAD = "<|image_pad|>"
@@ -28,6 +28,7 @@ MAX_ASPECT = 200  # transformers' smart_resize refuses a longer side more than t
 
 class Qwen2VLImageProcessor:
     marker = IMAGE_PAD  # what the chat template writes for an image part (inside its vision_start / vision_end)
+    one_chunk = False  # a span may run over several prefill chunks
 
     def __init__(self, cfg: dict[str, Any], source: str) -> None:
         size = cfg.get("size") or {}
@@ -51,7 +52,7 @@ class Qwen2VLImageProcessor:
     def process(self, image: Image.Image) -> ProcessedImage:
         """pixels float32 [rows, columns, merge, merge, channels x temporal x patch x patch]; rows, cols: the
         merged grid (one image token each)."""
-        x = _rgb(image)  # uint8 [H, W, 3]
+        x = rgb(image)  # uint8 [H, W, 3]
         if self.do_resize:
             h, w = self.smart_resize(*x.shape[:2])
             x = np.array(Image.fromarray(x).resize((w, h), resample=self.resample))
@@ -71,9 +72,10 @@ class Qwen2VLImageProcessor:
         pixels = np.ascontiguousarray(patches.reshape(rows, cols, m, m, -1), dtype=np.float32)
         return ProcessedImage(pixels, rows, cols)
 
-    def placeholder(self, rows: int, cols: int) -> str:
-        """The text that replaces the template's one `<|image_pad|>` (Qwen2_5_VLProcessor's expansion)."""
-        return IMAGE_PAD * (rows * cols)
+    def placeholder(self, im: ProcessedImage) -> list[tuple[str, slice | None]]:
+        """The text that replaces the template's one `<|image_pad|>` (Qwen2_5_VLProcessor's expansion), as pieces
+        (text, the pixels of the span it is): one span, the whole grid."""
+        return [(IMAGE_PAD * (im.rows * im.cols), slice(None))]
 
     def smart_resize(self, height: int, width: int) -> tuple[int, int]:
         """transformers' smart_resize (factor = patch_size x merge_size)."""
