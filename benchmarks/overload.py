@@ -6,7 +6,7 @@ second. Then each load sends requests at that rate times the multiplier, evenly 
 for every answer. Per load: requests sent, admitted (200) and refused (429, with its Retry-After), lost (any
 other ending, an admitted stream cut short or without all its tokens: must be 0), admitted requests' wait for
 their status line p99 (sent once the request is admitted into a batch: the queue's part of TTFT), TTFT p50 /
-p99, refusal latency (request sent to 429 read) p50 / p99 split by reason — refused on arrival (queue full, or a
+p99 (to the first token's chunk: the requests ask logprobs 1, so a token whose text is still empty makes one too), refusal latency (request sent to 429 read) p50 / p99 split by reason — refused on arrival (queue full, or a
 wait estimated past the bound: these must be fast), ended in the queue at --max-queue-time-s (these wait the
 bound by design), refused by the connection guard (--http-max-connections-per-client: must not happen, the
 run raises the cap past the load's connections) — the Retry-After given, and both processes' RSS after the
@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def one(http: httpx.AsyncClient, output_len: int) -> dict[str, Any]:
     """One streamed completion: its ending ("done", "refused", or what went wrong), TTFT or refusal latency."""
     body = {"model": "", "prompt": PROMPT, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True},
+            "logprobs": 1}  # (every token then makes a chunk, also one whose text is empty: TTFT is the first token's)
     t0 = time.perf_counter()
     try:
         async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -72,7 +73,7 @@ async def one(http: httpx.AsyncClient, output_len: int) -> dict[str, Any]:
                 if "error" in chunk:
                     return {"end": "error event"}
                 for c in chunk.get("choices") or ():
-                    if c.get("text") and ttft is None:
+                    if (c.get("text") or (c.get("logprobs") or {}).get("tokens")) and ttft is None:
                         ttft = time.perf_counter() - t0
                     finish = c.get("finish_reason") or finish
                 if chunk.get("usage"):
