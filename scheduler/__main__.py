@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "8x as many calls not yet taken (at least 16384), so that it does not cancel them itself")
     ap.add_argument("--max-queue-time-s", "--max-queue-time", dest="max_queue_time", type=float,
                     default=_D.max_queue_time_s, metavar="S",
-                    help="seconds a request may wait in the queue for its first step; past it it ends "
+                    help="seconds a request may wait for its first step, from its arrival (tokenizing included); "
+                         "at it (on time, also during a long step call) it ends "
                          "RESOURCE_EXHAUSTED / HTTP 429 with the reason and a Retry-After, nothing of it run (a request "
                          "that ran once, then was preempted, is never ended so). A new request whose wait, estimated "
                          "from the measured drain rate, is already past it is refused on arrival, before tokenizing "

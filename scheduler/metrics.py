@@ -17,7 +17,7 @@ prometheus_client HTTP server, for a scheduler without the HTTP front).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -46,8 +46,10 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    480.0, 960.0, 1920.0, 7680.0)
 ACCEPTED_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # accepted drafts per verification
 # Why a request was refused for overload: queue full (--max-waiting), the wait estimated past
-# --max-queue-time-s at arrival, that bound reached in the queue, the gRPC calls at --max-concurrent-rpcs.
-REFUSAL_REASONS = ("queue_full", "queue_wait_estimate", "queue_time", "rpc_limit")
+# --max-queue-time-s at arrival, that bound reached in the queue, the gRPC calls at --max-concurrent-rpcs, the
+# HTTP front's connections at --http-max-connections / --http-max-connections-per-client.
+REFUSAL_REASONS = ("queue_full", "queue_wait_estimate", "queue_time", "rpc_limit", "http_connections",
+                   "http_connections_per_client")
 TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))[:-2]  # 1, 2, 5, 10, ... 1e6
 
 
@@ -77,9 +79,11 @@ class SchedulerMetrics:
         self.success = {reason.value: 0 for reason in FinishReason}  # every series exists from the start
         self.failure: dict[str, int] = {}  # by gRPC status name
         self.stream_stalls = 0  # requests stopped because their clients left their streams unread
-        # Overload refusals by reason (tandem.errors.Overloaded); the gRPC call limit's are read from it
+        # Overload refusals by reason (tandem.errors.Overloaded); the gRPC call limit's and the HTTP connection
+        # caps' are read from them (their counts by reason)
         self.refusals: dict[str, int] = {reason: 0 for reason in REFUSAL_REASONS}
         self.call_limit: Callable[[], int] = lambda: 0
+        self.connection_caps: Callable[[], Mapping[str, int]] = dict
         self.registry = CollectorRegistry()
         self.registry.register(_RequestCollector(self))
         self.kv_moves = KvMoveCounters()  # KV moved between executors, tokens recomputed where it was not
@@ -211,9 +215,13 @@ class _RequestCollector(Collector):
                                       "them ran (429 / RESOURCE_EXHAUSTED with Retry-After), by reason: queue_full "
                                       "(--max-waiting), queue_wait_estimate (the measured drain rate put the wait "
                                       "past --max-queue-time-s), queue_time (that bound reached in the queue), "
-                                      "rpc_limit (--max-concurrent-rpcs).", labels=["reason"])
+                                      "rpc_limit (--max-concurrent-rpcs), http_connections / "
+                                      "http_connections_per_client (the HTTP front's connection caps: 503 / 429).",
+                                      labels=["reason"])
         counts = dict(m.refusals)
         counts["rpc_limit"] = counts.get("rpc_limit", 0) + m.call_limit()
+        for reason, n in dict(m.connection_caps()).items():
+            counts[reason] = counts.get(reason, 0) + n
         for reason, n in sorted(counts.items()):
             refused.add_metric([reason], n)
         yield refused

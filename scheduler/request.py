@@ -58,6 +58,9 @@ class GenerateRequest:
     # Images of a chat prompt (scheduler/vision/chat_images.py): pixels and placeholder spans, sent with the
     # chunks that cover each span
     images: tuple["PromptImage", ...] = ()
+    # time.monotonic() when a front took the request, before tokenizing: --max-queue-time-s counts from it (a
+    # wait for the tokenizer is a wait too); None = from its queueing
+    received_at: float | None = None
 
     def choices(self, n: int) -> list["GenerateRequest"]:
         """n independent requests of this one (OpenAI's and vLLM's `n`): their own ids (`<id>-<i>`), and seed + i

@@ -188,6 +188,7 @@ async def serve_async(cfg: SchedulerConfig) -> int:
                         auth_health=cfg.security.auth_health, limits=limits, allowed_origins=cfg.allowed_origins,
                         http_limits=cfg.http_limits)
         http = HttpFront(app, cfg.host, cfg.http_port, guard.tls, cfg.http_limits)
+        metrics.connection_caps = http.guard.refused.copy  # (a copy: a scrape may run on the metrics thread)
     await server.start()
     if http is not None:
         http.start()

@@ -9,6 +9,7 @@ client that goes away, or an Abort naming the request id, frees its sequences (f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import defaultdict
 from concurrent.futures import Executor
@@ -62,11 +63,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         vcodec.check_supported(request)
         m = vcodec.generate_request_to_pb(request)
         n = vcodec.choices_of(request)
+        received = time.monotonic()  # (the queue bound counts from here: tokenizing is part of the wait)
         fleet.check_overload()  # (before tokenizing: a flood is refused at once)
         with self._limits.enter(CURRENT_PRINCIPAL.get(), n) as lease:
             codec.check_input_size(m, fleet.cfg.max_prompt_chars)
             req = await self._off_loop(codec.request_from_pb, m, fleet.tokenizer, fleet.info,
                                        fleet.cfg.default_max_new_tokens, fleet.grammars)
+            req = dataclasses.replace(req, received_at=received)
             reqs = [req] if n == 1 else req.choices(n)  # (one choice keeps the router's id)
             lease.charge(cost(reqs))
             submitted = []

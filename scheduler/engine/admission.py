@@ -47,6 +47,13 @@ def expired(cfg: SchedulerConfig, waiting: list[Sequence], now: float, wait_reas
     return out
 
 
+def next_expiry(cfg: SchedulerConfig, waiting: list[Sequence]) -> float | None:
+    """When the first of the queued requests that expired() may end reaches --max-queue-time-s (the policy's
+    clock), or None when none waits for a first admission."""
+    starts = [s.queued_at for s in waiting if not s.started and not s.output_ids]
+    return min(starts) + cfg.max_queue_time_s if starts else None
+
+
 def too_big(kv: KvUsage, prompt_tokens: int, max_new_tokens: int) -> CapacityExceeded | None:
     """The refusal of a request that could never fit the executor's whole KV pool, or None."""
     tokens = prompt_tokens + max_new_tokens

@@ -18,6 +18,7 @@ import time
 from typing import Callable, Iterator
 
 from scheduler.engine import executor_codec as codec
+from scheduler.engine.admission import next_expiry
 from scheduler.config import SchedulerConfig
 from scheduler.engine.decode_bursts import DecodeBursts
 from scheduler.engine.executor_calls import STALL_POLL_S, ExecutorCalls
@@ -71,6 +72,7 @@ class Engine:
         self._throughput = ThroughputLog(self.policy)
         self.held = False  # the loop waits between passes while a migration moves requests (hold())
         self.after_step: Callable[[], None] = lambda: None  # the fleet's look at a step's results (roles)
+        self._expiry: asyncio.TimerHandle | None = None  # at the first queued request's --max-queue-time-s
 
     @property
     def up(self) -> bool:
@@ -104,6 +106,9 @@ class Engine:
                        codec.executor_sampling(request, self.info.eos_token_ids))
         stream = self.streams.open(seq, request)
         self.policy.add(seq)
+        if request.received_at is not None:  # (the policy's clock is time.monotonic here: the fronts' clock)
+            seq.queued_at = min(seq.queued_at, request.received_at)
+        self._arm_expiry()
         self._wake.set()
         return seq, stream
 
@@ -122,6 +127,7 @@ class Engine:
         """Queues a request another engine gave up (take_waiting): it keeps its place by arrival."""
         self.streams.adopt(seq, stream)
         self.policy.add(seq)
+        self._arm_expiry()
         self._wake.set()
 
     def wake(self) -> None:
@@ -143,7 +149,35 @@ class Engine:
         self.policy.reconfigure(info.kv, info.max_batch_tokens, info.max_adapters_on_device)
         self.streams.fail(self.policy.drop_missing_adapters(set(info.adapters)))
         self.policy.restart_queue_clocks()
+        self._disarm_expiry()
+        self._arm_expiry()
         self._wake.set()
+
+    # ----------------------------------------------------------------- the queue bound, on time
+    def _arm_expiry(self) -> None:
+        """A timer at the first queued request's --max-queue-time-s (unless one is set already: the requests
+        queued since reach theirs later). The bound is kept while a step call is in flight or the loop waits:
+        ending a request that never ran touches nothing the step holds."""
+        if self._expiry is not None or self.closed:
+            return
+        due = next_expiry(self.cfg, self.policy.waiting)
+        if due is not None:
+            # (at least 1 ms: a bound due now by one clock's rounding and not yet by expired()'s never spins)
+            self._expiry = asyncio.get_running_loop().call_later(max(0.001, due - self.clock()), self._expire)
+
+    def _disarm_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def _expire(self) -> None:
+        self._expiry = None
+        if not self.up or self.held:  # the loop arms it again when it runs (the executor back: clocks restarted)
+            return
+        self.streams.fail(self.policy.expire_waiting())
+        if self.policy.releases.has_pending:
+            self._wake.set()  # (the loop releases the prefixes they reused)
+        self._arm_expiry()
 
     # ----------------------------------------------------------------- the loop
     async def start(self) -> None:
@@ -163,6 +197,7 @@ class Engine:
                 await self._sleep(None)
                 continue
             self.streams.fail(self.policy.expire_waiting())
+            self._arm_expiry()
             if not (self.policy.has_work and self.calls.releases_ride):
                 await self.calls.release_pending()  # (else they ride with this pass's step call)
             await self.calls.keep_alive_if_due()
@@ -199,6 +234,7 @@ class Engine:
         while self._stepping and time.monotonic() < step_deadline:
             await asyncio.sleep(0.01)
         self.closed = True
+        self._disarm_expiry()
         self.recovery.stop()
         if self.up:
             await self.calls.release_pending()

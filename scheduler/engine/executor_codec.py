@@ -171,6 +171,7 @@ def executor_info_from_pb(m: epb.GetInfoResponse) -> ExecutorInfo:
                         model_dir=m.model_dir, dtype=m.dtype, device=m.device, instance_id=m.instance_id,
                         session_ttl_ms=m.session_ttl_ms, max_batch_tokens=m.max_batch_tokens,
                         max_adapters_on_device=m.max_adapters_on_device, role=m.role or "both",
+                        kv_fingerprint=m.kv_fingerprint,
                         hidden_size=m.hidden_size, pooling=_pooling_facts(m) if POOLING in m.capabilities else None)
 
 

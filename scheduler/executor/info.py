@@ -41,6 +41,7 @@ class ExecutorInfo:
     max_batch_tokens: int = 0  # tokens one call may carry (0 = no limit given)
     max_adapters_on_device: int = 0  # distinct adapters per step (0 = no limit)
     role: str = "both"  # its part in disaggregated serving: "prefill", "decode" or "both" (--role)
+    kv_fingerprint: str = ""  # its KV layout's identity: caches move only between equal ones ("" = not stated)
     hidden_size: int = 0  # the model's hidden state width (an embedding's length)
     pooling: PoolingFacts | None = None  # None: an executor that serves no pooled items (or an older one)
 

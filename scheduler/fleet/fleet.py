@@ -22,7 +22,7 @@ import dataclasses
 from typing import Callable
 
 from scheduler.engine.executor_codec import capabilities_needed
-from scheduler.fleet.disaggregation import eligible, hand_off_prompts_done
+from scheduler.fleet.disaggregation import by_kv, eligible, hand_off_prompts_done
 from scheduler.config import SchedulerConfig
 from scheduler.engine.engine import Engine
 from scheduler.executor.client import ExecutorClient
@@ -169,9 +169,10 @@ class Fleet:
             return self.engines[0], []
         return self._choose(request, eligible(serving, phase, self.migration.draining) or serving)
 
-    def _target(self, request: GenerateRequest, phase: str, avoid: Engine) -> Engine | None:
-        """Where a request leaving `avoid` goes (scheduler/fleet/kv_migration.py): None when nowhere can take it."""
-        pool = eligible([e for e in self.engines if e.up], phase, self.migration.draining, avoid)
+    def _target(self, request: GenerateRequest, phase: str, avoid: Engine, kv: str = "none") -> Engine | None:
+        """Where a request leaving `avoid` goes (scheduler/fleet/kv_migration.py): None when nowhere can take it.
+        kv: whether it takes its cache along (disaggregation.by_kv)."""
+        pool = by_kv(eligible([e for e in self.engines if e.up], phase, self.migration.draining, avoid), avoid, kv)
         try:
             engine, hashes = self._choose(request, pool) if pool else (None, [])
         except (AdapterNotFound, Unsupported):

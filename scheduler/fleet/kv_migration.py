@@ -42,8 +42,9 @@ log = logging.getLogger("tandem.scheduler")
 IMPORT_TIMEOUT_S = 120.0  # one ImportKv: a long prompt's cache across hosts takes seconds
 HEALTH_POLL_S = 1.0  # a drained executor: how often to ask whether a new process serves there
 
-# (request, phase "prompt" | "decode", executor to avoid) -> the engine to move it to, or None
-Target = Callable[[GenerateRequest, str, Engine], "Engine | None"]
+# (request, phase "prompt" | "decode", executor to avoid, its KV: "none" | "prefer" | "only" (as
+# scheduler/fleet/disaggregation.py's by_kv)) -> the engine to move it to, or None
+Target = Callable[[GenerateRequest, str, Engine, str], "Engine | None"]
 
 
 class KvMigration:
@@ -60,12 +61,13 @@ class KvMigration:
         self._stranded: set[Engine] = set()  # draining with nowhere to move to (said once)
 
     # ----------------------------------------------------------------- one request
-    def hand_off(self, src: Engine, seqs: list[Sequence], phase: str) -> int:
+    def hand_off(self, src: Engine, seqs: list[Sequence], phase: str, kv: str = "prefer") -> int:
         """Takes these running sequences of src (between passes: none is in a step call) to executors the
-        router picks, each moved in a task of its own. Those with nowhere to go stay. Returns how many left."""
+        router picks, each moved in a task of its own (kv "only": only to executors that can import src's KV;
+        "prefer": those where there are). Those with nowhere to go stay. Returns how many left."""
         moving = []
         for seq in seqs:
-            dst = self._target(seq.request, phase, src)
+            dst = self._target(seq.request, phase, src, kv)
             if dst is None or dst is src:
                 continue
             src.policy.running.remove(seq)
@@ -109,7 +111,7 @@ class KvMigration:
                 dst.policy.releases.failed([imported[0]])
             seq.reset_cache()  # recomputed on dst: prompt + the tokens already streamed
             if not dst.up:  # (lost meanwhile: the fleet has moved its queue already; this one goes elsewhere)
-                dst = self._target(seq.request, "prompt", src) or dst
+                dst = self._target(seq.request, "prompt", src, "none") or dst
         dst.adopt(seq, stream)
         self._set_owner(seq, dst)
 
@@ -154,7 +156,7 @@ class KvMigration:
             prompting = [s for s in src.policy.running if not s.output_ids]  # (their prompt goes on elsewhere)
             left = self.hand_off(src, decoding, "decode") + self.hand_off(src, prompting, "prompt")
             for seq, stream in queued:
-                dst = self._target(seq.request, "decode" if seq.output_ids else "prompt", src)
+                dst = self._target(seq.request, "decode" if seq.output_ids else "prompt", src, "none")
                 if dst is None:
                     src.adopt(seq, stream)  # (nowhere else: it waits here)
                     continue

@@ -9,6 +9,7 @@ POST /detokenize, GET /metrics (only with a metrics hook; 404 otherwise).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import time
 from concurrent.futures import Executor
@@ -118,10 +119,11 @@ class _Front:
         """One completion request of `choices` choices (prompts x n) under the caller's token share: counted
         before tokenizing, charged its tokens after; the share is held until the generation ends
         (Generation.close releases it)."""
+        received = time.monotonic()  # (the queue bound counts from here: tokenizing is part of the wait)
         self.fleet.check_overload()  # (before tokenizing: a flood is refused at once, 429 with Retry-After)
         lease = self.limits.enter(CURRENT_PRINCIPAL.get(), choices)
         try:
-            requests = await make_requests()
+            requests = [dataclasses.replace(r, received_at=received) for r in await make_requests()]
             lease.charge(cost(requests))
             return await self.respond(make_renderer(requests), requests, request, stream, lease)
         except BaseException:

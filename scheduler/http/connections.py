@@ -42,14 +42,19 @@ class ConnectionGuard:
         self.limits = limits
         self.open = 0
         self.per_client: Counter[str] = Counter()
+        # connections refused, by tandem:requests_refused_total's reason (read by the metrics; both keys from the
+        # start, so a scrape's copy on another thread never meets a dict changing size)
+        self.refused: Counter[str] = Counter({"http_connections": 0, "http_connections_per_client": 0})
 
     def admit(self, client: str) -> tuple[int, str] | None:
         """Counts a new connection from `client` and returns None, or returns (status, message) refusing it."""
         lim = self.limits
         if self.open >= lim.max_connections:
+            self.refused["http_connections"] += 1
             return 503, (f"this server has {self.open} HTTP connections open, its limit (--http-max-connections "
                          f"{lim.max_connections}); retry shortly")
         if self.per_client[client] >= lim.max_connections_per_client:
+            self.refused["http_connections_per_client"] += 1
             return 429, (f"your address has {self.per_client[client]} HTTP connections open, the limit per client "
                          f"(--http-max-connections-per-client {lim.max_connections_per_client}); reuse or close "
                          "some")

@@ -30,6 +30,7 @@ from tandem.security.tls import ReloadingTls, reloading_ssl_context
 log = logging.getLogger("tandem.scheduler")
 _BACKLOG = 2048
 _GRACEFUL_S = 5.0  # after the scheduler's drain: how long open HTTP connections get to finish
+_UVICORN_GRACEFUL_S = _GRACEFUL_S + 5.0  # uvicorn's own bound, never reached: stop() closes what is left first
 
 
 class _Server(uvicorn.Server):
@@ -80,7 +81,7 @@ class HttpFront:
         # every request are not worth a line each).
         self.guard = ConnectionGuard(limits or HttpLimits())
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=_GRACEFUL_S, server_header=False, backlog=_BACKLOG,
+                                timeout_graceful_shutdown=_UVICORN_GRACEFUL_S, server_header=False, backlog=_BACKLOG,
                                 http=protocol_class(self.guard), ws="none",  # no WebSocket routes: no upgrades
                                 **_tls_settings(tls))
         config.load()  # builds the SSL context now: a certificate that does not load fails the startup
@@ -96,14 +97,35 @@ class HttpFront:
             log.error("the HTTP server failed; gRPC goes on", exc_info=task.exception())
 
     async def stop(self) -> None:
-        """Stops taking connections and waits for open ones (up to a few seconds), then returns."""
+        """Stops taking connections and waits for open ones (up to _GRACEFUL_S: the scheduler's drain has ended
+        every generation by now, so what is left is a response its client does not read), closes those, then
+        returns. Closing them is the app's ordinary client-gone path: their streams end without a traceback,
+        where uvicorn's own bound would cancel the tasks mid-write and log each."""
         if self._task is None:
             self._sock.close()
             return
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(self._task, _GRACEFUL_S + 5.0)
+            await asyncio.wait_for(asyncio.shield(self._task), _GRACEFUL_S)
         except asyncio.TimeoutError:
-            log.warning("the HTTP server did not stop within %.0fs", _GRACEFUL_S + 5.0)
+            unread = self._close_connections()
+            log.warning("closed %d HTTP connection(s) whose clients did not read their responses within %.0f s of "
+                        "the shutdown", unread, _GRACEFUL_S)
         except Exception:  # stopping anyway; say why
             log.exception("the HTTP server failed while stopping")
+        if self._task.done():
+            return
+        try:
+            await asyncio.wait_for(self._task, _UVICORN_GRACEFUL_S)
+        except asyncio.TimeoutError:
+            log.warning("the HTTP server did not stop within %.0fs", _GRACEFUL_S + _UVICORN_GRACEFUL_S)
+        except Exception:  # stopping anyway; say why
+            log.exception("the HTTP server failed while stopping")
+
+    def _close_connections(self) -> int:
+        """Aborts every connection still open (their clients see the connection end); returns how many."""
+        connections = list(self._server.server_state.connections)
+        for conn in connections:
+            if conn.transport is not None:
+                conn.transport.abort()
+        return len(connections)

@@ -6,6 +6,8 @@ thread, so a large request never stalls the other streams."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from concurrent.futures import Executor
 from typing import AsyncIterator, Callable, TypeVar
 
@@ -32,6 +34,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         fleet = self.fleet
+        received = time.monotonic()  # (the queue bound counts from here: tokenizing is part of the wait)
         fleet.check_overload()  # (before tokenizing: a flood is refused at once)
         with self._limits.enter(CURRENT_PRINCIPAL.get()) as lease:
             codec.check_input_size(request, fleet.cfg.max_prompt_chars)
@@ -39,6 +42,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 await fleet.refresh_info()  # adapters can be loaded at run time: look again before NOT_FOUND
             req = await self._off_loop(codec.request_from_pb, request, fleet.tokenizer, fleet.info,
                                        fleet.cfg.default_max_new_tokens, fleet.grammars, None, fleet.images)
+            req = dataclasses.replace(req, received_at=received)
             lease.charge(cost([req]))
             seq, stream = fleet.submit(req)
             try:

@@ -22,13 +22,14 @@ import httpx
 import pytest
 
 from tests.fuzz.http_raw import connect, exchange, openai_error, read_response, request_bytes
+from tests.e2e.test_prometheus_metrics import metrics_url
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import wait_kv_free
 from tests.security_fixtures import new_token, write_tokens
 
 BAD = "\ud800"  # a lone surrogate: json.dumps writes it as the escape \ud800
 CHAT = [{"role": "user", "content": "hi there"}]
-ALICE, BOB = new_token(), new_token()
+ALICE, BOB, ADMIN = new_token(), new_token(), new_token()
 SHARE = 4  # --max-concurrent-per-token of the guarded scheduler
 HEADER_S, BODY_S = 1.0, 1.5  # its read deadlines
 MAX_CONNECTIONS, PER_CLIENT = 6, 4
@@ -46,14 +47,20 @@ def url(request, executor) -> str:
 
 
 @pytest.fixture(scope="module")
-def guarded(request, executor, tmp_path_factory) -> str:
-    tokens = write_tokens(tmp_path_factory.mktemp("tokens") / "scheduler.tokens", {ALICE: "user", BOB: "user"})
+def guarded_scheduler(request, executor, tmp_path_factory):
+    """The scheduler with small limits (its metrics on a port of their own: scraping them takes no HTTP place)."""
+    tokens = write_tokens(tmp_path_factory.mktemp("tokens") / "scheduler.tokens",
+                          {ALICE: "user", BOB: "user", ADMIN: "admin"})
     return start_scheduler_for(
-        request, executor.address, "--http-port", "0", "--auth-token-file", str(tokens),
+        request, executor.address, "--http-port", "0", "--metrics-port", "0", "--auth-token-file", str(tokens),
         "--max-concurrent-per-token", str(SHARE), "--max-message-mb", "1",
         "--http-header-timeout-s", str(HEADER_S), "--http-body-timeout-s", str(BODY_S),
-        "--http-max-connections", str(MAX_CONNECTIONS), "--http-max-connections-per-client", str(PER_CLIENT),
-    ).process.http_url
+        "--http-max-connections", str(MAX_CONNECTIONS), "--http-max-connections-per-client", str(PER_CLIENT))
+
+
+@pytest.fixture(scope="module")
+def guarded(guarded_scheduler) -> str:
+    return guarded_scheduler.process.http_url
 
 
 def _post_on(conn: http.client.HTTPConnection, path: str, body: dict | str) -> tuple[int, dict, bool]:
@@ -292,7 +299,15 @@ def test_slow_headers_and_bodies_are_cut_off_and_others_are_served(guarded, exec
     wait_kv_free(executor.stub)
 
 
-def test_connections_past_the_caps_are_refused_and_the_open_ones_go_on(guarded, executor):
+def _refused_by_caps(scheduler) -> dict[str, float]:
+    """tandem:requests_refused_total of the connection caps, from the metrics port (an admin call)."""
+    text = httpx.get(metrics_url(scheduler), headers=_bearer(ADMIN), timeout=30).text
+    return {reason: float(line.rsplit(" ", 1)[1]) for reason in ("http_connections", "http_connections_per_client")
+            for line in text.splitlines() if line.startswith(f'tandem:requests_refused_total{{reason="{reason}"}}')}
+
+
+def test_connections_past_the_caps_are_refused_and_the_open_ones_go_on(guarded, guarded_scheduler, executor):
+    before = _refused_by_caps(guarded_scheduler)
     held = [connect(guarded) for _ in range(PER_CLIENT)]  # 127.0.0.1 at its cap
     try:
         for sock in held:  # each stays usable: one request on each (headers complete, so no deadline cuts it)
@@ -325,6 +340,9 @@ def test_connections_past_the_caps_are_refused_and_the_open_ones_go_on(guarded, 
             break
         time.sleep(0.05)
     assert again.status == 200
+    after = _refused_by_caps(guarded_scheduler)  # each refusal counted under its cap's reason
+    assert after["http_connections_per_client"] == before["http_connections_per_client"] + 1, (before, after)
+    assert after["http_connections"] >= before["http_connections"] + 1, (before, after)  # (+ the loop's retries)
     wait_kv_free(executor.stub)
 
 

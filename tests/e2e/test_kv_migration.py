@@ -4,7 +4,9 @@ seeded), requests_migrated_total grows, no token is recomputed and the drained e
 SIGKILL of the source right as it drains loses no stream (recompute where the move failed); prefill + decode
 executors give the tokens of a single `both` executor, the prompt on one and the decode on the other; a transfer
 that fails (the prefill executor refuses the decode one's peer link) is recomputed on the decode executor and
-counted, and a prefill executor killed under its hand-offs loses no stream; a scheduler SIGKILLed while transfers
+counted, and a prefill executor killed under its hand-offs loses no stream; a tensor-parallel decode executor
+(another KV layout) is never a hand-off target — a compatible one is, and with none the request decodes where its
+prompt ran — so no transfer fails and nothing is recomputed; a scheduler SIGKILLed while transfers
 run leaks no KV block on either executor (session leases); an executor drained with no other one serving finishes
 its streams, then exits."""
 from __future__ import annotations
@@ -158,6 +160,33 @@ def test_a_transfer_that_fails_is_recomputed_on_the_decode_executor(request, mod
     assert after["tandem:requests_migrated_total"] == before["tandem:requests_migrated_total"]
     assert after["tandem:tokens_recomputed_total"] > before["tandem:tokens_recomputed_total"]
     wait_kv_free(decode.stub)
+
+
+def test_hand_offs_go_to_a_decode_executor_of_the_same_kv_layout_never_to_a_tensor_parallel_one(
+        request, model_dir, roles, reference):
+    prefill, decode = roles
+    tp2 = start_for(request, model_dir, "--role", "decode", "--tensor-parallel-size", "2", "--threads", "1", *KV)
+    reqs = _requests(4, 12, base=420)
+    clean = _clean(reference, reqs)
+    # Only the TP=2 executor decodes: no hand-off at all, the prompt's executor decodes (its own tokens).
+    alone = start_scheduler_for(request, prefill.address, "--executor", tp2.address, "--metrics-port", "0")
+    before = (_sampled(prefill), _sampled(tp2), _counters(alone))
+    assert _clean(alone, reqs) == clean
+    after = _counters(alone)
+    assert _sampled(prefill) - before[0] == len(reqs) * 12 and _sampled(tp2) == before[1]
+    for name in ("kv_transfer_failures", "requests_migrated", "tokens_recomputed"):
+        assert after[f"tandem:{name}_total"] == before[2][f"tandem:{name}_total"], name
+    # Beside a decode executor of the prefill executor's layout: every hand-off goes there, none fails.
+    both = start_scheduler_for(request, prefill.address, "--executor", tp2.address, "--executor", decode.address,
+                               "--metrics-port", "0")
+    before = (_sampled(tp2), _sampled(decode), _counters(both))
+    assert _clean(both, reqs) == clean
+    after = _counters(both)
+    assert _sampled(tp2) == before[0] and _sampled(decode) - before[1] == len(reqs) * 11
+    assert after["tandem:requests_migrated_total"] - before[2]["tandem:requests_migrated_total"] == len(reqs)
+    assert after["tandem:kv_transfer_failures_total"] == before[2]["tandem:kv_transfer_failures_total"]
+    for ex in (prefill, decode, tp2):
+        wait_kv_free(ex.stub)
 
 
 def test_a_scheduler_killed_while_transfers_run_leaks_no_block(request, roles):

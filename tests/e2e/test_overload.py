@@ -146,3 +146,47 @@ def test_a_flood_is_refused_fast_and_every_admitted_request_runs_to_its_end(requ
     counted = refusals(scheduler)
     assert sum(counted.values()) == len(refused) and counted["queue_wait_estimate"] >= 1, counted
     wait_kv_free(executor.stub)
+
+
+@pytest.fixture(scope="module")
+def slow_executor(request, tiny_checkpoint):
+    """A wider tiny Llama (hidden 1024, 4 layers: ~25-40 ms a decode step on 2 cores), so that one call of
+    many decode steps lasts seconds."""
+    model = tiny_checkpoint("llama", num_layers=4, config_overrides={
+        "max_position_embeddings": 8192, "hidden_size": 1024, "intermediate_size": 2048,
+        "num_attention_heads": 8, "num_key_value_heads": 4})
+    return start_for(request, model, "--kv-blocks", "600", "--threads", "1")
+
+
+@pytest.mark.serial  # (it measures time)
+def test_at_heavy_overload_no_request_waits_past_its_bound_even_behind_a_long_step(request, slow_executor):
+    """The queue bound is kept on time, not after the step call in flight: one place in the batch, held by a
+    request whose decode bursts run for seconds (--decode-burst-ms 4000: one call of many steps, during which
+    the loop plans nothing), and 16 more requests at once: every one is refused at --max-queue-time-s (1 s)
+    within a stated slack (generous: the machine is shared), never at the end of the burst."""
+    scheduler = scheduler_for(request, slow_executor, "--max-running", "1", "--decode-burst-ms", "4000",
+                              "--max-decode-steps", "256")
+    slack_s = 2.0
+    blocker = scheduler.stub.Generate(long_request(4000), timeout=120)
+    try:
+        for _ in range(3):  # decoding: the next calls are bursts
+            next(blocker)
+        waited: list = []
+
+        def one() -> None:
+            t0 = time.monotonic()
+            _run_grpc(scheduler, outcome := [], 4)
+            waited.append((outcome[0][0], time.monotonic() - t0))
+
+        threads = [threading.Thread(target=one) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        blocker.cancel()
+    assert len(waited) == 16 and all(end == "refused" for end, _ in waited), waited
+    late = [round(s, 2) for _, s in waited if s > 1.0 + slack_s]
+    assert not late, f"refused later than the 1 s bound + {slack_s} s: {sorted(round(s, 2) for _, s in waited)}"
+    assert refusals(scheduler)["queue_time"] == 16
+    wait_kv_free(slow_executor.stub)
