@@ -14,8 +14,8 @@ On each device (tests/devices.py), but in float32 on CUDA too: the oracle needs 
 the run without them token for token, which bfloat16 cannot promise (a draft is verified in a multi-token forward,
 a plain step replays a CUDA graph: another order of rounding flips the tiny models' near ties, and the exact
 acceptance counts and KV accounting with it). What CUDA adds is the device's own path: verification and rollback
-over a pool on the GPU, beside graphed decode steps. The MoE, the chi-square and the validation-only tests run on
-the CPU."""
+over a pool on the GPU, beside graphed decode steps. The MoE and chi-square tests, and the validation ones with
+an executor of their own, run on the CPU."""
 from __future__ import annotations
 
 import itertools
