@@ -21,6 +21,8 @@ from tandem.status_map import status_for
 from tests.device_tolerances import assert_logits_close, greedy_agreement
 from tests.executor_driver import LOGITS, create_cache, make_executor, raising, warm_prefixes
 
+TOL = 1e-4  # float32's (tests/device_tolerances.py), which tests/executor/test_whole_prompt_reuse.py asserts
+
 
 def prompt_of(length: int, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
