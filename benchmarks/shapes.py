@@ -28,6 +28,12 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bos_token_id=1, eos_token_id=2)),
+    # the same widths and vocabulary, 2 of its 30 layers: every path of the 135M at a fraction of the time
+    # (scripts/gpu_check --quick without CUDA: a CPU box, the rehearsal of tests/scripts/test_gpu_bundle.py)
+    "smollm2-135m-2l": ("LlamaConfig", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bos_token_id=1, eos_token_id=2)),
     "smollm2-1.7b": ("LlamaConfig", dict(
         vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
         num_key_value_heads=32, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,

@@ -27,6 +27,13 @@ if [ "$(cat "$site/.tandem-bundle" 2>/dev/null)" != "$key" ]; then
     # no configuration file, no PIP_* variable: nothing but this folder is looked at (--find-links, extra indexes)
     PIP_CONFIG_FILE=/dev/null "$py" -m pip install --isolated --no-index --find-links "$bundle" --target "$site" \
       --no-compile --disable-pip-version-check --no-warn-script-location -q -r "$bundle/requirements.txt"
+    if [ -s "$bundle/requirements-nodeps.txt" ]; then  # those that need torch (the machine's): without their deps,
+      # which the first install resolved (scripts/gpu_bundle, TORCH_USERS); their scripts beside the others' are
+      # left out (pip says the bin folder exists: nothing here runs them)
+      PIP_CONFIG_FILE=/dev/null "$py" -m pip install --isolated --no-index --find-links "$bundle" --target "$site" \
+        --no-deps --no-compile --disable-pip-version-check --no-warn-script-location -q \
+        -r "$bundle/requirements-nodeps.txt"
+    fi
   else  # a Python without pip: the wheels unpacked as they are (gpu_bundle resolved them all; scripts left out)
     echo "run: $py has no pip: unpacking the wheels instead" >&2
     "$py" - "$bundle" "$site" <<'EOF'

@@ -1,7 +1,9 @@
 """Per-item results in process: in Decode and UnifiedDecode an item that is wrong on its own gets
 its own error and writes nothing; the others run and answer exactly as they would alone. Errors of the call
 (no items, too many tokens, KV full) still raise with nothing written. The in-process client answers with
-the same per-item statuses as the gRPC server."""
+the same per-item statuses as the gRPC server. On each device (tests/devices.py), pools and failed writes there
+included: "as alone" is the same token in float32, up to a near tie of the alone run's logits in bfloat16
+(tests/device_tolerances.py: another batch, another rounding)."""
 from __future__ import annotations
 
 import grpc
@@ -14,21 +16,22 @@ from tandem.errors import (CacheNotFound, InvalidRequest, KvCapacityExceeded, Po
                            SequenceTooLong)
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.sampling_params import SamplingParams
-from tests.executor_driver import make_executor
+from tests.device_tolerances import assert_greedy_token, greedy_agreement
+from tests.executor_driver import LOGITS, make_executor
 
 PROMPT = [5, 6, 7, 8, 9]
 
 
 @pytest.fixture()
-def ex(model_dir):
-    return make_executor(model_dir, kv_blocks=40)
+def ex(model_dir, device):
+    return make_executor(model_dir, kv_blocks=40, device=device)
 
 
 def lengths(ex, *cids: str) -> list[int]:
     return [ex.cache_length(c) for c in cids]
 
 
-def test_unified_bad_items_fail_alone_good_items_answer_as_alone(ex, model_dir):
+def test_unified_bad_items_fail_alone_good_items_answer_as_alone(ex, model_dir, device):
     max_len = ex.info().max_seq_len
     a = ex.prefill(PROMPT)
     b = ex.prefill(PROMPT[:3])
@@ -57,10 +60,11 @@ def test_unified_bad_items_fail_alone_good_items_answer_as_alone(ex, model_dir):
     assert lengths(ex, *ids) == [6, 3, max_len - 1] and ex.kv_usage().active_caches == 4
     assert ex.kv_usage().free_blocks == free - 1  # only the new cache's block
     # The good items answer as they would alone.
-    alone = make_executor(model_dir, kv_blocks=40)
-    want_a = alone.prefill(PROMPT + [tok]).output.tokens[0].token_id
-    want_new = alone.prefill(PROMPT[::-1]).output.tokens[0].token_id
-    assert results[0].output.tokens[0].token_id == want_a and results[4].output.tokens[0].token_id == want_new
+    alone = make_executor(model_dir, kv_blocks=40, device=device)
+    want_a = alone.prefill(PROMPT + [tok], output=LOGITS).output.logits[0]
+    want_new = alone.prefill(PROMPT[::-1], output=LOGITS).output.logits[0]
+    assert_greedy_token(results[0].output.tokens[0].token_id, want_a, device.dtype, "the good decode")
+    assert_greedy_token(results[4].output.tokens[0].token_id, want_new, device.dtype, "the good new cache")
 
 
 def test_every_item_failing_still_answers(ex):
@@ -84,12 +88,12 @@ def test_call_errors_still_raise_with_nothing_written(model_dir):
     assert ex.kv_usage().active_caches == 1
 
 
-def test_decode_items_fail_alone(ex, model_dir):
+def test_decode_items_fail_alone(ex, model_dir, device):
     a, b = ex.prefill(PROMPT), ex.prefill(PROMPT[:4])
     ta, tb = a.output.tokens[0].token_id, b.output.tokens[0].token_id
     logits_only = OutputOptions(OutputMode.LOGITS)
     results = ex.decode([
-        DecodeItem(CacheRef(a.cache.cache_id, 5), ta),
+        DecodeItem(CacheRef(a.cache.cache_id, 5), ta, output=LOGITS),
         DecodeItem(CacheRef(b.cache.cache_id, 9), tb),  # wrong position
         DecodeItem(CacheRef(b.cache.cache_id, 4), tb, output=logits_only),  # logits only cannot feed back
         DecodeItem(CacheRef("f" * 32, 1), 3),
@@ -100,10 +104,12 @@ def test_decode_items_fail_alone(ex, model_dir):
     assert "output mode must include tokens" in str(results[2].error)
     assert all(not r.output.tokens for r in results[1:])
     assert lengths(ex, a.cache.cache_id, b.cache.cache_id) == [9, 4]
-    alone = make_executor(model_dir, kv_blocks=40)
+    alone = make_executor(model_dir, kv_blocks=40, device=device)
     r = alone.prefill(PROMPT)
-    (want,) = alone.decode([DecodeItem(CacheRef(r.cache.cache_id, 5), r.output.tokens[0].token_id)], num_steps=4)
-    assert [t.token_id for t in results[0].output.tokens] == [t.token_id for t in want.output.tokens]
+    assert r.output.tokens[0].token_id == ta  # (the same history, the same executor's arithmetic)
+    (want,) = alone.decode([DecodeItem(CacheRef(r.cache.cache_id, 5), ta, output=LOGITS)], num_steps=4)
+    greedy_agreement([t.token_id for t in results[0].output.tokens], list(results[0].output.logits),
+                     [t.token_id for t in want.output.tokens], list(want.output.logits), device.dtype, "the good item")
 
 
 def test_in_process_client_reports_item_statuses(ex):

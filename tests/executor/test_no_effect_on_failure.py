@@ -2,7 +2,9 @@
 model forward raising (a bug, a device OOM) after the KV was reserved, at the first step or a later step of
 a multi-step Decode; a call whose deadline passed before it reached the model thread; a reply over the
 message limit. After each: every cache's length, tokens, prompt end and registered sampling, the free
-blocks and the cache count are as before, and the next call answers as on a fresh executor."""
+blocks and the cache count are as before, and the next call answers as on a fresh executor. On each device
+(tests/devices.py), without CUDA graphs (the faults are injected into the PyTorch forward, which a replayed graph
+never calls); "as on a fresh executor" compares two executors on the same device, the same arithmetic."""
 from __future__ import annotations
 
 import grpc
@@ -17,6 +19,7 @@ from tandem.errors import DeadlineExceeded, DeviceOutOfMemory, ReplyTooLarge
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.sampling_params import SamplingParams
 from tandem.status_map import status_for
+from tests.devices import Device
 from tests.executor_driver import make_executor
 
 PROMPTS = ([5, 6, 7, 8, 9], [10, 11, 12])
@@ -47,12 +50,17 @@ def state(ex) -> tuple:
     return caches, ex.kv_usage()
 
 
-@pytest.fixture()
-def ex(model_dir):
-    ex = make_executor(model_dir, kv_blocks=24)
+def with_history(model_dir, device: Device):
+    """An executor on the device holding PROMPTS' caches."""
+    ex = make_executor(model_dir, kv_blocks=24, device=device, cuda_graphs=False)
     for p in PROMPTS:
         ex.prefill(p, sampling=SamplingParams(temperature=0.5, seed=7))
     return ex
+
+
+@pytest.fixture()
+def ex(model_dir, device):
+    return with_history(model_dir, device)
 
 
 def items_of(ex) -> tuple[list[str], list[int]]:
@@ -69,11 +77,9 @@ def unified_batch(ex) -> list[UnifiedItem]:
             UnifiedItem((21, 22, 23))]
 
 
-def answers_as_fresh(ex, model_dir) -> None:
+def answers_as_fresh(ex, model_dir, device: Device) -> None:
     """The same batch on ex and on a fresh executor with the same history: the same tokens."""
-    fresh = make_executor(model_dir, kv_blocks=24)
-    for p in PROMPTS:
-        fresh.prefill(p, sampling=SamplingParams(temperature=0.5, seed=7))
+    fresh = with_history(model_dir, device)
     got = ex.unified_decode(unified_batch(ex))
     want = fresh.unified_decode(unified_batch(fresh))
     tokens = [[t.token_id for t in r.output.tokens] if r.output else None for r in got]
@@ -83,7 +89,7 @@ def answers_as_fresh(ex, model_dir) -> None:
 
 
 @pytest.mark.parametrize("where", ["sampler", "forward"])
-def test_unified_decode_fault_changes_nothing(ex, model_dir, monkeypatch, where):
+def test_unified_decode_fault_changes_nothing(ex, model_dir, monkeypatch, where, device):
     before = state(ex)
     owner, name = (ex.runner.sampler, "sample") if where == "sampler" else (ex.model, "forward")
     fail_on_call(monkeypatch, owner, name, 1, Boom("injected"))
@@ -91,10 +97,10 @@ def test_unified_decode_fault_changes_nothing(ex, model_dir, monkeypatch, where)
         ex.unified_decode(unified_batch(ex))
     assert state(ex) == before
     monkeypatch.undo()
-    answers_as_fresh(ex, model_dir)
+    answers_as_fresh(ex, model_dir, device)
 
 
-def test_device_oom_is_resource_exhausted_and_changes_nothing(ex, model_dir, monkeypatch):
+def test_device_oom_is_resource_exhausted_and_changes_nothing(ex, model_dir, monkeypatch, device):
     before = state(ex)
     fail_on_call(monkeypatch, ex.model, "forward", 1, torch.cuda.OutOfMemoryError("CUDA out of memory (injected)"))
     with pytest.raises(DeviceOutOfMemory, match="4 items and 25 tokens; nothing was written") as err:
@@ -102,12 +108,12 @@ def test_device_oom_is_resource_exhausted_and_changes_nothing(ex, model_dir, mon
     assert status_for(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert state(ex) == before
     monkeypatch.undo()
-    answers_as_fresh(ex, model_dir)
+    answers_as_fresh(ex, model_dir, device)
 
 
 @pytest.mark.parametrize("fault", [Boom("injected"), torch.cuda.OutOfMemoryError("injected")], ids=["bug", "oom"])
 @pytest.mark.parametrize("step", [1, 3])
-def test_multi_step_decode_failing_at_any_step_changes_nothing(ex, model_dir, monkeypatch, fault, step):
+def test_multi_step_decode_failing_at_any_step_changes_nothing(ex, model_dir, monkeypatch, fault, step, device):
     """Step `step` of 6 fails (the sampler raises): the earlier steps' writes are taken back too."""
     ids, lens = items_of(ex)
     items = [DecodeItem(CacheRef(c, n), 3, sampling=SamplingParams(logit_bias={9: 1.0})) for c, n in zip(ids, lens)]
@@ -118,9 +124,7 @@ def test_multi_step_decode_failing_at_any_step_changes_nothing(ex, model_dir, mo
     assert state(ex) == before
     monkeypatch.undo()
     got = ex.decode(items, num_steps=6)
-    fresh = make_executor(model_dir, kv_blocks=24)
-    for p in PROMPTS:
-        fresh.prefill(p, sampling=SamplingParams(temperature=0.5, seed=7))
+    fresh = with_history(model_dir, device)
     want = fresh.decode([DecodeItem(CacheRef(c, n), 3, sampling=SamplingParams(logit_bias={9: 1.0}))
                          for c, n in zip(items_of(fresh)[0], lens)], num_steps=6)
     assert [[t.token_id for t in r.output.tokens] for r in got] == [[t.token_id for t in r.output.tokens]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,24 @@ def test_the_bundle_holds_no_torch_and_refuses_over_its_limit(bundle):
     assert "over --max-mb 1 MiB" in over.stderr and "the biggest: transformers" in over.stdout, over.stdout
 
 
+def test_the_default_limit_is_what_travels_less_the_working_tree(bundle):
+    """64 MiB a call carries in all: the bundle may take what the checkout's files leave (not a fixed guess)."""
+    done = subprocess.run([str(ROOT / "scripts" / "gpu_bundle"), str(bundle), "--python-version",
+                           PYTHON.removeprefix("python"), "--compress", "lzma"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    m = re.search(r"MiB in all \(limit ([\d.]+): 64 MiB a call less the working tree's ([\d.]+) MiB\)", done.stdout)
+    assert m, done.stdout
+    limit, tree = float(m.group(1)), float(m.group(2))
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True).stdout
+    tracked_mib = sum((ROOT / n).stat().st_size for n in tracked.decode().split("\0") if n and (ROOT / n).is_file())
+    assert abs(limit + tree - 64) < 0.11 and tree >= tracked_mib / (1 << 20) - 0.05, (limit, tree, tracked_mib)
+    # peft and accelerate need torch: carried without their dependencies, installed by DIR/run with --no-deps
+    nodeps = (bundle / "requirements-nodeps.txt").read_text().split()
+    assert [r.split("==")[0] for r in sorted(nodeps)] == ["accelerate", "peft"], nodeps
+    assert "torch" not in (bundle / "requirements.txt").read_text()
+
+
 def run_offline(bundle_dir: Path, python: Path, site: Path, *flags: str, timeout: float = 600
                 ) -> subprocess.CompletedProcess:
     prefix, env, _ = offline_prefix()
@@ -145,14 +164,15 @@ def test_the_bundle_runs_gpu_check_on_a_bare_python_without_network(bundle, bare
     assert "run: installing" in out and f"run: torch {torch.__version__}: this machine's" in out, out
     table = proc.stdout[proc.stdout.rindex("\ndevice "):]
     assert "no CUDA" in table
-    for stage, state in (("CUDA tests", "skipped"), ("parity (CPU)", "ran"), ("figures smollm2-135m", "ran"),
+    for stage, state in (("CUDA tests", "skipped"), ("parity (CPU)", "ran"), ("figures smollm2-135m-2l", "ran"),
                          ("figures smollm2-1.7b", "skipped"), ("serving (smoke)", "ran")):
         assert any(line.startswith(stage) and line.split()[len(stage.split())] == state
                    for line in table.splitlines()), f"{stage} is not {state}:\n{table}"
     for figure in ("decode batch 1 ", "prefill 128 tokens", "output tok/s", "TTFT / ITL"):
         assert figure in table, table
-    # the installed site is the bundle's alone: no package from this test's venv
+    # the installed site is the bundle's alone: no package from this test's venv; peft beside it (no torch)
     assert not (tmp_path / "site" / "torch").exists()
+    assert (tmp_path / "site" / "peft").is_dir() and (tmp_path / "site" / "accelerate").is_dir()
 
 
 def test_a_wheel_missing_from_the_bundle_fails_the_install(bundle, bare_python, tmp_path):
