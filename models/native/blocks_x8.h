@@ -25,6 +25,14 @@
 // The groups of 8 rows and the 8 results of one activation row as one vector.
 constexpr int kGroup = 8;
 
+// Each group's blocks are one sequential stream; asking for the bytes this far ahead (a few blocks) while the
+// kernel works keeps more misses in flight than the hardware prefetcher alone: batch 1, one thread, a token's
+// matrices from memory, CPU time 10-25% lower (measured 1024 / 2048 / 4096 / 8192: 4096 about the best).
+constexpr int64_t kPrefetchBytes = 4096;
+inline void prefetch_ahead(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);  // (never faults: past the end too)
+}
+
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -67,6 +75,7 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
       __m256i s[R];
       for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
+        if (j < 3) prefetch_ahead(p + 64 * j);  // (144 bytes a block: three lines)
         const __m256i v = load256(p + 16 + 32 * j);
         const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
         for (int r = 0; r < R; ++r) {
@@ -95,6 +104,7 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
         __m256i s0[R], s1[R];
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
+          if (8 * q + c < 18) prefetch_ahead(p + 64 * (8 * q + c));  // (1152 bytes a block: 18 lines)
           const __m256i v = load256(p + 128 + 32 * (8 * q + c));
           const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
           for (int r = 0; r < R; ++r) {
@@ -133,6 +143,8 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
         for (int e = 0; e < 2; ++e) {
           const int G = 2 * pr + e;
           const uint8_t* q = p + 144 + 96 * G;
+          prefetch_ahead(p + 128 * G);  // (1680 bytes a block: 27 lines, two asked per group)
+          prefetch_ahead(p + 128 * G + 64);
           const __m256i r0 = load256(q), r1 = load256(q + 32), r2 = load256(q + 64);
           const __m256i u0 = _mm256_and_si256(r0, m3f), u1 = _mm256_and_si256(r1, m3f), u2 = _mm256_and_si256(r2, m3f);
           const __m256i t = _mm256_or_si256(  // chunk 3's u << 2 (its low 2 bits 0: nothing crosses bytes below)
