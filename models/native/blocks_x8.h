@@ -27,10 +27,11 @@ constexpr int kGroup = 8;
 
 // Each group's blocks are one sequential stream; asking for the bytes this far ahead (a few blocks) while the
 // kernel works keeps more misses in flight than the hardware prefetcher alone: batch 1, one thread, a token's
-// matrices from memory, CPU time 10-25% lower (measured 1024 / 2048 / 4096 / 8192: 4096 about the best).
+// matrices from memory, CPU time 10-25% lower (measured 1024 / 2048 / 4096 / 8192: 4096 about the best). Only
+// on the first pass of activation rows (`first`): later passes over the group find it in the cache.
 constexpr int64_t kPrefetchBytes = 4096;
-inline void prefetch_ahead(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);  // (never faults: past the end too)
+inline void prefetch_ahead(const uint8_t* p, bool first) {  // (a prefetch never faults: past the end too)
+  if (first) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
 }
 
 
@@ -75,7 +76,7 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
       __m256i s[R];
       for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
-        if (j < 3) prefetch_ahead(p + 64 * j);  // (144 bytes a block: three lines)
+        if (j < 3) prefetch_ahead(p + 64 * j, m0 == 0);  // (144 bytes a block: three lines)
         const __m256i v = load256(p + 16 + 32 * j);
         const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
         for (int r = 0; r < R; ++r) {
@@ -104,7 +105,7 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
         __m256i s0[R], s1[R];
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
-          if (8 * q + c < 18) prefetch_ahead(p + 64 * (8 * q + c));  // (1152 bytes a block: 18 lines)
+          if (8 * q + c < 18) prefetch_ahead(p + 64 * (8 * q + c), m0 == 0);  // (1152 bytes a block: 18 lines)
           const __m256i v = load256(p + 128 + 32 * (8 * q + c));
           const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
           for (int r = 0; r < R; ++r) {
@@ -143,10 +144,11 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
         for (int e = 0; e < 2; ++e) {
           const int G = 2 * pr + e;
           const uint8_t* q = p + 144 + 96 * G;
-          prefetch_ahead(p + 128 * G);  // (1680 bytes a block: 27 lines, two asked per group)
-          prefetch_ahead(p + 128 * G + 64);
+          prefetch_ahead(p + 128 * G, m0 == 0);  // (1680 bytes a block: 27 lines, two asked per group)
+          prefetch_ahead(p + 128 * G + 64, m0 == 0);
           const __m256i r0 = load256(q), r1 = load256(q + 32), r2 = load256(q + 64);
-          const __m256i u0 = _mm256_and_si256(r0, m3f), u1 = _mm256_and_si256(r1, m3f), u2 = _mm256_and_si256(r2, m3f);
+          const __m256i u0 = _mm256_and_si256(r0, m3f), u1 = _mm256_and_si256(r1, m3f),
+                        u2 = _mm256_and_si256(r2, m3f);
           const __m256i t = _mm256_or_si256(  // chunk 3's u << 2 (its low 2 bits 0: nothing crosses bytes below)
               _mm256_and_si256(r0, mc0), _mm256_or_si256(_mm256_srli_epi16(_mm256_and_si256(r1, mc0), 2),
                                                           _mm256_srli_epi16(_mm256_and_si256(r2, mc0), 4)));
@@ -248,7 +250,8 @@ inline void unpack_x8(const uint8_t* p, int r, Unpacked& u) {
         const int G = (8 * j + c) / 4, i = c % 4;
         const uint8_t* q = p + 144 + 96 * G + 4 * r;
         for (int k = 0; k < 4; ++k) {
-          const int val = i < 3 ? q[32 * i + k] & 0x3F : ((q[k] >> 6) << 4) | ((q[32 + k] >> 6) << 2) | (q[64 + k] >> 6);
+          const int val = i < 3 ? q[32 * i + k] & 0x3F
+                                : ((q[k] >> 6) << 4) | ((q[32 + k] >> 6) << 2) | (q[64 + k] >> 6);
           t[4 * c + k] = static_cast<uint8_t>(val - 32);
         }
       }
