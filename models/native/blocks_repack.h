@@ -80,21 +80,16 @@ inline void encode_x8(int32_t kind, const PlainBlock* o, uint8_t* out) {
       for (int c = 0; c < 8; ++c)
         for (int r = 0; r < 8; ++r) std::memcpy(out + 128 + 32 * (8 * pp + c) + 4 * r, o[r].q + 32 * pp + 4 * c, 4);
   } else {  // Q6_K
-    for (int g = 0; g < 16; ++g)
-      for (int r = 0; r < 8; ++r) out[16 + 8 * g + r] = o[r].sc[g];
-    for (int t = 0; t < 32; ++t)
-      for (int r = 0; r < 8; ++r)
-        for (int i = 0; i < 4; ++i)
-          out[144 + 32 * t + 4 * r + i] =
-              static_cast<uint8_t>((o[r].q[4 * t + i] & 0x0F) | ((o[r].q[128 + 4 * t + i] & 0x0F) << 4));
-    for (int h = 0; h < 16; ++h)
-      for (int r = 0; r < 8; ++r)
-        for (int i = 0; i < 4; ++i) {
-          const int chunks[4] = {2 * h, 2 * h + 32, 2 * h + 1, 2 * h + 33};
-          uint8_t b = 0;
-          for (int s = 0; s < 4; ++s) b |= static_cast<uint8_t>((o[r].q[4 * chunks[s] + i] >> 4) << (2 * s));
-          out[1168 + 32 * h + 4 * r + i] = b;
-        }
+    for (int G = 0; G < 16; ++G)
+      for (int r = 0; r < 8; ++r) out[16 + 16 * (G / 2) + 8 * (r / 4) + 4 * (G % 2) + r % 4] = o[r].sc[G];
+    for (int G = 0; G < 16; ++G)
+      for (int i = 0; i < 3; ++i)
+        for (int r = 0; r < 8; ++r)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t* u = o[r].q + 16 * G;
+            out[144 + 96 * G + 32 * i + 4 * r + j] =
+                static_cast<uint8_t>((u[4 * i + j] & 0x3F) | (((u[12 + j] >> (4 - 2 * i)) & 3) << 6));
+          }
   }
 }
 
