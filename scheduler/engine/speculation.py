@@ -14,6 +14,10 @@ little more than one. They cost when the step is already compute bound (large ba
   request's output doubles, up to 4x that: a repeated answer tends to go on repeating), after a partly accepted
   one it is the accepted length + 1, and after drafts accepted not at all the source sits out 2, 4, ... 16 steps
   before it drafts again;
+- once the step costs are measured, a draft is never longer than what gives the step the most tokens per second
+  by them and the sequence's rate (Speculator.length): a copy drafts the full --num-speculative-tokens, a
+  sequence whose drafts are cut after a token or two drafts one to three, so a miss costs few rows; a burst asks
+  the executor for each sequence's own length;
 - a candidate the step's cost rule refuses has its own rate forgotten a little (toward the global one): a
   request whose early drafts failed is tried again later, instead of never drafting again (its rate could only
   change through drafts it is no longer allowed);
@@ -54,6 +58,11 @@ _MEASURED_MAX_BATCH = 32  # and never beyond this one (the fit is a line: far fr
 # Drafts guessed by the executor's draft model (UnifiedItem.model_draft_tokens): the method is named as the
 # executor's capability that serves it.
 DRAFT_MODEL = caps.DRAFT_MODEL
+
+
+def _accepted(p: float, tokens: int) -> float:
+    """Tokens of a `tokens`-long draft accepted on average at a per-token acceptance rate p (< 1): p + ... + p^tokens."""
+    return p * (1 - p ** tokens) / (1 - p)
 
 
 def _max_batch(text: str) -> int | None:
@@ -175,13 +184,28 @@ class Speculator:
         """Draft tokens of a `tokens`-long draft of seq's expected to be accepted: with p its acceptance rate
         (its own recent drafts from that source — own n-grams, earlier outputs or the draft model —, starting
         from that source's global rate), p + p^2 + ... + p^tokens (a draft is accepted up to its first miss)."""
-        method = method or (DRAFT_MODEL if model else self.method(seq))
+        return _accepted(self._rate(seq, method or (DRAFT_MODEL if model else self.method(seq))), tokens)
+
+    def _rate(self, seq: Sequence, method: str) -> float:
         state = self._lengths.get(seq, {}).get(method)
         prior = self._global_rate(method).acceptance
         prior = 0.5 if prior is None else prior
         drafted, accepted = (0.0, 0.0) if state is None else (state.drafted, state.accepted)
-        p = min(0.999, (accepted + prior * _PRIOR_TOKENS) / (drafted + _PRIOR_TOKENS))
-        return p * (1 - p ** tokens) / (1 - p)
+        return min(0.999, (accepted + prior * _PRIOR_TOKENS) / (drafted + _PRIOR_TOKENS))
+
+    def length(self, seq: Sequence, method: str, batch: int) -> int:
+        """The longest draft worth making for seq from this source (own n-grams, the draft model) in a step of
+        `batch` decoding sequences: the d in 1..--num-speculative-tokens that gives the step the most tokens per
+        second, (batch + e(d)) / (a + b (batch + d) + d x the draft model's time per guess), by the measured step
+        costs and seq's acceptance rate — a copy accepted near 100% drafts long, plain text whose drafts are cut
+        after a token or two drafts short, so a miss costs few rows. --num-speculative-tokens while unmeasured."""
+        n, fit = self.cfg.num_tokens, self.cost.fit()
+        if fit is None:
+            return n
+        a, b = fit
+        making = (self.model_cost.per_token or 0.0) if method == DRAFT_MODEL else 0.0
+        p = self._rate(seq, method)
+        return max(range(1, n + 1), key=lambda d: (batch + _accepted(p, d)) / (a + b * (batch + d) + making * d))
 
     def keep(self, batch: int, drafts: list[tuple[Sequence, int, bool]]) -> set[int]:
         """Which of these (sequence, draft tokens, by the draft model) candidates of a step of `batch` decoding
@@ -243,15 +267,16 @@ class Speculator:
             tokens = len(items) + sum(v.drafted for v in out.verified) / steps
         self.cost.step(tokens, seconds / steps)
 
-    def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding sequence this step (at most limit: the step's token and block room), from
-        its own n-grams or (suffix, auto) earlier requests' outputs, each source by its own length and cooldown.
-        None for a constrained sequence (its token mask covers one position only)."""
+    def drafts(self, seq: Sequence, limit: int, batch: int = 1) -> tuple[int, ...]:
+        """Draft tokens for a decoding sequence this step of `batch` decoding sequences (at most limit: the step's
+        token and block room), from its own n-grams (at most length()) or (suffix, auto) earlier requests'
+        outputs, each source by its own length and cooldown. None for a constrained sequence (its token mask
+        covers one position only)."""
         if not seq.allows_drafts:
             return ()
         room = min(limit, seq.draft_room())
         own = self._state(seq, NGRAM)
-        n_own = min(own.tokens, room) if own.ready() else 0
+        n_own = min(own.tokens, room, self.length(seq, NGRAM, batch)) if own.ready() else 0
         if isinstance(self.proposer, SuffixProposer):
             other = self._state(seq, SUFFIX)
             n_other = min(other.tokens, room) if other.ready() else 0
@@ -260,7 +285,7 @@ class Speculator:
             return tuple(self.proposer.propose(seq, max(0, n_own), max(0, n_other)))
         return tuple(self.proposer.propose(seq, n_own)) if n_own > 0 else ()
 
-    def model_drafts(self, seq: Sequence, limit: int) -> int:
+    def model_drafts(self, seq: Sequence, limit: int, batch: int = 1) -> int:
         """How many draft tokens the executor's draft model is to guess for seq this step (0: none; asked when
         its lookup proposed nothing): the draft model's own length for it, adapted as drafts() adapts, with its
         own cooldown after guesses accepted not at all."""
@@ -269,21 +294,20 @@ class Speculator:
         state = self._state(seq, DRAFT_MODEL)
         if not state.ready():
             return 0
-        return max(0, min(state.tokens, limit, seq.draft_room()))
+        return max(0, min(state.tokens, limit, seq.draft_room(), self.length(seq, DRAFT_MODEL, batch)))
 
     def burst_drafting(self, seqs: list[Sequence]) -> dict[Sequence, tuple[int, int, int]]:
         """The sequences of a multi-step burst the executor drafts for within it (DecodeItem.ngram_drafts),
         with (max draft tokens, n-gram min, n-gram max): the same rules as single steps (--speculative-max-batch,
-        no constrained sequence, room for a draft; by each one's own n-gram rate) and the same settings; the
-        executor adapts the length step by step itself."""
+        no constrained sequence, room for a draft; by each one's own n-gram rate, each at its length()) and the
+        same n-gram settings; the executor adapts the length step by step itself, up to that maximum."""
         cfg = self.cfg
         ngram_max = min(cfg.ngram_max, _BURST_MAX_NGRAM)
         if not self.step_allows_drafts(len(seqs)) or cfg.ngram_min > ngram_max or cfg.method == DRAFT_MODEL:
             return {}
-        settings = (cfg.num_tokens, cfg.ngram_min, ngram_max)
-        may = [s for s in seqs if s.allows_drafts and s.draft_room() > 0]
-        chosen = self._keep(len(seqs), [(s, cfg.num_tokens, NGRAM) for s in may])
-        return {s: settings for i, s in enumerate(may) if i in chosen}
+        may = [(s, self.length(s, NGRAM, len(seqs))) for s in seqs if s.allows_drafts and s.draft_room() > 0]
+        chosen = self._keep(len(seqs), [(s, n, NGRAM) for s, n in may])
+        return {s: (n, cfg.ngram_min, ngram_max) for i, (s, n) in enumerate(may) if i in chosen}
 
     def settle(self, out: StepOutcome, seq: Sequence, drafts: tuple[int, ...], res: ItemResult) -> None:
         """Counts what a step verified for seq (the step's metrics, the request's usage): the draft it carried
