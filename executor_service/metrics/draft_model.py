@@ -4,7 +4,7 @@ items it could not draft for, and its own KV pool. Read when scraped from the co
 (GetInfoResponse.draft_model: executor_service/step/draft_model.py's DraftStats, plain ints); nothing is exported
 when the executor runs no draft model. executor_service/metrics/prometheus.py yields them beside the others.
 
-The scheduler counts the same guesses from its side (tandem:spec_decode_*_by_method_total{method="draft_model"}):
+The scheduler counts the same guesses from its side (tandem:spec_decode_draft_tokens_by_method_total{method="draft_model"}):
 these are the executor's own, whichever schedulers asked, with the time the draft model took."""
 from __future__ import annotations
 
