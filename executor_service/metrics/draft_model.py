@@ -1,4 +1,4 @@
-"""The executor's Prometheus families for its draft model (--draft-model, docs/serving.md#a-draft-model---draft-model):
+"""The executor's Prometheus families for its draft model (--draft-model, docs/serving.md's "A draft model"):
 the tokens it guessed and the served model accepted, the time it ran, the tokens it wrote catching its caches up,
 items it could not draft for, and its own KV pool. Read when scraped from the counters GetInfo reports
 (GetInfoResponse.draft_model: executor_service/step/draft_model.py's DraftStats, plain ints); nothing is exported
@@ -22,7 +22,8 @@ def draft_model_metrics(info: "DraftModelInfo | None") -> Iterator[Metric]:
     if info is None:
         return
     for name, doc, value in (
-            ("draft_tokens", "Draft tokens the draft model guessed (and the served model verified).", info.draft_tokens),
+            ("draft_tokens", "Draft tokens the draft model guessed (and the served model verified).",
+             info.draft_tokens),
             ("accepted_tokens", "Of the draft model's guesses, those the served model accepted.",
              info.accepted_draft_tokens),
             ("seconds", "Time spent running the draft model (its catch-up and its guesses).", info.draft_seconds),

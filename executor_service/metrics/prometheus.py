@@ -24,7 +24,6 @@ from prometheus_client.registry import Collector
 from executor_service.metrics.draft_model import draft_model_metrics
 from executor_service.metrics.op_stats import RpcMetrics
 from executor_service.metrics.kv_movement import tier_metrics, transfer_metrics
-from executor_service.step.draft_model import draft_model_info
 from executor_service.metrics.op_stats import LatencySummary
 from executor_service.model_thread import ModelThread
 from tandem.histogram import SingleWriterHistogram
@@ -131,7 +130,7 @@ class _ExecutorCollector(Collector):
             yield from tier_metrics(tiers.stats(), tiers.store.dropped)
         yield from transfer_metrics(ex.transfer.stats())
         yield from self._adapters(ex)
-        yield from draft_model_metrics(draft_model_info(ex.draft) if ex.draft is not None else None)
+        yield from draft_model_metrics(ex.info().draft_model if ex.draft is not None else None)  # (GetInfo's view)
         if self.exporter.kv_events_zmq is not None:
             yield from _zmq_events(self.exporter.kv_events_zmq())
         yield from self._experts(ex)

@@ -61,7 +61,8 @@ DRAFT_MODEL = caps.DRAFT_MODEL
 
 
 def _accepted(p: float, tokens: int) -> float:
-    """Tokens of a `tokens`-long draft accepted on average at a per-token acceptance rate p (< 1): p + ... + p^tokens."""
+    """Tokens of a `tokens`-long draft accepted on average at a per-token acceptance rate p (< 1):
+    p + ... + p^tokens."""
     return p * (1 - p ** tokens) / (1 - p)
 
 
