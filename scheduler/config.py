@@ -22,7 +22,7 @@ METHODS = ("off", "ngram", "suffix", "auto", "draft_model")
 class SpeculativeConfig:
     method: str = "auto"  # "off"; "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py); "suffix"/"auto":
     # those and earlier requests' outputs (scheduler/engine/suffix_proposer.py)
-    num_tokens: int = 4  # most draft tokens per sequence and step
+    num_tokens: int = 8  # most draft tokens per sequence and step (a copy's runs are tens of tokens long)
     ngram_min: int = 2
     ngram_max: int = 4
     # Decoding sequences in a step above which nobody drafts; None ("auto"): the measured break-even

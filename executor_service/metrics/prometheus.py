@@ -1,5 +1,5 @@
 """The executor's Prometheus metrics (--metrics-port): step latency and size, KV blocks, prefix cache,
-adapters, MoE expert load, memory.
+adapters, the draft model, MoE expert load, memory.
 
 Two sources, so that the model thread does (almost) nothing for them:
 - step histograms, observed once per packed forward (ExecutorMetrics.record_step calls observe_step: two
@@ -21,6 +21,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     Metric, SummaryMetricFamily)
 from prometheus_client.registry import Collector
 
+from executor_service.metrics.draft_model import draft_model_metrics
 from executor_service.metrics.op_stats import RpcMetrics
 from executor_service.metrics.kv_movement import tier_metrics, transfer_metrics
 from executor_service.metrics.op_stats import LatencySummary
@@ -129,6 +130,7 @@ class _ExecutorCollector(Collector):
             yield from tier_metrics(tiers.stats(), tiers.store.dropped)
         yield from transfer_metrics(ex.transfer.stats())
         yield from self._adapters(ex)
+        yield from draft_model_metrics(ex.info().draft_model if ex.draft is not None else None)  # (GetInfo's view)
         if self.exporter.kv_events_zmq is not None:
             yield from _zmq_events(self.exporter.kv_events_zmq())
         yield from self._experts(ex)

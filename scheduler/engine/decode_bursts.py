@@ -11,7 +11,8 @@ longer than the window) keeps one step per call and a fast one gets its overhead
 
 Speculative decoding composes with bursts where the executor lists "multi_step_drafts": a burst's
 sequences that may draft (scheduler/engine/speculation.py: --speculative-max-batch, no constraint) get
-DecodeItem.ngram_drafts with the --speculative settings, and the executor proposes drafts from each one's
+DecodeItem.ngram_drafts with the --speculative settings (the most draft tokens: each sequence's own length,
+Speculator.length), and the executor proposes drafts from each one's
 own tokens before every step and verifies them in that step's forward (executor_service/step/decode_steps.py), so
 a step may return several tokens; max_tokens (the tokens the sequence has left) bounds them. The output is
 the one of plain decoding. The drafts the planner made for the step are dropped from a plan that becomes a

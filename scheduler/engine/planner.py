@@ -115,9 +115,9 @@ class Planner:
             if spec is not None and budget > 0:
                 # tokens the blocks it will hold (and the free ones) have room for after its decode token
                 room = (ceil_div(s.num_cached + 1, bs) + free) * bs - s.num_cached - 1
-                drafts = spec.drafts(s, min(budget, room))
+                drafts = spec.drafts(s, min(budget, room), len(decoding))
                 if not drafts:  # nothing to copy: the executor's draft model guesses, where it runs one
-                    model = spec.model_drafts(s, min(budget, room))
+                    model = spec.model_drafts(s, min(budget, room), len(decoding))
                 budget -= len(drafts) + model
                 free -= grow(s, 1 + len(drafts) + model) - grow(s, 1)
             plan.items.append(StepItem(s, s.num_cached, 1, drafts, model))

@@ -31,11 +31,15 @@ class SuffixProposer:
         # make n-gram drafts within a burst)
         self._method: weakref.WeakKeyDictionary[Sequence, str] = weakref.WeakKeyDictionary()
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        own = self.ngram.propose(seq, max_tokens)
-        if len(own) < max_tokens:
+    def propose(self, seq: Sequence, max_tokens: int, suffix_tokens: int | None = None) -> list[int]:
+        """Up to max_tokens tokens from seq's own n-grams, or up to suffix_tokens (default max_tokens) from
+        earlier outputs when those are more; 0 leaves that source out (the Speculator gives each source its own
+        length and cooldown). The index is asked only when the own n-grams fall short."""
+        other_max = max_tokens if suffix_tokens is None else suffix_tokens
+        own = self.ngram.propose(seq, max_tokens) if max_tokens > 0 else []
+        if other_max > 0 and (max_tokens <= 0 or len(own) < max_tokens):
             context = seq.token_slice(max(0, seq.num_tokens - self.index.ngram_max), seq.num_tokens)
-            other, _ = self.index.propose(draft_scope(seq), context, max_tokens)
+            other, _ = self.index.propose(draft_scope(seq), context, other_max)
             if len(other) > len(own):
                 self._method[seq] = SUFFIX
                 return other

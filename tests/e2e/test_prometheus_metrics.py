@@ -213,10 +213,11 @@ def test_readme_lists_every_tandem_metric(scheduler, executor):
                 if f.startswith(("tandem:", "vllm:")) and not f.endswith("_created")}
     missing = {f for f in exported if f not in documented and f + "_total" not in documented}
     assert not missing, f"missing from docs/metrics.md: {sorted(missing)}"
-    # (CUDA-only, MoE-only and KV-tier metrics are documented though this CPU, dense, tierless run does not export
-    # them; tests/executor/test_kv_tier_events_metrics.py reads the tier ones)
+    # (CUDA-only, MoE-only, KV-tier and draft-model metrics are documented though this CPU, dense, tierless run
+    # without --draft-model does not export them; tests/executor/test_kv_tier_events_metrics.py reads the tier ones,
+    # tests/executor/test_draft_model_metrics.py the draft model's)
     extra = documented - _exported(scheduler) - _exported(executor)
-    tiers = {n for n in documented if n.startswith("tandem:executor_kv_tier_")}
+    tiers = {n for n in documented if n.startswith(("tandem:executor_kv_tier_", "tandem:executor_draft_model_"))}
     assert extra <= {"tandem:executor_device_memory_allocated_bytes", "tandem:executor_device_memory_reserved_bytes",
                      "tandem:executor_moe_expert_tokens_total", "tandem:executor_moe_expert_tokens"} | tiers, \
         sorted(extra)

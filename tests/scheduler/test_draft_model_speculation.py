@@ -17,7 +17,7 @@ def answer(tokens: int, guessed: int) -> ItemResult:
 
 def test_model_drafts_only_with_the_capability_and_the_method():
     seq = seq_of(range(10), [1])
-    spec = Speculator(SpeculativeConfig("auto"))
+    spec = Speculator(SpeculativeConfig("auto", num_tokens=4))
     assert spec.model_drafts(seq, 8) == 0  # the executor runs no draft model
     spec.draft_model = True
     assert spec.model_drafts(seq, 8) == 4 and spec.model_drafts(seq, 2) == 2  # --num-speculative-tokens, the room
@@ -25,14 +25,14 @@ def test_model_drafts_only_with_the_capability_and_the_method():
         other = Speculator(SpeculativeConfig(method))
         other.draft_model = True
         assert other.model_drafts(seq, 8) == 0
-    only = Speculator(SpeculativeConfig(DRAFT_MODEL))
+    only = Speculator(SpeculativeConfig(DRAFT_MODEL, num_tokens=4))
     only.draft_model = True
     assert only.drafts(seq_of([3, 4, 3, 4, 3], [4]), 4) == ()  # no lookup at all
     assert only.model_drafts(seq, 8) == 4
 
 
 def test_verified_guesses_adapt_the_model_length_apart_from_the_lookups():
-    spec = Speculator(SpeculativeConfig("auto"))
+    spec = Speculator(SpeculativeConfig("auto", num_tokens=4))
     spec.draft_model = True
     seq = seq_of(range(10), [1])
     n = spec.model_drafts(seq, 8)

@@ -298,7 +298,7 @@ def test_a_step_refused_for_kv_with_drafts_is_retried_without_them_before_any_pr
     policy then plans the next step without drafts (no preemption); drafts resume on the step after."""
     from scheduler.engine.policy import SchedulingPolicy
     from tandem.errors import RemoteError
-    cfg = SchedulerConfig("x", speculative=SpeculativeConfig("ngram"))
+    cfg = SchedulerConfig("x", speculative=SpeculativeConfig("ngram", num_tokens=4))
     policy = SchedulingPolicy(cfg, kv(500))
     policy.speculator.proposer = FixedProposer()
     policy.planner.speculator = policy.speculator
