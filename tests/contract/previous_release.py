@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-PREVIOUS_RELEASE = "f1174803d842930d3cb6d6d65688685f68cbdbc2"  # "Tests: the speculation tests' 'off' schedulers..."
+PREVIOUS_RELEASE = "05f3ccfd2c4b30c95f3b02658ec3effcd5dd0ebb"  # "Suite fixes after the merges: ..." (stop 53)
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
