@@ -15,11 +15,12 @@ import torch
 
 from executor_service.types import (CacheRef, CreateCacheItem, DecodeItem, ImageInput, OutputMode, OutputOptions,
                                     UnifiedItem)
-from scheduler.text.tokenizer import ChatMessage, ModelTokenizer
+from scheduler.text.tokenizer import ModelTokenizer
 from scheduler.vision.chat_images import ChatImages
 from scheduler.vision.media_policy import MediaPolicy
 from tests.executor_driver import make_executor, raising
 from tests.hf_reference import rel_err
+from tests.vision_harness import chat_prompt
 from tests.qwen_vl_checkpoint import MERGE, image_processor_class, qwen_vl_checkpoint
 from tests.vision_checkpoints import noise_image
 
@@ -52,11 +53,7 @@ def ex(ckpt):
 
 
 def _prompt(ours, images, text="Describe the fish."):
-    chat, tok = ours
-    parts = tuple({"type": "image"} for _ in images) + ({"type": "text", "text": text},)
-    ids, placed = chat.encode_chat(tok, [ChatMessage("user", parts)], [chat.processor.process(i) for i in images])
-    items = tuple(ImageInput(p.content_hash, p.offset, p.length, "float32", p.shape, p.pixels) for p in placed)
-    return ids, items
+    return chat_prompt(ours, images, text)
 
 
 def _hf_inputs(hf, images, text="Describe the fish."):
