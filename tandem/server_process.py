@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable, Protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0
@@ -27,11 +27,37 @@ _EOF = object()
 _live: set["ServerProcess"] = set()  # killed at interpreter exit if the caller was interrupted
 
 
+class ProcessHandle(Protocol):
+    """What ServerProcess needs of its process: subprocess.Popen's surface (a spawner may return another)."""
+    pid: int
+    args: list[str]
+    stdout: IO[str] | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+# spawner(module, args, cwd, env, stderr_fd, own_session) -> a started process with stdout piped (text), or
+# None to decline (start() then runs a fresh interpreter). The test suite installs one that forks servers from
+# a warm interpreter (tests/server_forks.py); nothing else does.
+Spawner = Callable[[str, list[str], Path, dict[str, str], int, bool], ProcessHandle | None]
+_spawner: Spawner | None = None
+
+
+def use_spawner(spawner: Spawner | None) -> None:
+    """Installs (or with None removes) the spawner start() tries first for `python -m MODULE` in this tree."""
+    global _spawner
+    _spawner = spawner
+
+
 class ServerProcess:
     """A started server: .name, .address ("127.0.0.1:PORT"), .addresses (every word of READY after it; the
     scheduler's HTTP URL last with --http-port), .http_url ("http(s)://HOST:PORT" or None), .proc, .args."""
 
-    def __init__(self, name: str, proc: subprocess.Popen, log: IO | None, lines: "queue.Queue",
+    def __init__(self, name: str, proc: ProcessHandle, log: IO | None, lines: "queue.Queue",
                  args: list[str]) -> None:
         self.name = name
         self.proc = proc
@@ -153,9 +179,13 @@ def start(name: str, module: str, *args: str, capture_log: bool = True, log_path
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if source_root is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(source_root), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(_die_with_parent(cmd), cwd=source_root or ROOT, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=log if log is not None else None, text=True, env=env,
-                            start_new_session=own_session)
+    proc: ProcessHandle | None = None
+    if _spawner is not None and source_root is None and python == sys.executable:
+        proc = _spawner(module, list(args), ROOT, env, log.fileno() if log is not None else 2, own_session)
+    if proc is None:
+        proc = subprocess.Popen(_die_with_parent(cmd), cwd=source_root or ROOT, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=log if log is not None else None, text=True, env=env,
+                                start_new_session=own_session)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_stdout, args=(proc.stdout, lines), daemon=True,
                      name=f"{name}-stdout-{proc.pid}").start()

@@ -27,9 +27,52 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true",
                      help="also run the tests marked `long` (the benchmarks' smoke runs through real processes: "
                           "minutes on 2 cores; the default run, as CI, leaves them out)")
+    parser.addoption("--no-fork-server", action="store_true",
+                     help="start every server as a fresh interpreter instead of forking it from a warm one "
+                          "(tests/server_forks.py): slower, for telling a fork-server problem from a product one")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("--no-fork-server"):
+        from tandem import server_process
+        from tests.server_forks import ForkServer
+        config._tandem_fork_server = ForkServer()  # type: ignore[attr-defined]
+        server_process.use_spawner(config._tandem_fork_server)  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    fork_server = getattr(config, "_tandem_fork_server", None)
+    if fork_server is not None:
+        from tandem import server_process
+        server_process.use_spawner(None)
+        fork_server.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Servers of a test marked fresh_process (module-scoped fixtures too: they are set up inside the first
+    test's setup, after this hook) start as fresh interpreters."""
+    fork_server = getattr(item.config, "_tandem_fork_server", None)
+    if fork_server is not None:
+        fork_server.enabled = item.get_closest_marker("fresh_process") is None
+
+
+# Files whose tests take 30 s or more (scripts/test's --durations): pytest-xdist hands tests out in collection
+# order, and these, collected late, were the run's tail (the workers idle while one finishes them). First they go.
+_RUN_FIRST = (
+    "tests/scripts/test_gpu_bundle.py", "tests/e2e/test_deterministic.py", "tests/e2e/test_lm_eval.py",
+    "tests/e2e/test_soak.py", "tests/e2e/test_rolling_restart.py", "tests/e2e/test_soak_tool.py",
+    "tests/scripts/test_gpu_check.py", "tests/executor/test_kv_tier_grpc.py", "tests/e2e/test_vllm_extensions.py",
+    "tests/e2e/test_kv_migration.py", "tests/executor/test_quantization_quality.py",
+    "tests/executor/test_kv_tier_flush.py", "tests/executor/test_tensor_parallel.py",
+    "tests/e2e/test_scheduler_fleet.py", "tests/executor/test_kv_dtype_grpc.py",
+    "tests/executor/test_native_decode.py", "tests/models/test_tiny_checkpoint.py", "tests/e2e/test_smg_grpc.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = {path: rank for rank, path in enumerate(_RUN_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest keep order
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long: run with --long (scripts/test --long)")

@@ -11,6 +11,8 @@ from executor_service.malloc_tuning import IdleTrim, set_arena_max
 from tests.conftest import load_script
 from tests.grpc_harness import start_executor, start_scheduler
 
+pytestmark = pytest.mark.fresh_process  # measures an executor's resident memory: a fresh interpreter's
+
 REQUESTS = 2000
 WARM_UP = 200
 RSS_GROWTH_MB = 48  # measured: +0-4 MB after the warm-up with the defaults (docs/operations.md, 'Memory')

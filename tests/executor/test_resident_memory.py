@@ -19,6 +19,8 @@ from tests.grpc_harness import start_executor, start_scheduler
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.scheduler_client import collect, ids_request
 
+pytestmark = pytest.mark.fresh_process  # measures an executor's resident memory: a fresh interpreter's
+
 MB = 1 << 20
 ALLOWANCE_SLACK = 48 * MB
 MODES = {"native": ("--decode-kernel", "native"), "eager-packed": ("--decode-kernel", "torch"),

@@ -1,0 +1,156 @@
+"""Servers forked from a warm interpreter: the suite's spawner for tandem/server_process.py.
+
+tests/server_fork_zygote.py imports `executor_service.__main__` (or `scheduler.__main__`) once per pytest worker
+and forks a child per server, which runs the module's main as `python -m MODULE ARGS` would. The servers are
+still separate processes that serve over real sockets, are signalled, killed and reaped the same way; what they
+skip is the interpreter's start and the imports (~3.5 CPU-s an executor, ~1.7 s a scheduler, ~250 servers a run).
+
+A start falls back to a fresh interpreter (returns None) when the zygote cannot stand for one: another Python or
+source tree (server_process handles those itself), or an environment that differs from the zygote's in a variable
+read while importing (OMP_*, TORCH_*, ...). Tests that measure a fresh process (resident memory) are marked
+`fresh_process` (tests/conftest.py turns the fork server off around them); `pytest --no-fork-server` turns it off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parent.parent
+ZYGOTE_READY_TIMEOUT_S = 120.0
+_PRELOAD = {  # module a server runs -> modules its zygote imports first
+    "executor_service": ("executor_service.__main__", "grpc._server", "grpc._interceptor"),
+    "scheduler": ("scheduler.__main__", "grpc._server", "grpc._interceptor"),
+}
+# Read while modules import (libgomp, glibc malloc, torch, the interpreter): a child that asks for other values
+# than the zygote had must start fresh.
+_IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "MKL_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_", "PYTHON", "LD_", "MALLOC_",
+                         "GRPC_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+
+
+def _import_time_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
+
+
+class ForkedProcess:
+    """The subprocess.Popen surface server_process and the tests use (pid, args, stdout, returncode, poll, wait,
+    send_signal, terminate, kill) for a child of the zygote; its exit code arrives on the report socket."""
+
+    def __init__(self, pid: int, report: socket.socket, stdout: IO[str] | None, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.stdout = stdout
+        self.stdin = None
+        self.stderr = None
+        self.returncode: int | None = None
+        self._report = report
+        self._lock = threading.Lock()
+
+    def _collect(self, timeout: float | None) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                ready, _, _ = select.select([self._report], [], [], timeout)
+                if ready:
+                    message = self._report.recv(4096)
+                    # An empty read: the zygote itself died, and SIGTERM'd the child (its parent-death signal).
+                    self.returncode = json.loads(message)["rc"] if message else -signal.SIGTERM
+                    self._report.close()
+            return self.returncode
+
+    def poll(self) -> int | None:
+        return self._collect(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._collect(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped yet, so the pid is still this child's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Zygote:
+    def __init__(self, module: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.server_fork_zygote", str(theirs.fileno()),
+                                      *_PRELOAD[module]], pass_fds=[theirs.fileno()], cwd=ROOT, env=self.env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        theirs.close()
+        self.control = ours
+        self._lock = threading.Lock()
+        ready, _, _ = select.select([ours], [], [], ZYGOTE_READY_TIMEOUT_S)
+        if not ready or ours.recv(16) != b"ready":
+            self.close()
+            raise RuntimeError(f"the fork server for {module} did not start (exit code {self.proc.poll()})")
+
+    def spawn(self, module: str, args: list[str], cwd: Path, env: dict[str, str], stderr_fd: int,
+              own_session: bool) -> ForkedProcess:
+        out_r, out_w = os.pipe()
+        report, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        request = {"module": module, "args": args, "cwd": str(cwd), "env": env, "own_session": own_session}
+        try:
+            with open(os.devnull, "rb") as devnull, self._lock:
+                socket.send_fds(self.control, [json.dumps(request).encode()],
+                                [theirs.fileno(), devnull.fileno(), out_w, stderr_fd])
+        finally:
+            theirs.close()
+            os.close(out_w)
+        ready, _, _ = select.select([report], [], [], 30)
+        message = report.recv(4096) if ready else b""
+        if not message:
+            os.close(out_r)
+            report.close()
+            raise RuntimeError(f"the fork server did not start {module} (zygote exit code {self.proc.poll()})")
+        stdout = os.fdopen(out_r, "r", errors="replace")
+        return ForkedProcess(json.loads(message)["pid"], report, stdout,
+                             [sys.executable, "-m", module, *args])
+
+    def close(self) -> None:
+        self.control.close()  # the zygote exits on EOF; its children live on until stopped by their tests
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class ForkServer:
+    """server_process's spawner: a zygote per server module, started on first use (from any thread)."""
+
+    def __init__(self) -> None:
+        self._zygotes: dict[str, _Zygote] = {}
+        self._lock = threading.Lock()
+        self.enabled = True
+
+    def __call__(self, module: str, args: list[str], cwd: Path, env: dict[str, str], stderr_fd: int,
+                 own_session: bool) -> ForkedProcess | None:
+        if not self.enabled or module not in _PRELOAD:
+            return None
+        with self._lock:
+            zygote = self._zygotes.get(module)
+            if zygote is None:
+                zygote = self._zygotes[module] = _Zygote(module)
+        if _import_time_env(env) != _import_time_env(zygote.env):
+            return None
+        return zygote.spawn(module, args, cwd, env, stderr_fd, own_session)
+
+    def close(self) -> None:
+        with self._lock:
+            for zygote in self._zygotes.values():
+                zygote.close()
+            self._zygotes.clear()
