@@ -114,8 +114,9 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
     if isinstance(targets_conf, list):  # (a string is a regex over module names: checked by the tensors below)
         unknown = sorted(set(targets_conf) - set(PROJECTIONS))
         if unknown:
+            tower = " of the language model (a vision encoder takes none)" if cfg.vision is not None else ""
             raise InvalidRequest(f"{cfg_name}: target_modules {unknown} are not supported; LoRA may target "
-                                 f"{', '.join(PROJECTIONS)}")
+                                 f"{', '.join(PROJECTIONS)}{tower}")
     r_default = conf.get("r", 8)
     if not isinstance(r_default, int) or isinstance(r_default, bool) or r_default < 1:
         raise InvalidRequest(f"{cfg_name}: r must be a positive integer, got {r_default!r}")

@@ -2,7 +2,8 @@
 architecture) served by an executor (a peft adapter on the text tower preloaded with --adapter) and a scheduler;
 the `openai` package sends a chat with the image as a base64 data URL and `model` = the adapter's name, after a
 base-model chat of the same image, and each answers with transformers' greedy tokens (with peft's adapter for the
-first); the image's embedding is shared by both, its KV blocks are not. An adapter on the vision encoder is INVALID_ARGUMENT at LoadAdapter, naming the module, no host path."""
+first); the image's embedding is shared by both, its KV blocks are not. An adapter on the vision encoder is
+INVALID_ARGUMENT at LoadAdapter, naming the module, no host path."""
 from __future__ import annotations
 
 import base64

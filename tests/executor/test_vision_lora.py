@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from executor_service.types import CacheRef, CreateCacheItem, DecodeItem, ImageInput, OutputMode, OutputOptions, UnifiedItem
+from executor_service.types import (CacheRef, CreateCacheItem, DecodeItem, ImageInput, OutputMode, OutputOptions,
+                                    UnifiedItem)
 from scheduler.text.tokenizer import ModelTokenizer
 from scheduler.vision.chat_images import ChatImages
 from scheduler.vision.media_policy import MediaPolicy
+from models.lora.weights import read_adapter
 from tandem.errors import InvalidRequest
 from tests.executor_driver import make_executor, raising
 from tests.hf_reference import rel_err
-from tests.lora_fixtures import make_peft_adapter
+from tests.lora_fixtures import edit_adapter_config, edit_adapter_tensors, make_peft_adapter
 from tests.qwen_vl_checkpoint import qwen_vl_checkpoint
 from tests.vision_checkpoints import gemma3_checkpoint, noise_image, vision_checkpoint
 from tests.vision_harness import chat_prompt
@@ -28,6 +30,12 @@ STEPS = 6
 # `model.text_model.layers.N...`, Qwen2.5-VL's and Gemma 3's `model.language_model.layers.N...`)
 TEXT_TOWER = r".*\.(language_model|text_model)\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
 TEXT_QV = r".*\.(language_model|text_model)\.layers\.\d+\.self_attn\.[qv]_proj"
+# peft's patterns match the end of the module's full name (the executor reads them against the same names)
+RANK_PATTERN = {r"(language_model|text_model)\.layers\.1\.self_attn\.q_proj": 4}
+ALPHA_PATTERN = {r"(language_model|text_model)\.layers\.0\.mlp\.down_proj": 64}
+# How older exports name the text tower (Qwen2.5-VL before transformers 4.52: `model.layers`; Gemma 3:
+# `language_model.model.layers`; an Idefics3 adapter trained on its text tower alone, as a causal LM: `model.layers`)
+LEGACY = {"idefics3": "model.layers.", "qwen2_5_vl": "model.layers.", "gemma3": "language_model.model.layers."}
 # (family: the checkpoint, transformers' class, target_modules that reach into its vision encoder, the module named)
 FAMILIES = {
     "idefics3": (vision_checkpoint, "Idefics3ForConditionalGeneration", ["q_proj", "v_proj"],
@@ -41,14 +49,16 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request, tmp_path_factory):
-    """The family's checkpoint, two text-tower adapters (a: every projection, b: q/v) loaded in one executor."""
+    """The family's checkpoint, two text-tower adapters (a: every projection, with rank and alpha patterns; b: q/v)
+    loaded in one executor."""
     import transformers
     family = request.param
     make_ckpt, cls_name, _, _ = FAMILIES[family]
     ckpt = make_ckpt(tmp_path_factory)
     cls = getattr(transformers, cls_name)
     root = tmp_path_factory.mktemp(f"adapters-{family}")
-    make_peft_adapter(ckpt, root / "a", r=8, alpha=16, target_modules=TEXT_TOWER, seed=1, model_class=cls)
+    make_peft_adapter(ckpt, root / "a", r=8, alpha=16, target_modules=TEXT_TOWER, seed=1, model_class=cls,
+                      rank_pattern=RANK_PATTERN, alpha_pattern=ALPHA_PATTERN)
     make_peft_adapter(ckpt, root / "b", r=4, alpha=8, target_modules=TEXT_QV, seed=2, model_class=cls)
     ex = make_executor(ckpt, adapter_root=root, adapters=(("a", root / "a"), ("b", root / "b")))
     ours = (ChatImages.load(ckpt, MediaPolicy()), ModelTokenizer(ckpt))
@@ -112,7 +122,8 @@ def test_embedding_cache_is_shared_across_adapters_but_not_kv(served):
     """A second request with the same image under another adapter reuses the image's embedding (the encoder is
     not adapted) but none of the first one's KV blocks; under the same adapter it reuses every full block."""
     family, ckpt, cls, root, ex, ours = served
-    ids, (image,) = chat_prompt(ours, [noise_image(60, 40, seed=12)], "Tell me about the town by the sea and the boats.")
+    text = "Tell me about the town by the sea and the boats."
+    ids, (image,) = chat_prompt(ours, [noise_image(60, 40, seed=12)], text)
     (first,) = raising(ex.unified_decode([UnifiedItem(tuple(ids), adapter="a", images=(image,))]))
     ex.release_cache([first.cache.cache_id])  # its full blocks stay cached, keyed by image and adapter
     span = (ImageInput(image.content_hash, image.offset, image.length, shape=image.shape),)
@@ -143,3 +154,37 @@ def test_an_adapter_on_the_vision_encoder_is_refused(served, tmp_path):
     assert repr(module) in message and "vision encoder" in message and "language model" in message, message
     assert str(root) not in message and str(tmp_path) not in message
     assert "enc" not in [a.name for a in ex.list_adapters()]
+    edit_adapter_config(root / "enc", target_modules=["q_proj", "qkv"])  # Qwen2.5-VL's vision attention's name
+    with pytest.raises(InvalidRequest, match=r"\['qkv'\] are not supported.* of the language model"):
+        ex.load_adapter("enc", "enc")
+
+
+def test_older_names_of_the_text_tower_read_the_same(served, tmp_path):
+    """The adapter with its keys renamed as older exports name the text tower loads to the same weights; the same
+    projection under both names is refused (it would be adapted twice)."""
+    import shutil
+    family, ckpt, cls, root, ex, ours = served
+    new = {"idefics3": "model.text_model.layers."}.get(family, "model.language_model.layers.")
+    legacy = tmp_path / "legacy"
+    shutil.copytree(root / "a", legacy)
+
+    def rename(tensors):
+        for key in list(tensors):
+            assert new in key, key
+            tensors[key.replace(new, LEGACY[family])] = tensors.pop(key)
+
+    edit_adapter_tensors(legacy, rename)
+    # (an older export's patterns were written for its names: these keys match the end of either)
+    edit_adapter_config(legacy, rank_pattern={r"layers\.1\.self_attn\.q_proj": 4},
+                        alpha_pattern={r"layers\.0\.mlp\.down_proj": 64})
+    want = read_adapter(root / "a", ex.model_config, torch.float32, 64)
+    got = read_adapter(legacy, ex.model_config, torch.float32, 64)
+    assert got.pairs.keys() == want.pairs.keys() and got.targets == want.targets
+    assert all(torch.equal(got.pairs[k][0], want.pairs[k][0]) and torch.equal(got.pairs[k][1], want.pairs[k][1])
+               for k in want.pairs)
+    twice = tmp_path / "twice"
+    shutil.copytree(root / "a", twice)
+    edit_adapter_tensors(twice, lambda t: t.update({k.replace(new, LEGACY[family]): v.clone()  # (no shared storage)
+                                                    for k, v in list(t.items()) if ".layers.0.self_attn.q_proj." in k}))
+    with pytest.raises(InvalidRequest, match="layer 0 q_proj is adapted twice"):
+        read_adapter(twice, ex.model_config, torch.float32, 64, label="twice")
