@@ -4,7 +4,9 @@ An adapter adds `scale * B @ A @ x` to some projections (q/k/v/o/gate/up/down). 
 one `qkv_proj`, so an adapter's q, k and v parts are fused too: A stacked along the rank axis and B
 block-diagonal, giving the same three updates in one pair of matmuls. The scale is folded into B. Phi-3's
 checkpoints are fused themselves, so its adapters target `qkv_proj` (our slot as is) and `gate_up_proj` (one A,
-B's rows split between the gate and up slots).
+B's rows split between the gate and up slots). A vision-language model's adapters adapt its language model only
+(named as transformers names it, _KEY); one on its vision encoder is refused, since the encoder's output is cached
+per image and shared by every request whatever its adapter.
 Applying adapters to a packed batch: models/lora/batch.py.
 """
 from __future__ import annotations
@@ -131,7 +133,6 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             for key in f.keys():
-                m = _KEY.match(key)
                 encoder = _ENCODER.match(key)
                 if encoder is not None:
                     raise InvalidRequest(f"{weights_name}: tensor {key!r} adapts {encoder.group(1)!r}, a module of the "
@@ -143,6 +144,7 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
                     raise InvalidRequest(f"{weights_name}: tensor {key!r} adapts a mixture-of-experts layer (its "
                                          "experts or router); LoRA on experts is not supported: adapt the "
                                          "attention projections only")
+                m = _KEY.match(key)
                 if m is None or m.group(4) not in PROJECTIONS:
                     raise InvalidRequest(f"{weights_name}: tensor {key!r} is not a LoRA A/B weight of "
                                          f"{'/'.join(PROJECTIONS)} (embedding or LM-head adapters are not supported)")
