@@ -36,7 +36,9 @@ def setup(request, tmp_path_factory):
                       model_class=cls)
     executor = start_for(request, ckpt, "--kv-blocks", "256", "--adapter-root", str(root),
                          "--adapter", f"fish={root / 'fish'}")
-    scheduler = start_scheduler_for(request, executor.address, "--http-port", "0", "--served-model-name", "m")
+    # --prefill-chunk 16: the image's placeholder tokens run over several chunks, each under the adapter
+    scheduler = start_scheduler_for(request, executor.address, "--http-port", "0", "--served-model-name", "m",
+                                    "--prefill-chunk", "16")
     client = openai.OpenAI(base_url=f"{scheduler.process.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
     return ckpt, root, executor, client
 

@@ -118,6 +118,33 @@ def test_adapted_and_base_requests_in_one_batch_match_transformers(served):
     assert rel_err(logits[0][0], logits[1][0]) > 1e-3  # the adapter moves the logits
 
 
+def _written(ex, ids, image, cuts, adapter):
+    """The prompt written in chunks ending at cuts (then the rest), each with the image if its span touches it:
+    the output after the prompt (the cache released)."""
+    cache_id, pos = None, 0
+    for end in [*cuts, len(ids)]:
+        touching = (image,) if image.offset < end and image.offset + image.length > pos else ()
+        (res,) = raising(ex.unified_decode([UnifiedItem(tuple(ids[pos:end]), cache_id, pos, end == len(ids),
+                                                        output=LOGITS, adapter=adapter, images=touching)]))
+        cache_id, pos = res.cache.cache_id, end
+    ex.release_cache([cache_id])
+    return res.output
+
+
+def test_chunk_boundaries_in_an_image_under_an_adapter_change_nothing(served):
+    """Chunked prefill under the adapter (a boundary inside the image's span; Gemma 3's span is written in one
+    chunk, so there around it) gives the logits of the whole prompt."""
+    family, ckpt, cls, root, ex, ours = served
+    ids, (image,) = chat_prompt(ours, [noise_image(90, 40, seed=13)])
+    end = image.offset + image.length
+    cuts = (image.offset, end) if family == "gemma3" else (image.offset + 3, end - 1)
+    whole = _written(ex, ids, image, (), "a")
+    chunked = _written(ex, ids, image, cuts, "a")
+    assert rel_err(chunked.logits[0], whole.logits[0]) <= 1e-5, family
+    base = _written(ex, ids, image, (), "")
+    assert rel_err(base.logits[0], whole.logits[0]) > 1e-3, family
+
+
 def test_embedding_cache_is_shared_across_adapters_but_not_kv(served):
     """A second request with the same image under another adapter reuses the image's embedding (the encoder is
     not adapted) but none of the first one's KV blocks; under the same adapter it reuses every full block."""
