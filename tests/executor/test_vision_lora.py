@@ -1,9 +1,10 @@
 """LoRA on the language model of a vision-language model, with images (Idefics3/SmolVLM, Qwen2.5-VL, Gemma 3): a peft
 adapter made on the tiny checkpoint with target_modules restricted to the text tower by regex (as users write it:
 the vision tower has q_proj too), served beside the base model in the same calls — the adapted request equals
-transformers + peft, the base one transformers alone, on the same image and text; an image's embedding is shared
-across adapters (the encoder is not adapted) but its KV blocks are not (the prefix cache keys blocks by adapter);
-and an adapter on the vision encoder is refused at load, naming the module."""
+transformers + peft, the base one transformers alone, on the same image and text, and chunk boundaries inside the
+image change nothing; peft's rank/alpha patterns and older exports' module names read right; an image's embedding
+is shared across adapters (the encoder is not adapted) but its KV blocks are not (the prefix cache keys blocks by
+adapter); and an adapter on the vision encoder is refused at load, naming the module."""
 from __future__ import annotations
 
 import numpy as np
