@@ -18,16 +18,20 @@ ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_peft_adapter(base_dir: Path, out_dir: Path, *, r: int, alpha: float,
-                      target_modules: Sequence[str] = ALL_MODULES, seed: int = 0, use_rslora: bool = False,
-                      dtype: torch.dtype = torch.float32) -> Path:
+                      target_modules: Sequence[str] | str = ALL_MODULES, seed: int = 0, use_rslora: bool = False,
+                      dtype: torch.dtype = torch.float32, model_class=AutoModelForCausalLM, **config) -> Path:
     """Builds a LoRA adapter for the checkpoint in base_dir with peft (random non-zero A and B drawn from
-    torch's global RNG seeded with `seed`) and saves it to out_dir with save_pretrained. Returns out_dir."""
+    torch's global RNG seeded with `seed`) and saves it to out_dir with save_pretrained. Returns out_dir.
+    target_modules: names, or one regex over the modules' full names (peft's two forms; a vision-language model's
+    users write a regex to keep off the vision tower's q_proj). model_class: transformers' class of the checkpoint
+    (a vision-language model's *ForConditionalGeneration). config: more LoraConfig fields (rank_pattern, ...)."""
     from peft import LoraConfig, get_peft_model
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    base = model_class.from_pretrained(base_dir, dtype=dtype)
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), init_lora_weights=False,
-                     use_rslora=use_rslora, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                     use_rslora=use_rslora, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **config)
     model = get_peft_model(base, cfg)
     # init_lora_weights=False: lora_B is random like lora_A (not zero), so the adapter moves the logits of
     # the tiny models by about as much as their own spread (checked by the parity tests).

@@ -4,7 +4,9 @@ An adapter adds `scale * B @ A @ x` to some projections (q/k/v/o/gate/up/down). 
 one `qkv_proj`, so an adapter's q, k and v parts are fused too: A stacked along the rank axis and B
 block-diagonal, giving the same three updates in one pair of matmuls. The scale is folded into B. Phi-3's
 checkpoints are fused themselves, so its adapters target `qkv_proj` (our slot as is) and `gate_up_proj` (one A,
-B's rows split between the gate and up slots).
+B's rows split between the gate and up slots). A vision-language model's adapters adapt its language model only
+(named as transformers names it, _KEY); one on its vision encoder is refused, since the encoder's output is cached
+per image and shared by every request whatever its adapter.
 Applying adapters to a packed batch: models/lora/batch.py.
 """
 from __future__ import annotations
@@ -25,7 +27,18 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
                "gate_up_proj")
 SLOT_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate",
            "up_proj": "up", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate"}
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# A tensor's key is peft's: `base_model.model.` + the adapted module's name in transformers' model + `.lora_A.weight`.
+# The module names of a text tower, as transformers names them: a causal LM's `model.layers.N`; a vision-language
+# model's language model `model.language_model.layers.N` (Qwen2.5-VL, Gemma 3 in transformers 5; Qwen2.5-VL's own
+# `model.layers.N` before), `model.text_model.layers.N` (Idefics3, SmolVLM), `language_model.model.layers.N` (Gemma 3
+# before transformers 4.52). All map to our one text tower.
+_KEY = re.compile(r"^(?:base_model\.model\.)?((?:model\.|model\.language_model\.|model\.text_model\.|language_model\."
+                  r"model\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
+# The module names of a vision encoder and its projector/connector (Idefics3's `model.vision_model` and
+# `model.connector`, Qwen2.5-VL's `model.visual`, Gemma 3's `model.vision_tower` and `model.multi_modal_projector`,
+# with or without the `model.`): adapters there are refused with their own reason (see read_adapter).
+_ENCODER = re.compile(r"^(?:base_model\.model\.)?((?:model\.)?(?:vision_model|visual|vision_tower|connector|"
+                      r"multi_modal_projector)\..*?)\.lora_[AB]\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -103,8 +116,9 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
     if isinstance(targets_conf, list):  # (a string is a regex over module names: checked by the tensors below)
         unknown = sorted(set(targets_conf) - set(PROJECTIONS))
         if unknown:
+            tower = " of the language model (a vision encoder takes none)" if cfg.vision is not None else ""
             raise InvalidRequest(f"{cfg_name}: target_modules {unknown} are not supported; LoRA may target "
-                                 f"{', '.join(PROJECTIONS)}")
+                                 f"{', '.join(PROJECTIONS)}{tower}")
     r_default = conf.get("r", 8)
     if not isinstance(r_default, int) or isinstance(r_default, bool) or r_default < 1:
         raise InvalidRequest(f"{cfg_name}: r must be a positive integer, got {r_default!r}")
@@ -115,18 +129,30 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
     rslora = bool(conf.get("use_rslora", False))
     rank_pattern, alpha_pattern = _patterns(conf, "rank_pattern", cfg_name), _patterns(conf, "alpha_pattern", cfg_name)
     raw: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    modules: dict[tuple[int, str], str] = {}  # the module's name in transformers' model (rank/alpha patterns match it)
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             for key in f.keys():
-                m = _KEY.match(key)
+                encoder = _ENCODER.match(key)
+                if encoder is not None:
+                    raise InvalidRequest(f"{weights_name}: tensor {key!r} adapts {encoder.group(1)!r}, a module of the "
+                                         "vision encoder; adapters on the vision encoder (or its projector) are not "
+                                         "supported, since an image's encoder output is cached by its content and "
+                                         "shared by every adapter: restrict target_modules to the language model, "
+                                         "e.g. r'.*(language_model|text_model).*\\.(q_proj|v_proj)'")
                 if ".mlp.experts." in key or ".mlp.gate." in key:
                     raise InvalidRequest(f"{weights_name}: tensor {key!r} adapts a mixture-of-experts layer (its "
                                          "experts or router); LoRA on experts is not supported: adapt the "
                                          "attention projections only")
-                if m is None or m.group(3) not in PROJECTIONS:
+                m = _KEY.match(key)
+                if m is None or m.group(4) not in PROJECTIONS:
                     raise InvalidRequest(f"{weights_name}: tensor {key!r} is not a LoRA A/B weight of "
                                          f"{'/'.join(PROJECTIONS)} (embedding or LM-head adapters are not supported)")
-                raw.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = f.get_tensor(key)
+                layer, proj = int(m.group(2)), m.group(4)
+                if modules.setdefault((layer, proj), m.group(1)) != m.group(1):
+                    raise InvalidRequest(f"{weights_name}: layer {layer} {proj} is adapted twice, as "
+                                         f"{modules[(layer, proj)]!r} and {m.group(1)!r}")
+                raw.setdefault((layer, proj), {})[m.group(5)] = f.get_tensor(key)
     except OSError as exc:  # its str() names the resolved file
         raise InvalidRequest(f"{weights_name}: cannot read it: {exc.strerror}") from exc
     except SafetensorError as exc:
@@ -154,7 +180,7 @@ def read_adapter(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_rank: int
         r = a.shape[0]
         if r > max_rank:
             raise InvalidRequest(f"{where}: rank {r} exceeds this executor's --max-lora-rank {max_rank}")
-        module = f"model.layers.{layer}.{'self_attn' if SLOT_OF[proj] in ('qkv', 'o') else 'mlp'}.{proj}"
+        module = modules[(layer, proj)]
         r_conf = _pattern_value(rank_pattern, module, r_default)
         if r_conf != r:  # peft refuses such a file too (size mismatch): the scale would be wrong
             raise InvalidRequest(f"{where}: adapter_config.json gives rank {r_conf} but the tensors have rank {r}")
