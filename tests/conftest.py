@@ -57,16 +57,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         fork_server.enabled = item.get_closest_marker("fresh_process") is None
 
 
-# Files whose tests take 30 s or more (scripts/test's --durations): pytest-xdist hands tests out in collection
-# order, and these, collected late, were the run's tail (the workers idle while one finishes them). First they go.
+# The files that take longest (scripts/test's --durations, summed per file), longest first. scripts/test hands
+# whole files to its workers (--dist loadfile, so a module's servers start once) in collection order: these,
+# collected late, were the run's tail, the other workers idle while one finished them. First they go.
 _RUN_FIRST = (
-    "tests/scripts/test_gpu_bundle.py", "tests/e2e/test_deterministic.py", "tests/e2e/test_lm_eval.py",
-    "tests/e2e/test_soak.py", "tests/e2e/test_rolling_restart.py", "tests/e2e/test_soak_tool.py",
-    "tests/scripts/test_gpu_check.py", "tests/executor/test_kv_tier_grpc.py", "tests/e2e/test_vllm_extensions.py",
-    "tests/e2e/test_kv_migration.py", "tests/executor/test_quantization_quality.py",
-    "tests/executor/test_kv_tier_flush.py", "tests/executor/test_tensor_parallel.py",
-    "tests/e2e/test_scheduler_fleet.py", "tests/executor/test_kv_dtype_grpc.py",
-    "tests/executor/test_native_decode.py", "tests/models/test_tiny_checkpoint.py", "tests/e2e/test_smg_grpc.py",
+    "tests/benchmarks/test_entry_point.py", "tests/scripts/test_gpu_bundle.py", "tests/executor/test_tensor_parallel.py",
+    "tests/e2e/test_deterministic.py", "tests/e2e/test_embeddings_e2e.py", "tests/e2e/test_kv_migration.py",
+    "tests/e2e/test_lm_eval.py", "tests/e2e/test_soak.py", "tests/e2e/test_scheduler_prefix_cache.py",
+    "tests/executor/test_family_parity.py", "tests/e2e/test_smg_grpc.py", "tests/e2e/test_grpc_hardening.py",
+    "tests/e2e/test_scheduler_fleet.py", "tests/executor/test_kv_dtype_grpc.py", "tests/e2e/test_rolling_restart.py",
+    "tests/scripts/test_gpu_check.py", "tests/e2e/test_scheduler_speculative.py", "tests/e2e/test_soak_tool.py",
+    "tests/e2e/test_scheduler_e2e.py", "tests/e2e/test_gguf_serving.py", "tests/e2e/test_vllm_extensions.py",
+    "tests/executor/test_kv_tier_grpc.py", "tests/executor/test_quantization_quality.py",
+    "tests/executor/test_host_sharing.py", "tests/e2e/test_vllm_router_kv_aware.py", "tests/contract/test_docs.py",
 )
 
 
