@@ -18,6 +18,8 @@ from tests.grpc_harness import start_for, start_scheduler_for
 
 pytest.importorskip("lm_eval")
 
+LM_EVAL_CLI = Path(__file__).with_name("lm_eval_cli.py")  # `python -m lm_eval` without its built-in task index
+
 MC_ITEMS = [
     {"question": "The sky is", "choices": [" blue", " green", " loud"], "answer": 0},
     {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
@@ -68,9 +70,9 @@ def tasks(tmp_path_factory) -> Path:
 
 
 def run_lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict[str, list[dict]]:
-    """Runs the lm_eval CLI; returns the logged samples per task."""
+    """Runs the lm_eval CLI (tests/e2e/lm_eval_cli.py); returns the logged samples per task."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks",
+    cmd = [sys.executable, str(LM_EVAL_CLI), "--model", model, "--model_args", model_args, "--tasks",
            "tandem_mc,tandem_gen", "--include_path", str(tasks), "--batch_size", "1", "--device", "cpu",
            "--log_samples", "--output_path", str(out), "--seed", "0"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
