@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ import pytest
 from tests.grpc_harness import start_for, start_scheduler_for
 
 pytest.importorskip("lm_eval")
+
+LM_EVAL_CLI = Path(__file__).with_name("lm_eval_cli.py")  # `python -m lm_eval` without its built-in task index
 
 MC_ITEMS = [
     {"question": "The sky is", "choices": [" blue", " green", " loud"], "answer": 0},
@@ -67,14 +68,22 @@ def tasks(tmp_path_factory) -> Path:
     return root
 
 
-def run_lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict[str, list[dict]]:
-    """Runs the lm_eval CLI; returns the logged samples per task."""
+def run_lm_eval(runs: list[tuple[str, str, Path]], tasks: Path) -> list[dict[str, list[dict]]]:
+    """Runs the lm_eval CLI once per (model, model_args, output dir), all in one interpreter
+    (tests/e2e/lm_eval_cli.py); returns each run's logged samples per task."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks",
-           "tandem_mc,tandem_gen", "--include_path", str(tasks), "--batch_size", "1", "--device", "cpu",
-           "--log_samples", "--output_path", str(out), "--seed", "0"]
+    cmd = [sys.executable, str(LM_EVAL_CLI)]
+    for n, (model, model_args, out) in enumerate(runs):
+        cmd += ["--and"] * (n > 0) + [
+            "--model", model, "--model_args", model_args, "--tasks", "tandem_mc,tandem_gen", "--include_path",
+            str(tasks), "--batch_size", "1", "--device", "cpu", "--log_samples", "--output_path", str(out),
+            "--seed", "0"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
+    return [_samples(out) for _, _, out in runs]
+
+
+def _samples(out: Path) -> dict[str, list[dict]]:
     samples: dict[str, list[dict]] = {}
     for f in out.rglob("samples_*.jsonl"):
         task = f.name.removeprefix("samples_").rsplit("_", 1)[0]
@@ -87,13 +96,11 @@ def test_local_completions_scores_equal_hf(request, model_dir, tasks, tmp_path):
     executor = start_for(request, model_dir, "--kv-blocks", "256")
     scheduler = start_scheduler_for(request, executor.address, "--http-port", "0")
     url = f"{scheduler.process.http_url}/v1/completions"
-    # the two lm_eval processes side by side (each mostly waits on its imports and its model: the test's wall halves)
-    with ThreadPoolExecutor(2) as pool:
-        ours_run = pool.submit(run_lm_eval, "local-completions",
-                               f"model={Path(model_dir).name},base_url={url},tokenizer={model_dir},"
-                               "tokenized_requests=True,num_concurrent=1,max_retries=1", tasks, tmp_path / "ours")
-        ref_run = pool.submit(run_lm_eval, "hf", f"pretrained={model_dir},dtype=float32", tasks, tmp_path / "hf")
-        ours, ref = ours_run.result(), ref_run.result()
+    # one interpreter, the two runs one after the other: the CPU of a second interpreter's imports saved
+    ours, ref = run_lm_eval([("local-completions", f"model={Path(model_dir).name},base_url={url},"
+                              f"tokenizer={model_dir},tokenized_requests=True,num_concurrent=1,max_retries=1",
+                              tmp_path / "ours"),
+                             ("hf", f"pretrained={model_dir},dtype=float32", tmp_path / "hf")], tasks)
     for a, b in zip(ours["tandem_mc"], ref["tandem_mc"], strict=True):
         got = [float(r[0][0]) for r in a["resps"]]  # per choice: (loglikelihood, is_greedy)
         want = [float(r[0][0]) for r in b["resps"]]
