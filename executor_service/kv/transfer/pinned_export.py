@@ -1,7 +1,8 @@
 """Moving KV blocks between executors, the in-process half (docs/kv-transfer.md): an export pins blocks (a
 cache's, or the prefix cache's for a chain of hashes) and hands out their bytes in bounded chunks; an import
 takes the blocks a header announces, writes the chunks into them as they come and, once every block arrived
-and checked, makes them a cache (or prefix cache entries). The network half, which pulls an export from another
+and checked, makes them a cache (or prefix cache entries); a cache's image spans travel in the header
+(executor_service/kv/transfer/image_spans.py). The network half, which pulls an export from another
 executor, is executor_service/kv/transfer/client.py; the RPCs are in executor_service/rpc/servicer.py.
 
 Locking: every step that touches the pool or the block accounting holds the executor's model lock as a control
