@@ -201,6 +201,9 @@ READ_BY_EVERY_EXECUTOR = frozenset({
     "ImportKvRequest.source_address", "ImportKvRequest.export", "ImportKvRequest.create_cache",  # (kv_transfer)
     "ImportKvRequest.session_id", "ExportKvRequest.cache_id", "ExportKvRequest.block_hashes",
     "ExportKvRequest.max_chunk_bytes", "ExportKvRequest.session_id",
+    # (an older exporter drops it and sends no image spans: this tree's importer refuses such a header whose
+    # tokens hold the image token, executor_service/kv/transfer/image_spans.py)
+    "ExportKvRequest.accept_images",
     "OpenSessionRequest.client_name", "KeepAliveRequest.session_id", "CloseSessionRequest.session_id",  # (sessions)
     "SubscribeKvEventsRequest.summary_interval_ms",  # (kv_events)
     "ImageInput.content_hash", "ImageInput.dtype", "ImageInput.shape", "ImageInput.pixel_values",  # (vision)

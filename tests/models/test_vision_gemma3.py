@@ -288,3 +288,18 @@ def test_the_released_tensor_names_load_too(ckpt, tmp_path):
     pixels = torch.randn(2, 3, 32, 32)
     assert torch.equal(load_model(released, "cpu", "float32").vision(pixels),
                        load_model(ckpt, "cpu", "float32").vision(pixels))
+
+
+def test_a_cache_moved_after_its_image_finishes_its_prompt_the_same(ours, ex):
+    """KV transfer (executor_service/kv/transfer/image_spans.py): a cache written through an image's span, exported
+    and imported (into the same executor), finishes its prompt with the logits of the cache that never moved —
+    the image's both-ways span was written before the move, and its hash keys the imported cache's later blocks."""
+    ids, items = _prompt(ours, [noise_image(90, 40, seed=7)])
+    hi = items[0].offset + items[0].length
+    whole, c1 = _run(ex, ids, items)
+    _, part = _run(ex, ids[:hi], items)
+    moved = ex.transfer.import_(ex.transfer.export(part, (), "", accept_images=True), True, "")
+    assert ex.cache_table("").get(moved.cache_id).images == [(items[0].offset, items[0].length, items[0].content_hash)]
+    rest, c2 = _run(ex, ids, (), cache_id=moved.cache_id, pos=hi)
+    assert rel_err(rest.logits[0], whole.logits[0]) <= 1e-5
+    ex.release_cache([c1, part, c2])

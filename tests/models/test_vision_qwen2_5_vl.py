@@ -217,15 +217,32 @@ def test_drafts_after_an_image_verify_at_its_shifted_positions(ours, ex):
     ex.release_cache([c1, c2])
 
 
-def test_a_cache_with_images_is_not_exported(ours, ex):
-    """ImportKv makes a cache of the tokens alone: an M-RoPE cache's image shifts would be lost, so the export is
-    refused (the scheduler recomputes instead)."""
+def test_a_cache_with_images_moves_with_its_grids(ours, ex):
+    """A transfer carries the cache's image spans and M-RoPE grids (executor_service/kv/transfer/image_spans.py):
+    a cache exported and imported (here into the same executor) decodes the tokens of the cache it came from, and
+    one cut inside an image's tokens finishes its prompt there at the right positions. An importer that does not
+    say it builds the spans (an older executor) is refused naming the field."""
     from tandem.errors import Unsupported
-    ids, items = _prompt(ours, [noise_image(20, 24, seed=9)])
-    _, cache_id = _logits_run(ex, ids, items)
-    with pytest.raises(Unsupported, match="M-RoPE"):
-        next(ex.transfer.export(cache_id, (), ""))
+    ids, items = _prompt(ours, [noise_image(50, 70, seed=9)])
+    first, cache_id = _logits_run(ex, ids, items)
+    want, want_logits = _greedy(ex, first, cache_id, len(ids), 5)
     ex.release_cache([cache_id])
+    second, cache_id = _logits_run(ex, ids, items)
+    with pytest.raises(Unsupported, match="accept_images"):
+        next(ex.transfer.export(cache_id, (), ""))
+    moved = ex.transfer.import_(ex.transfer.export(cache_id, (), "", accept_images=True), True, "")
+    assert moved.num_tokens == len(ids)
+    tokens, logits = _greedy(ex, second, moved.cache_id, len(ids), 5)
+    assert tokens == want and all(rel_err(a, b) <= 1e-5 for a, b in zip(logits, want_logits))
+    cut = items[0].offset + 7  # a cache written part of the way through the image: the rest of the prompt there
+    (part,) = raising(ex.unified_decode([UnifiedItem(tuple(ids[:cut]), None, 0, False, images=items)]))
+    half = ex.transfer.import_(ex.transfer.export(part.cache.cache_id, (), "", accept_images=True), True, "")
+    (rest,) = raising(ex.unified_decode([UnifiedItem(tuple(ids[cut:]), half.cache_id, cut, True, output=LOGITS,
+                                                     images=items)]))
+    assert rel_err(rest.output.logits[0], first.logits[0]) <= 1e-5
+    tokens, logits = _greedy(ex, rest.output, half.cache_id, len(ids), 5)
+    assert tokens == want and all(rel_err(a, b) <= 1e-5 for a, b in zip(logits, want_logits))
+    ex.release_cache([cache_id, moved.cache_id, part.cache.cache_id, half.cache_id])
 
 
 def test_the_hubs_flat_config_loads_the_same_model(ckpt, ours, ex, tmp_path):

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import grpc
 
+from executor_service.kv.transfer.image_spans import TransferImage
 from executor_service.kv.transfer.pinned_export import BlockPayload, TransferHeader
 from executor_service.kv.transfer.config import KvTransferConfig
 from tandem.errors import CacheStateConflict, InvalidRequest, RemoteError, Unavailable
@@ -76,7 +77,11 @@ def header_from_pb(chunk: pb.KvChunk) -> TransferHeader | None:
     if not chunk.HasField("header"):
         return None
     h = chunk.header
-    return TransferHeader(h.kv_fingerprint, h.block_size, h.num_tokens, tuple(h.token_ids), h.adapter, h.num_blocks)
+    images = tuple(TransferImage(i.offset, i.length, i.content_hash,
+                                 (i.grid_rows, i.grid_columns) if i.grid_rows or i.grid_columns else None)
+                   for i in h.images)
+    return TransferHeader(h.kv_fingerprint, h.block_size, h.num_tokens, tuple(h.token_ids), h.adapter, h.num_blocks,
+                          images, h.images_listed)
 
 
 def chunk_to_pb(header: TransferHeader | None, blocks: list[BlockPayload]) -> pb.KvChunk:
@@ -85,5 +90,13 @@ def chunk_to_pb(header: TransferHeader | None, blocks: list[BlockPayload]) -> pb
     if header is not None:
         msg.header.CopyFrom(pb.KvTransferHeader(kv_fingerprint=header.fingerprint, block_size=header.block_size,
                                                 num_tokens=header.num_tokens, token_ids=header.token_ids,
-                                                adapter=header.adapter, num_blocks=header.num_blocks))
+                                                adapter=header.adapter, num_blocks=header.num_blocks,
+                                                images=[_image_to_pb(im) for im in header.images],
+                                                images_listed=header.images_listed))
     return msg
+
+
+def _image_to_pb(im: TransferImage) -> pb.KvImageSpan:
+    rows, cols = im.grid or (0, 0)
+    return pb.KvImageSpan(offset=im.offset, length=im.length, content_hash=im.content_hash, grid_rows=rows,
+                          grid_columns=cols)

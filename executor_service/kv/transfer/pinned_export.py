@@ -1,7 +1,8 @@
 """Moving KV blocks between executors, the in-process half (docs/kv-transfer.md): an export pins blocks (a
 cache's, or the prefix cache's for a chain of hashes) and hands out their bytes in bounded chunks; an import
 takes the blocks a header announces, writes the chunks into them as they come and, once every block arrived
-and checked, makes them a cache (or prefix cache entries). The network half, which pulls an export from another
+and checked, makes them a cache (or prefix cache entries); a cache's image spans travel in the header
+(executor_service/kv/transfer/image_spans.py). The network half, which pulls an export from another
 executor, is executor_service/kv/transfer/client.py; the RPCs are in executor_service/rpc/servicer.py.
 
 Locking: every step that touches the pool or the block accounting holds the executor's model lock as a control
@@ -22,10 +23,11 @@ from executor_service.adapters import AdapterRegistry
 from executor_service.kv.cache_table import CacheState, CacheTable
 from executor_service.kv.block_bytes import block_nbytes, crc32c, read_blocks, write_blocks
 from executor_service.kv.fingerprint import differences
+from executor_service.kv.transfer.image_spans import TransferImage, adopt_images, check_images, images_of
 from executor_service.kv.prefix_cache import PrefixCache
 from models.config import ModelConfig
 from models.kv.paged_cache import PagedKvCache
-from tandem.block_hash import block_hash
+from tandem.block_hash import block_hash, image_extra
 from tandem.ceil_div import ceil_div
 from tandem.histogram import SingleWriterHistogram
 from tandem.errors import (BlocksNotCached, CacheStateConflict, DataLoss, InvalidRequest, KvCapacityExceeded,
@@ -62,6 +64,10 @@ class TransferHeader:
     token_ids: tuple[int, ...]
     adapter: str
     num_blocks: int
+    images: tuple[TransferImage, ...] = ()  # the cache's image spans (executor_service/kv/transfer/image_spans.py)
+    # True: images lists every image the blocks show; False from an older exporter, and for a chain of hashes
+    # (the prefix cache keeps no spans): the importer then refuses tokens holding the image token
+    images_listed: bool = True
 
 
 @dataclass(frozen=True)
@@ -125,15 +131,17 @@ class KvTransfer:
 
     # ----------------------------------------------------------------- export
     def export(self, cache_id: str, hashes: Sequence[bytes], session: str,
-               max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[TransferHeader | None, list[BlockPayload]]]:
+               max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               accept_images: bool = False) -> Iterator[tuple[TransferHeader | None, list[BlockPayload]]]:
         """(header, blocks) for the first chunk, (None, blocks) after. The generator pins on its first step and
-        unpins when it ends or is closed; close() it (or let it finish) to give the blocks back."""
+        unpins when it ends or is closed; close() it (or let it finish) to give the blocks back. accept_images:
+        the importer builds the header's image spans (else a cache showing images is refused: Unsupported)."""
         if bool(cache_id) == bool(hashes):
             raise InvalidRequest("ExportKv needs exactly one of cache_id and block_hashes")
         if len(hashes) > MAX_CHAIN:
             raise InvalidRequest(f"ExportKv names {len(hashes)} block hashes; at most {MAX_CHAIN}")
         start = time.perf_counter()
-        exp = self._pin_cache(cache_id, session) if cache_id else self._pin_chain(hashes)
+        exp = self._pin_cache(cache_id, session, accept_images) if cache_id else self._pin_chain(hashes)
         per_chunk = max(1, max_chunk_bytes // block_nbytes(self.ex.kv))
         done = False
         try:
@@ -154,22 +162,21 @@ class KvTransfer:
         finally:
             self._unpin(exp, failed=not done)  # not done: refused mid-way, or the importer went away (closed)
 
-    def _pin_cache(self, cache_id: str, session: str) -> _Export:
+    def _pin_cache(self, cache_id: str, session: str, accept_images: bool) -> _Export:
         with self.ex.control_op("export_kv", session):
             state = self.ex.cache_table(session).get(cache_id)
             table, bs = state.table, self.ex.kv.block_size
             if table.dropped:
                 raise Unsupported(f"cache {cache_id!r} has slid past its first blocks (sliding window): its KV "
                                   "cannot be exported whole")
-            if state.image_grids and state.images:  # (an import makes a cache of the tokens alone)
-                raise Unsupported(f"cache {cache_id!r} shows images whose M-RoPE position shift the export does not "
-                                  "carry: recompute it where it is wanted")
+            images = images_of(cache_id, state, accept_images)
             blocks = list(table.blocks)
             self.ex.kv.allocator.share(blocks)
             n = table.length
             counts = [min(bs, n - i * bs) for i in range(len(blocks))]
             hashes = [table.hashes[i] if i < len(table.hashes) else b"" for i in range(len(blocks))]
-            header = TransferHeader(self.fingerprint, bs, n, tuple(state.tokens[:n]), state.adapter, len(blocks))
+            header = TransferHeader(self.fingerprint, bs, n, tuple(state.tokens[:n]), state.adapter, len(blocks),
+                                    images)
             return self._opened(_Export(header, blocks, hashes, counts))
 
     def _pin_chain(self, hashes: Sequence[bytes]) -> _Export:
@@ -184,7 +191,8 @@ class KvTransfer:
             adapter = prefix.block_meta(found[0])[1]
             for h in found:
                 tokens.extend(array("I", prefix.block_meta(h)[2]))
-            header = TransferHeader(self.fingerprint, bs, len(tokens), tuple(tokens), adapter, len(blocks))
+            header = TransferHeader(self.fingerprint, bs, len(tokens), tuple(tokens), adapter, len(blocks),
+                                    images_listed=False)
             return self._opened(_Export(header, blocks, found, [bs] * len(blocks)))
 
     def _opened(self, exp: _Export) -> _Export:
@@ -267,6 +275,7 @@ class KvTransfer:
                                  f"{ex.model_config.max_position_embeddings}")
         if any(t >= ex.model_config.vocab_size for t in header.token_ids):
             raise InvalidRequest("the export's token ids are outside this model's vocabulary")
+        check_images(header.images, header.images_listed, header.token_ids, ex.model_config)
         if create_cache and not header.num_tokens:
             raise InvalidRequest("the export holds no tokens: nothing to make a cache of")
         wanted = header.num_blocks if create_cache else header.num_tokens // bs
@@ -306,8 +315,10 @@ class KvTransfer:
         ex, h = self.ex, plan.header
         bs = ex.kv.block_size
         full = [x for x in plan.hashes if x]
+        spans = [(im.offset, im.length, im.content_hash) for im in h.images]
         for i in range(1, len(full)):  # the chain must hold together (a source bug must not poison the index)
-            if block_hash(full[i - 1], h.token_ids[i * bs:(i + 1) * bs]) != full[i]:
+            extra = image_extra(spans, i * bs, (i + 1) * bs) if spans else b""
+            if block_hash(full[i - 1], h.token_ids[i * bs:(i + 1) * bs], extra) != full[i]:
                 raise DataLoss(f"block {i}'s hash does not chain from block {i - 1}'s and its tokens")
         with ex.control_op("import_kv", session):
             registered = ex.prefix.adopt_imported(plan.wanted[:len(full)], full, h.token_ids, h.adapter)
@@ -321,6 +332,7 @@ class KvTransfer:
             state.table.length = h.num_tokens
             state.tokens = list(h.token_ids)
             state.prompt_len = h.num_tokens
+            adopt_images(state, h.images)
             cache_id = ex.cache_table(session).add(state)
             plan.wanted = []
             return ImportResult(cache_id, h.num_tokens, len(state.table.blocks), received)

@@ -33,7 +33,7 @@ class KvTransferRpc:
     def export(self, request: pb.ExportKvRequest, context: grpc.ServicerContext):
         check_export(request)
         chunks = self.ex.transfer.export(request.cache_id, list(request.block_hashes), request.session_id,
-                                         self._chunk_limit(request.max_chunk_bytes))
+                                         self._chunk_limit(request.max_chunk_bytes), request.accept_images)
         try:
             for header, blocks in chunks:
                 if not context.is_active():  # the importer went away: unpin now
@@ -50,6 +50,7 @@ class KvTransferRpc:
         export = pb.ExportKvRequest()
         export.CopyFrom(request.export)
         export.max_chunk_bytes = self._chunk_limit(export.max_chunk_bytes)  # what this side may receive
+        export.accept_images = True  # this importer builds the header's image spans (kv/transfer/image_spans.py)
         remaining = context.time_remaining()  # None, or ~2^63 s, when the caller set no deadline
         timeout = DEFAULT_IMPORT_TIMEOUT_S if remaining is None else max(0.1, min(remaining, DEFAULT_IMPORT_TIMEOUT_S))
         chunks = self.peers.pull(request.source_address, export, timeout)

@@ -877,32 +877,52 @@ class KvSummary(_message.Message):
     def __init__(self, kv: _Optional[_Union[KvUsage, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
 
 class ExportKvRequest(_message.Message):
-    __slots__ = ("cache_id", "block_hashes", "max_chunk_bytes", "session_id")
+    __slots__ = ("cache_id", "block_hashes", "max_chunk_bytes", "session_id", "accept_images")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_IMAGES_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     max_chunk_bytes: int
     session_id: str
-    def __init__(self, cache_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    accept_images: bool
+    def __init__(self, cache_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., session_id: _Optional[str] = ..., accept_images: _Optional[bool] = ...) -> None: ...
 
 class KvTransferHeader(_message.Message):
-    __slots__ = ("kv_fingerprint", "block_size", "num_tokens", "token_ids", "adapter", "num_blocks")
+    __slots__ = ("kv_fingerprint", "block_size", "num_tokens", "token_ids", "adapter", "num_blocks", "images", "images_listed")
     KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_LISTED_FIELD_NUMBER: _ClassVar[int]
     kv_fingerprint: str
     block_size: int
     num_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter: str
     num_blocks: int
-    def __init__(self, kv_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[KvImageSpan]
+    images_listed: bool
+    def __init__(self, kv_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., num_blocks: _Optional[int] = ..., images: _Optional[_Iterable[_Union[KvImageSpan, _Mapping]]] = ..., images_listed: _Optional[bool] = ...) -> None: ...
+
+class KvImageSpan(_message.Message):
+    __slots__ = ("offset", "length", "content_hash", "grid_rows", "grid_columns")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    GRID_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GRID_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    content_hash: str
+    grid_rows: int
+    grid_columns: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_rows: _Optional[int] = ..., grid_columns: _Optional[int] = ...) -> None: ...
 
 class KvBlock(_message.Message):
     __slots__ = ("block_hash", "index", "num_tokens", "data", "crc32c")

@@ -287,7 +287,8 @@ class ExecutorServiceServicer:
         the stream ends (or its client goes away), so nothing the stream still has to send can be evicted.
         Another executor's ImportKv is the usual client (capability "kv_transfer"). NOT_FOUND for an unknown
         cache (or a chain none of whose blocks is cached); INVALID_ARGUMENT for neither or both of cache_id and
-        block_hashes.
+        block_hashes; FAILED_PRECONDITION for a cache that shows images when the caller did not set accept_images
+        (the header carries the cache's image spans: KvTransferHeader.images).
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -302,6 +303,8 @@ class ExecutorServiceServicer:
         when the source's kv_fingerprint differs (the message names what differs), DATA_LOSS on a checksum
         error, UNAVAILABLE when the source is unreachable or goes away mid-stream, RESOURCE_EXHAUSTED when the
         pool cannot hold the blocks, NOT_FOUND when the source has no such cache (or no block of the chain).
+        A cache that shows images keeps them (KvTransferHeader.images); FAILED_PRECONDITION, naming the field,
+        for image spans this executor cannot honour, or image tokens an older source sent without their spans.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
