@@ -29,10 +29,11 @@ _PRELOAD = {  # module a server runs -> modules its zygote imports first
     "executor_service": ("executor_service.__main__", "grpc._server", "grpc._interceptor"),
     "scheduler": ("scheduler.__main__", "grpc._server", "grpc._interceptor"),
 }
-# Read while modules import (libgomp, glibc malloc, torch, the interpreter): a child that asks for other values
-# than the zygote had must start fresh.
-_IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "MKL_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_", "PYTHON", "LD_", "MALLOC_",
-                         "GRPC_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+# Read while the zygote's modules import (libgomp, glibc malloc, the interpreter, torch's logging, gRPC): a child
+# that asks for other values than the zygote had must start fresh. Not TORCHINDUCTOR_* (read when inductor is
+# imported, in the child; a compile in a test process sets TORCHINDUCTOR_CACHE_DIR in its environment).
+_IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "MKL_", "GOMP_", "PYTHON", "LD_", "MALLOC_", "TORCH_", "PYTORCH_", "CUDA_",
+                         "GRPC_")
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -145,7 +146,11 @@ class ForkServer:
             zygote = self._zygotes.get(module)
             if zygote is None:
                 zygote = self._zygotes[module] = _Zygote(module)
-        if _import_time_env(env) != _import_time_env(zygote.env):
+        differ = sorted(k for k in _import_time_env(env).keys() | _import_time_env(zygote.env).keys()
+                        if env.get(k) != zygote.env.get(k))
+        if differ:
+            print(f"fork server: {module} starts fresh: its environment differs from the warm interpreter's in "
+                  f"{', '.join(differ)}", file=sys.stderr)
             return None
         return zygote.spawn(module, args, cwd, env, stderr_fd, own_session)
 
