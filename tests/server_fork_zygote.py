@@ -13,8 +13,8 @@ it goes away, so nothing outlives a killed test run.
 
 Protocol (SOCK_SEQPACKET, one message per packet): the client sends a JSON request (module, args, cwd, env,
 own_session) with four descriptors [report socket, stdin, stdout, stderr]; on the report socket the zygote
-answers {"pid": N} after the fork and {"rc": CODE} once the child is reaped (CODE as subprocess's returncode:
-negative for a signal).
+answers {"pid": N} after the fork and {"rc": CODE, "cpu_s": S} once the child is reaped (CODE as subprocess's
+returncode: negative for a signal; S the child's CPU seconds, user + system).
 
     python -m tests.server_fork_zygote CONTROL_FD MODULE [MODULE ...]   (the modules to import first)
 """
@@ -68,7 +68,7 @@ def _become_server(request: dict, fds: list[int], zygote_pid: int, to_close: lis
 def _reap(children: dict[int, socket.socket]) -> None:
     while children:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
@@ -76,7 +76,8 @@ def _reap(children: dict[int, socket.socket]) -> None:
         report = children.pop(pid, None)
         if report is not None:
             try:
-                report.send(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode())
+                report.send(json.dumps({"rc": os.waitstatus_to_exitcode(status),
+                                        "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
             except OSError:
                 pass  # the client went away: nobody waits for this code
             report.close()

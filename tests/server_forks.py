@@ -40,6 +40,11 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
 
 
+# CPU seconds (user + system) of this process's forked servers reaped so far: what getrusage(RUSAGE_CHILDREN)
+# would have counted had they been its own children (for per-test CPU profiles of the suite).
+reaped_cpu_s = 0.0
+
+
 class ForkedProcess:
     """The subprocess.Popen surface server_process and the tests use (pid, args, stdout, returncode, poll, wait,
     send_signal, terminate, kill) for a child of the zygote; its exit code arrives on the report socket."""
@@ -61,7 +66,10 @@ class ForkedProcess:
                 if ready:
                     message = self._report.recv(4096)
                     # An empty read: the zygote itself died, and SIGTERM'd the child (its parent-death signal).
-                    self.returncode = json.loads(message)["rc"] if message else -signal.SIGTERM
+                    report = json.loads(message) if message else {"rc": -signal.SIGTERM, "cpu_s": 0.0}
+                    self.returncode = report["rc"]
+                    global reaped_cpu_s
+                    reaped_cpu_s += report["cpu_s"]
                     self._report.close()
             return self.returncode
 
