@@ -14,6 +14,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 #include <vector>
@@ -63,6 +64,7 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
   float* yp = y.data_ptr<float>();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   const int32_t k = static_cast<int32_t>(kind);
+  std::atomic<int64_t> counters[3] = {0, 0, 0};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -70,10 +72,10 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
     share(M * (K / 32), 1, tid, nt, b0, b1);
     blocks::quantize_q8(xp, q8, b0, b1);
 #pragma omp barrier
-    int64_t n0, n1;
-    share(N, 8, tid, nt, n0, n1);  // (whole groups of repacked rows)
-    if (n0 < n1)
+    Chunks chunks(counters);  // (whole groups of repacked rows)
+    chunks.run(N, 8, tid, nt, [&](int64_t n0, int64_t n1) {
       blocks::gemm_blocks(k, wp, 0, N, K, q8, M, n0, n1, BlockOut{yp, N, nullptr, b, false});
+    });
   }
   return y;
 }

@@ -12,6 +12,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -249,9 +250,11 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
     }
   }
   int failed = 0;
+  std::atomic<int64_t> counters[3] = {0, 0, 0};  // the team's Chunks (gemm.h)
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    Chunks chunks(counters);
     std::vector<float> wide, qhk, scores;
     try {
       wide.resize(4 * max_k);
@@ -268,7 +271,7 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
         const TdLayer& L = m.layers[l];
         rms_norm_rows(x.data(), L.in_norm, m.eps, B, H, xn.data(), tid, nt);
         const Input xin = input(xn.data());
-        gemm(L.qkv, xin, B, qkv.data(), QKV, false, wide.data(), tid, nt);
+        gemm(L.qkv, xin, B, qkv.data(), QKV, false, wide.data(), tid, nt, chunks);
         // Keys and values of every row first where rows share a sequence (drafts: a row attends over the rows
         // of its sequence before it); otherwise each task writes its own just before it attends (no barrier).
         int64_t t0, t1;
@@ -295,24 +298,25 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
               att.data() + b * Q + g0 * group * d, qhk.data(), scores);
         }
 #pragma omp barrier
-        gemm(L.o, input(att.data()), B, x.data(), H, true, wide.data(), tid, nt);  // x += o(att)
+        gemm(L.o, input(att.data()), B, x.data(), H, true, wide.data(), tid, nt, chunks);  // x += o(att)
         rms_norm_rows(x.data(), L.post_norm, m.eps, B, H, xn.data(), tid, nt);
         if (L.gate.kind == 3 || L.up.kind == 3) quantize_rows(xin, B, H, tid, nt);  // once for both
         if (L.gate.kind == kBlockKind || L.up.kind == kBlockKind) quantize_rows_q8(xin, B, H, tid, nt);
-        int64_t n0, n1;
-        share(I, L.gate.kind == kBlockKind ? 8 : 4, tid, nt, n0, n1);  // gate, up and SiLU(gate) * up on this
-        // thread's columns: no barrier between (whole groups of repacked rows)
-        if (n0 < n1) {
+        // gate, up and SiLU(gate) * up on a range of columns at a time: no barrier between
+        auto mlp_in = [&](int64_t n0, int64_t n1) {
           gemm_part(L.gate, xin, B, gate.data(), I, n0, n1, false, wide.data());
           gemm_part(L.up, xin, B, up.data(), I, n0, n1, false, wide.data());
-          for (int64_t b = 0; b < B; ++b) {
-            float* gb = gate.data() + b * I;
-            const float* ub = up.data() + b * I;
-            silu_mul(gb, ub, n0, n1);
-          }
+          for (int64_t b = 0; b < B; ++b) silu_mul(gate.data() + b * I, up.data() + b * I, n0, n1);
+        };
+        if (L.gate.kind == kBlockKind && L.up.kind == kBlockKind) {
+          chunks.run(I, 8, tid, nt, mlp_in);  // (whole groups of repacked rows)
+        } else {
+          int64_t n0, n1;
+          share(I, L.gate.kind == kBlockKind || L.up.kind == kBlockKind ? 8 : 4, tid, nt, n0, n1);
+          if (n0 < n1) mlp_in(n0, n1);
         }
 #pragma omp barrier
-        gemm(L.down, input(gate.data()), B, x.data(), H, true, wide.data(), tid, nt);  // x += down(mid)
+        gemm(L.down, input(gate.data()), B, x.data(), H, true, wide.data(), tid, nt, chunks);  // x += down(mid)
       }
       int64_t rows = B;  // the rows whose logits are wanted, moved to the front in order (gemm ended in a barrier)
       if (head_rows != nullptr) {
@@ -323,8 +327,7 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
       }
       if (rows > 0) {
         rms_norm_rows(x.data(), m.final_norm, m.eps, rows, H, xn.data(), tid, nt);
-        gemm(m.head, input(xn.data()), rows, logits, m.vocab, false, wide.data(), tid,
-             nt);
+        gemm(m.head, input(xn.data()), rows, logits, m.vocab, false, wide.data(), tid, nt, chunks);
       }
     }
   }

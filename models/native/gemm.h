@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +58,40 @@ inline void share(int64_t n, int64_t grain, int tid, int nt, int64_t& begin, int
   begin = std::min(n, tid * per * grain);
   end = std::min(n, begin + per * grain);
 }
+
+// Work handed out in chunks from a counter the team shares (llama.cpp splits its matrix products the same way):
+// a thread that gets less of its core (another process on it, or a slower part of a fused weight: q/k in Q4_K
+// beside v in Q6_K) takes fewer chunks, where a fixed split keeps the team waiting at the next barrier for the
+// slowest thread's share. A chunk is whole units of `grain` rows (groups of repacked rows), and a row's result
+// does not depend on which chunk or thread computes it. Every thread of the team calls run() for every phase, in
+// the same order, and a barrier ends each phase: the counters rotate over three, thread 0 zeroing the next
+// phase's (last used two phases ago: a barrier has ended every use of it since).
+class Chunks {
+ public:
+  static constexpr int64_t kPerThread = 4;  // chunks per thread: balance vs. shorter sequential streams
+  explicit Chunks(std::atomic<int64_t>* counters) : counters_(counters) {}
+
+  // f(begin, end) for the chunks of [0, n) this thread takes.
+  template <typename F>
+  void run(int64_t n, int64_t grain, int tid, int nt, F&& f) {
+    std::atomic<int64_t>& next = counters_[phase_ % 3];
+    if (tid == 0) counters_[(phase_ + 1) % 3].store(0, std::memory_order_relaxed);
+    ++phase_;
+    const int64_t units = (n + grain - 1) / grain;
+    if (nt == 1 || units <= 1) {
+      if (tid == 0 && n > 0) f(int64_t{0}, n);
+      return;
+    }
+    const int64_t per = std::max<int64_t>(1, units / (kPerThread * nt)), chunks = (units + per - 1) / per;
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      f(c * per * grain, std::min(n, (c + 1) * per * grain));
+  }
+
+ private:
+  std::atomic<int64_t>* counters_;  // [3], shared by the team, zero when it starts
+  int64_t phase_ = 0;               // this thread's count of run() calls
+};
 
 struct Epilogue {
   const float* scale;  // per output row, or null
@@ -271,15 +306,20 @@ void gemm_part(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t 
   }
 }
 
-// This thread's share of y = x @ L^T (rows of L split over the team in 4-row tiles), then a barrier.
-// (Kind 3: x is quantized first, by the whole team.)
+// This thread's share of y = x @ L^T, then a barrier: block formats in chunks (whole groups of repacked rows)
+// taken from `chunks`, the others split evenly in 4-row tiles (their four quarter streams per thread want one
+// long range each). (Kind 3: x is quantized first, by the whole team.)
 void gemm(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, bool accumulate, float* wide,
-          int tid, int nt) {
+          int tid, int nt, Chunks& chunks) {
   if (L.kind == 3) quantize_rows(in, M, L.k, tid, nt);
-  if (L.kind == kBlockKind) quantize_rows_q8(in, M, L.k, tid, nt);
-  int64_t n0, n1;
-  share(L.n, L.kind == kBlockKind ? 8 : 4, tid, nt, n0, n1);  // (whole groups of repacked rows)
-  if (n0 < n1) gemm_part(L, in, M, y, ldy, n0, n1, accumulate, wide);
+  if (L.kind == kBlockKind) {
+    quantize_rows_q8(in, M, L.k, tid, nt);
+    chunks.run(L.n, 8, tid, nt, [&](int64_t n0, int64_t n1) { gemm_part(L, in, M, y, ldy, n0, n1, accumulate, wide); });
+  } else {
+    int64_t n0, n1;
+    share(L.n, 4, tid, nt, n0, n1);
+    if (n0 < n1) gemm_part(L, in, M, y, ldy, n0, n1, accumulate, wide);
+  }
 #pragma omp barrier
 }
 

@@ -85,6 +85,28 @@ def test_a_row_does_not_depend_on_the_others(name, repacked):
     assert torch.equal(torch.ops.tandem.block_linear(x, w, kind, 512), alone)
 
 
+@pytest.mark.parametrize("name, repacked", [("Q8_0", False), ("Q4_K", True), ("Q6_K", True)])
+def test_the_threads_chunks_give_the_same_bits_whatever_the_thread_count(name, repacked):
+    """The rows are handed out in chunks from a shared counter (gemm.h's Chunks): which thread takes which
+    chunk changes from call to call and with the thread count, the results must not."""
+    fmt, rng = FORMATS[name], np.random.default_rng(9)
+    w = torch.from_numpy(random_blocks(fmt, 8 * 33 + 5, 256, rng))  # 33 groups of 8 and a plain tail
+    kind = fmt.kind
+    if repacked:
+        w, kind = torch.ops.tandem.block_repack(w, fmt.kind, 256), fmt.kind + 100
+    x = torch.randn(3, 256)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.tandem.block_linear(x, w, kind, 256)
+        for threads in (2, 3, 5):  # (more threads than cores: chunks taken in any order)
+            torch.set_num_threads(threads)
+            for _ in range(3):
+                assert torch.equal(torch.ops.tandem.block_linear(x, w, kind, 256), one), threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_inputs_are_refused_naming_them():
     fmt = FORMATS["Q8_0"]
     w = torch.zeros(4, fmt.row_bytes(64), dtype=torch.uint8)
