@@ -194,6 +194,24 @@ def start(name: str, module: str, *args: str, capture_log: bool = True, log_path
     return server
 
 
+def run_to_exit(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m module *args` run to its end (as subprocess.run with capture_output and text), started as start()
+    starts servers: for a server that should refuse its flags and exit. Raises subprocess.TimeoutExpired (the
+    process killed) if it runs past `timeout` seconds."""
+    server = start(module, module, *args)
+    try:
+        code = server.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        raise
+    stdout = []
+    while (line := server._lines.get(timeout=10)) is not _EOF:  # the pump reads to EOF after the exit
+        stdout.append(line + "\n")
+    stderr = server.log(tail_chars=1 << 30)
+    server.stop(timeout=1)  # closes the log
+    return subprocess.CompletedProcess(server.args, code, "".join(stdout), stderr)
+
+
 def launch(name: str, module: str, *args: str, ready_timeout: float = READY_TIMEOUT_S, **kw) -> ServerProcess:
     """start() and wait for READY (stopping the server if it does not come up); keywords as start()'s."""
     server = start(name, module, *args, **kw)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import random
 import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
 
 from models.decode.native import machine_refusal
+from tandem import server_process
 from tandem.common.v1 import common_pb2 as cpb
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
@@ -161,7 +160,7 @@ def test_the_issues_32_by_64(request, model_dir):
                                           (("--tensor-parallel-size", "2"), "--deterministic: --tensor-parallel-size")])
 def test_refused_at_start_before_loading(tmp_path, model_dir, flags, words):
     args = [f.format(tmp=tmp_path) for f in flags]
-    done = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(model_dir), "--deterministic",
-                           *args, "--port", "0"], capture_output=True, text=True, timeout=120)
+    done = server_process.run_to_exit("executor_service", "--model", str(model_dir), "--deterministic", *args,
+                                      "--port", "0", timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert words in done.stderr and str(tmp_path) not in done.stderr

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 
 import pytest
 
+from tandem import server_process
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for
 
@@ -70,8 +70,8 @@ def test_greedy_tokens_follow_the_float32_kv_executor(executors):
 
 
 def _exit_of(model_dir, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "executor_service", "--model", str(model_dir), "--port", "0",
-                           "--kv-blocks", "8", *args], capture_output=True, text=True, timeout=180)
+    return server_process.run_to_exit("executor_service", "--model", str(model_dir), "--port", "0",
+                                      "--kv-blocks", "8", *args, timeout=180)
 
 
 def test_native_decode_kernel_with_another_kv_dtype_exits_2(model_dir):

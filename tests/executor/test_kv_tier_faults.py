@@ -14,8 +14,6 @@ import concurrent.futures as cf
 import random
 import re
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -24,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from executor_service.kv.tiers.config import add_flags, from_args
+from tandem import server_process
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_executor
 from tests.small_fs import fill, mount_refused, remount, tmpfs
@@ -175,9 +174,8 @@ def test_a_read_only_directory_refuses_the_start(model_dir, tmp_path):
         pytest.skip(mount_refused())
     with tmpfs(tmp_path / "ro", "64k") as ro:
         remount(ro, "ro")
-        r = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(model_dir), "--port", "0",
-                            "--device", "cpu", "--kv-disk-dir", str(ro / "tier"), "--kv-disk-gb", "1"],
-                           capture_output=True, text=True, timeout=300)
+        r = server_process.run_to_exit("executor_service", "--model", str(model_dir), "--port", "0", "--device",
+                                       "cpu", "--kv-disk-dir", str(ro / "tier"), "--kv-disk-gb", "1", timeout=300)
         assert r.returncode == 2, r.stderr[-3000:]
         assert "--kv-disk-dir cannot hold the disk tier: the file system is read-only" in r.stderr
         assert "Traceback" not in r.stderr

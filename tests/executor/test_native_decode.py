@@ -23,6 +23,7 @@ from executor_service.step.decode_choice import choose_decode
 from executor_service.types import CacheRef, DecodeItem
 from models.decode.native import (NativeBuild, NativeDecode, build_library, load_kernel, machine_refusal,
                                   native_refusal)
+from tandem import server_process
 from tests.executor.test_lora_parity import ADAPTERS, Setup as LoraSetup
 from tests.executor_driver import (LOGITS, assert_greedy_matches, greedy_run, make_executor, mixed_batch_run,
                                    teacher_forced_logits)
@@ -303,8 +304,8 @@ def test_real_executor_process_serves_native_steps(tiny_checkpoint):
         assert kv.free_blocks == kv.total_blocks and kv.active_caches == 0
     assert tokens == ref_tokens
     assert max(rel_err(torch.from_numpy(a.copy()), b) for a, b in zip(got, ref_logits)) < TOL
-    done = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(tiny_checkpoint("qwen3_moe")),
-                           "--decode-kernel", "native", "--port", "0"], capture_output=True, text=True, timeout=120)
+    done = server_process.run_to_exit("executor_service", "--model", str(tiny_checkpoint("qwen3_moe")),
+                                      "--decode-kernel", "native", "--port", "0", timeout=120)
     assert done.returncode == 2 and "MoE layers are not in the native step" in done.stderr
     # an executor whose compiler ($CXX of its environment) is not there: the flag exits 2 saying so
     done = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(model_dir), "--decode-kernel",

@@ -13,7 +13,6 @@ import concurrent.futures as cf
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from executor_service.in_process_client import InProcessExecutorClient
 from executor_service.tp.channel import EXIT_GROUP_DOWN
 from models.loader import load_model
 from models.parallel.shard import Shard, shard_model
+from tandem import server_process
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as pb
 from tests.executor.tp_scenario import run_scenario
@@ -124,8 +124,7 @@ def test_a_shard_holds_about_a_quarter_of_the_weights_at_tp4(family, checkpoint)
 
 
 def _run(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "executor_service", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return server_process.run_to_exit("executor_service", *args, timeout=timeout)
 
 
 def _free_port() -> int:

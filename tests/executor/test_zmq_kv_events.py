@@ -12,8 +12,6 @@ from __future__ import annotations
 import random
 import re
 import socket
-import subprocess
-import sys
 import threading
 import urllib.request
 
@@ -23,6 +21,7 @@ import zmq
 from executor_service.kv.events.hub import BlocksRemoved, BlocksStored
 from executor_service.kv.events.vllm_wire import hash_to_int
 from executor_service.kv.events.zmq_publisher import ZmqKvPublisher
+from tandem import server_process
 from tandem.block_hash import chain_hashes, root_hash
 from tandem.executor.v1 import executor_pb2 as pb
 from tests.grpc_harness import start_for
@@ -188,8 +187,8 @@ def test_stalled_subscriber_never_slows_the_model_and_replay_recovers(server, ct
     (["--kv-events-endpoint", "tcp://*:70000"], "--kv-events-endpoint: port must be 1..65535"),
 ])
 def test_startup_refuses_bad_or_exposed_endpoints(model_dir, flags, message):
-    done = subprocess.run([sys.executable, "-m", "executor_service", "--model", str(model_dir), "--port", "0",
-                           *flags], capture_output=True, text=True, timeout=120)
+    done = server_process.run_to_exit("executor_service", "--model", str(model_dir), "--port", "0", *flags,
+                                      timeout=120)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "READY" not in done.stdout
     if "loopback" in message:
