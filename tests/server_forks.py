@@ -29,11 +29,12 @@ _PRELOAD = {  # module a server runs -> modules its zygote imports first
     "executor_service": ("executor_service.__main__", "grpc._server", "grpc._interceptor"),
     "scheduler": ("scheduler.__main__", "grpc._server", "grpc._interceptor"),
 }
-# Read while the zygote's modules import (libgomp, glibc malloc, the interpreter, torch's logging, gRPC): a child
-# that asks for other values than the zygote had must start fresh. Not TORCHINDUCTOR_* (read when inductor is
-# imported, in the child; a compile in a test process sets TORCHINDUCTOR_CACHE_DIR in its environment).
-_IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "MKL_", "GOMP_", "PYTHON", "LD_", "MALLOC_", "TORCH_", "PYTORCH_", "CUDA_",
-                         "GRPC_")
+# Read while the zygote's modules load (libgomp, glibc malloc, the interpreter, torch's logging, gRPC): a child
+# that asks for other values than the zygote had must start fresh. Not what libraries in a test process set for
+# themselves at run time: TORCHINDUCTOR_CACHE_DIR (torch.compile; inductor is imported in the child, if at all),
+# KMP_DUPLICATE_LIB_OK / KMP_INIT_AT_FORK (sentence-transformers' import; Intel's OpenMP, which torch's CPU
+# wheel does not load), MKL_* (read when MKL first runs, in the child).
+_IMPORT_TIME_PREFIXES = ("OMP_", "GOMP_", "PYTHON", "LD_", "MALLOC_", "TORCH_", "PYTORCH_", "CUDA_", "GRPC_")
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
