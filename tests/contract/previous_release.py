@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-PREVIOUS_RELEASE = "05f3ccfd2c4b30c95f3b02658ec3effcd5dd0ebb"  # "Suite fixes after the merges: ..." (stop 53)
+PREVIOUS_RELEASE = "a6fed5e5fb609cfe3120ef22051a7edff09a7288"  # "Vision tests share their chat prompt ..." (stop 54)
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
