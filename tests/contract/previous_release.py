@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-PREVIOUS_RELEASE = "a6fed5e5fb609cfe3120ef22051a7edff09a7288"  # "Vision tests share their chat prompt ..." (stop 54)
+PREVIOUS_RELEASE = "c79e15f7ecc42da08e7d34e9fa3faf0f103d4453"  # "docs/development.md: how the suite runs its servers" (stop 55)
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
