@@ -6,8 +6,9 @@ per burst instead of once per token. At batch 1 on a small model that cost is 3-
 
 What it costs: tokens reach the client in bursts (one message per call), and a request arriving during a
 burst waits for its end. Both are bounded by time, not by a count: a burst lasts about --decode-burst-ms
-(the steps that fit, from the measured time per step; at most --max-decode-steps), so a slow model (a step
-longer than the window) keeps one step per call and a fast one gets its overhead amortised.
+(the number of steps whose time, measured per step, comes closest to it; at most --max-decode-steps), so a
+slow model (a step longer than 2/3 of the window) keeps one step per call and a fast one gets its overhead
+amortised.
 
 Speculative decoding composes with bursts where the executor lists "multi_step_drafts": a burst's
 sequences that may draft (scheduler/engine/speculation.py: --speculative-max-batch, no constraint) get
@@ -66,11 +67,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = BurstConfig()
     g = ap.add_argument_group("multi-step decode (several decode steps per executor call while nothing waits)")
     g.add_argument("--decode-burst-ms", type=float, default=d.window_ms, metavar="MS",
-                   help="when every running request is decoding and none waits, the executor runs as many decode "
-                        "steps per call as fit in about this time (from the measured step time), streaming their "
-                        "tokens as one message: the per-call overhead (3-5 ms on a CPU) is paid once per burst. "
-                        "Tokens then arrive in bursts of at most this long, and a new request waits at most that "
-                        f"long to start. 0 = one step per call (default {d.window_ms:g})")
+                   help="when every running request is decoding and none waits, the executor runs the number of "
+                        "decode steps per call whose time comes closest to this (from the measured step time), "
+                        "streaming their tokens as one message: the per-call overhead (3-5 ms on a CPU) is paid "
+                        "once per burst. Tokens then arrive in bursts of about this long (at most 1.5x), and a new "
+                        f"request waits about that long to start. 0 = one step per call (default {d.window_ms:g})")
     g.add_argument("--max-decode-steps", type=int, default=d.max_steps, metavar="N",
                    help=f"most decode steps per call (1..256; 1 = one step per call; default {d.max_steps})")
 
@@ -109,7 +110,9 @@ class DecodeBursts:
         if (self.max_steps < 2 or not cfg.window_ms or waiting or (speculator is not None and not inside)
                 or self.step_s is None or MULTI_STEP_DECODE not in capabilities or not plan.items):
             return 1
-        fit = int(cfg.window_ms / 1e3 / self.step_s)
+        # The count whose time comes closest to the window (not the most that fit in it): a model whose step is
+        # 55-65 ms gets 2 steps (~120 ms) per call rather than 1, so its tokens stop paying the call's 3-5 ms each.
+        fit = int(cfg.window_ms / 1e3 / self.step_s + 0.5)
         steps = min(self.max_steps, fit)
         for item in plan.items:
             seq = item.seq

@@ -73,8 +73,11 @@ def measured(step_ms: float, window_ms: float = 100, max_steps: int = 16) -> Dec
     return bursts
 
 
-def test_a_burst_takes_the_steps_that_fit_its_window():
+def test_a_burst_takes_the_steps_whose_time_is_closest_to_its_window():
     assert measured(25).steps(plan_of(decoding()), False, kv(), CAPS, None) == 4
+    assert measured(30).steps(plan_of(decoding()), False, kv(), CAPS, None) == 3  # 90 ms, not 120
+    assert measured(60).steps(plan_of(decoding()), False, kv(), CAPS, None) == 2  # 120 ms is closer than 60
+    assert measured(70).steps(plan_of(decoding()), False, kv(), CAPS, None) == 1  # 70 ms is closer than 140
     assert measured(5).steps(plan_of(decoding()), False, kv(), CAPS, None) == 16  # --max-decode-steps
     assert measured(250).steps(plan_of(decoding()), False, kv(), CAPS, None) == 1  # a slow model: one step
     assert DecodeBursts(BurstConfig()).steps(plan_of(decoding()), False, kv(), CAPS, None) == 1  # not measured
