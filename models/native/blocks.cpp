@@ -58,19 +58,21 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> q(M * K);
   std::vector<float> dx(M * K / 32), dxs(M * K / 32);
-  std::vector<int32_t> o16(M * K / 16);
-  const blocks::Q8 q8{q.data(), dx.data(), dxs.data(), o16.data()};
+  std::vector<int32_t> o16(M * K / 16), bs2(M * K / 64 + 1);
+  const blocks::Q8 q8{q.data(), dx.data(), dxs.data(), o16.data(), bs2.data()};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   const int32_t k = static_cast<int32_t>(kind);
+  const int64_t group = blocks::block_weights(k);  // the activations' quantization blocks (blocks.h)
   std::atomic<int64_t> counters[3] = {0, 0, 0};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     int64_t b0, b1;
-    share(M * (K / 32), 1, tid, nt, b0, b1);
-    blocks::quantize_q8(xp, q8, b0, b1);
+    share(M * (K / group), 1, tid, nt, b0, b1);
+    if (group == 256) blocks::quantize_q8_256(xp, q8, b0, b1);
+    else blocks::quantize_q8(xp, q8, b0, b1);
 #pragma omp barrier
     Chunks chunks(counters);  // (whole groups of repacked rows)
     chunks.run(N, 8, tid, nt, [&](int64_t n0, int64_t n1) {

@@ -3,8 +3,10 @@
 // linear layers) and blocks.cpp (the ops block_linear / block_dequant of the PyTorch forward).
 //
 // Activations are quantized as llama.cpp does for these formats, one int8 per value with one float32 scale per
-// block of 32 (dx = absmax / 127; q8 below), plus the block's sum of the int8 values times dx (for the formats
-// with a minimum, whose dot product is a * (q . xq) + b * sum(xq)). Every weight format is unpacked, per 32
+// block of the format's size (dx = absmax / 127): per 32 values for the formats of 32 (llama.cpp's q8_0), per
+// 256 for the K-quants (its q8_K: the 8 sub-blocks of a weight block share the activations' scale, so the kernels
+// sum their products in integers and multiply by floats once per 256 weights), plus each block of 32's sum of the
+// int8 values times dx (for the formats with a minimum, whose dot product is a * (q . xq) + b * sum(xq)). Every weight format is unpacked, per 32
 // weights, into 32 int8 values q (already offset for the signed formats) with a scale for each half (Q6_K scales
 // 16 weights at a time; the others use one scale for both halves) and an offset b, so that w = scale * q + b:
 // the products q . xq are exact integer sums (u8 x s8 pairs: maddubs), then one float fma per 32 weights.
@@ -19,14 +21,16 @@
 #include <cstring>
 
 // One activation row (or M rows, row-major) quantized for the block formats: q [K] int8, dx [K / 32] the
-// scale of each block of 32, dxs [K / 32] = dx * the block's sum of q, o16 [K / 16]: per 16 values, two int16
-// 32 * (q[4c] + q[4c + 1]) and 32 * (q[4c + 2] + q[4c + 3]) summed over its 4 chunks c of 4 (Q6_Kx8's offset,
-// blocks_x8.h; null: not made).
+// scale of each block of 32 (quantized per 256: the same for each 8), dxs [K / 32] = dx * the block's sum of q,
+// o16 [K / 16]: per 16 values, two int16 32 * (q[4c] + q[4c + 1]) and 32 * (q[4c + 2] + q[4c + 3]) summed over its
+// 4 chunks c of 4 (Q6_Kx8's offset, blocks_x8.h; null: not made), bs2 [K / 64] (quantized per 256 only): the int
+// sums of q of the blocks of 32 2p and 2p + 1 as the low and high int16 of bs2[p] (Q4_Kx8's minimums).
 struct BlockQ8 {
   int8_t* q;
   float* dx;
   float* dxs;
   int32_t* o16;
+  int32_t* bs2;
 };
 
 // Where a product's results go: y[m * ldy + n] = v * scale[n] + bias[n] (each if set), or += with accumulate.
@@ -95,47 +99,73 @@ inline void put(const BlockOut& o, int64_t m, int64_t n, float v) {
   *p = o.accumulate ? *p + v : v;
 }
 
-// Rows of x [M, K] (K % 32 == 0) quantized into out, blocks [b0, b1) of the M * K / 32 (contiguous over rows).
-inline void quantize_q8(const float* x, const Q8& out, int64_t b0, int64_t b1) {
-  for (int64_t blk = b0; blk < b1; ++blk) {
-    const float* src = x + blk * 32;
-    __m256 mx = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
-    const __m256 vinv = _mm256_set1_ps(inv);
-    __m256i r[4];
-    for (int i = 0; i < 4; ++i)  // round to nearest even, as nearbyint: |.| <= 127
-      r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i), vinv),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    s4 = _mm_hadd_epi32(s4, s4);
-    s4 = _mm_hadd_epi32(s4, s4);
-    // int32 -> int8 in order: packs work per 128-bit lane, the permute puts the lanes back in order
-    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-    const __m256i p8 = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q + blk * 32), p8);
-    out.dx[blk] = d;
-    out.dxs[blk] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
-    if (out.o16) {
-      const int8_t* q = out.q + blk * 32;
-      for (int h = 0; h < 2; ++h) {
-        int32_t even = 0, odd = 0;
-        for (int c = 0; c < 4; ++c) {
-          even += q[16 * h + 4 * c] + q[16 * h + 4 * c + 1];
-          odd += q[16 * h + 4 * c + 2] + q[16 * h + 4 * c + 3];
-        }  // |32 * sum of 8| <= 32512: int16
-        out.o16[2 * blk + h] = static_cast<int32_t>(static_cast<uint16_t>(32 * even) |
-                                                    (static_cast<uint32_t>(static_cast<uint16_t>(32 * odd)) << 16));
-      }
+inline float absmax(const float* src, int n) {
+  __m256 mx = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+}
+
+// Block `blk` of 32 values (at x + 32 blk) quantized with scale d = amax / 127 into out: q, dx, dxs, o16.
+// Returns the int sum of its q.
+inline int32_t quantize_block32(const float* x, const Q8& out, int64_t blk, float amax) {
+  const float* src = x + blk * 32;
+  const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i)  // round to nearest even, as nearbyint: |.| <= 127
+    r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i), vinv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_hadd_epi32(s4, s4);
+  s4 = _mm_hadd_epi32(s4, s4);
+  // int32 -> int8 in order: packs work per 128-bit lane, the permute puts the lanes back in order
+  const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  const __m256i p8 = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q + blk * 32), p8);
+  const int32_t sum = _mm_cvtsi128_si32(s4);
+  out.dx[blk] = d;
+  out.dxs[blk] = d * static_cast<float>(sum);
+  if (out.o16) {
+    const int8_t* q = out.q + blk * 32;
+    for (int h = 0; h < 2; ++h) {
+      int32_t even = 0, odd = 0;
+      for (int c = 0; c < 4; ++c) {
+        even += q[16 * h + 4 * c] + q[16 * h + 4 * c + 1];
+        odd += q[16 * h + 4 * c + 2] + q[16 * h + 4 * c + 3];
+      }  // |32 * sum of 8| <= 32512: int16
+      out.o16[2 * blk + h] = static_cast<int32_t>(static_cast<uint16_t>(32 * even) |
+                                                  (static_cast<uint32_t>(static_cast<uint16_t>(32 * odd)) << 16));
     }
   }
+  return sum;
 }
+
+// Rows of x [M, K] (K % 32 == 0) quantized into out per block of 32, blocks [b0, b1) of the M * K / 32
+// (contiguous over rows).
+inline void quantize_q8(const float* x, const Q8& out, int64_t b0, int64_t b1) {
+  for (int64_t blk = b0; blk < b1; ++blk) quantize_block32(x, out, blk, absmax(x + blk * 32, 32));
+}
+
+// The same per block of 256 (K % 256 == 0; the K-quants' activations), blocks [c0, c1) of the M * K / 256, with
+// bs2 (|a block of 32's sum| <= 32 * 127: int16).
+inline void quantize_q8_256(const float* x, const Q8& out, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const float amax = absmax(x + c * 256, 256);
+    int32_t sums[8];
+    for (int j = 0; j < 8; ++j) sums[j] = quantize_block32(x, out, 8 * c + j, amax);
+    for (int p = 0; p < 4; ++p)
+      out.bs2[4 * c + p] = static_cast<int32_t>(static_cast<uint16_t>(sums[2 * p]) |
+                                                (static_cast<uint32_t>(static_cast<uint16_t>(sums[2 * p + 1])) << 16));
+  }
+}
+
+// Whether a kind's activations are quantized per 256 (quantize_q8_256) rather than per 32.
+inline bool per_256(int32_t kind) { return block_weights(kind) == 256; }
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }

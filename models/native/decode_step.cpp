@@ -215,9 +215,9 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
   bool rows_share = false;
   for (int64_t b = 1; b < B && !rows_share; ++b) rows_share = tables[b * width] == tables[(b - 1) * width];
   const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
-  std::vector<float> x, xn, qkv, att, gate, up, qd, q8dx, q8dxs;
-  std::vector<int32_t> q8o16;
-  std::vector<int8_t> qhi, qlo, q8;
+  std::vector<float> x, xn, qkv, att, gate, up, qd, q8dx, q8dxs, q8kdx, q8kdxs;
+  std::vector<int32_t> q8o16, q8ko16, q8kbs2;
+  std::vector<int8_t> qhi, qlo, q8, q8k;
   try {
     qhi.resize(B * max_k);
     qlo.resize(B * max_k);
@@ -226,6 +226,11 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
     q8dx.resize(B * max_k / 32 + 1);
     q8dxs.resize(B * max_k / 32 + 1);
     q8o16.resize(B * max_k / 16 + 1);
+    q8k.resize(B * max_k);  // (the same per block of 256: blocks.h)
+    q8kdx.resize(B * max_k / 32 + 1);
+    q8kdxs.resize(B * max_k / 32 + 1);
+    q8ko16.resize(B * max_k / 16 + 1);
+    q8kbs2.resize(B * max_k / 64 + 1);
     x.resize(B * H);
     xn.resize(B * H);
     qkv.resize(B * QKV);
@@ -235,9 +240,10 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
   } catch (const std::bad_alloc&) {
     return 1;
   }
-  const blocks::Q8 xq8{q8.data(), q8dx.data(), q8dxs.data(), q8o16.data()};
+  const blocks::Q8 xq8{q8.data(), q8dx.data(), q8dxs.data(), q8o16.data(), nullptr};
+  const blocks::Q8 xq8k{q8k.data(), q8kdx.data(), q8kdxs.data(), q8ko16.data(), q8kbs2.data()};
   // The inputs of the linear layers: x, with the scratch of its quantized forms.
-  auto input = [&](const float* rows) { return Input{rows, qhi.data(), qlo.data(), qd.data(), xq8}; };
+  auto input = [&](const float* rows) { return Input{rows, qhi.data(), qlo.data(), qd.data(), xq8, xq8k}; };
   for (int64_t b = 0; b < B; ++b) {
     if (m.embed_kind != 0) {  // a block-format table: the row dequantized
       blocks::matrix_row_to_float(m.embed_kind, static_cast<const uint8_t*>(m.embed), ids[b], m.vocab, H,
@@ -301,7 +307,12 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
         gemm(L.o, input(att.data()), B, x.data(), H, true, wide.data(), tid, nt, chunks);  // x += o(att)
         rms_norm_rows(x.data(), L.post_norm, m.eps, B, H, xn.data(), tid, nt);
         if (L.gate.kind == 3 || L.up.kind == 3) quantize_rows(xin, B, H, tid, nt);  // once for both
-        if (L.gate.kind == kBlockKind || L.up.kind == kBlockKind) quantize_rows_q8(xin, B, H, tid, nt);
+        if (L.gate.kind == kBlockKind || L.up.kind == kBlockKind) {
+          bool by32 = false, by256 = false;
+          forms_read(L.gate, by32, by256);
+          forms_read(L.up, by32, by256);
+          quantize_rows_q8(by32, by256, xin, B, H, tid, nt);
+        }
         // gate, up and SiLU(gate) * up on a range of columns at a time: no barrier between
         auto mlp_in = [&](int64_t n0, int64_t n1) {
           gemm_part(L.gate, xin, B, gate.data(), I, n0, n1, false, wide.data());

@@ -194,20 +194,34 @@ void gemm_rows(const T* w, const Epilogue& ep, int64_t K, const float* x, int64_
 // * d with hi = round(x / d) and lo = round((x - hi d) * 254 / d), both int8 ([M, K] each; d: [M, K / 32]).
 // Two int8 digits give ~15-bit activations (one digit, llama.cpp's q8_0 way, cost 4x the NLL increase of the
 // int8 weights alone on SmolLM2); the integer products stay exact and the step stays bound by memory.
-// For block-format weights (blocks.h) x is quantized to one int8 digit per value instead, into q8.
+// For block-format weights (blocks.h) x is quantized to one int8 digit per value instead: into q8 per block of 32
+// (the formats of 32), into q8k per block of 256 (the K-quants).
 struct Input {
   const float* x;
   int8_t* hi;
   int8_t* lo;
   float* d;
   blocks::Q8 q8;
+  blocks::Q8 q8k;
 };
 
-// x's rows quantized for block-format weights, blocks of 32 split over the team, then a barrier.
-void quantize_rows_q8(const Input& in, int64_t M, int64_t K, int tid, int nt) {
+// Which quantized forms of its input the block-format parts of L read: per 32 (by32), per 256 (by256).
+void forms_read(const TdLinear& L, bool& by32, bool& by256) {
+  if (L.kind != kBlockKind) return;
+  for (int p = 0; p < L.nparts; ++p) (blocks::per_256(L.parts[p].kind) ? by256 : by32) = true;
+}
+
+// x's rows [M, K] quantized in the forms asked for, the blocks split over the team, then a barrier.
+void quantize_rows_q8(bool by32, bool by256, const Input& in, int64_t M, int64_t K, int tid, int nt) {
   int64_t b0, b1;
-  share(M * (K / 32), 1, tid, nt, b0, b1);
-  blocks::quantize_q8(in.x, in.q8, b0, b1);
+  if (by32) {
+    share(M * (K / 32), 1, tid, nt, b0, b1);
+    blocks::quantize_q8(in.x, in.q8, b0, b1);
+  }
+  if (by256) {
+    share(M * (K / 256), 1, tid, nt, b0, b1);
+    blocks::quantize_q8_256(in.x, in.q8k, b0, b1);
+  }
 #pragma omp barrier
 }
 
@@ -291,7 +305,8 @@ void gemm_part(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t 
       const TdPart& part = L.parts[p];
       const int64_t a = std::max(n0, row0), b = std::min(n1, row0 + part.rows);
       if (a < b)
-        blocks::gemm_blocks(part.kind, static_cast<const uint8_t*>(part.w), row0, part.rows, L.k, in.q8, M, a, b,
+        blocks::gemm_blocks(part.kind, static_cast<const uint8_t*>(part.w), row0, part.rows, L.k,
+                            blocks::per_256(part.kind) ? in.q8k : in.q8, M, a, b,
                             BlockOut{y, ldy, L.scale, L.bias, accumulate});
       row0 += part.rows;
     }
@@ -313,7 +328,9 @@ void gemm(const TdLinear& L, const Input& in, int64_t M, float* y, int64_t ldy, 
           int tid, int nt, Chunks& chunks) {
   if (L.kind == 3) quantize_rows(in, M, L.k, tid, nt);
   if (L.kind == kBlockKind) {
-    quantize_rows_q8(in, M, L.k, tid, nt);
+    bool by32 = false, by256 = false;
+    forms_read(L, by32, by256);
+    quantize_rows_q8(by32, by256, in, M, L.k, tid, nt);
     chunks.run(L.n, 8, tid, nt, [&](int64_t n0, int64_t n1) { gemm_part(L, in, M, y, ldy, n0, n1, accumulate, wide); });
   } else {
     int64_t n0, n1;

@@ -4,8 +4,8 @@ resident copy of the blocks, never a float copy beside them.
 - `BlockWeight`: a linear layer's weight as consecutive row ranges (parts), each in one format (a fused q/k/v
   of a Q4_K_M file is Q4_K q/k rows then Q6_K v rows). Repacked parts (`repack_block_weights`: Q4_0, Q4_K,
   Q6_K rows interleaved 8 by 8) at every size, and small calls (decode) of the others, run the native kernel on
-  the blocks (`torch.ops.tandem.block_linear`: activations quantized to 8 bits per block of 32, integer dot
-  products, as llama.cpp does); larger calls of the other formats (prefill) dequantize each part once per call
+  the blocks (`torch.ops.tandem.block_linear`: activations quantized to 8 bits per block of 32, or of 256 for
+  the K-quants, integer dot products, as llama.cpp does); larger calls of the other formats (prefill) dequantize each part once per call
   and multiply in float, which the call's many rows amortize, with the activations rounded to the same 8 bits first
   (`q8_activations`): both paths then compute the same products up to float rounding, so that a prompt
   recomputed after preemption, or drafts verified in one call, give what decode steps gave (without it they
@@ -97,11 +97,13 @@ def _native() -> bool:
     return _available if _available is not None else _ops_present()
 
 
-def q8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x float32 [T, in] (in % 32 == 0) with each block of 32 values rounded as block_linear quantizes them:
-    q = round-half-even(x * 127 / absmax), value q * absmax / 127 (models/native/blocks.h quantize_q8)."""
-    b = x.view(x.shape[0], -1, 32)  # [T, in / 32, 32]
-    amax = b.abs().amax(dim=-1, keepdim=True)  # [T, in / 32, 1]
+def q8_activations(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x float32 [T, in] (in % group == 0) with each block of `group` values rounded as block_linear quantizes
+    them for a format whose blocks hold `group` weights (32, or 256 for the K-quants: `fmt.block_weights`):
+    q = round-half-even(x * 127 / absmax), value q * absmax / 127 (models/native/blocks.h quantize_q8 /
+    quantize_q8_256)."""
+    b = x.view(x.shape[0], -1, group)  # [T, in / group, group]
+    amax = b.abs().amax(dim=-1, keepdim=True)  # [T, in / group, 1]
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(b * inv) * (amax / 127.0)).view_as(x)
 
@@ -149,12 +151,14 @@ class BlockWeight:
         x32 = x.float().contiguous()
         if _native():
             big = self.out_features * self.in_features > NEVER_DEQUANTIZED
-            outs, xq = [], None
+            outs, rounded = [], {}  # (x rounded per group of 32 / 256, made once each)
             for fmt, b in self.parts:
                 if x.shape[0] <= SMALL_ROWS or big or fmt.interleave != 1:  # on the blocks
                     outs.append(torch.ops.tandem.block_linear(x32, b, fmt.kind, self.in_features, None))
                 else:  # dequantized into the thread's scratch, activations rounded as the kernel rounds them
-                    xq = q8_activations(x32) if xq is None else xq
+                    if fmt.block_weights not in rounded:
+                        rounded[fmt.block_weights] = q8_activations(x32, fmt.block_weights)
+                    xq = rounded[fmt.block_weights]
                     outs.append(F.linear(xq, torch.ops.tandem.block_dequant(
                         b, fmt.kind, self.in_features, _scratch_for(b.shape[0], self.in_features))))
         else:  # (the numpy fallback has no kernel to agree with: float activations there)

@@ -31,9 +31,10 @@ def random_blocks(fmt: BlockFormat, rows: int, columns: int, rng: np.random.Gene
     return raw.reshape(rows, -1)
 
 
-def q8_activations(x: np.ndarray) -> np.ndarray:
-    """x [M, K] as the kernel quantizes it, back in float64."""
-    b = x.reshape(x.shape[0], -1, 32)
+def q8_activations(x: np.ndarray, group: int = 32) -> np.ndarray:
+    """x [M, K] as the kernel quantizes it for a format of `group` weights per block (32, or 256: the K-quants'
+    activations share one scale per 256 values), back in float64."""
+    b = x.reshape(x.shape[0], -1, group)
     amax = np.abs(b).max(-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     return (np.rint(b * inv).astype(np.float64) * (amax / np.float32(127))).reshape(x.shape)
@@ -64,10 +65,10 @@ def test_linear_equals_the_reference_product(name):
         bias = rng.standard_normal(rows).astype(np.float32)
         for m in (1, 3, 8, 11):  # one and two passes of 8 activation rows
             x = rng.standard_normal((m, columns)).astype(np.float32)
-            x[0, :32] = 0  # an all-zero activation block (scale 0)
+            x[0, :fmt.block_weights] = 0  # an all-zero activation block (scale 0)
             got = torch.ops.tandem.block_linear(torch.from_numpy(x), torch.from_numpy(w), fmt.kind, columns,
                                                 torch.from_numpy(bias)).numpy()
-            want = q8_activations(x) @ ref.T + bias
+            want = q8_activations(x, fmt.block_weights) @ ref.T + bias
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
             exact = x.astype(np.float64) @ ref.T + bias  # the activations' rounding: ~1% of the outputs' range
             assert np.abs(got - exact).max() < 0.03 * np.abs(exact).max()
@@ -197,11 +198,11 @@ def test_repacked_linear_equals_the_reference_product(name):
         bias = rng.standard_normal(rows).astype(np.float32)
         for m in (1, 3, 8, 11):
             x = rng.standard_normal((m, columns)).astype(np.float32)
-            x[0, :32] = 0
+            x[0, :fmt.block_weights] = 0
             x[-1, -16:] *= 50  # a block whose int8 values reach +-127 (the int16 sums' bound)
             got = torch.ops.tandem.block_linear(torch.from_numpy(x), packed, kind, columns,
                                                 torch.from_numpy(bias)).numpy()
-            want = q8_activations(x) @ ref.T + bias
+            want = q8_activations(x, fmt.block_weights) @ ref.T + bias
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
             plain = torch.ops.tandem.block_linear(torch.from_numpy(x), torch.from_numpy(w), fmt.kind, columns,
                                                   torch.from_numpy(bias)).numpy()
@@ -227,5 +228,5 @@ def test_extreme_values_stay_exact_in_the_repacked_kernels():
             for sign in (1.0, -1.0):
                 x = np.full((2, columns), sign, dtype=np.float32)
                 got = torch.ops.tandem.block_linear(torch.from_numpy(x), packed, kind, columns).numpy()
-                want = q8_activations(x) @ ref.T
+                want = q8_activations(x, fmt.block_weights) @ ref.T
                 np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() + 1e-6)
