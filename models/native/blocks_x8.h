@@ -77,6 +77,8 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
     acc[r] = _mm256_setzero_ps();
   }
   if constexpr (K == Q4_0x8) {  // 8 maddubs per int16 lane: |sum| <= 8 * 2 * 15 * 127 = 30480
+    __m256 off[R];
+    for (int r = 0; r < R; ++r) off[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = g + b * 144;
       __m256i s[R];
@@ -90,14 +92,14 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
           s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, bcast4(xq[r] + 32 * b + 16 + 4 * j)));
         }
       }
-      const __m256 d = half8(p), d8 = _mm256_mul_ps(d, _mm256_set1_ps(8.f));  // w = d q - 8 d
-      for (int r = 0; r < R; ++r) {  // (the block's sum apart: one add per block on acc's dependency chain)
-        const __m256 blk = _mm256_fnmadd_ps(d8, _mm256_broadcast_ss(dxs[r] + b),
-                                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)),
-                                                          _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b))));
-        acc[r] = _mm256_add_ps(acc[r], blk);
+      const __m256 d = half8(p);  // w = d q - 8 d: the -8 d part summed apart (off), subtracted once at the end
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)),
+                                 _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
+        off[r] = _mm256_fmadd_ps(d, _mm256_broadcast_ss(dxs[r] + b), off[r]);
       }
     }
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), off[r], acc[r]);
   } else if constexpr (K == Q4_Kx8) {  // w = d sc q - dmin m, activations per 256 (one scale dk per block):
     // per row, in integers, S = sum_j sc_j (q_j . x_j) and Mn = sum_j m_j bsum_j over the 8 sub-blocks j
     // (|S| <= 8 * 63 * 2 * 30480, |Mn| <= 8 * 63 * 4064: exact), then y += d dk S - dmin dk Mn: two float
