@@ -19,7 +19,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.config import ModelConfig
-from models.memory.mapped_pages import release_file_pages
+from models.memory.mapped_pages import file_mappings, release_file_pages
 from models.families import CHECKPOINT_LAYOUTS
 from models.quant.prequantized import PrequantizedLinears, scheme_of
 from tandem.errors import CheckpointError
@@ -108,6 +108,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     handles: dict[Path, object] = {}
     read_names: set[str] = set()  # every checkpoint tensor read (the rest are reported unused)
     sources: list[torch.Tensor] = []  # what the parameter being made was read from
+    # file_mappings() once a shard is opened, not once a weight: the sources lie in the shards' mappings, which
+    # stay while `handles` holds them (read again after each new shard)
+    spans: list[list[tuple[int, int]]] = []
 
     def read(name: str, as_named: bool = False) -> torch.Tensor:
         """as_named: the checkpoint's own name (the vision tower's); else ours, mapped to the text tower's."""
@@ -122,6 +125,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
             if not path.is_file():
                 raise CheckpointError(f"{source}: names shard {path.name} for {name!r}, but it does not exist")
             handles[path] = safe_open(str(path), framework="pt")
+            spans.clear()
         sources.append(handles[path].get_tensor(name))
         return sources[-1]
 
@@ -170,7 +174,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(meta.shape)}")
         state[name] = tensor.to(device=device, dtype=torch_dtype)
         if not any(state[name].data_ptr() == t.data_ptr() for t in sources):  # a copy: the file's pages go
-            release_file_pages(sources)
+            if not spans:
+                spans.append(file_mappings())
+            release_file_pages(sources, spans[0])
     sources.clear()
     bar.close()
     assign(layer)

@@ -22,6 +22,7 @@ from models.half_upcast import HalfUpcast, onednn_lacks
 from models.kv.paged_cache import PagedKvCache
 from models.layers import MLP, PACKED_MAX_TOKENS, Attention, Linear, RMSNorm  # noqa: F401  (re-exported)
 from models.lora.batch import LoraBatch
+from models.memory.mapped_pages import mappings_as_of_now
 from models.moe import SparseMoeBlock
 from models.quant.linear import quantize_linears
 from models.rope import RotaryEmbedding
@@ -100,7 +101,8 @@ class DecoderModel(nn.Module):
         """Low-precision linear weights (models/quant/linear.py) for the float linear layers (those in blocks
         keep theirs); returns the kernel used, None for "none" or when no layer is float."""
         self.weights_version += 1
-        return quantize_linears(self, mode, lambda m: isinstance(m, Linear) and m.quant is None, force_dequant)
+        with mappings_as_of_now():  # (it releases each weight's file pages: the weights, all loaded before)
+            return quantize_linears(self, mode, lambda m: isinstance(m, Linear) and m.quant is None, force_dequant)
 
     def pack_cpu_weights(self) -> bool:
         """Pre-packs every linear weight for oneDNN (models/layers.py), in place of the plain weight: each

@@ -53,6 +53,15 @@ def use_spawner(spawner: Spawner | None) -> None:
     _spawner = spawner
 
 
+def spawned(module: str, args: list[str], own_session: bool = False) -> ProcessHandle | None:
+    """`python -m module *args` from the installed spawner (stdin empty, stdout piped as text, stderr and working
+    directory this process's), or None when none is installed or it declines: the caller then starts the
+    process itself. For a server that starts processes of its own (tensor-parallel workers)."""
+    if _spawner is None:
+        return None
+    return _spawner(module, list(args), Path.cwd(), dict(os.environ, PYTHONUNBUFFERED="1"), 2, own_session)
+
+
 class ServerProcess:
     """A started server: .name, .address ("127.0.0.1:PORT"), .addresses (every word of READY after it; the
     scheduler's HTTP URL last with --http-port), .http_url ("http(s)://HOST:PORT" or None), .proc, .args."""

@@ -16,6 +16,10 @@ own_session) with four descriptors [report socket, stdin, stdout, stderr]; on th
 answers {"pid": N} after the fork and {"rc": CODE, "cpu_s": S} once the child is reaped (CODE as subprocess's
 returncode: negative for a signal; S the child's CPU seconds, user + system).
 
+Each child gets its own control socket to the zygote, installed as its tandem/server_process spawner
+(tests/server_forks.py's SiblingSpawner): what a server starts itself (a tensor-parallel rank 0 its workers,
+executor_service/tp/launch.py) is forked here too, a sibling of the server rather than its child.
+
     python -m tests.server_fork_zygote CONTROL_FD MODULE [MODULE ...]   (the modules to import first)
 """
 from __future__ import annotations
@@ -30,6 +34,9 @@ import signal
 import socket
 import sys
 
+from tandem import server_process
+from tests.server_forks import SiblingSpawner
+
 _PR_SET_PDEATHSIG = 1
 _MAX_FDS = 4
 
@@ -42,12 +49,15 @@ def _die_with(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _become_server(request: dict, fds: list[int], zygote_pid: int, to_close: list[socket.socket]) -> None:
-    """In the child: take the requested stdio, cwd, environment and argv, then run the module as __main__.
-    Returns only by an exception (SystemExit included), which ends this process as it would end a fresh one."""
+def _become_server(request: dict, fds: list[int], zygote_pid: int, to_close: list[socket.socket],
+                   own_control: socket.socket) -> None:
+    """In the child: take the requested stdio, cwd, environment and argv, install own_control (its line to the
+    zygote) as server_process's spawner, then run the module as __main__. Returns only by an exception
+    (SystemExit included), which ends this process as it would end a fresh one."""
     for s in to_close:
         s.close()
     _die_with(zygote_pid)
+    server_process.use_spawner(SiblingSpawner(own_control, dict(os.environ)))  # (the zygote's environment)
     if request["own_session"]:
         os.setsid()
     for target, fd in zip((0, 1, 2), fds[1:]):
@@ -85,27 +95,35 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 def serve(control: socket.socket, parent_pid: int) -> None:
     children: dict[int, socket.socket] = {}
+    child_controls: list[socket.socket] = []  # each child's line for starting its own servers (SiblingSpawner)
     zygote_pid = os.getpid()
     control.send(b"ready")
     while True:
-        readable, _, _ = select.select([control], [], [], 0.1)
+        readable, _, _ = select.select([control, *child_controls], [], [], 0.1)
         _reap(children)
         if os.getppid() != parent_pid:
             return  # the pytest worker is gone: children get SIGTERM from their parent-death signal
-        if not readable:
-            continue
-        message, fds, _, _ = socket.recv_fds(control, 1 << 20, _MAX_FDS)
-        if not message:
-            return  # the client closed the control socket
-        request = json.loads(message)
-        report = socket.socket(fileno=fds[0])
-        pid = os.fork()
-        if pid == 0:
-            _become_server(request, fds, zygote_pid, [control, report, *children.values()])
-        for fd in fds[1:]:
-            os.close(fd)
-        report.send(json.dumps({"pid": pid}).encode())
-        children[pid] = report
+        for source in readable:
+            message, fds, _, _ = socket.recv_fds(source, 1 << 20, _MAX_FDS)
+            if not message:
+                if source is control:
+                    return  # the client closed the control socket
+                child_controls.remove(source)  # that child exited
+                source.close()
+                continue
+            request = json.loads(message)
+            report = socket.socket(fileno=fds[0])
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            pid = os.fork()
+            if pid == 0:
+                _become_server(request, fds, zygote_pid,
+                               [control, report, ours, *children.values(), *child_controls], theirs)
+            theirs.close()
+            child_controls.append(ours)
+            for fd in fds[1:]:
+                os.close(fd)
+            report.send(json.dumps({"pid": pid}).encode())
+            children[pid] = report
 
 
 def main(argv: list[str]) -> None:

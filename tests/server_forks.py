@@ -94,6 +94,36 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _spawn(control: socket.socket, module: str, args: list[str], cwd: Path, env: dict[str, str], stderr_fd: int,
+           own_session: bool, why_not: str) -> ForkedProcess:
+    """One request to a zygote over its control socket (tests/server_fork_zygote.py's protocol); the caller holds
+    the socket's lock. why_not: what the error says when no child comes."""
+    out_r, out_w = os.pipe()
+    report, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    request = {"module": module, "args": args, "cwd": str(cwd), "env": env, "own_session": own_session}
+    try:
+        with open(os.devnull, "rb") as devnull:
+            socket.send_fds(control, [json.dumps(request).encode()],
+                            [theirs.fileno(), devnull.fileno(), out_w, stderr_fd])
+    finally:
+        theirs.close()
+        os.close(out_w)
+    ready, _, _ = select.select([report], [], [], 30)
+    message = report.recv(4096) if ready else b""
+    if not message:
+        os.close(out_r)
+        report.close()
+        raise RuntimeError(f"the fork server did not start {module} ({why_not})")
+    stdout = os.fdopen(out_r, "r", errors="replace")
+    return ForkedProcess(json.loads(message)["pid"], report, stdout, [sys.executable, "-m", module, *args])
+
+
+def _differ(env: dict[str, str], zygote_env: dict[str, str]) -> list[str]:
+    """The variables read at import time whose values differ between a child's environment and the zygote's."""
+    return sorted(k for k in _import_time_env(env).keys() | _import_time_env(zygote_env).keys()
+                  if env.get(k) != zygote_env.get(k))
+
+
 class _Zygote:
     def __init__(self, module: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -111,25 +141,9 @@ class _Zygote:
 
     def spawn(self, module: str, args: list[str], cwd: Path, env: dict[str, str], stderr_fd: int,
               own_session: bool) -> ForkedProcess:
-        out_r, out_w = os.pipe()
-        report, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = {"module": module, "args": args, "cwd": str(cwd), "env": env, "own_session": own_session}
-        try:
-            with open(os.devnull, "rb") as devnull, self._lock:
-                socket.send_fds(self.control, [json.dumps(request).encode()],
-                                [theirs.fileno(), devnull.fileno(), out_w, stderr_fd])
-        finally:
-            theirs.close()
-            os.close(out_w)
-        ready, _, _ = select.select([report], [], [], 30)
-        message = report.recv(4096) if ready else b""
-        if not message:
-            os.close(out_r)
-            report.close()
-            raise RuntimeError(f"the fork server did not start {module} (zygote exit code {self.proc.poll()})")
-        stdout = os.fdopen(out_r, "r", errors="replace")
-        return ForkedProcess(json.loads(message)["pid"], report, stdout,
-                             [sys.executable, "-m", module, *args])
+        with self._lock:
+            return _spawn(self.control, module, args, cwd, env, stderr_fd, own_session,
+                          f"zygote exit code {self.proc.poll()}")
 
     def close(self) -> None:
         self.control.close()  # the zygote exits on EOF; its children live on until stopped by their tests
@@ -155,8 +169,7 @@ class ForkServer:
             zygote = self._zygotes.get(module)
             if zygote is None:
                 zygote = self._zygotes[module] = _Zygote(module)
-        differ = sorted(k for k in _import_time_env(env).keys() | _import_time_env(zygote.env).keys()
-                        if env.get(k) != zygote.env.get(k))
+        differ = _differ(env, zygote.env)
         if differ:
             print(f"fork server: {module} starts fresh: its environment differs from the warm interpreter's in "
                   f"{', '.join(differ)}", file=sys.stderr)
@@ -168,3 +181,22 @@ class ForkServer:
             for zygote in self._zygotes.values():
                 zygote.close()
             self._zygotes.clear()
+
+
+class SiblingSpawner:
+    """server_process's spawner inside a forked server (installed by the zygote): what that server starts
+    itself (a tensor-parallel rank 0's workers) is forked by the same zygote, over the server's own control
+    socket, when the module is the zygote's and the environment agrees; the children are the zygote's, not the
+    server's (executor_service/tp/launch.py watches its rank 0 by pid, not as its parent)."""
+
+    def __init__(self, control: socket.socket, zygote_env: dict[str, str]) -> None:
+        self._control = control
+        self._zygote_env = zygote_env
+        self._lock = threading.Lock()
+
+    def __call__(self, module: str, args: list[str], cwd: Path, env: dict[str, str], stderr_fd: int,
+                 own_session: bool) -> ForkedProcess | None:
+        if module not in _PRELOAD or _differ(env, self._zygote_env):
+            return None
+        with self._lock:
+            return _spawn(self._control, module, args, cwd, env, stderr_fd, own_session, "the zygote is gone")

@@ -1,7 +1,8 @@
 """Starting a tensor-parallel group: flags, rendezvous, the process group, the watchdogs.
 
 - One machine (`--tensor-parallel-size N` alone): rank 0 starts ranks 1..N-1 itself (`python -m
-  executor_service` with the same flags plus hidden --tp-rank/--tp-store/--tp-parent-pid). The rendezvous is a
+  executor_service` with the same flags plus hidden --tp-rank/--tp-store/--tp-parent-pid; the test suite's
+  server_process spawner forks them from a warm interpreter instead, as siblings of rank 0). The rendezvous is a
   FileStore in a private temporary directory, and gloo binds the loopback interface: nothing listens off the
   machine.
 - Several machines (`--tp-master ADDR:PORT`, `--tp-rank R`, or torchrun's MASTER_ADDR/MASTER_PORT/RANK/
@@ -12,7 +13,7 @@
 Bounds: every rank announces itself in the store; rank 0 waits --tp-join-timeout for all of them and names the
 ones missing (or a local worker that exited first). Collectives are bounded by --tp-timeout. Rank 0 watches its
 local workers (one that exits takes the group down: executor_service/tp/channel.py's fatal); a local worker
-watches rank 0 (it exits when its parent is gone) on top of its failing collectives.
+watches rank 0 (it exits when rank 0 is gone: a pidfd, else its parent's pid) on top of its failing collectives.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -28,12 +30,14 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import IO
 
 import torch
 import torch.distributed as dist
 
 from executor_service.tp.channel import AT_FATAL, ControlChannel, fatal
 from models.parallel.shard import Shard
+from tandem import server_process
 
 log = logging.getLogger("tandem.executor.tp")
 _current: "TpGroup | None" = None  # this process's group (torch.distributed's is process-wide too)
@@ -124,7 +128,7 @@ class TpGroup:
 
     def __init__(self, launch: TpLaunch, device: torch.device, worker_argv: list[str]) -> None:
         self.launch = launch
-        self.workers: dict[int, subprocess.Popen] = {}
+        self.workers: dict[int, server_process.ProcessHandle] = {}
         self._tmp: str | None = None
         self._stopping = False
         if launch.parent_pid is not None:  # (before the rendezvous: rank 0 may die while this one waits)
@@ -173,11 +177,18 @@ class TpGroup:
             store = dist.FileStore(path, launch.size)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (inherited by the workers)
             for r in range(1, launch.size):
-                self.workers[r] = subprocess.Popen(
-                    [sys.executable, "-m", "executor_service", *worker_argv, "--tp-rank", str(r), "--tp-store", path,
-                     "--tp-parent-pid", str(os.getpid())]
-                    + (["--cpu-cores", launch.rank_cores[r]] if launch.rank_cores else []),  # (the last one wins)
-                    stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True)
+                argv = [*worker_argv, "--tp-rank", str(r), "--tp-store", path, "--tp-parent-pid", str(os.getpid())] \
+                    + (["--cpu-cores", launch.rank_cores[r]] if launch.rank_cores else [])  # (the last one wins)
+                # (the test suite's spawner forks it from a warm interpreter; nothing else installs one)
+                worker = server_process.spawned("executor_service", argv, own_session=True)
+                if worker is None:
+                    worker = subprocess.Popen([sys.executable, "-m", "executor_service", *argv],
+                                              stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True)
+                else:  # its stdout comes piped: to this process's stderr, as a started worker's goes
+                    threading.Thread(target=_copy_lines, args=(worker.stdout,), name=f"tp-rank-{r}-stdout",
+                                     daemon=True).start()
+                self.workers[r] = worker
+                log.info("tensor-parallel rank %d started (pid %d)", r, worker.pid)
         store.set(f"tandem/joined/{launch.rank}", "1")
         if launch.rank == 0:
             self._wait_for_ranks(store, deadline)
@@ -229,10 +240,23 @@ class TpGroup:
             time.sleep(0.2)
 
     def _watch_parent(self) -> None:
+        """Rank 0 is this process's parent, or (forked by the test suite's spawner) its sibling: watched by a
+        pidfd where there is one (readable once it exits), else as the parent or by pid."""
+        parent = self.launch.parent_pid
+        assert parent is not None
+        is_parent = os.getppid() == parent
+        try:
+            pidfd: int | None = os.pidfd_open(parent)
+        except (AttributeError, OSError):  # (no pidfd_open: Linux < 5.3, another OS; or rank 0 is gone already)
+            pidfd = None
         while True:
-            if os.getppid() != self.launch.parent_pid:
-                fatal(f"rank {self.launch.rank}: rank 0 (pid {self.launch.parent_pid}) is gone")
-            time.sleep(0.5)
+            if pidfd is not None:
+                gone = bool(select.select([pidfd], [], [], 0.5)[0])
+            else:
+                gone = os.getppid() != parent if is_parent else not _exists(parent)
+                time.sleep(0.5)
+            if gone:
+                fatal(f"rank {self.launch.rank}: rank 0 (pid {parent}) is gone")
 
     def stop(self) -> None:
         """Rank 0's clean end: the workers are told to stop and waited for (killed after 10 s)."""
@@ -251,6 +275,21 @@ class TpGroup:
             dist.destroy_process_group()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _copy_lines(stream: IO[str]) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def start_group(launch: TpLaunch, device: torch.device, worker_argv: list[str]) -> TpGroup:

@@ -9,6 +9,9 @@ a file mapping's clean pages drop out of the process (they stay in the page cach
 fault in again from the file, unchanged, were they ever read. Only whole pages inside a tensor, and only in
 file-backed mappings, are released: anonymous memory would read back as zeros.
 
+Which addresses are file mappings is read from /proc/self/maps (a few milliseconds in a process with many
+libraries); a loop that releases many weights reads it once (`mappings_as_of_now`, or the spans passed in).
+
 `trim_heap` hands the C heap's free pages back (glibc's malloc_trim): tensors freed after a copy (of under
 glibc's mmap threshold, up to 32 MiB) otherwise stay in the heap's free lists, resident.
 """
@@ -18,13 +21,16 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
-from typing import Iterable
+import threading
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 
 log = logging.getLogger("tandem.models")
 _PAGE = mmap.PAGESIZE
 _libc: ctypes.CDLL | None = None
+_snapshot = threading.local()  # .spans: file_mappings() read when this thread's mappings_as_of_now() began
 
 
 def _c_library() -> ctypes.CDLL | None:
@@ -60,15 +66,33 @@ def in_mappings(t: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
     return any(s <= begin and end <= e for s, e in spans)
 
 
-def release_file_pages(tensors: Iterable[torch.Tensor]) -> int:
+@contextmanager
+def mappings_as_of_now() -> Iterator[None]:
+    """Inside the block, this thread's release_file_pages reads /proc/self/maps once (here), not once a call.
+    Only for tensors that exist when the block begins: their memory cannot move while they live, so it lies in a
+    file mapping inside the block exactly when it did here. (A tensor made inside the block could land where a
+    mapping read here has since gone, and anonymous pages released read back as zeros.)"""
+    outer = getattr(_snapshot, "spans", None)
+    _snapshot.spans = file_mappings()
+    try:
+        yield
+    finally:
+        _snapshot.spans = outer
+
+
+def release_file_pages(tensors: Iterable[torch.Tensor], spans: list[tuple[int, int]] | None = None) -> int:
     """Drops from this process the whole pages inside each CPU tensor that lies in a file mapping (the caller
-    will not read it again: it made a copy). Returns the bytes released (0 off Linux)."""
+    will not read it again: it made a copy). spans: file_mappings() as read by the caller after the tensors'
+    files were mapped (default: mappings_as_of_now's, else read now). Returns the bytes released (0 off Linux)."""
     libc = _c_library()
     advice = getattr(mmap, "MADV_DONTNEED", None)
     todo = [t for t in tensors if t.device.type == "cpu" and t.numel() > 0 and t.is_contiguous()]
     if libc is None or advice is None or not todo:
         return 0
-    spans = file_mappings()
+    if spans is None:
+        spans = getattr(_snapshot, "spans", None)
+    if spans is None:
+        spans = file_mappings()
     released = 0
     for t in todo:
         begin = t.data_ptr()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import re
 import socket
 import subprocess
 import time
@@ -165,8 +166,10 @@ def test_lora_is_refused_with_a_reason(model_dir, tmp_path):
     assert "LoRA adapters (--adapter, --adapter-root) are not sharded" in done.stderr
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+def _workers(tp) -> list[int]:
+    """The pids of the workers rank 0 started, as it logs them (the suite's fork server makes them its siblings,
+    not its children)."""
+    return [int(pid) for pid in re.findall(r"tensor-parallel rank \d+ started \(pid (\d+)\)", tp.stderr())]
 
 
 def test_a_worker_sigkilled_mid_stream_takes_rank_0_down_and_the_scheduler_recomputes_elsewhere(request, model_dir):
@@ -184,7 +187,7 @@ def test_a_worker_sigkilled_mid_stream_takes_rank_0_down_and_the_scheduler_recom
         clean = list(pool.map(lambda r: collect(scheduler.stub, r), reqs))
     calls = [scheduler.stub.Generate(r, timeout=120) for r in reqs]
     firsts = [next(c) for c in calls]  # every stream is running, on both executors
-    (worker,) = _children(tp.proc.pid)
+    (worker,) = _workers(tp)
     subprocess.run(["kill", "-9", str(worker)], check=True)
     killed = time.monotonic()
     assert tp.process.wait_exit(timeout=30) == EXIT_GROUP_DOWN
@@ -207,10 +210,17 @@ def _alive(pid: int) -> bool:
     return "Z" not in state.split()[1]  # a zombie has exited
 
 
-def test_the_workers_exit_when_rank_0_is_sigkilled(model_dir):
+@pytest.mark.parametrize("start", ["forked", pytest.param("fresh", marks=pytest.mark.fresh_process)])
+def test_the_workers_exit_when_rank_0_is_sigkilled(model_dir, start, request):
+    """forked: the suite's fork server starts rank 0 and its worker (siblings); fresh: rank 0 a fresh interpreter
+    that starts its worker itself (its child), as outside the suite."""
+    if start == "forked" and request.config.getoption("--no-fork-server"):
+        pytest.skip("--no-fork-server: every server starts fresh")
     tp = start_executor(model_dir, *ARGS, "--tensor-parallel-size", "2")
     try:
-        (worker,) = _children(tp.proc.pid)
+        (worker,) = _workers(tp)
+        parent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert (parent == tp.proc.pid) == (start == "fresh"), (parent, tp.proc.pid)
         tp.process.kill()  # SIGKILL: rank 0 says nothing to its workers
         deadline = time.monotonic() + 10  # the parent check runs every 0.5 s
         while _alive(worker):
@@ -228,7 +238,7 @@ def test_local_ranks_each_get_their_slice_of_cpu_cores(model_dir):
                         "--cpu-cores", f"{first},{second}")
     try:
         assert tp.stub.GetInfo(epb.GetInfoRequest()).tensor_parallel_size == 2
-        (worker,) = _children(tp.proc.pid)
+        (worker,) = _workers(tp)
         for pid, core in ((tp.proc.pid, first), (worker, second)):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 assert os.sched_getaffinity(int(tid)) == {core}, (pid, tid)

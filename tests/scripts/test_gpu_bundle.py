@@ -149,27 +149,39 @@ def test_the_default_limit_is_what_travels_less_the_working_tree(bundle):
     assert "torch" not in (bundle / "requirements.txt").read_text()
 
 
-def run_offline(bundle_dir: Path, python: Path, site: Path, *flags: str, timeout: float = 600
-                ) -> subprocess.CompletedProcess:
+def run_offline(bundle_dir: Path, python: Path, site: Path, *flags: str, timeout: float = 600,
+                out: Path | None = None) -> subprocess.CompletedProcess:
+    """out: gpu_check's $OUT (where a lent machine's table and logs are left)."""
     prefix, env, _ = offline_prefix()
     return subprocess.run([*prefix, str(bundle_dir / "run"), "--site", str(site), *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
-                          env={**CLEAN_ENV, **env, "PYTHON": str(python), "TMPDIR": str(site.parent)})
+                          env={**CLEAN_ENV, **env, "PYTHON": str(python), "TMPDIR": str(site.parent),
+                               **({"OUT": str(out)} if out is not None else {})})
 
 
 def test_the_bundle_runs_gpu_check_on_a_bare_python_without_network(bundle, bare_python, tmp_path):
-    proc = run_offline(bundle, bare_python, tmp_path / "site", "--quick")
+    """Also the one run of gpu_check's CPU parity stage in the suite (test_gpu_check.py skips its stages)."""
+    lent_out = tmp_path / "out"
+    lent_out.mkdir()
+    proc = run_offline(bundle, bare_python, tmp_path / "site", "--quick", out=lent_out)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"cut off by {offline_prefix()[2]}:\n{out[-6000:]}"
     assert "run: installing" in out and f"run: torch {torch.__version__}: this machine's" in out, out
+    assert "no CUDA device here" in proc.stdout
     table = proc.stdout[proc.stdout.rindex("\ndevice "):]
     assert "no CUDA" in table
     for stage, state in (("CUDA tests", "skipped"), ("parity (CPU)", "ran"), ("figures smollm2-135m-2l", "ran"),
                          ("figures smollm2-1.7b", "skipped"), ("serving (smoke)", "ran")):
         assert any(line.startswith(stage) and line.split()[len(stage.split())] == state
                    for line in table.splitlines()), f"{stage} is not {state}:\n{table}"
+    rows = {line[:34].strip(): line[34:].split(maxsplit=1) for line in table.splitlines() if line[:1].strip()}
+    assert rows["parity (CPU)"][0] == "ran" and "passed" in rows["parity (CPU)"][1], table
+    assert rows["CUDA tests"] == ["skipped", "no CUDA"], table
     for figure in ("decode batch 1 ", "prefill 128 tokens", "output tok/s", "TTFT / ITL"):
         assert figure in table, table
+    # $OUT: the table and the logs, as a lent machine returns them (plain names, two files)
+    assert sorted(p.name for p in lent_out.iterdir()) == ["gpu_check_logs.tar.gz", "gpu_check_table.txt"]
+    assert "parity (CPU)" in (lent_out / "gpu_check_table.txt").read_text()
     # the installed site is the bundle's alone: no package from this test's venv; peft beside it (no torch)
     assert not (tmp_path / "site" / "torch").exists()
     assert (tmp_path / "site" / "peft").is_dir() and (tmp_path / "site" / "accelerate").is_dir()
