@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import subprocess
-import sys
 
 import grpc
 import pytest
@@ -25,7 +24,6 @@ from tandem import server_process
 from tandem.executor.v1 import executor_pb2 as epb
 from tandem.generate.v1 import generate_pb2 as gpb
 from tandem.generate.v1 import generate_pb2_grpc
-from tests.conftest import ROOT
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.scheduler_client import collect, rpc_error, wait_kv_free
 from tests.security_fixtures import new_token, write_tokens
@@ -182,8 +180,7 @@ def test_odd_names_and_ids_are_precise(executor):
 
 # ----------------------------------------------------------------------------------------- 9: exposure
 def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return server_process.run_to_exit(module, *args, timeout=120)  # (started as the suite starts servers)
 
 
 @pytest.mark.parametrize("module, ports, listening", [
