@@ -51,7 +51,7 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
 )}
 
 
-REPACKABLE = ("Q4_0", "Q4_K", "Q6_K")  # the formats with a repacked layout (models/native/blocks_x8.h)
+REPACKABLE = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # the formats with a repacked layout (models/native/blocks_x8.h)
 
 
 def dequantize_reference(blocks: np.ndarray, fmt: BlockFormat, columns: int) -> np.ndarray:
