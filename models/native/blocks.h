@@ -443,7 +443,7 @@ inline void gemm_blocks_isa(int32_t kind, const uint8_t* w, int64_t row0, int64_
                             int64_t M, int64_t n0, int64_t n1, const BlockOut& put) {
   switch (kind) {
     case Q4_0x8: gemm_x8_k<Q4_0x8>(w, row0, rows, k, x, M, n0, n1, put); break;
-    case Q8_0x8: gemm_x8_k<Q8_0x8>(w, row0, rows, k, x, M, n0, n1, put); break;
+    case Q8_0x8: gemm_q8_0x8(w, row0, rows, k, x, M, n0, n1, put); break;  // (blocks_q8_0x8.h)
     case Q4_Kx8: gemm_x8_k<Q4_Kx8>(w, row0, rows, k, x, M, n0, n1, put); break;
     case Q6_Kx8: gemm_x8_k<Q6_Kx8>(w, row0, rows, k, x, M, n0, n1, put); break;
     case Q4_0: gemm_blocks_k<Q4_0>(w, row0, k, x, M, n0, n1, put); break;

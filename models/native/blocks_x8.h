@@ -194,8 +194,7 @@ void gemm_x8_k(const uint8_t* w, int64_t row0, int64_t rows, int64_t k, const Q8
     const uint8_t* gp = w + g * kGroup * rb;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int64_t R = std::min<int64_t>(4, M - m0);
-      if constexpr (K == Q8_0x8) group_dot_q8_0_rows(gp, nb, x, m0, k, R, v);
-      else switch (R) {
+      switch (R) {
         case 4: group_dot<K, 4>(gp, nb, x, m0, k, v); break;
         case 3: group_dot<K, 3>(gp, nb, x, m0, k, v); break;
         case 2: group_dot<K, 2>(gp, nb, x, m0, k, v); break;

@@ -12,7 +12,7 @@ import torch
 
 from models.decode.native import load_kernel, machine_refusal
 from models.quant.block_formats import FORMATS, dequantize_reference
-from tests.models.test_block_kernels import q8_activations, random_blocks
+from tests.models.test_block_kernels import _cpu_has_vnni, q8_activations, random_blocks
 
 pytestmark = pytest.mark.skipif(machine_refusal() is not None, reason=f"native kernels: {machine_refusal()}")
 
@@ -112,3 +112,18 @@ def test_dequantized_rows_and_lookups_are_the_plain_ones():
         assert torch.equal(torch.ops.tandem.block_dequant(packed, KIND, columns), plain)
         ids = torch.tensor([rows - 1, 0, 7, 3, rows - 1, rows // 2])
         assert torch.equal(torch.ops.tandem.block_rows(packed, KIND, columns, ids), plain[ids])
+
+
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="this CPU lacks AVX-512 VNNI")
+def test_the_vnni_build_gives_the_avx2_bits():
+    w = random_blocks(FMT, 8 * 9 + 5, 256, np.random.default_rng(6))
+    packed = repack(w, 256)
+    x = torch.randn(9, 256)
+    try:
+        torch.ops.tandem.set_block_isa("avx2")
+        want = [torch.ops.tandem.block_linear(x[:m], packed, KIND, 256) for m in (1, 2, 9)]
+        torch.ops.tandem.set_block_isa("avx512vnni")
+        got = [torch.ops.tandem.block_linear(x[:m], packed, KIND, 256) for m in (1, 2, 9)]
+    finally:
+        torch.ops.tandem.set_block_isa("avx512vnni")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
