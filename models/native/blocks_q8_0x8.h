@@ -1,6 +1,7 @@
 // Q8_0 rows repacked 8 by 8 (blocks_x8.h's scheme for ggml's block_q8_0: d fp16, then 32 int8 weights), so
 // that prompt processing runs on int8 activations as the other repacked formats do, instead of dequantizing
-// each weight to float per call. Included by blocks_x8.h (which dispatches kind Q8_0x8 here).
+// each weight to float per call. Included by blocks_x8.h; kind Q8_0x8's products (blocks.h gemm_blocks_isa)
+// and its rows as float (blocks_x8.h) come here.
 //
 // Layout of one group-block (r: row in the group, offsets in bytes; chunk c: weights 4c .. 4c + 3), 272 bytes:
 // as many as the 8 plain blocks (8 * 34), so a repacked weight is the file's size:
