@@ -57,7 +57,8 @@ inline void group_dot_q8_0(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0
 // Groups walked side by side for 1 or 2 activation rows: those read 8.5 bits per weight for few instructions,
 // and one sequential stream per thread leaves the memory idle (measured one thread, a [8192, 8192] weight from
 // memory, batch 1: one group at a time 1.5x the plain kernel's time, whose 4 rows are 4 streams; 4 groups side by
-// side 0.9-1.0x it; batch 2: 0.63x it). At 3 rows and more, one group at a time is as fast.
+// side, no software prefetch, 0.8-0.9x it (with blocks_x8.h's prefetch 4 KiB ahead of each stream: 1.0-1.1x);
+// batch 2: 0.6x it). At 3 rows and more, one group at a time is as fast.
 constexpr int kStreams = 4;
 
 // R activation rows (x's first R) against S groups at once (gs[t]: group t's first block): out[R t + r] holds
@@ -80,7 +81,6 @@ inline void streams_dot_q8_0(const uint8_t* const* gs, int64_t nb, const Q8& x, 
       for (int r = 0; r < R; ++r) bx[r] = bcast4(x.q + r * k + 32 * b + 4 * c);
       for (int t = 0; t < S; ++t) {
         const uint8_t* p = gs[t] + b * 272;
-        if (c < 5) prefetch_ahead(p + 64 * c, true);
         const __m256i v = load256(p + 16 + 32 * c);
         const __m256i av = _mm256_sign_epi8(v, v);
         for (int r = 0; r < R; ++r) {
