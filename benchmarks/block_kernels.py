@@ -3,8 +3,8 @@ without servers or llama.cpp (or `--synthetic FORMAT --shape smollm2-1.7b`: one 
 shape's linear layers, for a machine without the file or llama.cpp's quantizer): the time of one token's matrix
 products (every block weight of the model once, the tied LM head included) at `--rows` activation rows (1: a
 decode step; 512: a prompt, per token), first on the blocks as the file lays them out (the kernels before
-repacking; calls over 32 rows dequantize and run the float GEMM), then after `repack_block_weights` (Q4_0 / Q4_K /
-Q6_K rows interleaved 8 by 8), in one process.
+repacking; calls over 32 rows dequantize and run the float GEMM), then after `repack_block_weights` (Q4_0 / Q8_0 /
+Q4_K / Q6_K rows interleaved 8 by 8), in one process.
 
 Times are the best of `--repeats` passes, wall and CPU (the CPU time of the process: on a loaded machine it moves
 less than the wall time). The formats' share of the bytes and each format's time are printed per layout.

@@ -118,7 +118,8 @@ Tensor block_rows(const Tensor& w, int64_t kind, int64_t columns, const Tensor& 
 
 // The kind of a format's rows repacked 8 by 8 (blocks_x8.h), or 0 where it has none.
 int64_t block_repacked_kind(int64_t kind) {
-  return kind == blocks::Q4_0 || kind == blocks::Q4_K || kind == blocks::Q6_K ? kind + 100 : 0;
+  return kind == blocks::Q4_0 || kind == blocks::Q8_0 || kind == blocks::Q4_K || kind == blocks::Q6_K ? kind + 100
+                                                                                                        : 0;
 }
 
 // blocks [rows, row bytes] of a plain kind that has a repacked layout -> a new tensor of the same shape in it.

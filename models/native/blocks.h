@@ -58,9 +58,9 @@ namespace TANDEM_BLOCKS_NS {
 // The TdLinear kinds of the formats: 100 + ggml's type id (models/quant/block_formats.py).
 // 200 + ggml's type id: the same format's rows repacked 8 by 8 (blocks_x8.h).
 enum Kind : int32_t { Q4_0 = 102, Q4_1 = 103, Q5_0 = 106, Q5_1 = 107, Q8_0 = 108, Q4_K = 112, Q5_K = 113, Q6_K = 114,
-                      Q4_0x8 = 202, Q4_Kx8 = 212, Q6_Kx8 = 214 };
+                      Q4_0x8 = 202, Q8_0x8 = 208, Q4_Kx8 = 212, Q6_Kx8 = 214 };
 
-inline bool is_x8(int32_t kind) { return kind == Q4_0x8 || kind == Q4_Kx8 || kind == Q6_Kx8; }
+inline bool is_x8(int32_t kind) { return kind == Q4_0x8 || kind == Q8_0x8 || kind == Q4_Kx8 || kind == Q6_Kx8; }
 inline int32_t plain_kind(int32_t kind) { return is_x8(kind) ? kind - 100 : kind; }
 
 inline bool is_block_kind(int32_t kind) {
@@ -473,6 +473,7 @@ inline void gemm_blocks_isa(int32_t kind, const uint8_t* w, int64_t row0, int64_
                             int64_t M, int64_t n0, int64_t n1, const BlockOut& put) {
   switch (kind) {
     case Q4_0x8: gemm_x8_k<Q4_0x8>(w, row0, rows, k, x, M, n0, n1, put); break;
+    case Q8_0x8: gemm_q8_0x8(w, row0, rows, k, x, M, n0, n1, put); break;  // (blocks_q8_0x8.h)
     case Q4_Kx8: gemm_x8_k<Q4_Kx8>(w, row0, rows, k, x, M, n0, n1, put); break;
     case Q6_Kx8: gemm_x8_k<Q6_Kx8>(w, row0, rows, k, x, M, n0, n1, put); break;
     case Q4_0: gemm_blocks_k<Q4_0>(w, row0, k, x, M, n0, n1, put); break;

@@ -1,6 +1,7 @@
-// Plain rows of Q4_0, Q4_K and Q6_K (ggml's blocks) -> their repacked layout (blocks_x8.h), group by group: each
-// row's block is decoded into its plain values (4- or 6-bit integers, scales as stored) and written where the
-// repacked layout keeps them. Scalar: it runs once per weight at load. Included by blocks.cpp.
+// Plain rows of Q4_0, Q8_0, Q4_K and Q6_K (ggml's blocks) -> their repacked layout (blocks_x8.h,
+// blocks_q8_0x8.h), group by group: each row's block is decoded into its plain values (4-, 6- or 8-bit
+// integers, scales as stored) and written where the repacked layout keeps them. Scalar: it runs once per weight
+// at load. Included by blocks.cpp.
 #pragma once
 
 #include <cstdint>
@@ -10,8 +11,9 @@
 
 namespace blocks {
 
-// One row's block as values: q (Q4_0 / Q4_K: the file's qs bytes, nibble pairs; Q6_K: the values 0..63 in
-// ggml's order), the 6-bit scales / mins of Q4_K, the int8 scales of Q6_K, the fp16 bytes of d (and dmin).
+// One row's block as values: q (Q4_0 / Q4_K: the file's qs bytes, nibble pairs; Q8_0: its int8 weights; Q6_K:
+// the values 0..63 in ggml's order), the 6-bit scales / mins of Q4_K, the int8 scales of Q6_K, the fp16 bytes
+// of d (and dmin).
 struct PlainBlock {
   uint8_t q[256];
   uint8_t sc[16], mn[8];
@@ -22,6 +24,9 @@ inline void decode_plain(int32_t kind, const uint8_t* p, PlainBlock& o) {
   if (kind == Q4_0) {  // (q: the qs bytes as they are, nibble pairs)
     std::memcpy(o.d, p, 2);
     std::memcpy(o.q, p + 2, 16);
+  } else if (kind == Q8_0) {  // (q: the 32 int8 weights as bytes)
+    std::memcpy(o.d, p, 2);
+    std::memcpy(o.q, p + 2, 32);
   } else if (kind == Q4_K) {  // (q: the qs bytes as they are)
     std::memcpy(o.d, p, 2);
     std::memcpy(o.dmin, p + 2, 2);
@@ -68,6 +73,9 @@ inline void encode_x8(int32_t kind, const PlainBlock* o, uint8_t* out) {
   if (kind == Q4_0) {  // byte 4j + i of qs holds weights 4j + i and 16 + 4j + i: the bytes move 4 at a time
     for (int j = 0; j < 4; ++j)
       for (int r = 0; r < 8; ++r) std::memcpy(out + 16 + 32 * j + 4 * r, o[r].q + 4 * j, 4);
+  } else if (kind == Q8_0) {  // (blocks_q8_0x8.h) byte 4r + i of register c: weight 4c + i of row r
+    for (int c = 0; c < 8; ++c)
+      for (int r = 0; r < 8; ++r) std::memcpy(out + 16 + 32 * c + 4 * r, o[r].q + 4 * c, 4);
   } else if (kind == Q4_K) {
     uint8_t sc[64], mn[64];
     for (int r = 0; r < 8; ++r) {

@@ -9,6 +9,7 @@
 // stay plain, where they were. Layout of one group-block (r: row in the group, j: sub-block of 32, offsets in
 // bytes; nibble pair (lo, hi) of a byte: weights of two sub-blocks; "chunk" c: weights 4c .. 4c + 3):
 // - Q4_0x8 (144): d[8] fp16 | qs[4 regs of 32]: reg j byte 4r + i = q_r[4j + i] | q_r[16 + 4j + i] << 4.
+// - Q8_0x8 (272): d[8] fp16 | qs[8 regs of 32]: reg c byte 4r + i = q_r[4c + i] (int8; blocks_q8_0x8.h).
 // - Q4_Kx8 (1152): d[8] | dmin[8] fp16 | scales (48) | mins (48) | qs[32 regs]: reg 8p + c byte 4r + i =
 //   q_r[64p + 4c + i] | q_r[64p + 32 + 4c + i] << 4 (sub-blocks 2p, 2p + 1 of ggml's order). The 64 6-bit
 //   scales v = 8j + r: bytes 0..31 low nibble = low 4 bits of v[t], high nibble = of v[t + 32]; bytes 32..47:
@@ -194,6 +195,8 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+#include "blocks_q8_0x8.h"  // (Q8_0x8: its layout and kernel)
+
 // y[m, n] for rows [n0, n1) of a repacked part of `rows` rows (starting at row0) and all M activation rows.
 // Every group that meets [n0, n1) is computed whole, and only its rows in range are written (a group cut by a
 // split is computed by both threads: the same bits, each writes its own rows); the plain tail as before.
@@ -288,7 +291,8 @@ inline void x8_row_to_float(const uint8_t* w, int64_t row, int64_t k, float* out
   const uint8_t* g = w + (row / kGroup) * kGroup * rb;
   Unpacked u;
   for (int64_t b = 0; b < k / qk; ++b) {
-    unpack_x8<K>(g + b * gb, static_cast<int>(row % kGroup), u);
+    if constexpr (K == Q8_0x8) unpack_q8_0x8(g + b * gb, static_cast<int>(row % kGroup), u);
+    else unpack_x8<K>(g + b * gb, static_cast<int>(row % kGroup), u);
     block_to_float<P>(u, out + b * qk);
   }
 }
@@ -298,6 +302,7 @@ inline void matrix_row_to_float(int32_t kind, const uint8_t* w, int64_t row, int
   if (!is_x8(kind) || row >= rows / kGroup * kGroup) return row_to_float(p, w + row * row_bytes(p, k), k, out);
   switch (kind) {
     case Q4_0x8: x8_row_to_float<Q4_0x8>(w, row, k, out); break;
+    case Q8_0x8: x8_row_to_float<Q8_0x8>(w, row, k, out); break;
     case Q4_Kx8: x8_row_to_float<Q4_Kx8>(w, row, k, out); break;
     default: x8_row_to_float<Q6_Kx8>(w, row, k, out); break;
   }

@@ -6,7 +6,7 @@ A weight in one of these formats is a uint8 tensor [rows, row_bytes]: each row i
 blocks of block_bytes, laid out as in the GGUF file (ggml's block_q4_0, block_q4_K, ...), so rows can be
 permuted, split and concatenated as bytes. Norms, biases and LoRA adapters stay float.
 
-Q4_0, Q4_K and Q6_K also have a repacked layout (`repacked()`; models/native/blocks_x8.h): the same bytes per
+Q4_0, Q8_0, Q4_K and Q6_K also have a repacked layout (`repacked()`; models/native/blocks_x8.h): the same bytes per
 row, the blocks of each 8 rows interleaved for the native kernels, made at load where those run
 (models/quant/blocks.py `repack_block_weights`). Such rows are no longer separable as bytes; the format's name
 stays its ggml name (the numbers are the same weights).
@@ -51,7 +51,7 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
 )}
 
 
-REPACKABLE = ("Q4_0", "Q4_K", "Q6_K")  # the formats with a repacked layout (models/native/blocks_x8.h)
+REPACKABLE = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # the formats with a repacked layout (models/native/blocks_x8.h)
 
 
 def dequantize_reference(blocks: np.ndarray, fmt: BlockFormat, columns: int) -> np.ndarray:

@@ -2,10 +2,11 @@
 resident copy of the blocks, never a float copy beside them.
 
 - `BlockWeight`: a linear layer's weight as consecutive row ranges (parts), each in one format (a fused q/k/v
-  of a Q4_K_M file is Q4_K q/k rows then Q6_K v rows). Repacked parts (`repack_block_weights`: Q4_0, Q4_K,
-  Q6_K rows interleaved 8 by 8) at every size, and small calls (decode) of the others, run the native kernel on
-  the blocks (`torch.ops.tandem.block_linear`: activations quantized to 8 bits per block of 32, or of 256 for
-  the K-quants, integer dot products, as llama.cpp does); larger calls of the other formats (prefill) dequantize each part once per call
+  of a Q4_K_M file is Q4_K q/k rows then Q6_K v rows). Repacked parts (`repack_block_weights`: Q4_0, Q8_0,
+  Q4_K, Q6_K rows interleaved 8 by 8) at every size, and small calls (decode) of the others, run the native kernel
+  on the blocks (`torch.ops.tandem.block_linear`: activations quantized to 8 bits per block of 32, or of 256 for
+  the K-quants, integer dot products, as llama.cpp does); larger calls of the other formats (prefill) dequantize
+  each part once per call
   and multiply in float, which the call's many rows amortize, with the activations rounded to the same 8 bits first
   (`q8_activations`): both paths then compute the same products up to float rounding, so that a prompt
   recomputed after preemption, or drafts verified in one call, give what decode steps gave (without it they
@@ -42,10 +43,10 @@ log = logging.getLogger("tandem.models")
 # Measured on 2 AVX2 cores, a [8192, 2048] Q4_K weight: 16 rows 6.7 ms on the blocks against 13 ms for the
 # float GEMM alone (plus ~20 ms to dequantize); at 512 rows the two GEMMs are within 15%, and the float one
 # is the one with cache blocking.
-# Repacked rows (Q4_0, Q4_K, Q6_K; models/native/blocks_x8.h) run on the blocks at every size: their kernel unpacks
-# each weight register once for 4 activation rows, 1.1-1.6x the float GEMM's speed at 512 rows on 2 AVX2 cores
-# (measured [2048, 2048], one thread: Q4_0 / Q4_K 117 against 73-81 GFLOP/s, Q6_K 91 against 80), and nothing to
-# dequantize.
+# Repacked rows (Q4_0, Q8_0, Q4_K, Q6_K; models/native/blocks_x8.h) run on the blocks at every size: their kernel
+# unpacks each weight register once for 4 activation rows, 1.1-1.6x the float GEMM's speed at 512 rows on 2 AVX2
+# cores (measured [2048, 2048], one thread: Q4_0 / Q4_K 117 against 73-81 GFLOP/s, Q6_K 91 against 80; Q8_0, CPU
+# time, 92-97 against 61-66 with its dequantizing), and nothing to dequantize.
 SMALL_ROWS = 32
 # Weights of more elements than this are never dequantized whatever the rows (the LM head of a large
 # vocabulary: 151936 x 2048 would be a 1.2 GB float copy per call).
@@ -291,8 +292,8 @@ def weights_summary(model: nn.Module) -> str:
 
 
 def repack_block_weights(model: nn.Module) -> int:
-    """Repacks the rows of every block part whose format has a layout for the native kernels (Q4_0, Q4_K, Q6_K:
-    8 rows interleaved, models/native/blocks_x8.h) where those kernels run. Still one resident copy: a part in
+    """Repacks the rows of every block part whose format has a layout for the native kernels (Q4_0, Q8_0, Q4_K,
+    Q6_K: 8 rows interleaved, models/native/blocks_x8.h) where those kernels run. Still one resident copy: a part in
     writable memory (the huge-page arena, a copy) is rewritten in place, one that is a view of the mapped file
     is replaced by its repacked copy and the file's pages are released. Returns the bytes repacked."""
     if not _native():

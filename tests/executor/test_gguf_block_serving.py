@@ -168,20 +168,23 @@ def gguf_q4(model_dir, tmp_path_factory):
     return path
 
 
-def test_repacked_rows_in_the_native_step_the_eager_forward_and_deterministic(gguf_q4):
-    """Q4_0 rows are repacked 8 by 8 at load (models/native/blocks_x8.h): the native step decodes what the eager
-    forward decodes over them, and --deterministic stays the same bits however batched or chunked (a group of 8
-    rows is computed whole whichever thread's rows it meets, each activation row on its own)."""
-    ex = make_executor(gguf_q4, kv_blocks=64)
+@pytest.mark.parametrize("file, name", [("gguf_q4", "Q4_0"), ("gguf", "Q8_0")])
+def test_repacked_rows_in_the_native_step_the_eager_forward_and_deterministic(file, name, request):
+    """Q4_0 and Q8_0 rows are repacked 8 by 8 at load (models/native/blocks_x8.h, blocks_q8_0x8.h): the native
+    step decodes what the eager forward decodes over them, and --deterministic stays the same bits however batched
+    or chunked (a group of 8 rows is computed whole whichever thread's rows it meets, each activation row on its
+    own)."""
+    path = request.getfixturevalue(file)
+    ex = make_executor(path, kv_blocks=64)
     formats = [fmt for w in block_weights(ex.model) for fmt, _ in w.parts]
-    assert formats and all(fmt.interleave == 8 for fmt in formats if fmt.name == "Q4_0")
+    assert any(fmt.name == name for fmt in formats) and all(fmt.interleave == 8 for fmt in formats if fmt.name == name)
     assert isinstance(ex.decode_step, NativeDecode)
-    eager = make_executor(gguf_q4, kv_blocks=64, decode_kernel="torch")
+    eager = make_executor(path, kv_blocks=64, decode_kernel="torch")
     prompt = prompt_of(25, seed=6)
     _, tokens, logits = greedy_run(ex, prompt, 12)
     _, want_tokens, want_logits = greedy_run(eager, prompt, 12)
     assert tokens == want_tokens and logits_error(logits, want_logits) < SAME_EXECUTOR_TOL
-    det = make_executor(gguf_q4, kv_blocks=128, deterministic=True)
+    det = make_executor(path, kv_blocks=128, deterministic=True)
     prompt = prompt_of(23, seed=7)
     want = det_run(det, prompt, GREEDY)
     assert det_run(det, prompt, GREEDY, chunk=3) == want

@@ -74,7 +74,8 @@ def test_linear_equals_the_reference_product(name):
             assert np.abs(got - exact).max() < 0.03 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("name, repacked", [("Q4_K", False), ("Q4_0", True), ("Q4_K", True), ("Q6_K", True)])
+@pytest.mark.parametrize("name, repacked", [("Q4_K", False), ("Q4_0", True), ("Q8_0", True), ("Q4_K", True),
+                                            ("Q6_K", True)])
 def test_a_row_does_not_depend_on_the_others(name, repacked):
     fmt, rng = FORMATS[name], np.random.default_rng(3)
     w = torch.from_numpy(random_blocks(fmt, 20, 512, rng))
@@ -86,7 +87,7 @@ def test_a_row_does_not_depend_on_the_others(name, repacked):
     assert torch.equal(torch.ops.tandem.block_linear(x, w, kind, 512), alone)
 
 
-@pytest.mark.parametrize("name, repacked", [("Q8_0", False), ("Q4_K", True), ("Q6_K", True)])
+@pytest.mark.parametrize("name, repacked", [("Q8_0", False), ("Q8_0", True), ("Q4_K", True), ("Q6_K", True)])
 def test_the_threads_chunks_give_the_same_bits_whatever_the_thread_count(name, repacked):
     """The rows are handed out in chunks from a shared counter (gemm.h's Chunks): which thread takes which
     chunk changes from call to call and with the thread count, the results must not."""
@@ -166,7 +167,7 @@ def test_vnni_build_gives_the_avx2_bits(name):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-REPACKED = ("Q4_0", "Q4_K", "Q6_K")  # the formats whose rows are repacked 8 by 8 at load (blocks_x8.h)
+REPACKED = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # the formats whose rows are repacked 8 by 8 at load (blocks_x8.h)
 
 
 def repack(w: np.ndarray, fmt: BlockFormat, columns: int) -> tuple[torch.Tensor, int]:

@@ -107,10 +107,10 @@ def native_only() -> None:
 
 
 def test_repacking_keeps_one_copy_and_the_products():
-    """repack_block_weights rewrites Q4_0 / Q4_K / Q6_K parts in place (8 rows interleaved), leaves the others,
-    and the weight multiplies as before, on the kernel at every size (decode and prefill rows agree)."""
+    """repack_block_weights rewrites Q4_0 / Q8_0 / Q4_K / Q6_K parts in place (8 rows interleaved), leaves the
+    others, and the weight multiplies as before, on the kernel at every size (decode and prefill rows agree)."""
     native_only()
-    parts = [("Q4_K", 45), ("Q6_K", 19), ("Q8_0", 8), ("Q4_0", 13)]  # tails of the groups of 8
+    parts = [("Q4_K", 45), ("Q6_K", 19), ("Q8_0", 11), ("Q4_0", 13), ("Q4_1", 8)]  # tails of the groups of 8
     data = [make_blocks(f, r, seed=10 + i) for i, (f, r) in enumerate(parts)]
     weight = BlockWeight([(FORMATS[f], torch.from_numpy(d.copy())) for (f, _), d in zip(parts, data)], COLUMNS, None)
     holder = torch.nn.Module()
@@ -119,22 +119,23 @@ def test_repacking_keeps_one_copy_and_the_products():
     x = torch.randn(SMALL_ROWS + 5, COLUMNS, generator=torch.Generator().manual_seed(6))
     before = weight(x[:3])
     pointers = [b.data_ptr() for _, b in weight.parts]
-    assert blocks_module.repack_block_weights(holder) == sum(d.nbytes for (f, _), d in zip(parts, data) if f != "Q8_0")
-    assert [fmt.interleave for fmt, _ in weight.parts] == [8, 8, 1, 8] and weight.formats == ("Q4_K", "Q6_K", "Q8_0", "Q4_0")
+    assert blocks_module.repack_block_weights(holder) == sum(d.nbytes for (f, _), d in zip(parts, data) if f != "Q4_1")
+    assert [fmt.interleave for fmt, _ in weight.parts] == [8, 8, 8, 8, 1]
+    assert weight.formats == ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
     assert [b.data_ptr() for _, b in weight.parts] == pointers  # in place: no second copy
     assert not np.array_equal(weight.parts[0][1].numpy(), data[0])
     assert torch.equal(weight.dequantized(), w)
     check(weight(x), x @ w.T, "native")
     assert float((weight(x[:3]) - before).abs().max() / before.abs().max()) < 1e-5
     alone = torch.cat([weight(x[i:i + 1]) for i in range(x.shape[0])])  # a row's numbers whatever the call's rows
-    repacked = torch.cat([torch.arange(0, 64), torch.arange(72, 85)])  # (the Q8_0 rows: dequantized at 37 rows)
+    repacked = torch.arange(0, 88)  # (the Q4_1 rows: dequantized at 37 rows)
     assert torch.equal(weight(x)[:, repacked], alone[:, repacked])
     assert blocks_module.repack_block_weights(holder) == 0  # (once)
     with pytest.raises(ValueError, match="repacked 8 by 8"):
         weight.select_columns(0, 256, None)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q6_K"])
 def test_a_repacked_embedding_dequantizes_the_rows_asked_for(fmt):
     native_only()
     data = make_blocks(fmt, 21, seed=3)
