@@ -24,7 +24,8 @@ from benchmarks.cli import add_sizes, choices, make_log, parse, parser, prepare_
 from benchmarks.decode import stream_one
 from benchmarks.llama_cpp import NATIVE, find_binary, llama_bench, llama_server
 from benchmarks.measure import proc_memory
-from benchmarks.quantized_report import GIB, file_facts, print_tables, serving_comparison, serving_side
+from benchmarks.quantized_report import GIB, file_facts, print_tables, serving_comparison, serving_side, \
+    side_text
 from benchmarks.report import machine_info, write_json
 from benchmarks.shapes import memory_bandwidth
 from benchmarks.workloads import kv_blocks
@@ -153,8 +154,7 @@ def serving(args, path: Path, threads: int, allowed: np.ndarray, server_bin: str
     with stack(path, flags, SCHEDULER_FLAGS, ready_timeout=1800.0) as servers:
         tandem = load_run(args, servers[1].http_url, allowed, openai_client.OPENAI)
     out["tandem"] = serving_side("tandem", tandem, args.output_len)
-    log(f"tandem {path.name} serving: {out['tandem']['output_tok_s']:.1f} out tok/s, TTFT p50 "
-        f"{out['tandem']['ttft_p50_ms']:.0f} ms")
+    log(f"tandem {path.name} serving: {side_text(out['tandem'])}")
     if server_bin:
         with llama_server(server_bin, path, threads, args.streams, per_stream,
                           args.work_dir / "logs" / f"llama-server-{path.stem}.log") as server:
@@ -162,8 +162,7 @@ def serving(args, path: Path, threads: int, allowed: np.ndarray, server_bin: str
             out["llama_server"] = {"context": args.streams * per_stream, **server.slots()}
         out["llama"] = serving_side("llama.cpp", llama, args.output_len)
         out.update(serving_comparison(out["tandem"], out["llama"], tandem, llama))
-        log(f"llama-server {path.name}: {out['llama']['output_tok_s']:.1f} out tok/s, TTFT p50 "
-            f"{out['llama']['ttft_p50_ms']:.0f} ms; same greedy tokens: {out['agreement']}")
+        log(f"llama-server {path.name}: {side_text(out['llama'])}; same greedy tokens: {out['agreement']}")
     return out
 
 

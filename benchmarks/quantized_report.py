@@ -43,6 +43,14 @@ def serving_side(name: str, records: list[Any], output_len: int) -> dict[str, An
             "aggregate": agg}
 
 
+def side_text(side: dict[str, Any]) -> str:
+    """'12.3 out tok/s, TTFT p50 456 ms, 0 failed' ('-' for what was not measured): a log line's figures."""
+    def num(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+    return (f"{num(side.get('output_tok_s'), 1)} out tok/s, TTFT p50 {num(side.get('ttft_p50_ms'), 0)} ms, "
+            f"{side.get('failed', '-')} failed")
+
+
 def serving_comparison(tandem: dict[str, Any], llama: dict[str, Any], tandem_records: list[Any],
                        llama_records: list[Any]) -> dict[str, Any]:
     """The ratios (Tandem / llama.cpp) of the two sides' summaries, and how many requests generated the same

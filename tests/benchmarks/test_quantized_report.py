@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import gguf_shapes
-from benchmarks.quantized_report import GIB, memory_check, serving_rows, speed_rows, verdict
+from benchmarks.quantized_report import GIB, memory_check, serving_rows, side_text, speed_rows, verdict
 from benchmarks.shapes import SHAPES
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -92,5 +92,7 @@ def test_rows_ratios_and_targets():
     assert srow["tok/s T/L"] == pytest.approx(1.3) and srow["tok/s ok"] == "ok"
     assert srow["TTFT T/L"] == pytest.approx(0.9) and srow["TTFT ok"] == "ok" and srow["failed T/L"] == "0/1"
     assert srow["exact T/L"] == "4/3" and srow["same tokens"] == "2/3"
+    assert side_text(files[0]["serving"]["llama"]) == "20.0 out tok/s, TTFT p50 1000 ms, 1 failed"
+    assert side_text({"output_tok_s": None, "ttft_p50_ms": None, "failed": 4}) == "- out tok/s, TTFT p50 - ms, 4 failed"
     assert verdict(1.1, (1.0, "lower")) == "above" and verdict(None, (1.0, "higher")) == "-"
     assert memory_check(int(1.7 * GIB), file_bytes)["memory_ok"] is False
