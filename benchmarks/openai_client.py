@@ -2,7 +2,8 @@
 scheduler's OpenAI front, streamed requests (token ids -> /v1/completions, text -> /v1/chat/completions) in a closed
 loop; vLLM's `return_tokens_as_token_ids` logprobs say exactly which tokens each SSE chunk carries. Kept because
 exact token-id prompts, re-sent multi-turn ids and per-token greedy checks are what vllm bench serve and guidellm
-cannot do (guidellm 0.8.1 joins prompts as text); open-loop request rates over text prompts are theirs to run."""
+cannot do (guidellm 0.8.1 joins prompts as text); open-loop request rates over text prompts are theirs to run.
+Another server's own streaming API plugs in as a Dialect (llama-server's /completion: benchmarks/llama_cpp.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import json
 import re
 import time
 import urllib.request
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 import httpx
@@ -63,11 +65,22 @@ def _note(rec: Record, chunk: dict[str, Any], t: float) -> None:
         rec.prompt_len = u["prompt_tokens"]  # a chat prompt's length is known once rendered
 
 
+@dataclass(frozen=True)
+class Dialect:
+    """A server's streamed-completion API: `body(prompt, output_len, **extra)` -> (path, JSON body) of a request,
+    `note(rec, chunk, t)` records one parsed SSE data chunk that arrived at time t."""
+    body: Callable[..., tuple[str, dict]]
+    note: Callable[[Record, dict[str, Any], float], None]
+
+
+OPENAI = Dialect(request_body, _note)  # the OpenAI routes, vLLM's token-id logprobs (Tandem's front)
+
+
 async def send(client: httpx.AsyncClient, rec: Record, prompt: Prompt, output_len: int, timeout: float,
-               **body: Any) -> Record:
+               dialect: Dialect = OPENAI, **body: Any) -> Record:
     """Streams one request into rec: start/end, (time, tokens) of each token-carrying chunk, output ids, finish
-    reason ("length" / "stop"), usage, or error. body: request_body's options."""
-    path, payload = request_body(prompt, output_len, **body)
+    reason ("length" / "stop"), usage, or error. body: the dialect's request options (request_body's)."""
+    path, payload = dialect.body(prompt, output_len, **body)
 
     async def stream() -> None:
         async with client.stream("POST", path, json=payload) as response:
@@ -81,7 +94,7 @@ async def send(client: httpx.AsyncClient, rec: Record, prompt: Prompt, output_le
                 return
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    _note(rec, json.loads(line[len("data: "):]), time.perf_counter())
+                    dialect.note(rec, json.loads(line[len("data: "):]), time.perf_counter())
 
     rec.start = time.perf_counter()
     try:
@@ -104,12 +117,12 @@ async def closed_loop(n: int, concurrency: int, send_i: Callable[[int], Awaitabl
 
 
 async def run(url: str, prompts: Sequence[Prompt], output_len: int, concurrency: int | None, timeout: float,
-              **body: Any) -> list[Record]:
-    """Every prompt once, `concurrency` in flight (None: all at once). body: request_body's options."""
+              dialect: Dialect = OPENAI, **body: Any) -> list[Record]:
+    """Every prompt once, `concurrency` in flight (None: all at once). body: the dialect's request options."""
     records = [Record(i, 0 if isinstance(p, str) else len(p)) for i, p in enumerate(prompts)]
     async with make_client(url, concurrency or len(prompts)) as client:
         def send_i(i: int) -> Awaitable[Record]:
-            return send(client, records[i], prompts[i], output_len, timeout, **body)
+            return send(client, records[i], prompts[i], output_len, timeout, dialect, **body)
         await closed_loop(len(prompts), concurrency or len(prompts), send_i)
     return records
 

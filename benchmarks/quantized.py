@@ -22,9 +22,10 @@ from benchmarks import gguf_shapes, openai_client
 from benchmarks.cli import add_sizes, choices, make_log, parse, parser, prepare_script, set_threads, stack, \
     stop_on_sigterm
 from benchmarks.decode import stream_one
-from benchmarks.llama_cpp import find_binary, llama_bench, llama_server
+from benchmarks.llama_cpp import NATIVE, find_binary, llama_bench, llama_server
 from benchmarks.measure import proc_memory
-from benchmarks.quantized_report import GIB, file_facts, print_tables, serving_side
+from benchmarks.quantized_report import GIB, file_facts, print_tables, serving_comparison, serving_side, \
+    side_text
 from benchmarks.report import machine_info, write_json
 from benchmarks.shapes import memory_bandwidth
 from benchmarks.workloads import kv_blocks
@@ -40,6 +41,7 @@ QUICK = {"shapes": "smollm2-135m", "types": "Q4_0", "parts": "decode,prefill,mem
          "prompt_len": 32, "repeats": 1, "streams": 2, "requests": 2, "input_len": 16, "output_len": 8,
          "quality_tokens": 8}
 SHORT_PROMPT = 8  # tokens before the timed decode (llama-bench's tg starts from an empty context)
+WARM_OUTPUT = 4  # tokens of each serving warm-up request
 # n-gram drafts off (the scheduler's default, pinned: llama.cpp's sides draft nothing, and random weights repeat
 # tokens, which drafts would turn into several tokens per step)
 SCHEDULER_FLAGS = ["--speculative", "off"]
@@ -132,29 +134,35 @@ def llama_single(args, binary: str | None, path: Path, threads: int) -> dict[str
     return {"prefill_tok_s": out["pp_tok_s"], "decode_tok_s": out["tg_tok_s"], "llama_bench": out["llama_bench"]}
 
 
-def load_run(args, url: str, allowed: np.ndarray, **body: Any) -> list[Any]:
+def load_run(args, url: str, allowed: np.ndarray, dialect: openai_client.Dialect) -> list[Any]:
     """The serving load: two short warm-up requests together, then --requests prompts with --streams in flight
-    (closed loop)."""
+    (closed loop), greedy, EOS ignored; the same prompts for either side."""
     warm = prompts(allowed, 2, SHORT_PROMPT, 4, args.seed)
-    asyncio.run(openai_client.run(url, warm, 4, 2, 1800.0, **body))
+    asyncio.run(openai_client.run(url, warm, WARM_OUTPUT, 2, 1800.0, dialect))
     timed = prompts(allowed, args.requests, args.input_len, 3, args.seed)
-    return asyncio.run(openai_client.run(url, timed, args.output_len, args.streams, 1800.0, **body))
+    return asyncio.run(openai_client.run(url, timed, args.output_len, args.streams, 1800.0, dialect))
 
 
 def serving(args, path: Path, threads: int, allowed: np.ndarray, server_bin: str | None) -> dict[str, Any]:
-    """Tandem (executor + scheduler, KV for every stream) and llama-server, in turn, under the same load."""
-    blocks = kv_blocks(args.streams + 1, args.input_len + args.output_len + 8)
+    """Tandem (executor + scheduler, KV for every stream; OpenAI /v1/completions) and llama-server (--parallel
+    streams, -c streams x (input + output); its /completion route, llama_cpp.NATIVE), in turn, under the same load
+    from the same client, `threads` each."""
+    per_stream = max(args.input_len + args.output_len, SHORT_PROMPT + WARM_OUTPUT)
+    blocks = kv_blocks(args.streams + 1, per_stream + 8)
     flags = ["--threads", str(threads), "--kv-blocks", str(blocks), *shlex.split(args.executor_args)]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"threads": threads, "tandem_kv_blocks": blocks}
     with stack(path, flags, SCHEDULER_FLAGS, ready_timeout=1800.0) as servers:
-        out["tandem"] = serving_side("tandem", load_run(args, servers[1].http_url, allowed), args.output_len)
-    log(f"tandem {path.name} serving: {out['tandem']['output_tok_s']:.1f} out tok/s")
+        tandem = load_run(args, servers[1].http_url, allowed, openai_client.OPENAI)
+    out["tandem"] = serving_side("tandem", tandem, args.output_len)
+    log(f"tandem {path.name} serving: {side_text(out['tandem'])}")
     if server_bin:
-        with llama_server(server_bin, path, threads, args.streams, args.input_len + args.output_len + 8,
+        with llama_server(server_bin, path, threads, args.streams, per_stream,
                           args.work_dir / "logs" / f"llama-server-{path.stem}.log") as server:
-            # llama-server counts streamed tokens in logprobs only when asked for one (n_probs)
-            out["llama"] = serving_side("llama.cpp", load_run(args, server.url, allowed, n_probs=1), args.output_len)
-        log(f"llama-server {path.name}: {out['llama']['output_tok_s']:.1f} out tok/s")
+            llama = load_run(args, server.url, allowed, NATIVE)
+            out["llama_server"] = {"context": args.streams * per_stream, **server.slots()}
+        out["llama"] = serving_side("llama.cpp", llama, args.output_len)
+        out.update(serving_comparison(out["tandem"], out["llama"], tandem, llama))
+        log(f"llama-server {path.name}: {side_text(out['llama'])}; same greedy tokens: {out['agreement']}")
     return out
 
 

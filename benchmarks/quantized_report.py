@@ -27,17 +27,38 @@ def file_facts(path: Path) -> dict[str, Any]:
 
 
 def serving_side(name: str, records: list[Any], output_len: int) -> dict[str, Any]:
-    """The request_metrics aggregate of one side, with the two figures the table shows on top. Output tokens are
-    the servers' usage counts (llama-server streams a token now and then without its logprob, which the client
-    counts by), else the streamed ones."""
+    """The request_metrics aggregate of one side, with the figures the table shows on top. Output tokens are the
+    servers' usage counts (llama-server never streams the id of a token that ends inside a UTF-8 character), else
+    the streamed ones; `exact`: requests that ended at the length limit with output_len tokens counted."""
     from benchmarks.request_metrics import aggregate
     agg = aggregate(name, records, output_len=output_len)
     errors = [r.error for r in records if r.error]
-    counted = sum((r.usage or {}).get("completion_tokens", r.output_len) for r in records if r.error is None)
-    tok_s = counted / agg["duration_s"] if agg["duration_s"] else None
+    done = [r for r in records if r.error is None]
+    counts = [(r.usage or {}).get("completion_tokens", r.output_len) for r in done]
+    tok_s = sum(counts) / agg["duration_s"] if agg["duration_s"] else None
+    exact = sum(n == output_len and r.finish_reason == "length" for r, n in zip(done, counts))
     return {"output_tok_s": tok_s, "streamed_output_tok_s": agg["output_throughput"],
-            "ttft_p50_ms": agg["ttft_ms"]["p50"],
-            "failed": agg["failed"], "first_error": errors[0] if errors else None, "aggregate": agg}
+            "ttft_p50_ms": agg["ttft_ms"]["p50"], "tpot_p50_ms": agg["tpot_ms"]["p50"], "exact": exact,
+            "requests": len(records), "failed": agg["failed"], "first_error": errors[0] if errors else None,
+            "aggregate": agg}
+
+
+def side_text(side: dict[str, Any]) -> str:
+    """'12.3 out tok/s, TTFT p50 456 ms, 0 failed' ('-' for what was not measured): a log line's figures."""
+    def num(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+    return (f"{num(side.get('output_tok_s'), 1)} out tok/s, TTFT p50 {num(side.get('ttft_p50_ms'), 0)} ms, "
+            f"{side.get('failed', '-')} failed")
+
+
+def serving_comparison(tandem: dict[str, Any], llama: dict[str, Any], tandem_records: list[Any],
+                       llama_records: list[Any]) -> dict[str, Any]:
+    """The ratios (Tandem / llama.cpp) of the two sides' summaries, and how many requests generated the same
+    greedy tokens on both (the same file, greedy: they should, up to near-ties the kernels' rounding flips)."""
+    from benchmarks.request_metrics import agreement
+    return {"ratios": {"output_tok_s": ratio(tandem.get("output_tok_s"), llama.get("output_tok_s")),
+                       "ttft_p50": ratio(tandem.get("ttft_p50_ms"), llama.get("ttft_p50_ms"))},
+            "agreement": agreement(tandem_records, llama_records)}
 
 
 def ratio(tandem: float | None, llama: float | None) -> float | None:
@@ -92,12 +113,16 @@ def serving_rows(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t, ll = s.get("tandem") or {}, s.get("llama") or {}
         tok, ttft = ratio(t.get("output_tok_s"), ll.get("output_tok_s")), ratio(t.get("ttft_p50_ms"),
                                                                                 ll.get("ttft_p50_ms"))
+        same = s.get("agreement") or {}
         rows.append({"shape": f["shape"], "type": f["type"], "out tok/s T": t.get("output_tok_s"),
                      "out tok/s L": ll.get("output_tok_s"), "tok/s T/L": tok,
                      "tok/s ok": verdict(tok, TARGETS["serving_tok_s"]), "TTFT p50 T": t.get("ttft_p50_ms"),
                      "TTFT p50 L": ll.get("ttft_p50_ms"), "TTFT T/L": ttft,
                      "TTFT ok": verdict(ttft, TARGETS["serving_ttft"]),
-                     "failed T/L": f"{t.get('failed', '-')}/{ll.get('failed', '-')}"})
+                     "TPOT p50 T": t.get("tpot_p50_ms"), "TPOT p50 L": ll.get("tpot_p50_ms"),
+                     "exact T/L": f"{t.get('exact', '-')}/{ll.get('exact', '-')}",
+                     "failed T/L": f"{t.get('failed', '-')}/{ll.get('failed', '-')}",
+                     "same tokens": f"{same['identical']}/{same['compared']}" if same else "-"})
     return rows
 
 
@@ -132,8 +157,10 @@ def print_tables(args: Any, results: dict[str, Any], machine: dict[str, Any], th
     srows = serving_rows(files)
     if srows:
         print(f"\n{args.streams} concurrent streams, {args.requests} requests x ({args.input_len} prompt, "
-              f"{args.output_len} output tokens), closed loop; Tandem's OpenAI front vs llama-server --parallel "
-              f"{args.streams}")
+              f"{args.output_len} output tokens), closed loop, greedy, {threads} threads each; Tandem's OpenAI "
+              f"front vs llama-server --parallel {args.streams} -c {args.streams}x(prompt+output) (its /completion "
+              f"route); ms; exact: requests of exactly {args.output_len} tokens; same tokens: requests whose "
+              f"greedy tokens were the same on both sides")
         print(format_table(srows, [(k, k, 1) for k in srows[0]]))
         print(f"targets: output tok/s T/L >= {TARGETS['serving_tok_s'][0]}, TTFT p50 T/L <= "
               f"{TARGETS['serving_ttft'][0]}")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import gguf_shapes
-from benchmarks.quantized_report import GIB, memory_check, serving_rows, speed_rows, verdict
+from benchmarks.quantized_report import GIB, memory_check, serving_rows, side_text, speed_rows, verdict
 from benchmarks.shapes import SHAPES
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -77,8 +77,9 @@ def test_rows_ratios_and_targets():
     files = [{"shape": "s", "type": "Q4_0", "file_bytes": file_bytes, "bytes_per_token": file_bytes,
               "tandem": {"decode_tok_s": 12.0, "prefill_tok_s": 50.0, "memory": {"rss": int(1.5 * GIB)}},
               "llama": {"decode_tok_s": 10.0, "prefill_tok_s": 100.0},
-              "serving": {"tandem": {"output_tok_s": 26.0, "ttft_p50_ms": 900.0, "failed": 0},
-                          "llama": {"output_tok_s": 20.0, "ttft_p50_ms": 1000.0, "failed": 1}}},
+              "serving": {"tandem": {"output_tok_s": 26.0, "ttft_p50_ms": 900.0, "failed": 0, "exact": 4},
+                          "llama": {"output_tok_s": 20.0, "ttft_p50_ms": 1000.0, "failed": 1, "exact": 3},
+                          "agreement": {"compared": 3, "identical": 2, "mean_common_prefix": 5.0}}},
              {"shape": "s", "type": "Q8_0", "file_bytes": file_bytes, "bytes_per_token": file_bytes}]
     rows = speed_rows(files, bandwidth=10 * GIB)
     assert rows[0]["decode T/L"] == pytest.approx(1.2) and rows[0]["decode ok"] == "ok"
@@ -90,5 +91,8 @@ def test_rows_ratios_and_targets():
     (srow,) = serving_rows(files)
     assert srow["tok/s T/L"] == pytest.approx(1.3) and srow["tok/s ok"] == "ok"
     assert srow["TTFT T/L"] == pytest.approx(0.9) and srow["TTFT ok"] == "ok" and srow["failed T/L"] == "0/1"
+    assert srow["exact T/L"] == "4/3" and srow["same tokens"] == "2/3"
+    assert side_text(files[0]["serving"]["llama"]) == "20.0 out tok/s, TTFT p50 1000 ms, 1 failed"
+    assert side_text({"output_tok_s": None, "ttft_p50_ms": None, "failed": 4}) == "- out tok/s, TTFT p50 - ms, 4 failed"
     assert verdict(1.1, (1.0, "lower")) == "above" and verdict(None, (1.0, "higher")) == "-"
     assert memory_check(int(1.7 * GIB), file_bytes)["memory_ok"] is False
