@@ -10,7 +10,7 @@ from pathlib import Path
 from tandem.errors import TandemError
 from scheduler.engine import decode_bursts
 from scheduler.engine import speculation
-from scheduler.config import SchedulerConfig
+from scheduler.config import CPU_STEP_TOKENS, DEVICE_STEP_TOKENS, SchedulerConfig
 from scheduler.http import limits as http_limits
 from scheduler.pooling import config as pooling_config
 from scheduler.vision import media_policy
@@ -21,8 +21,6 @@ from tandem.security.config import add_server_flags, server_security
 
 _D = SchedulerConfig("")  # defaults, for the help text
 _LIMITS = (  # (SchedulerConfig field, help with {} for the default)
-    ("max_batch_tokens", "tokens per step, decodes and prefill chunks together (default {}; capped by the executor's "
-                         "own limit)"),
     ("max_running", "sequences in the batch at once (default {})"),
     ("prefill_chunk", "most prompt tokens of one sequence per step (default {}; a chunk runs past it to hold a "
                       "Gemma 3 image's tokens whole)"),
@@ -90,7 +88,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (+ tokenizer_config.json / chat template), or a "
                                         ".gguf file (its tokenizer and chat template); default: the model the "
                                         "executor reports")
-    for name, what in _LIMITS:  # integer limits: --max-batch-tokens N sets SchedulerConfig.max_batch_tokens
+    ap.add_argument("--max-batch-tokens", type=int, metavar="N",
+                    help="tokens per step, decodes and prefill chunks together, capped by the executor's own limit "
+                         f"(default: {CPU_STEP_TOKENS} for an executor on a CPU, where 16 prompts packed in one step "
+                         f"would all wait for the whole of it; {DEVICE_STEP_TOKENS} on a GPU; never below "
+                         "--max-running)")
+    for name, what in _LIMITS:  # integer limits: --max-running N sets SchedulerConfig.max_running
         default = getattr(_D, name)
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=what.format(default))
     ap.add_argument("--max-concurrent-rpcs", type=int, metavar="N",

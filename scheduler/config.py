@@ -18,6 +18,21 @@ RPC_HEADROOM = 64  # calls --max-concurrent-rpcs allows by default beyond those 
 METHODS = ("off", "ngram", "suffix", "auto", "draft_model")
 
 
+# The step budget (--max-batch-tokens) when none is given, by the executor's device. On a CPU a step's time grows
+# with its tokens (~25-60 ms per prompt token for a 1.7B model on 2 cores), so 16 prompts arriving together
+# packed in one 2048-token step all wait for the whole of it (TTFT = the last one's); 512 (one --prefill-chunk)
+# lets the first ones start decoding a quarter of the way in, for the same total work. A GPU's step costs little
+# more for 2048 tokens than for 512: the larger budget keeps it busy.
+CPU_STEP_TOKENS = 512
+DEVICE_STEP_TOKENS = 2048
+
+
+def step_tokens_default(device: str, max_running: int) -> int:
+    """--max-batch-tokens when unset, for an executor on `device` ("cpu", "cuda:0", ...): never below
+    max_running (every running sequence needs a token per step)."""
+    return max(CPU_STEP_TOKENS if device.split(":")[0] == "cpu" else DEVICE_STEP_TOKENS, max_running)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "auto"  # "off"; "ngram": prompt-lookup drafts (scheduler/engine/draft_proposer.py); "suffix"/"auto":
@@ -73,7 +88,9 @@ class SchedulerConfig:
     # tool_choice "auto": the tool-call syntax read (scheduler/tool_parsers/registry.py: hermes, llama3_json,
     # mistral, openai; "none" = off); None = the one the chat template shows, if any
     tool_call_parser: str | None = None
-    max_batch_tokens: int = 2048  # tokens per step (decodes + prefill chunks), capped by the executor's limit
+    # tokens per step (decodes + prefill chunks), capped by the executor's limit; None: by the executor's device
+    # (step_tokens_default)
+    max_batch_tokens: int | None = None
     max_running: int = 64  # sequences decoding or prefilling at once
     prefill_chunk: int = 512  # most prompt tokens of one sequence per step
     default_max_new_tokens: int = 256  # when a request leaves max_new_tokens unset
@@ -152,7 +169,7 @@ class SchedulerConfig:
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_running", "prefill_chunk", "default_max_new_tokens", "max_waiting",
                      "max_message_mb", "max_prompt_chars", "tokenizer_threads"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         self.media.validate()
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
@@ -202,6 +219,6 @@ class SchedulerConfig:
         if self.executor_tls_server_name is not None and not self.executor_tls_on:
             raise ValueError("--executor-tls-server-name needs TLS to the executors (--executor-tls-ca, "
                              "--executor-tls-cert or --executor-tls)")
-        if self.max_running > self.max_batch_tokens:
+        if self.max_batch_tokens is not None and self.max_running > self.max_batch_tokens:
             raise ValueError(f"--max-running ({self.max_running}) cannot exceed --max-batch-tokens "
                              f"({self.max_batch_tokens}): every running sequence needs a token per step")

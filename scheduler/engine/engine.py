@@ -54,7 +54,7 @@ class Engine:
         self.info = info
         self.clock = clock
         self.policy = SchedulingPolicy(cfg, info.kv, info.max_batch_tokens, info.max_adapters_on_device, clock,
-                                       arrivals)
+                                       arrivals, device=info.device)
         self.planner, self.session = self.policy.planner, ExecutorSession(client, client_name, clock)
         self.streams = OutputProcessor(tokenizer, events)
         self.masks = StepMasks(mask_worker or MaskWorker(info.vocab_size))  # constrained sequences' token masks
@@ -146,7 +146,7 @@ class Engine:
     def _adopt(self, info: ExecutorInfo) -> None:
         """An executor serves again (recovery checked it serves our model): its limits, adapters, queue."""
         self.info = info
-        self.policy.reconfigure(info.kv, info.max_batch_tokens, info.max_adapters_on_device)
+        self.policy.reconfigure(info.kv, info.max_batch_tokens, info.max_adapters_on_device, info.device)
         self.streams.fail(self.policy.drop_missing_adapters(set(info.adapters)))
         self.policy.restart_queue_clocks()
         self._disarm_expiry()

@@ -32,7 +32,7 @@ import logging
 import time
 from typing import Callable, Iterator
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, step_tokens_default
 from scheduler.engine.admission import expired, overload, span_too_long, too_big
 from scheduler.engine.drain_rate import DrainRate
 from scheduler.engine.planner import Planner, StepPlan
@@ -52,9 +52,9 @@ MAX_MATCH_PER_STEP = 256  # CreateCache items per call (the executor's limit)
 class SchedulingPolicy:
     def __init__(self, cfg: SchedulerConfig, kv: KvUsage, executor_max_batch_tokens: int = 0,
                  max_adapters: int = 0, clock: Callable[[], float] = time.monotonic,
-                 arrivals: Iterator[int] | None = None) -> None:
+                 arrivals: Iterator[int] | None = None, device: str = "") -> None:
         self.cfg = cfg
-        self.planner = Planner(self._budget(executor_max_batch_tokens), cfg.max_running, cfg.prefill_chunk,
+        self.planner = Planner(self._budget(executor_max_batch_tokens, device), cfg.max_running, cfg.prefill_chunk,
                                max_adapters)
         self.kv = kv
         self.clock = clock
@@ -73,13 +73,16 @@ class SchedulingPolicy:
         self._in_flight: set[Sequence] = set()
         self.drain = DrainRate(clock)  # how fast the batch frees places: estimated waits, Retry-After
 
-    def _budget(self, executor_max_batch_tokens: int) -> int:
-        return min(self.cfg.max_batch_tokens, executor_max_batch_tokens or self.cfg.max_batch_tokens)
+    def _budget(self, executor_max_batch_tokens: int, device: str) -> int:
+        """The step's token budget: --max-batch-tokens (unset: by the executor's device), within the executor's
+        own limit."""
+        own = self.cfg.max_batch_tokens or step_tokens_default(device, self.cfg.max_running)
+        return min(own, executor_max_batch_tokens or own)
 
-    def reconfigure(self, kv: KvUsage, executor_max_batch_tokens: int, max_adapters: int) -> None:
+    def reconfigure(self, kv: KvUsage, executor_max_batch_tokens: int, max_adapters: int, device: str = "") -> None:
         """An executor (back after a loss) with these limits: the plan adapts to them."""
         self.kv = kv
-        self.planner.max_batch_tokens = self._budget(executor_max_batch_tokens)
+        self.planner.max_batch_tokens = self._budget(executor_max_batch_tokens, device)
         self.planner.max_adapters = max_adapters
 
     # ----------------------------------------------------------------- requests
