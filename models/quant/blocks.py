@@ -65,9 +65,6 @@ def _scratch_for(rows: int, columns: int) -> torch.Tensor:
         buf = _scratch.buf = torch.empty(rows * columns)
     return buf[:rows * columns].view(rows, columns)
 
-_available: bool | None = None  # whether the native block ops are loaded (None: not asked yet)
-_lock = threading.Lock()
-
 
 def _ops_present() -> bool:
     return hasattr(torch.ops.tandem, "block_linear") and hasattr(torch.ops.tandem, "block_dequant")

@@ -11,9 +11,8 @@ data between it, the executor client and the client streams, in the shape of vLL
     results = <the executor runs plan.items>   # one step call (the releases ride with it)
     outcome = policy.update(plan, results, kv) # tokens appended, finished and failed sequences retired
 
-Admission and the step plan follow the planner's rules (scheduler/engine/planner.py).
-
-Failure rules (each returns the requests that end, with their error, for the loop to report):
+Admission and the step plan follow the planner's rules (scheduler/engine/planner.py). Failure rules (each returns
+the requests that end, with their error, for the loop to report):
 - an item the executor failed alone (its result's status) ends that request only; the step's others go on;
 - a step answered with an error: KV exhaustion preempts the youngest running sequence and the step is planned
   again; any other error (a message over the size limit included) ends the step's requests with it;
@@ -73,9 +72,7 @@ class SchedulingPolicy:
         self._in_flight: set[Sequence] = set()
         self.drain = DrainRate(clock)  # how fast the batch frees places: estimated waits, Retry-After
 
-    def _budget(self, executor_max_batch_tokens: int, device: str) -> int:
-        """The step's token budget: --max-batch-tokens (unset: by the executor's device), within the executor's
-        own limit."""
+    def _budget(self, executor_max_batch_tokens: int, device: str) -> int:  # (--max-batch-tokens, or by device)
         own = self.cfg.max_batch_tokens or step_tokens_default(device, self.cfg.max_running)
         return min(own, executor_max_batch_tokens or own)
 
