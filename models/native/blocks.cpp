@@ -58,13 +58,14 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t kind, int64_t colu
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> q(M * K);
   std::vector<float> dx(M * K / 32), dxs(M * K / 32);
-  std::vector<int32_t> o16(M * K / 16), bs2(M * K / 64 + 1);
-  const blocks::Q8 q8{q.data(), dx.data(), dxs.data(), o16.data(), bs2.data()};
+  const int32_t k = static_cast<int32_t>(kind);
+  const int64_t group = blocks::block_weights(k);  // the activations' quantization blocks (blocks.h)
+  std::vector<int32_t> o16(group == 256 ? M * K / 16 : 0), bs2(group == 256 ? M * K / 64 : 0);
+  const blocks::Q8 q8{q.data(), dx.data(), dxs.data(), o16.empty() ? nullptr : o16.data(),
+                      bs2.empty() ? nullptr : bs2.data()};  // (o16, bs2: the K-quants' only)
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const int32_t k = static_cast<int32_t>(kind);
-  const int64_t group = blocks::block_weights(k);  // the activations' quantization blocks (blocks.h)
   std::atomic<int64_t> counters[3] = {0, 0, 0};
 #pragma omp parallel num_threads(at::get_num_threads())
   {

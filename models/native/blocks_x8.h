@@ -74,7 +74,7 @@ inline void group_dot(const uint8_t* g, int64_t nb, const Q8& x, int64_t m0, int
   __m256 acc[R];
   for (int r = 0; r < R; ++r) {
     xq[r] = x.q + (m0 + r) * k, dx[r] = x.dx + (m0 + r) * (k / 32), dxs[r] = x.dxs + (m0 + r) * (k / 32);
-    o16[r] = x.o16 + (m0 + r) * (k / 16);
+    o16[r] = x.o16 ? x.o16 + (m0 + r) * (k / 16) : nullptr;  // (Q6_Kx8 only)
     acc[r] = _mm256_setzero_ps();
   }
   if constexpr (K == Q4_0x8) {  // 8 maddubs per int16 lane: |sum| <= 8 * 2 * 15 * 127 = 30480

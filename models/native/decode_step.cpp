@@ -216,7 +216,7 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
   for (int64_t b = 1; b < B && !rows_share; ++b) rows_share = tables[b * width] == tables[(b - 1) * width];
   const int64_t max_k = std::max<int64_t>(H, std::max<int64_t>(Q, I));
   std::vector<float> x, xn, qkv, att, gate, up, qd, q8dx, q8dxs, q8kdx, q8kdxs;
-  std::vector<int32_t> q8o16, q8ko16, q8kbs2;
+  std::vector<int32_t> q8ko16, q8kbs2;
   std::vector<int8_t> qhi, qlo, q8, q8k;
   try {
     qhi.resize(B * max_k);
@@ -225,7 +225,6 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
     q8.resize(B * max_k);
     q8dx.resize(B * max_k / 32 + 1);
     q8dxs.resize(B * max_k / 32 + 1);
-    q8o16.resize(B * max_k / 16 + 1);
     q8k.resize(B * max_k);  // (the same per block of 256: blocks.h)
     q8kdx.resize(B * max_k / 32 + 1);
     q8kdxs.resize(B * max_k / 32 + 1);
@@ -240,7 +239,8 @@ int tandem_decode_step(const TdModel& m, int64_t B, const int64_t* ids, const in
   } catch (const std::bad_alloc&) {
     return 1;
   }
-  const blocks::Q8 xq8{q8.data(), q8dx.data(), q8dxs.data(), q8o16.data(), nullptr};
+  // (o16 and bs2 only per 256: the K-quants read them; blocks.h)
+  const blocks::Q8 xq8{q8.data(), q8dx.data(), q8dxs.data(), nullptr, nullptr};
   const blocks::Q8 xq8k{q8k.data(), q8kdx.data(), q8kdxs.data(), q8ko16.data(), q8kbs2.data()};
   // The inputs of the linear layers: x, with the scratch of its quantized forms.
   auto input = [&](const float* rows) { return Input{rows, qhi.data(), qlo.data(), qd.data(), xq8, xq8k}; };
