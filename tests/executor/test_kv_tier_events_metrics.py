@@ -35,9 +35,16 @@ HOST_GB = 3.5 * BLOCK_BYTES / 2**30  # a host tier of 3 blocks: it drops some of
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range (Linux: 32768 up): the ZMQ ports are chosen before the executor starts,
+    and a port the OS handed out for a port-0 bind could go to the executor's own metrics server meanwhile."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
