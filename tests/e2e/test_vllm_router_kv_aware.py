@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.ports import free_port
 from tests.grpc_harness import start_for, start_scheduler_for
 from tests.vllm_kv_event_defs import BlockStored, replay
 
@@ -40,10 +40,6 @@ _ADVANCED = re.compile(r"sequence advanced source=(\S+) rank=\d+ seq=(\d+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pod:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import re
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -24,6 +23,7 @@ from executor_service.kv.events.vllm_wire import hash_to_int
 from tandem.block_hash import chain_hashes, root_hash
 from tandem.executor.v1 import executor_pb2 as pb
 from tandem.executor.v1 import executor_pb2_grpc as executor_grpc
+from tests.ports import free_port
 from tests.grpc_harness import start_executor
 from tests.kv_event_reader import KvEventReader
 from tests.vllm_kv_event_defs import AllBlocksCleared, BlockRemoved, BlockStored, replay
@@ -34,17 +34,6 @@ BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4  # the tiny llama: 2 layers x K,V x 16 slo
 HOST_GB = 3.5 * BLOCK_BYTES / 2**30  # a host tier of 3 blocks: it drops some of what it takes
 
 
-def free_port() -> int:
-    """A free port below the ephemeral range (Linux: 32768 up): the ZMQ ports are chosen before the executor starts,
-    and a port the OS handed out for a port-0 bind could go to the executor's own metrics server meanwhile."""
-    while True:
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 def prompt_of(length: int, seed: int) -> list[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import re
-import socket
 import threading
 import urllib.request
 
@@ -24,6 +23,7 @@ from executor_service.kv.events.zmq_publisher import ZmqKvPublisher
 from tandem import server_process
 from tandem.block_hash import chain_hashes, root_hash
 from tandem.executor.v1 import executor_pb2 as pb
+from tests.ports import free_port
 from tests.grpc_harness import start_for
 from tests.kv_event_reader import KvEventReader, stored
 from tests.vllm_kv_event_defs import (AllBlocksCleared, BlockRemoved, BlockStored, Subscriber, removed_hashes,
@@ -33,10 +33,6 @@ KV_BLOCKS = 48
 BS = 16
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
